@@ -1,0 +1,489 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_KIND_UNSPECIFIED: _ClassVar[ModelKind]
+    MODEL_KIND_BERNOULLI: _ClassVar[ModelKind]
+    MODEL_KIND_GAUSSIAN: _ClassVar[ModelKind]
+
+class VarianceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VARIANCE_KIND_UNSPECIFIED: _ClassVar[VarianceKind]
+    VARIANCE_KIND_IDENTITY: _ClassVar[VarianceKind]
+    VARIANCE_KIND_ISOTROPIC: _ClassVar[VarianceKind]
+    VARIANCE_KIND_DIAGONAL: _ClassVar[VarianceKind]
+    VARIANCE_KIND_FULL: _ClassVar[VarianceKind]
+
+class OptimizerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OPTIMIZER_KIND_UNSPECIFIED: _ClassVar[OptimizerKind]
+    OPTIMIZER_KIND_SGD: _ClassVar[OptimizerKind]
+    OPTIMIZER_KIND_NESTEROV: _ClassVar[OptimizerKind]
+    OPTIMIZER_KIND_SSD: _ClassVar[OptimizerKind]
+    OPTIMIZER_KIND_SSD_PRECONDITIONED: _ClassVar[OptimizerKind]
+
+class PolarMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POLAR_METHOD_UNSPECIFIED: _ClassVar[PolarMethod]
+    POLAR_METHOD_SVD: _ClassVar[PolarMethod]
+    POLAR_METHOD_LOWRANK: _ClassVar[PolarMethod]
+    POLAR_METHOD_RANDOMIZED: _ClassVar[PolarMethod]
+    POLAR_METHOD_NEWTON_SCHULZ: _ClassVar[PolarMethod]
+
+class Preconditioner(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRECONDITIONER_UNSPECIFIED: _ClassVar[Preconditioner]
+    PRECONDITIONER_RMSPROP: _ClassVar[Preconditioner]
+    PRECONDITIONER_ADAM: _ClassVar[Preconditioner]
+
+class Preprocess(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREPROCESS_UNSPECIFIED: _ClassVar[Preprocess]
+    PREPROCESS_NONE: _ClassVar[Preprocess]
+    PREPROCESS_BINARIZE: _ClassVar[Preprocess]
+    PREPROCESS_SCALE: _ClassVar[Preprocess]
+    PREPROCESS_STANDARDIZE: _ClassVar[Preprocess]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class LogLikelihoodMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOG_LIKELIHOOD_METHOD_UNSPECIFIED: _ClassVar[LogLikelihoodMethod]
+    LOG_LIKELIHOOD_METHOD_EXACT: _ClassVar[LogLikelihoodMethod]
+    LOG_LIKELIHOOD_METHOD_AIS: _ClassVar[LogLikelihoodMethod]
+
+class HiddenMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HIDDEN_MODE_UNSPECIFIED: _ClassVar[HiddenMode]
+    HIDDEN_MODE_PROBABILITIES: _ClassVar[HiddenMode]
+    HIDDEN_MODE_SAMPLE: _ClassVar[HiddenMode]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+MODEL_KIND_UNSPECIFIED: ModelKind
+MODEL_KIND_BERNOULLI: ModelKind
+MODEL_KIND_GAUSSIAN: ModelKind
+VARIANCE_KIND_UNSPECIFIED: VarianceKind
+VARIANCE_KIND_IDENTITY: VarianceKind
+VARIANCE_KIND_ISOTROPIC: VarianceKind
+VARIANCE_KIND_DIAGONAL: VarianceKind
+VARIANCE_KIND_FULL: VarianceKind
+OPTIMIZER_KIND_UNSPECIFIED: OptimizerKind
+OPTIMIZER_KIND_SGD: OptimizerKind
+OPTIMIZER_KIND_NESTEROV: OptimizerKind
+OPTIMIZER_KIND_SSD: OptimizerKind
+OPTIMIZER_KIND_SSD_PRECONDITIONED: OptimizerKind
+POLAR_METHOD_UNSPECIFIED: PolarMethod
+POLAR_METHOD_SVD: PolarMethod
+POLAR_METHOD_LOWRANK: PolarMethod
+POLAR_METHOD_RANDOMIZED: PolarMethod
+POLAR_METHOD_NEWTON_SCHULZ: PolarMethod
+PRECONDITIONER_UNSPECIFIED: Preconditioner
+PRECONDITIONER_RMSPROP: Preconditioner
+PRECONDITIONER_ADAM: Preconditioner
+PREPROCESS_UNSPECIFIED: Preprocess
+PREPROCESS_NONE: Preprocess
+PREPROCESS_BINARIZE: Preprocess
+PREPROCESS_SCALE: Preprocess
+PREPROCESS_STANDARDIZE: Preprocess
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_QUEUED: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+LOG_LIKELIHOOD_METHOD_UNSPECIFIED: LogLikelihoodMethod
+LOG_LIKELIHOOD_METHOD_EXACT: LogLikelihoodMethod
+LOG_LIKELIHOOD_METHOD_AIS: LogLikelihoodMethod
+HIDDEN_MODE_UNSPECIFIED: HiddenMode
+HIDDEN_MODE_PROBABILITIES: HiddenMode
+HIDDEN_MODE_SAMPLE: HiddenMode
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT64: DType
+DTYPE_UINT8: DType
+
+class ModelSpec(_message.Message):
+    __slots__ = ("kind", "variance", "n_hidden")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VARIANCE_FIELD_NUMBER: _ClassVar[int]
+    N_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    kind: ModelKind
+    variance: VarianceKind
+    n_hidden: int
+    def __init__(self, kind: _Optional[_Union[ModelKind, str]] = ..., variance: _Optional[_Union[VarianceKind, str]] = ..., n_hidden: _Optional[int] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("kind", "lr", "momentum", "method", "preconditioner", "weight_decay", "max_spectral_norm", "rank", "per_parameter")
+    class PerParameterEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: OptimizerKind
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[OptimizerKind, str]] = ...) -> None: ...
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    PRECONDITIONER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECTRAL_NORM_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PER_PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    kind: OptimizerKind
+    lr: float
+    momentum: float
+    method: PolarMethod
+    preconditioner: Preconditioner
+    weight_decay: float
+    max_spectral_norm: float
+    rank: int
+    per_parameter: _containers.ScalarMap[str, OptimizerKind]
+    def __init__(self, kind: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., preconditioner: _Optional[_Union[Preconditioner, str]] = ..., weight_decay: _Optional[float] = ..., max_spectral_norm: _Optional[float] = ..., rank: _Optional[int] = ..., per_parameter: _Optional[_Mapping[str, OptimizerKind]] = ...) -> None: ...
+
+class TrainingSpec(_message.Message):
+    __slots__ = ("cd_k", "persistent", "batch_size", "steps", "epochs", "seed", "checkpoint_every")
+    CD_K_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    cd_k: int
+    persistent: bool
+    batch_size: int
+    steps: int
+    epochs: int
+    seed: int
+    checkpoint_every: int
+    def __init__(self, cd_k: _Optional[int] = ..., persistent: _Optional[bool] = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+
+class EvalSpec(_message.Message):
+    __slots__ = ("every", "ais", "ais_chains", "ais_betas", "validation_fraction")
+    EVERY_FIELD_NUMBER: _ClassVar[int]
+    AIS_FIELD_NUMBER: _ClassVar[int]
+    AIS_CHAINS_FIELD_NUMBER: _ClassVar[int]
+    AIS_BETAS_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    every: int
+    ais: bool
+    ais_chains: int
+    ais_betas: int
+    validation_fraction: float
+    def __init__(self, every: _Optional[int] = ..., ais: _Optional[bool] = ..., ais_chains: _Optional[int] = ..., ais_betas: _Optional[int] = ..., validation_fraction: _Optional[float] = ...) -> None: ...
+
+class BuiltinDataset(_message.Message):
+    __slots__ = ("name", "options")
+    class OptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    options: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DatasetRef(_message.Message):
+    __slots__ = ("builtin", "dataset_id", "preprocess")
+    BUILTIN_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_FIELD_NUMBER: _ClassVar[int]
+    builtin: BuiltinDataset
+    dataset_id: str
+    preprocess: Preprocess
+    def __init__(self, builtin: _Optional[_Union[BuiltinDataset, _Mapping]] = ..., dataset_id: _Optional[str] = ..., preprocess: _Optional[_Union[Preprocess, str]] = ...) -> None: ...
+
+class StartTrainingRequest(_message.Message):
+    __slots__ = ("model", "optimizer", "training", "eval", "dataset", "request_id", "name")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    model: ModelSpec
+    optimizer: OptimizerSpec
+    training: TrainingSpec
+    eval: EvalSpec
+    dataset: DatasetRef
+    request_id: str
+    name: str
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., eval: _Optional[_Union[EvalSpec, _Mapping]] = ..., dataset: _Optional[_Union[DatasetRef, _Mapping]] = ..., request_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class StartTrainingResponse(_message.Message):
+    __slots__ = ("job", "created")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    created: bool
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    N_VISIBLE_FIELD_NUMBER: _ClassVar[int]
+    LATEST_METRICS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    state: JobState
+    spec: StartTrainingRequest
+    step: int
+    total_steps: int
+    attempt: int
+    error: str
+    checkpoint_step: int
+    worker: str
+    created_at: _timestamp_pb2.Timestamp
+    started_at: _timestamp_pb2.Timestamp
+    finished_at: _timestamp_pb2.Timestamp
+    n_visible: int
+    latest_metrics: Metrics
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempt: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., n_visible: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token", "state")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    state: JobState
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs", "next_page_token")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class Metrics(_message.Message):
+    __slots__ = ("step", "total_steps", "reconstruction_error", "train_reconstruction_error", "free_energy_gap", "pseudo_log_likelihood", "log_likelihood", "log_likelihood_stderr", "log_likelihood_method", "spectral_norm", "wall_time_s", "samples_per_second")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RECONSTRUCTION_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_RECONSTRUCTION_ERROR_FIELD_NUMBER: _ClassVar[int]
+    FREE_ENERGY_GAP_FIELD_NUMBER: _ClassVar[int]
+    PSEUDO_LOG_LIKELIHOOD_FIELD_NUMBER: _ClassVar[int]
+    LOG_LIKELIHOOD_FIELD_NUMBER: _ClassVar[int]
+    LOG_LIKELIHOOD_STDERR_FIELD_NUMBER: _ClassVar[int]
+    LOG_LIKELIHOOD_METHOD_FIELD_NUMBER: _ClassVar[int]
+    SPECTRAL_NORM_FIELD_NUMBER: _ClassVar[int]
+    WALL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total_steps: int
+    reconstruction_error: float
+    train_reconstruction_error: float
+    free_energy_gap: float
+    pseudo_log_likelihood: float
+    log_likelihood: float
+    log_likelihood_stderr: float
+    log_likelihood_method: LogLikelihoodMethod
+    spectral_norm: float
+    wall_time_s: float
+    samples_per_second: float
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., reconstruction_error: _Optional[float] = ..., train_reconstruction_error: _Optional[float] = ..., free_energy_gap: _Optional[float] = ..., pseudo_log_likelihood: _Optional[float] = ..., log_likelihood: _Optional[float] = ..., log_likelihood_stderr: _Optional[float] = ..., log_likelihood_method: _Optional[_Union[LogLikelihoodMethod, str]] = ..., spectral_norm: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., samples_per_second: _Optional[float] = ...) -> None: ...
+
+class StateChange(_message.Message):
+    __slots__ = ("state", "message", "attempt", "step")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    message: str
+    attempt: int
+    step: int
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class StreamMetricsRequest(_message.Message):
+    __slots__ = ("job_id", "after", "history_only")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after: str
+    history_only: bool
+    def __init__(self, job_id: _Optional[str] = ..., after: _Optional[str] = ..., history_only: _Optional[bool] = ...) -> None: ...
+
+class MetricEvent(_message.Message):
+    __slots__ = ("resume_token", "job_id", "time", "metrics", "state")
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    resume_token: str
+    job_id: str
+    time: _timestamp_pb2.Timestamp
+    metrics: Metrics
+    state: StateChange
+    def __init__(self, resume_token: _Optional[str] = ..., job_id: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ..., state: _Optional[_Union[StateChange, _Mapping]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReconstructRequest(_message.Message):
+    __slots__ = ("job_id", "input", "k", "mean_field", "checkpoint_step", "seed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    input: Tensor
+    k: int
+    mean_field: bool
+    checkpoint_step: int
+    seed: int
+    def __init__(self, job_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., mean_field: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ReconstructResponse(_message.Message):
+    __slots__ = ("output", "checkpoint_step")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    checkpoint_step: int
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class SampleHiddenRequest(_message.Message):
+    __slots__ = ("job_id", "input", "mode", "checkpoint_step", "seed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    input: Tensor
+    mode: HiddenMode
+    checkpoint_step: int
+    seed: int
+    def __init__(self, job_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., mode: _Optional[_Union[HiddenMode, str]] = ..., checkpoint_step: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SampleHiddenResponse(_message.Message):
+    __slots__ = ("output", "checkpoint_step")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    checkpoint_step: int
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class DatasetHeader(_message.Message):
+    __slots__ = ("shape", "dtype", "name", "sha256")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    name: str
+    sha256: str
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., name: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class UploadDatasetRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: DatasetHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[DatasetHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class UploadDatasetResponse(_message.Message):
+    __slots__ = ("dataset_id", "shape", "size_bytes", "created")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    size_bytes: int
+    created: bool
+    def __init__(self, dataset_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class ExportModelRequest(_message.Message):
+    __slots__ = ("job_id", "checkpoint_step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    checkpoint_step: int
+    def __init__(self, job_id: _Optional[str] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class ModelExportHeader(_message.Message):
+    __slots__ = ("config_json", "step", "sha256", "size_bytes")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    step: int
+    sha256: str
+    size_bytes: int
+    def __init__(self, config_json: _Optional[str] = ..., step: _Optional[int] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportModelResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ModelExportHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[ModelExportHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
