@@ -1,0 +1,6 @@
+"""Shared test configuration: fixtures live in tests/fixtures/, one module per concern."""
+
+pytest_plugins = [
+    "tests.fixtures.redis",
+    "tests.fixtures.service",
+]
