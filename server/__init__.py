@@ -1,0 +1,1 @@
+"""The ssdrbm gRPC training service: servicer, serving, configuration, Redis store and workers."""

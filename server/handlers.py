@@ -1,0 +1,56 @@
+"""Helpers for server interceptors that wrap an RPC handler's behaviour.
+
+grpc.aio interceptors receive a method handler; to run code around the call (error mapping,
+authentication, latency metrics) they build a new handler whose behaviour wraps the original.
+Unary-response behaviours are coroutines; streaming-response behaviours are async generators
+or coroutines that call ``context.write`` (the health service's Watch does). These helpers keep
+that plumbing in one place.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+Behavior = Callable[..., Any]
+Wrapper = Callable[[Behavior], Behavior]
+
+SERVICE_PREFIX = "/ssdrbm.v1.RBMService/"
+
+
+def wrap_handler(
+    handler: grpc.RpcMethodHandler | None, wrap_unary: Wrapper, wrap_stream: Wrapper
+) -> grpc.RpcMethodHandler | None:
+    """A copy of ``handler`` whose behaviour is wrapped: ``wrap_unary`` for unary responses,
+    ``wrap_stream`` (which must return an async generator function) for streaming ones."""
+    if handler is None:
+        return None
+    serializers = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **serializers)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **serializers)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            wrap_stream(handler.unary_stream), **serializers
+        )
+    return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **serializers)
+
+
+async def iterate_responses(
+    behavior: Behavior, request: Any, context: grpc.aio.ServicerContext
+) -> AsyncIterator[Any]:
+    """Yield what a streaming behaviour produces, whether it is an async generator or a
+    coroutine that writes with ``context.write`` (then nothing is yielded here)."""
+    result = behavior(request, context)
+    if inspect.isawaitable(result):
+        await result
+        return
+    async for response in result:
+        yield response
