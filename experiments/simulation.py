@@ -1,0 +1,189 @@
+"""The paper's simulation study (Fig. 3a–c), with the exact test log-likelihood of every curve.
+
+Data: 5000 binary vectors (n_v = 100) sampled from an RBM with n_h = 25, W ~ N(0, 0.5) and zero
+biases (`ssdcore.data.synthetic_rbm_data`); the first 4000 train, the last 1000 test. The trained
+models have the generator's sizes, as in the paper.
+
+- BRBM: SGD, SSD and the hybrids SSD_W/SGD (W spectral, the rest SGD) and SGD_W/SSD (W SGD, the
+  rest l∞), each at a small and a large initial step size (Fig. 3a train, 3b test).
+- GRBM with isotropic variance cI on the same binary data: SGD vs SSD (Fig. 3c).
+
+With n_h = 25 the partition function is a sum over 2^25 hidden states, so the exact test
+log-likelihood is computed at a few checkpoints of each curve.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from ssdcore.data import synthetic_rbm_data
+
+from experiments import common
+from experiments.common import EvalPlan, HybridOptimizer, ModelSpec, RunResult, RunSpec
+from ssdcore.optim import OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+NAME = "simulation"
+
+
+@dataclass(frozen=True)
+class Config:
+    n_visible: int = 100
+    n_hidden: int = 25
+    n_train: int = 4000
+    n_test: int = 1000
+    steps: int = 5000
+    batch_size: int = 100
+    cd_k: int = 1
+    eval_every: int = 100
+    likelihood_points: int = 5  # exact log-likelihood checkpoints per curve, besides step 0
+    # "small" is the "large" (tuned) step size divided by this factor
+    small_factor: float = 10.0
+    seed: int = 0
+
+
+FULL = Config()
+QUICK = Config(
+    n_visible=16,
+    n_hidden=6,
+    n_train=200,
+    n_test=100,
+    steps=30,
+    batch_size=20,
+    eval_every=10,
+    likelihood_points=1,
+)
+
+
+def load_data(config: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, test) binary vectors drawn from the paper's synthetic RBM."""
+    data = synthetic_rbm_data(
+        n_visible=config.n_visible,
+        n_hidden=config.n_hidden,
+        n_samples=config.n_train + config.n_test,
+        seed=config.seed,
+    )
+    return data[: config.n_train], data[config.n_train :]
+
+
+def brbm_runs(config: Config, lr_sgd: float, lr_ssd: float) -> list[RunSpec]:
+    """SGD, SSD and both hybrids at the large (tuned) and small step sizes."""
+    model = ModelSpec("bernoulli", config.n_hidden)
+    runs = []
+    for size, factor in (("large", 1.0), ("small", 1.0 / config.small_factor)):
+        sgd, ssd = lr_sgd * factor, lr_ssd * factor
+        optimizers: dict[str, Any] = {
+            "SGD": OptimizerConfig(name="sgd", lr=sgd),
+            "SSD": OptimizerConfig(name="ssd", lr=ssd, method="lowrank"),
+            "SSD_W/SGD": HybridOptimizer(spectral=("W",), lr=ssd, lr_euclidean=sgd),
+            "SGD_W/SSD": HybridOptimizer(spectral=("b", "a"), lr=ssd, lr_euclidean=sgd),
+        }
+        for name, optimizer in optimizers.items():
+            runs.append(
+                RunSpec(
+                    label=f"{name} ({size})",
+                    model=model,
+                    optimizer=optimizer,
+                    steps=config.steps,
+                    batch_size=config.batch_size,
+                    cd_k=config.cd_k,
+                    seed=config.seed,
+                )
+            )
+    return runs
+
+
+def grbm_runs(config: Config, lr_sgd: float, lr_ssd: float) -> list[RunSpec]:
+    """GRBM with isotropic variance cI: SGD against SSD, each at its tuned step size."""
+    model = ModelSpec("gaussian", config.n_hidden, variance="isotropic")
+    return [
+        RunSpec(
+            "SGD",
+            model,
+            OptimizerConfig(name="sgd", lr=lr_sgd),
+            config.steps,
+            config.batch_size,
+            config.cd_k,
+            seed=config.seed,
+        ),
+        RunSpec(
+            "SSD",
+            model,
+            OptimizerConfig(name="ssd", lr=lr_ssd, method="lowrank"),
+            config.steps,
+            config.batch_size,
+            config.cd_k,
+            seed=config.seed,
+        ),
+    ]
+
+
+def eval_plan(config: Config, train: torch.Tensor, test: torch.Tensor) -> EvalPlan:
+    points = config.likelihood_points
+    at = tuple(sorted({0} | {round(config.steps * i / points) for i in range(1, points + 1)}))
+    return EvalPlan(train, test, every=config.eval_every, likelihood="exact", likelihood_at=at)
+
+
+STYLES = {
+    f"{name} ({size})": {"color": color, "linestyle": "-" if size == "large" else "--"}
+    for name, color in (("SGD", "C0"), ("SSD", "C3"), ("SSD_W/SGD", "C1"), ("SGD_W/SSD", "C2"))
+    for size in ("large", "small")
+}
+
+
+def run(out: Path, quick: bool = False) -> dict[str, Any]:
+    """Runs the simulation study and writes its figures and tables under `out/simulation`."""
+    config = QUICK if quick else FULL
+    directory = common.output_dir(out, NAME)
+    chosen = common.load_step_sizes()
+    train, test = load_data(config)
+    plan = eval_plan(config, train, test)
+
+    lr_sgd = common.step_size(chosen, "simulation-brbm/sgd", 0.1)
+    lr_ssd = common.step_size(chosen, "simulation-brbm/ssd", 1e-3)
+    brbm = [common.execute(spec, plan) for spec in brbm_runs(config, lr_sgd, lr_ssd)]
+    grbm_sgd = common.step_size(chosen, "simulation-grbm/sgd", 0.01)
+    grbm_ssd = common.step_size(chosen, "simulation-grbm/ssd", 1e-4)
+    grbm = [common.execute(spec, plan) for spec in grbm_runs(config, grbm_sgd, grbm_ssd)]
+
+    write_outputs(directory, brbm, grbm)
+    return {
+        "brbm": common.summary_rows(brbm),
+        "grbm": common.summary_rows(grbm),
+        "step_sizes": {"brbm": [lr_sgd, lr_ssd], "grbm": [grbm_sgd, grbm_ssd]},
+    }
+
+
+def write_outputs(directory: Path, brbm: list[RunResult], grbm: list[RunResult]) -> None:
+    common.curve_figure(
+        brbm,
+        [
+            ("train_recon", "(a) BRBM train", "reconstruction error"),
+            ("test_recon", "(b) BRBM test", "reconstruction error"),
+        ],
+        directory / "fig3ab_brbm_recon.png",
+        styles=STYLES,
+    )
+    common.curve_figure(
+        brbm,
+        [("test_ll", "BRBM exact test log-likelihood", "nats per example")],
+        directory / "brbm_exact_ll.png",
+        styles=STYLES,
+    )
+    common.curve_figure(
+        grbm,
+        [
+            ("train_recon", "(c) GRBM (cI) train", "reconstruction error"),
+            ("test_recon", "(c) GRBM (cI) test", "reconstruction error"),
+            ("test_ll", "GRBM exact test log-likelihood", "nats per example (density)"),
+        ],
+        directory / "fig3c_grbm.png",
+    )
+    common.write_table(common.summary_rows(brbm), directory, "brbm_summary")
+    common.write_table(common.summary_rows(grbm), directory, "grbm_summary")
+    common.write_curves([*brbm, *grbm], directory, "curves")

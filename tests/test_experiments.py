@@ -1,0 +1,119 @@
+"""Quick variants of every experiment (tiny sizes, few steps), so that the code keeps working.
+
+Budget: about 60 s for the whole file on a 2-core machine. Each test runs an experiment's
+`--quick` configuration through the same code path as the full run and checks what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import beyond, common, freyface, mnist, simulation, tuning
+from experiments.__main__ import main
+
+
+def _pngs_written(directory: Path, names: list[str]) -> None:
+    for name in names:
+        path = directory / name
+        assert path.exists(), f"missing figure {path}"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.stat().st_size <= common.FIGURE_MAX_BYTES
+
+
+def _finite_recon(rows: list[dict]) -> None:
+    for row in rows:
+        assert math.isfinite(row["test_recon"]) and row["test_recon"] >= 0, row
+        assert math.isfinite(row["train_recon"]) and row["train_recon"] >= 0, row
+
+
+def test_simulation_quick(tmp_path: Path) -> None:
+    summary = simulation.run(tmp_path, quick=True)
+    assert len(summary["brbm"]) == 8 and len(summary["grbm"]) == 2
+    _finite_recon(summary["brbm"] + summary["grbm"])
+    # Exact log-probability of binary vectors under a BRBM: a finite value below zero.
+    for row in summary["brbm"]:
+        assert math.isfinite(row["test_ll"]) and row["test_ll"] < 0, row
+    directory = tmp_path / "simulation"
+    _pngs_written(directory, ["fig3ab_brbm_recon.png", "brbm_exact_ll.png", "fig3c_grbm.png"])
+    curves = json.loads((directory / "curves.json").read_text())
+    assert {r["label"] for r in curves} >= {"SGD (large)", "SSD_W/SGD (small)", "SSD"}
+
+
+def test_mnist_quick(tmp_path: Path) -> None:
+    summary = mnist.run(tmp_path, quick=True)
+    _finite_recon(summary["summary"] + summary["large"])
+    assert [r["model"] for r in summary["timing"]] == ["BRBM", "GRBM"]
+    for row in summary["timing"]:
+        assert row["SGD ÷ SGD"] == pytest.approx(1.0)
+        assert row["SSD s/1k"] > 0
+    assert all(math.isfinite(r["test_ll"]) for r in summary["summary"])
+    _pngs_written(
+        tmp_path / "mnist",
+        [
+            "fig3d_recon.png",
+            "ais_ll.png",
+            "fig3e_filters_brbm.png",
+            "fig3e_filters_grbm.png",
+            "w_histograms.png",
+            "fig3f_variances.png",
+            "h500.png",
+        ],
+    )
+    assert (tmp_path / "mnist" / "table1_time.md").read_text().startswith("| model |")
+
+
+def test_freyface_quick(tmp_path: Path) -> None:
+    summary = freyface.run(tmp_path, quick=True)
+    assert [r["run"] for r in summary["summary"]] == [
+        "BRBM Nesterov",
+        "BRBM SSD",
+        "GRBM Nesterov",
+        "GRBM SSD",
+    ]
+    _finite_recon(summary["summary"])
+    _pngs_written(tmp_path / "freyface", ["fig4_recon.png", "reconstructions.png"])
+
+
+def test_beyond_quick(tmp_path: Path) -> None:
+    summary = beyond.run(tmp_path, quick=True)
+    _finite_recon(summary["adaptive"] + summary["polar_quality"] + summary["pcd"])
+    accuracy = {r["method"]: r for r in summary["polar_accuracy"]}
+    # svd and the exact low-rank step agree with torch.linalg.svd to float32 precision.
+    assert accuracy["svd"]["direction rel. error"] < 1e-3
+    assert accuracy["lowrank"]["direction rel. error"] < 1e-3
+    assert accuracy["lowrank"]["nuclear norm rel. error"] < 1e-4
+    _pngs_written(tmp_path / "beyond", ["adaptive.png", "polar_methods.png", "pcd_vs_cd.png"])
+
+
+def test_tuning_quick_leaves_chosen_step_sizes_alone(tmp_path: Path) -> None:
+    before = common.STEP_SIZES_PATH.read_bytes() if common.STEP_SIZES_PATH.exists() else None
+    summary = tuning.run(tmp_path, quick=True)
+    after = common.STEP_SIZES_PATH.read_bytes() if common.STEP_SIZES_PATH.exists() else None
+    assert before == after
+    chosen = summary["chosen"]
+    assert "mnist-grbm/ssd" in chosen and "beyond/pssd-adam" in chosen
+    for key, lr in chosen.items():
+        grid = tuning.GRIDS[key.split("/")[1]]
+        assert lr in grid, key
+    written = json.loads((tmp_path / "tuning" / "step_sizes.json").read_text())
+    assert written["chosen"] == chosen
+
+
+def test_command_line_writes_run_summary(tmp_path: Path) -> None:
+    assert main(["freyface", "--quick", "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "freyface" / "run.json").read_text())
+    assert run["quick"] is True and run["wall_seconds"] > 0
+
+
+def test_markdown_table_and_image_grid() -> None:
+    text = common.markdown_table([{"a": 1.23456, "b": math.nan}, {"a": 2.0, "b": "x"}])
+    assert text.splitlines() == ["| a | b |", "| --- | --- |", "| 1.235 | — |", "| 2 | x |"]
+    grid = common.image_grid(np.arange(12, dtype=np.float32).reshape(3, 4), (2, 2), columns=2)
+    assert grid.shape == (6, 6)
+    # each tile is scaled to [0, 1] by its own range; gaps and unused tiles are 1
+    assert grid[0, 0] == 0.0 and grid[1, 1] == 1.0 and grid[2, :].tolist() == [1.0] * 6
