@@ -1,0 +1,417 @@
+"""The Redis store against a real redis-server: jobs, paging, events, checkpoints, leases,
+fencing, datasets and the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import pytest
+from ssdrbm.v1 import rbm_pb2
+
+from server.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from server.keys import Keys
+from server.store import (
+    CheckpointStore,
+    CorruptCheckpointError,
+    DatasetStore,
+    EventStore,
+    FencedJob,
+    JobQueue,
+    JobState,
+    JobStore,
+    LeaseLostError,
+    LeaseStore,
+    connect,
+)
+
+SPEC = rbm_pb2.StartTrainingRequest(
+    model=rbm_pb2.ModelSpec(n_hidden=4), training=rbm_pb2.TrainingSpec(steps=10)
+).SerializeToString()
+
+
+def run(redis_url: str, scenario: Callable[..., Awaitable[None]]) -> None:
+    """Run an async scenario with a fresh client (closed afterwards)."""
+
+    async def main() -> None:
+        redis = connect(redis_url)
+        try:
+            await scenario(redis)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(main())
+
+
+async def submit(jobs: JobStore, tenant: str = "t1", request_id: str | None = None, **kw):
+    return await jobs.submit(tenant, SPEC, name="n", total_steps=10, request_id=request_id, **kw)
+
+
+async def read_all(events: EventStore, job_id: str) -> list[tuple[str, str, bytes]]:
+    return await events.read(job_id, after="", count=10_000, block_ms=None)
+
+
+def states_of(events: list[tuple[str, str, bytes]]) -> list[str]:
+    names = []
+    for _token, kind, data in events:
+        if kind == "state":
+            names.append(rbm_pb2.JobState.Name(rbm_pb2.StateChange.FromString(data).state))
+    return names
+
+
+def test_submit_records_queues_and_is_idempotent(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, events, queue = JobStore(redis), EventStore(redis), JobQueue(redis)
+        job, created = await submit(jobs, request_id="req-1")
+        assert created
+        assert job.state is JobState.QUEUED and job.attempt == 0 and job.checkpoint_step == -1
+        assert job.spec == SPEC and job.total_steps == 10 and job.started_at is None
+        again, created_again = await submit(jobs, request_id="req-1")
+        assert not created_again and again.id == job.id
+        other_tenant, created_other = await submit(jobs, tenant="t2", request_id="req-1")
+        assert created_other and other_tenant.id != job.id
+        assert await queue.length() == 2  # the repeat enqueued nothing
+        assert states_of(await read_all(events, job.id)) == ["JOB_STATE_QUEUED"]
+        listed, _ = await jobs.list("t1", page_size=10, page_token="", state=None)
+        assert [j.id for j in listed] == [job.id]
+
+    run(redis_url, scenario)
+
+
+def test_get_hides_other_tenants_and_malformed_ids(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs = JobStore(redis)
+        job, _ = await submit(jobs)
+        assert (await jobs.get("t1", job.id)).id == job.id
+        with pytest.raises(NotFoundError):
+            await jobs.get("t2", job.id)
+        for bad in ["", "nope", job.id + ":metrics", "é" * 32, job.id.upper()]:
+            with pytest.raises(NotFoundError):
+                await jobs.get("t1", bad)
+
+    run(redis_url, scenario)
+
+
+def test_list_pages_newest_first_with_state_filter(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs = JobStore(redis)
+        ids = [(await submit(jobs))[0].id for _ in range(7)]
+        await submit(jobs, tenant="other")
+        pages, token = [], ""
+        while True:
+            page, token = await jobs.list("t1", page_size=3, page_token=token, state=None)
+            pages.append([j.id for j in page])
+            if not token:
+                break
+        assert pages == [ids[6:3:-1], ids[3:0:-1], ids[0:1]]
+        await jobs.cancel("t1", ids[1])
+        await jobs.cancel("t1", ids[5])
+        cancelled, token = await jobs.list(
+            "t1", page_size=1, page_token="", state=JobState.CANCELLED
+        )
+        assert [j.id for j in cancelled] == [ids[5]] and token
+        rest, token = await jobs.list("t1", page_size=5, page_token=token, state=JobState.CANCELLED)
+        assert [j.id for j in rest] == [ids[1]] and token == ""
+        for bad in ["abc", "-1", "1" * 30]:
+            with pytest.raises(InvalidArgumentError, match="page_token"):
+                await jobs.list("t1", page_size=3, page_token=bad, state=None)
+
+    run(redis_url, scenario)
+
+
+def test_cancel_queued_at_once_and_running_by_flag(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, events, leases = JobStore(redis), EventStore(redis), LeaseStore(redis)
+        queued, _ = await submit(jobs)
+        running, _ = await submit(jobs)
+        assert await jobs.count_active("t1") == 2
+        lease = await leases.claim(running.id, "w1", lease_ms=10_000)
+        assert lease is not None
+        fenced = FencedJob(redis, lease)
+        assert await fenced.heartbeat() is False
+
+        cancelled = await jobs.cancel("t1", queued.id)
+        assert cancelled.state is JobState.CANCELLED and cancelled.finished_at is not None
+        assert states_of(await read_all(events, queued.id)) == [
+            "JOB_STATE_QUEUED",
+            "JOB_STATE_CANCELLED",
+        ]
+        flagged = await jobs.cancel("t1", running.id)
+        assert flagged.state is JobState.RUNNING and flagged.cancel_requested
+        assert await fenced.heartbeat() is True
+        await fenced.finish(JobState.CANCELLED, step=0)
+        assert await jobs.count_active("t1") == 0
+        counts = await jobs.count_by_state()
+        assert counts[JobState.CANCELLED] == 2 and counts[JobState.RUNNING] == 0
+        assert (await jobs.cancel("t1", queued.id)).state is JobState.CANCELLED  # no-op
+
+    run(redis_url, scenario)
+
+
+def test_submit_refuses_beyond_active_limit(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs = JobStore(redis)
+        first, _ = await submit(jobs, max_active=2)
+        await submit(jobs, max_active=2)
+        with pytest.raises(ResourceExhaustedError):
+            await submit(jobs, max_active=2)
+        await submit(jobs, tenant="t2", max_active=2)  # other tenants are not affected
+        await jobs.cancel("t1", first.id)
+        await submit(jobs, max_active=2)
+
+    run(redis_url, scenario)
+
+
+def metrics(step: int) -> bytes:
+    return rbm_pb2.Metrics(step=step, total_steps=10).SerializeToString()
+
+
+def test_events_resume_from_any_token_without_gap_or_repeat(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, events, leases = JobStore(redis), EventStore(redis), LeaseStore(redis)
+        job, _ = await submit(jobs)
+        fenced = FencedJob(redis, await leases.claim(job.id, "w1", lease_ms=10_000))
+        for step in range(1, 8):
+            assert await fenced.publish_metrics(step, metrics(step))
+        everything = await read_all(events, job.id)
+        assert len(everything) == 2 + 7  # QUEUED, RUNNING, 7 metric events
+        for start in range(len(everything)):
+            after = "" if start == 0 else everything[start - 1][0]
+            chained: list = []
+            while batch := await events.read(job.id, after=after, count=2, block_ms=None):
+                chained += batch
+                after = batch[-1][0]
+            assert chained == everything[start:]
+        for bad in ["x", "1-", "-1-0", "1-2-3", "99999999999999999999-0"]:
+            with pytest.raises(InvalidArgumentError, match="after"):
+                await events.read(job.id, after=bad, count=1, block_ms=None)
+
+        # Live follow: a blocked reader wakes for the next event.
+        last = everything[-1][0]
+        reader = asyncio.create_task(events.read(job.id, after=last, count=10, block_ms=5000))
+        await asyncio.sleep(0.1)
+        assert await fenced.publish_metrics(8, metrics(8))
+        followed = await asyncio.wait_for(reader, 5)
+        assert [rbm_pb2.Metrics.FromString(data).step for _, _, data in followed] == [8]
+
+    run(redis_url, scenario)
+
+
+def test_metric_steps_are_published_once_and_in_order(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, events, leases = JobStore(redis), EventStore(redis), LeaseStore(redis)
+        job, _ = await submit(jobs)
+        fenced = FencedJob(redis, await leases.claim(job.id, "w1", lease_ms=10_000))
+        assert [await fenced.publish_metrics(s, metrics(s)) for s in (5, 10, 5, 10, 15)] == [
+            True,
+            True,
+            False,
+            False,
+            True,
+        ]
+        record = await jobs.get("t1", job.id)
+        assert record.step == 15 and rbm_pb2.Metrics.FromString(record.latest_metrics).step == 15
+        published = [
+            rbm_pb2.Metrics.FromString(data).step
+            for _, kind, data in await read_all(events, job.id)
+            if kind == "metrics"
+        ]
+        assert published == [5, 10, 15]
+
+    run(redis_url, scenario)
+
+
+def test_checkpoints_retention_and_sha256_fallback(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases, checkpoints = JobStore(redis), LeaseStore(redis), CheckpointStore(redis)
+        job, _ = await submit(jobs)
+        with pytest.raises(FailedPreconditionError, match="no checkpoint yet"):
+            await checkpoints.latest(job.id)
+        fenced = FencedJob(redis, await leases.claim(job.id, "w1", lease_ms=10_000))
+        for step in (10, 20, 30, 40):
+            await fenced.put_checkpoint(
+                step,
+                data=f"model-{step}".encode(),
+                config_json='{"kind": "bernoulli"}',
+                trainer_state=f"trainer-{step}".encode(),
+                keep=3,
+            )
+        assert await checkpoints.list_steps(job.id) == [20, 30, 40]
+        assert (await jobs.get("t1", job.id)).checkpoint_step == 40
+        latest = await checkpoints.latest(job.id, with_trainer_state=True)
+        assert (latest.step, latest.data, latest.trainer_state) == (40, b"model-40", b"trainer-40")
+        assert latest.attempt == 1 and latest.config_json == '{"kind": "bernoulli"}'
+        with pytest.raises(NotFoundError, match="step 10"):
+            await checkpoints.get(job.id, 10)
+
+        # Flip the newest checkpoint's bytes behind the store's back.
+        await redis.hset(Keys().checkpoint(job.id, 40), "data", b"model-4X")
+        assert (await checkpoints.latest(job.id)).step == 30
+        with pytest.raises(CorruptCheckpointError, match="sha256"):
+            await checkpoints.get(job.id, 40)
+        await redis.hset(Keys().checkpoint(job.id, 30), "trainer_state", b"garbage")
+        assert (await checkpoints.latest(job.id)).step == 30  # model bytes are intact
+        assert (await checkpoints.latest(job.id, with_trainer_state=True)).step == 20
+
+    run(redis_url, scenario)
+
+
+def test_stale_attempt_cannot_write_after_takeover(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, events, leases = JobStore(redis), EventStore(redis), LeaseStore(redis)
+        checkpoints = CheckpointStore(redis)
+        job, _ = await submit(jobs)
+        first = await leases.claim(job.id, "slow", lease_ms=200)
+        assert first is not None and first.attempt == 1
+        assert await leases.claim(job.id, "eager", lease_ms=10_000) is None  # lease still valid
+        slow = FencedJob(redis, first)
+        await slow.publish_metrics(1, metrics(1))
+
+        await asyncio.sleep(0.3)  # the slow worker misses its renewal
+        assert await leases.lapsed() == [job.id]
+        second = await leases.claim(job.id, "eager", lease_ms=10_000)
+        assert second is not None and second.attempt == 2
+        eager = FencedJob(redis, second)
+
+        with pytest.raises(LeaseLostError):
+            await slow.publish_metrics(2, metrics(2))
+        with pytest.raises(LeaseLostError):
+            await slow.put_checkpoint(2, data=b"x", config_json="{}", trainer_state=b"y")
+        with pytest.raises(LeaseLostError):
+            await slow.heartbeat()
+        with pytest.raises(LeaseLostError):
+            await slow.finish(JobState.SUCCEEDED, step=2)
+        with pytest.raises(LeaseLostError):
+            await slow.release(step=2, message="bye")
+
+        await eager.publish_metrics(2, metrics(2))
+        await eager.finish(JobState.SUCCEEDED, step=2)
+        record = await jobs.get("t1", job.id)
+        assert record.state is JobState.SUCCEEDED and record.attempt == 2
+        assert record.worker == "eager"
+        assert await checkpoints.list_steps(job.id) == []
+        attempts = [
+            int(fields[b"attempt"])
+            for _, fields in await redis.xrange(Keys().events(job.id))
+            if fields[b"kind"] == b"metrics"
+        ]
+        assert attempts == [1, 2]
+        assert states_of(await read_all(events, job.id))[-1] == "JOB_STATE_SUCCEEDED"
+        with pytest.raises(LeaseLostError):  # a finished job refuses every attempt
+            await eager.publish_metrics(3, metrics(3))
+
+    run(redis_url, scenario)
+
+
+def test_release_requeues_for_the_next_attempt(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases, queue = JobStore(redis), LeaseStore(redis), JobQueue(redis)
+        await queue.ensure_group()
+        job, _ = await submit(jobs)
+        [(entry, job_id)] = await queue.read("w1", block_ms=100)
+        assert job_id == job.id
+        lease = await leases.claim(job_id, "w1", lease_ms=10_000)
+        await queue.ack(entry)
+        await FencedJob(redis, lease).release(step=0, message="worker stopping")
+        record = await jobs.get("t1", job.id)
+        assert record.state is JobState.QUEUED and record.attempt == 1
+        assert await leases.lapsed() == [] and await jobs.count_active("t1") == 1
+        [(entry, job_id)] = await queue.read("w2", block_ms=100)
+        again = await leases.claim(job_id, "w2", lease_ms=10_000)
+        assert again is not None and again.attempt == 2 and again.record.worker == "w2"
+
+    run(redis_url, scenario)
+
+
+def test_queue_entries_of_a_dead_consumer_are_autoclaimed(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, queue = JobStore(redis), JobQueue(redis)
+        job, _ = await submit(jobs)  # before the group exists: still delivered
+        await queue.ensure_group()
+        await queue.ensure_group()  # idempotent
+        assert [j for _, j in await queue.read("dead", block_ms=100)] == [job.id]
+        assert await queue.read("alive", block_ms=50) == []
+        assert await queue.autoclaim("alive", min_idle_ms=60_000) == []
+        await asyncio.sleep(0.05)
+        [(entry, job_id)] = await queue.autoclaim("alive", min_idle_ms=20)
+        assert job_id == job.id
+        assert [e for e, _ in await queue.pending("alive")] == [entry]
+        await queue.ack(entry)
+        assert await queue.pending("alive") == [] and await queue.length() == 0
+
+    run(redis_url, scenario)
+
+
+def test_datasets_are_content_addressed_and_tenant_scoped(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        datasets = DatasetStore(redis)
+        array = np.arange(12, dtype="<f4").reshape(3, 4)
+        info, created = await datasets.put(
+            "t1", shape=(3, 4), dtype="float32", name="a", data=array.tobytes()
+        )
+        assert created and info.shape == (3, 4) and info.size_bytes == 48 and len(info.id) == 64
+        again, created_again = await datasets.put(
+            "t1", shape=[3, 4], dtype="float32", name="b", data=array.tobytes()
+        )
+        assert not created_again and again.id == info.id
+        reshaped, _ = await datasets.put(
+            "t1", shape=(4, 3), dtype="float32", name="c", data=array.tobytes()
+        )
+        assert reshaped.id != info.id
+        loaded_info, data = await datasets.load("t1", info.id)
+        assert loaded_info == info
+        assert np.array_equal(np.frombuffer(data, dtype="<f4").reshape(info.shape), array)
+        with pytest.raises(NotFoundError):
+            await datasets.info("t2", info.id)
+        theirs, created_theirs = await datasets.put(
+            "t2", shape=(3, 4), dtype="float32", name="mine", data=array.tobytes()
+        )
+        assert created_theirs and theirs.id == info.id and theirs.name == "mine"
+        for bad in ["", "../x", info.id[:-1], info.id + "0"]:
+            with pytest.raises(NotFoundError):
+                await datasets.load("t1", bad)
+        with pytest.raises(InvalidArgumentError, match="data"):
+            await datasets.put("t1", shape=(5, 4), dtype="float32", name="", data=b"\0" * 48)
+        with pytest.raises(InvalidArgumentError, match="dtype"):
+            await datasets.put("t1", shape=(3, 4), dtype="int64", name="", data=b"\0" * 96)
+        with pytest.raises(InvalidArgumentError, match="shape"):
+            await datasets.put("t1", shape=(0, 4), dtype="uint8", name="", data=b"")
+
+    run(redis_url, scenario)
+
+
+def test_acknowledged_writes_survive_a_redis_restart(redis_factory) -> None:
+    server = redis_factory(appendonly=True)
+    ids: dict[str, str] = {}
+
+    async def write(redis) -> None:
+        jobs, leases = JobStore(redis), LeaseStore(redis)
+        job, _ = await submit(jobs, request_id="r")
+        ids["job"] = job.id
+        fenced = FencedJob(redis, await leases.claim(job.id, "w1", lease_ms=60_000))
+        await fenced.publish_metrics(5, metrics(5))
+        await fenced.put_checkpoint(5, data=b"model", config_json="{}", trainer_state=b"state")
+
+    async def read(redis) -> None:
+        jobs, events = JobStore(redis), EventStore(redis)
+        checkpoints = CheckpointStore(redis)
+        record = await jobs.get("t1", ids["job"])
+        assert record.state is JobState.RUNNING and record.step == 5 and record.attempt == 1
+        assert (await checkpoints.latest(ids["job"])).data == b"model"
+        assert len(await read_all(events, ids["job"])) == 3
+        again, created = await submit(jobs, request_id="r")
+        assert not created and again.id == ids["job"]
+
+    run(server.url, write)
+    started = time.monotonic()
+    server.kill()  # as a crash: only what AOF fsynced survives
+    server.start()
+    assert time.monotonic() - started < 10
+    run(server.url, read)
