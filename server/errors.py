@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import redis.exceptions
 
-from server.handlers import iterate_responses, wrap_handler
+from server.handlers import SERVICE_PREFIX, iterate_responses, wrap_handler
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
+        if not method.startswith(SERVICE_PREFIX):
+            return handler  # health and reflection raise nothing of ours
 
         def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def mapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:

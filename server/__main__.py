@@ -1,0 +1,44 @@
+"""``python -m server``: run the gRPC service (and, by default, a worker) from SSDRBM_* settings.
+
+Options on the command line override the environment:
+  --no-worker     serve the API only (workers run elsewhere: ``python -m server.worker``)
+  --listen ADDR   host:port to listen on (SSDRBM_LISTEN_ADDRESS)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from server.app import serve
+from server.config import ConfigError, Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, configure logging, and serve until SIGTERM/SIGINT; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__.splitlines()[0])
+    parser.add_argument("--no-worker", action="store_true", help="do not run a worker here")
+    parser.add_argument("--listen", help="host:port to listen on")
+    args = parser.parse_args(argv)
+    overrides: dict[str, object] = {}
+    if args.no_worker:
+        overrides["run_worker"] = False
+    if args.listen:
+        overrides["listen_address"] = args.listen
+    try:
+        settings = Settings.from_env(**overrides)
+    except ConfigError as exc:
+        print(f"ssdrbm server: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
