@@ -172,8 +172,16 @@ def polar_accuracy(config: Config, train: torch.Tensor) -> list[dict[str, Any]]:
 
 
 def polar_step(method: str, gradient: torch.Tensor, factors: Any) -> tuple[torch.Tensor, Any]:
-    """The polar factor and nuclear norm of `gradient` by `method` (see `ssdcore.optim.polar`)."""
-    return polar.polar(gradient, method=method, factors=factors)
+    """The polar factor and nuclear norm of `gradient` by `method`, as the SSD optimizer calls
+    them (`ssdcore.optim.polar`; the randomized sketch rank is the factors' rank)."""
+    if method == "svd":
+        return polar.polar_svd(gradient)
+    if method == "lowrank":
+        return polar.polar_lowrank(*factors)
+    if method == "randomized":
+        rank = min(factors[0].shape[1], *gradient.shape)
+        return polar.polar_randomized(gradient, rank, generator=torch.Generator().manual_seed(0))
+    return polar.polar_newton_schulz(gradient)
 
 
 def polar_timing(

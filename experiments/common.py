@@ -182,6 +182,7 @@ class _TorchOptimizerTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.estimator.estimate(self._next_batch())
             self.optimizer.step()
+            self.model.constrain_()  # e.g. keeps a GRBM's variances in their valid range
             self.step_count += 1
             if not all(torch.isfinite(p).all() for p in self.model.parameters()):
                 raise ssdcore.DivergenceError(f"non-finite parameters at step {self.step_count}")

@@ -67,9 +67,8 @@ def optimizer_for(name: str, lr: float) -> OptimizerConfig | TorchOptimizer:
     if name in ("adam", "rmsprop"):
         return TorchOptimizer(name, lr)
     preconditioner = name.removeprefix("pssd-")
-    return OptimizerConfig(
-        name="ssd-preconditioned", lr=lr, preconditioner=preconditioner, method="lowrank"
-    )
+    # the preconditioned gradient is full-rank: the exact SVD is the polar method
+    return OptimizerConfig(name="ssd-preconditioned", lr=lr, preconditioner=preconditioner)
 
 
 def settings(quick: bool) -> list[Setting]:
