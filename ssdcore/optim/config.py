@@ -1,0 +1,169 @@
+"""One declarative optimizer configuration and the factory that turns it into parameter groups."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from ssdcore.optim.preconditioned import PreconditionedSSD
+from ssdcore.optim.sgd import SGD
+from ssdcore.optim.ssd import METHODS, SSD
+
+OPTIMIZER_NAMES = ("sgd", "nesterov", "ssd", "ssd-preconditioned")
+CONFIG_METHODS = ("auto", *METHODS)
+CONFIG_PRECONDITIONERS = ("rmsprop", "adam")
+# Nesterov without an explicit momentum uses the customary 0.9 (as the service contract says).
+DEFAULT_NESTEROV_MOMENTUM = 0.9
+# Weight decay and the ‖W‖₂ bound concern the interaction matrix only: decaying biases or the
+# (log-)variances towards zero has no regularizing meaning.
+WEIGHT_NAME = "W"
+
+
+@dataclass
+class OptimizerConfig:
+    """How to optimize an RBM; ``per_parameter`` turns it into one of the paper's hybrids.
+
+    ``OptimizerConfig("sgd", per_parameter={"W": "ssd"})`` is SSD_W/SGD and
+    ``OptimizerConfig("ssd", per_parameter={"W": "sgd"})`` is SGD_W/SSD.
+    """
+
+    name: str = "ssd"  # sgd | nesterov | ssd | ssd-preconditioned
+    lr: float = 0.01  # step size, > 0
+    momentum: float | None = None  # sgd / nesterov groups; None: 0 for sgd, 0.9 for nesterov
+    method: str = "auto"  # polar method; auto: lowrank for ssd, svd for ssd-preconditioned
+    preconditioner: str = "rmsprop"  # ssd-preconditioned: rmsprop | adam
+    weight_decay: float = 0.0  # decoupled decay of W, >= 0
+    max_spectral_norm: float | None = None  # the paper's R: keep ‖W‖₂ ≤ R; None or 0: unbounded
+    rank: int = 0  # randomized sketch rank; 0 = automatic
+    per_parameter: dict[str, str] = field(default_factory=dict)  # parameter name -> name
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field and how to fix it."""
+        if self.name not in OPTIMIZER_NAMES:
+            raise ValueError(
+                f"OptimizerConfig.name: unknown optimizer {self.name!r}; "
+                f"choose one of {OPTIMIZER_NAMES}"
+            )
+        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"OptimizerConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise ValueError(
+                f"OptimizerConfig.momentum must be in [0, 1) or None, got {self.momentum!r}"
+            )
+        if self.method not in CONFIG_METHODS:
+            raise ValueError(
+                f"OptimizerConfig.method: unknown polar method {self.method!r}; "
+                f"choose one of {CONFIG_METHODS}"
+            )
+        if self.preconditioner not in CONFIG_PRECONDITIONERS:
+            raise ValueError(
+                f"OptimizerConfig.preconditioner: unknown {self.preconditioner!r}; "
+                f"choose one of {CONFIG_PRECONDITIONERS}"
+            )
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(
+                f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay!r}"
+            )
+        if self.max_spectral_norm is not None and not (
+            math.isfinite(self.max_spectral_norm) and self.max_spectral_norm >= 0
+        ):
+            raise ValueError(
+                "OptimizerConfig.max_spectral_norm must be > 0 (or 0 / None for no bound), "
+                f"got {self.max_spectral_norm!r}"
+            )
+        if not (isinstance(self.rank, int) and self.rank >= 0):
+            raise ValueError(f"OptimizerConfig.rank must be an integer >= 0, got {self.rank!r}")
+        for parameter, name in self.per_parameter.items():
+            if name not in OPTIMIZER_NAMES:
+                raise ValueError(
+                    f"OptimizerConfig.per_parameter[{parameter!r}]: unknown optimizer {name!r}; "
+                    f"choose one of {OPTIMIZER_NAMES}"
+                )
+        names = {self.name, *self.per_parameter.values()}
+        if self.method == "lowrank" and "ssd-preconditioned" in names:
+            raise ValueError(
+                "OptimizerConfig.method: 'lowrank' cannot serve ssd-preconditioned (the rescaled "
+                "gradient is full-rank); use 'auto', 'svd', 'randomized' or 'newton-schulz'"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable form (for checkpoints and job specs)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OptimizerConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error that names them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"OptimizerConfig: unknown fields {unknown}; known are {sorted(known)}"
+            )
+        return cls(**data)
+
+
+def _group_for(name: str, parameter_name: str, config: OptimizerConfig) -> dict[str, Any]:
+    """The parameter-group settings that make ``parameter_name`` follow optimizer ``name``."""
+    is_weight = parameter_name == WEIGHT_NAME
+    group: dict[str, Any] = {
+        "name": parameter_name,
+        "weight_decay": config.weight_decay if is_weight else 0.0,
+        "max_spectral_norm": (config.max_spectral_norm or None) if is_weight else None,
+    }
+    if name in ("sgd", "nesterov"):
+        default_momentum = DEFAULT_NESTEROV_MOMENTUM if name == "nesterov" else 0.0
+        group.update(
+            geometry="euclidean",
+            momentum=default_momentum if config.momentum is None else config.momentum,
+            nesterov=name == "nesterov",
+        )
+    else:
+        preconditioned = name == "ssd-preconditioned"
+        method = config.method
+        if method == "auto":
+            method = "svd" if preconditioned else "lowrank"
+        group.update(
+            geometry="spectral",
+            momentum=0.0,
+            nesterov=False,
+            method=method,
+            rank=config.rank,
+            preconditioner=config.preconditioner if preconditioned else None,
+        )
+    return group
+
+
+def build_optimizer(model: nn.Module, config: OptimizerConfig) -> Optimizer:
+    """One optimizer with a parameter group per named parameter of ``model``.
+
+    Groups carry their parameter's name (``group["name"]``). All-Euclidean configurations give
+    :class:`~ssdcore.optim.SGD`; any spectral group gives :class:`~ssdcore.optim.SSD` (or
+    :class:`~ssdcore.optim.PreconditionedSSD`), whose Euclidean groups take SGD steps.
+    """
+    config.validate()
+    parameters = dict(model.named_parameters())
+    unknown = sorted(set(config.per_parameter) - set(parameters))
+    if unknown:
+        raise ValueError(
+            f"OptimizerConfig.per_parameter: unknown parameter names {unknown}; "
+            f"this model has {sorted(parameters)}"
+        )
+    names = {p: config.per_parameter.get(p, config.name) for p in parameters}
+    groups = [
+        {"params": [tensor], **_group_for(names[p], p, config)} for p, tensor in parameters.items()
+    ]
+    if all(name in ("sgd", "nesterov") for name in names.values()):
+        for group in groups:
+            del group["geometry"]
+        return SGD(groups, lr=config.lr)
+    if "ssd-preconditioned" in names.values():
+        return PreconditionedSSD(groups, lr=config.lr, preconditioner=config.preconditioner)
+    return SSD(groups, lr=config.lr)

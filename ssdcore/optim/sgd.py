@@ -1,0 +1,170 @@
+"""Stochastic gradient descent with momentum or Nesterov momentum: the paper's baseline."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ssdcore.optim.projection import project_spectral_norm_
+
+
+def check_hyperparameters(
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    max_spectral_norm: float | None,
+) -> None:
+    """Raise ``ValueError`` naming the first invalid hyperparameter (shared by every optimizer)."""
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"Invalid learning rate: {lr!r} (must be a finite number > 0)")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"Invalid momentum value: {momentum!r} (must be in [0, 1))")
+    if nesterov and momentum <= 0:
+        raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum!r}")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"Invalid weight_decay value: {weight_decay!r} (must be >= 0)")
+    if max_spectral_norm is not None and not (
+        math.isfinite(max_spectral_norm) and max_spectral_norm > 0
+    ):
+        raise ValueError(
+            f"Invalid max_spectral_norm value: {max_spectral_norm!r} (must be > 0, or None)"
+        )
+
+
+def check_parameter(param: Tensor) -> None:
+    """Refuse what the update rules do not cover: sparse gradients and tensors beyond 2-D."""
+    if param.grad is not None and param.grad.is_sparse:
+        raise RuntimeError("sparse gradients are not supported; use a dense gradient")
+    if param.ndim > 2:
+        raise ValueError(
+            f"parameters must be scalars, vectors or matrices, got shape {tuple(param.shape)}"
+        )
+
+
+def euclidean_update_(
+    param: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    """One (heavy-ball or Nesterov) SGD step in place, with the buffer kept in ``state``.
+
+    Momentum follows PyTorch's convention ``buf = momentum * buf + grad``; Nesterov steps along
+    ``grad + momentum * buf``.
+    """
+    if momentum == 0:
+        param.add_(grad, alpha=-lr)
+        return
+    buffer = state.get("momentum_buffer")
+    if buffer is None:
+        buffer = state["momentum_buffer"] = grad.clone()
+    else:
+        buffer.mul_(momentum).add_(grad)
+    if nesterov:
+        param.add_(grad, alpha=-lr).add_(buffer, alpha=-lr * momentum)
+    else:
+        param.add_(buffer, alpha=-lr)
+
+
+def finish_update_(param: Tensor, group: dict[str, Any]) -> None:
+    """Apply the group's ‖W‖₂ ≤ R projection to matrices after their step."""
+    if group["max_spectral_norm"] is not None and param.ndim == 2:
+        project_spectral_norm_(param, group["max_spectral_norm"])
+
+
+def decay_(param: Tensor, group: dict[str, Any]) -> None:
+    """Decoupled weight decay ``p *= 1 - lr * wd``, kept out of the gradient (stays low-rank)."""
+    if group["weight_decay"] != 0:
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+
+
+class SGD(Optimizer):
+    """SGD with optional momentum / Nesterov momentum, decoupled weight decay and a ‖W‖₂ bound.
+
+    Args:
+        params: parameters or parameter groups (dicts may override any keyword below).
+        lr: step size, > 0.
+        momentum: heavy-ball momentum in [0, 1).
+        nesterov: use Nesterov momentum (needs momentum > 0).
+        weight_decay: decoupled decay, ``p *= 1 - lr * weight_decay`` before each step.
+        max_spectral_norm: project matrices onto ‖W‖₂ ≤ R after each step (the paper's R).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        momentum: float = 0.0,
+        *,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        max_spectral_norm: float | None = None,
+    ) -> None:
+        check_hyperparameters(lr, momentum, nesterov, weight_decay, max_spectral_norm)
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "max_spectral_norm": max_spectral_norm,
+        }
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            check_hyperparameters(
+                group["lr"],
+                group["momentum"],
+                group["nesterov"],
+                group["weight_decay"],
+                group["max_spectral_norm"],
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Take one step for every parameter with a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = dense_gradient(param)
+                if grad is None:
+                    continue
+                check_parameter(param)
+                decay_(param, group)
+                euclidean_update_(
+                    param,
+                    grad,
+                    self.state[param],
+                    lr=group["lr"],
+                    momentum=group["momentum"],
+                    nesterov=group["nesterov"],
+                )
+                finish_update_(param, group)
+        return loss
+
+
+def dense_gradient(param: Tensor) -> Tensor | None:
+    """``param.grad``, or the product of its low-rank factors when only those were given.
+
+    Consumes ``param.grad_factors`` (see :mod:`ssdcore.optim.ssd`) so stale factors never
+    outlive the step they were computed for.
+    """
+    factors = getattr(param, "grad_factors", None)
+    if factors is not None:
+        param.grad_factors = None
+    if param.grad is not None:
+        return param.grad
+    if factors is not None:
+        left, right = factors
+        return left @ right
+    return None

@@ -1,0 +1,311 @@
+"""Stochastic Spectral Descent (Carlson, Cevher & Carin 2015; Fan): steepest descent in S∞ / l∞.
+
+Matrices take the S∞ step ``W -= lr * ‖σ(G)‖₁ * U Vᵀ``; vectors the l∞ step
+``x -= lr * ‖g‖₁ * sign(g)``. Both minimise the paper's upper bound
+``⟨G, Δ⟩ + c ‖Δ‖²`` in the respective norm (its Theorem "SSD"). Per parameter group,
+``geometry="euclidean"`` makes the group take a plain SGD step instead, so the paper's hybrids
+(SSD_W/SGD, SGD_W/SSD) are a matter of grouping.
+
+Low-rank gradients: an estimator may attach ``param.grad_factors = (left, right)`` with
+``param.grad == left @ right`` (the CD weight gradient has rank ≤ 2B). ``method="lowrank"`` then
+takes the exact step from the factors (see :func:`ssdcore.optim.polar.polar_lowrank_factors`).
+The optimizer consumes the factors (sets the attribute to ``None``) every step, so factors can
+never be reused for a later gradient; when ``param.grad`` is also present, a one-vector probe
+``grad @ x == left @ (right @ x)`` guards against factors that no longer describe it. Missing or
+stale factors fall back to the exact SVD. An estimator may also leave ``param.grad`` as ``None``
+and give only the factors, which saves forming the dense gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ssdcore.optim.polar import (
+    Polar,
+    polar_lowrank_factors,
+    polar_newton_schulz,
+    polar_randomized,
+    polar_svd,
+)
+from ssdcore.optim.sgd import (
+    check_hyperparameters,
+    check_parameter,
+    decay_,
+    euclidean_update_,
+    finish_update_,
+)
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("svd", "lowrank", "randomized", "newton-schulz")
+GEOMETRIES = ("spectral", "euclidean")
+PRECONDITIONERS = (None, "rmsprop", "adam")
+# Randomized sketch rank when none is given: enough for the leading part of a CD gradient;
+# the residual correction accounts for the rest.
+DEFAULT_SKETCH_RANK = 64
+# Relative mismatch of the factor probe above which factors are treated as stale; float32
+# rounding of a rank-400 product stays around 1e-5.
+STALE_FACTOR_TOLERANCE = 1e-3
+# Seeds the randomized sketch from the parameter's step count, so runs and resumes repeat.
+SKETCH_SEED = 0x55D
+
+
+class SSD(Optimizer):
+    """Stochastic Spectral Descent with per-group geometry and polar method.
+
+    Args:
+        params: parameters or parameter groups (dicts may override any keyword below).
+        lr: step size, > 0.
+        method: how matrices get ``U Vᵀ`` and ``‖σ(G)‖₁``: ``"lowrank"`` (exact, from
+            ``grad_factors``; falls back to ``"svd"`` without them), ``"svd"``,
+            ``"randomized"`` or ``"newton-schulz"``.
+        geometry: ``"spectral"`` (the SSD step) or ``"euclidean"`` (a plain SGD step).
+        momentum, nesterov: SGD momentum, for ``geometry="euclidean"`` groups only (a momentum
+            buffer is full-rank, which would defeat the exact low-rank spectral step).
+        weight_decay: decoupled decay ``p *= 1 - lr * weight_decay``, kept out of the gradient
+            so that it stays low-rank.
+        max_spectral_norm: project matrices onto ``‖W‖₂ ≤ R`` after each step (the paper's R).
+        rank: sketch rank for ``"randomized"``; 0 means the factors' rank when known, else 64.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        *,
+        method: str = "lowrank",
+        geometry: str = "spectral",
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        max_spectral_norm: float | None = None,
+        rank: int = 0,
+        preconditioner: str | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "method": method,
+            "geometry": geometry,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "max_spectral_norm": max_spectral_norm,
+            "rank": rank,
+            "preconditioner": preconditioner,
+            "betas": betas,
+            "eps": eps,
+        }
+        _check_group(defaults)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            _check_group(group)
+        self._sketch_generators: dict[torch.device, torch.Generator] = {}
+        self._fallback_logged: set[int] = set()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Take one step for every parameter with a gradient (or gradient factors)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                factors = _take_factors(param)
+                if param.grad is None and factors is None:
+                    continue
+                check_parameter(param)
+                state = self.state[param]
+                state["step"] = state.get("step", 0) + 1
+                decay_(param, group)
+                if group["geometry"] == "euclidean":
+                    grad = param.grad if param.grad is not None else factors[0] @ factors[1]
+                    euclidean_update_(
+                        param,
+                        grad,
+                        state,
+                        lr=group["lr"],
+                        momentum=group["momentum"],
+                        nesterov=group["nesterov"],
+                    )
+                elif group["preconditioner"] is not None:
+                    self._preconditioned_step(param, _dense(param, factors), state, group)
+                elif param.ndim == 2:
+                    self._spectral_matrix_step(param, factors, state, group)
+                else:
+                    _linf_step_(param, param.grad, state, group["lr"])
+                finish_update_(param, group)
+        return loss
+
+    def _spectral_matrix_step(
+        self,
+        param: Tensor,
+        factors: tuple[Tensor, Tensor] | None,
+        state: dict[str, Any],
+        group: dict[str, Any],
+    ) -> None:
+        """S∞ step for a matrix, fusing the low-rank product into the update when possible."""
+        lr, method = group["lr"], group["method"]
+        if method == "lowrank":
+            if factors is not None and _factors_describe(param, factors):
+                polar = polar_lowrank_factors(*factors)
+                # W -= lr * ‖σ‖₁ * left @ right, in one addmm without an (m, n) temporary.
+                param.addmm_(polar.left, polar.right.mul_(polar.nuclear_norm), alpha=-lr)
+                return
+            if id(param) not in self._fallback_logged:
+                logger.info(
+                    "parameter of shape %s has no usable grad_factors; lowrank falls back to svd",
+                    tuple(param.shape),
+                )
+                self._fallback_logged.add(id(param))
+        polar = self._polar(_dense(param, factors), method, factors, state, group)
+        param.addcmul_(polar.direction, polar.nuclear_norm, value=-lr)
+
+    def _polar(
+        self,
+        grad: Tensor,
+        method: str,
+        factors: tuple[Tensor, Tensor] | None,
+        state: dict[str, Any],
+        group: dict[str, Any],
+    ) -> Polar:
+        """Dispatch to the polar method of a dense matrix gradient."""
+        if method == "newton-schulz":
+            return polar_newton_schulz(grad)
+        if method == "randomized":
+            rank = group["rank"] or (
+                factors[0].shape[1] if factors is not None else DEFAULT_SKETCH_RANK
+            )
+            generator = self._sketch_generator(grad.device)
+            generator.manual_seed(SKETCH_SEED + state["step"])
+            return polar_randomized(grad, min(rank, *grad.shape), generator=generator)
+        return polar_svd(grad)
+
+    def _sketch_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._sketch_generators.get(device)
+        if generator is None:
+            generator = self._sketch_generators[device] = torch.Generator(device=device)
+        return generator
+
+    def _preconditioned_step(
+        self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """Spectral / l∞ step in the diagonally rescaled geometry (see PreconditionedSSD)."""
+        beta1, beta2 = group["betas"]
+        step = state["step"]
+        second = state.get("exp_avg_sq")
+        if second is None:
+            second = state["exp_avg_sq"] = torch.zeros_like(param)
+        second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if group["preconditioner"] == "adam":
+            first = state.get("exp_avg")
+            if first is None:
+                first = state["exp_avg"] = torch.zeros_like(param)
+            first.lerp_(grad, 1 - beta1)
+            grad = first / (1 - beta1**step)
+        # D = sqrt(v̂) + eps; the step is D^{-1/2} ⊙ #(D^{-1/2} ⊙ g), with # the S∞ / l∞ step.
+        scale = (second / (1 - beta2**step)).sqrt_().add_(group["eps"]).rsqrt_()
+        scaled_grad = grad * scale
+        if param.ndim == 2:
+            polar = self._polar(scaled_grad, group["method"], None, state, group)
+            param.addcmul_(polar.direction.mul_(scale), polar.nuclear_norm, value=-group["lr"])
+        else:
+            norm = torch.linalg.vector_norm(scaled_grad, 1)
+            param.addcmul_(scaled_grad.sign_().mul_(scale), norm, value=-group["lr"])
+
+
+def _linf_step_(param: Tensor, grad: Tensor, state: dict[str, Any], lr: float) -> None:
+    """l∞ step ``x -= lr * ‖g‖₁ * sign(g)`` with a reused sign buffer."""
+    sign = state.get("sign_buffer")
+    if sign is None or sign.shape != grad.shape:
+        sign = state["sign_buffer"] = torch.empty_like(grad)
+    torch.sign(grad, out=sign)
+    param.addcmul_(sign, torch.linalg.vector_norm(grad, 1), value=-lr)
+
+
+def _take_factors(param: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Read and clear ``param.grad_factors`` so they can only ever serve this step."""
+    factors = getattr(param, "grad_factors", None)
+    if factors is None:
+        return None
+    param.grad_factors = None
+    left, right = factors
+    rank = left.shape[-1]
+    if (
+        left.ndim != 2
+        or right.ndim != 2
+        or left.shape[0] != param.shape[0]
+        or right.shape != (rank, param.shape[-1])
+    ):
+        raise ValueError(
+            f"grad_factors of shapes {tuple(left.shape)} and {tuple(right.shape)} do not "
+            f"multiply to the parameter's shape {tuple(param.shape)}"
+        )
+    return left, right
+
+
+def _factors_describe(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
+    """Whether ``left @ right`` still equals ``param.grad`` (probe with one vector, O(m n))."""
+    if param.grad is None:
+        return True
+    left, right = factors
+    probe = torch.ones(param.shape[1], 1, dtype=param.dtype, device=param.device)
+    through_factors = right @ probe  # (r, 1)
+    mismatch = torch.linalg.vector_norm(param.grad @ probe - left @ through_factors)
+    reference = torch.linalg.matrix_norm(left) * torch.linalg.vector_norm(through_factors)
+    return bool(mismatch <= STALE_FACTOR_TOLERANCE * reference)
+
+
+def _dense(param: Tensor, factors: tuple[Tensor, Tensor] | None) -> Tensor:
+    """The dense gradient: ``param.grad``, or the product of its factors."""
+    if param.grad is not None:
+        return param.grad
+    if factors is None:
+        raise RuntimeError("parameter has neither a gradient nor gradient factors")
+    return factors[0] @ factors[1]
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first invalid setting of a parameter group."""
+    check_hyperparameters(
+        group["lr"],
+        group["momentum"],
+        group["nesterov"],
+        group["weight_decay"],
+        group["max_spectral_norm"],
+    )
+    if group["method"] not in METHODS:
+        raise ValueError(f"Invalid method: {group['method']!r} (choose one of {METHODS})")
+    if group["geometry"] not in GEOMETRIES:
+        raise ValueError(f"Invalid geometry: {group['geometry']!r} (choose one of {GEOMETRIES})")
+    if group["preconditioner"] not in PRECONDITIONERS:
+        raise ValueError(
+            f"Invalid preconditioner: {group['preconditioner']!r} (choose one of {PRECONDITIONERS})"
+        )
+    if group["geometry"] == "spectral" and group["momentum"] != 0:
+        raise ValueError(
+            f"Invalid momentum value: {group['momentum']!r} for a spectral group; momentum "
+            "applies to geometry='euclidean' groups only"
+        )
+    if group["geometry"] == "euclidean" and group["preconditioner"] is not None:
+        raise ValueError("preconditioner applies to geometry='spectral' groups only")
+    if group["preconditioner"] is not None and group["method"] == "lowrank":
+        raise ValueError(
+            "Invalid method: 'lowrank' with a preconditioner; the rescaled gradient is no "
+            "longer low-rank, use 'svd', 'randomized' or 'newton-schulz'"
+        )
+    if not (isinstance(group["rank"], int) and group["rank"] >= 0):
+        raise ValueError(f"Invalid rank value: {group['rank']!r} (must be an integer >= 0)")
+    beta1, beta2 = group["betas"]
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        raise ValueError(f"Invalid betas: {group['betas']!r} (each must be in [0, 1))")
+    if not group["eps"] > 0:
+        raise ValueError(f"Invalid eps value: {group['eps']!r} (must be > 0)")
