@@ -1,0 +1,55 @@
+"""ssdrbm: the Python SDK and CLI of the ssdrbm RBM training service.
+
+Needs only grpcio, protobuf and numpy (matplotlib for ``ssdrbm plot``); never torch or Redis.
+"""
+
+from __future__ import annotations
+
+from ssdrbm.client import Client
+from ssdrbm.connection import TLS
+from ssdrbm.datasets import UploadedDataset
+from ssdrbm.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    ServerError,
+    SSDRBMError,
+    Unauthenticated,
+    Unavailable,
+)
+from ssdrbm.events import Job, JobState, MetricEvent, Metrics, MetricsEvent, StateEvent
+from ssdrbm.model_file import ExportedModel, read_safetensors
+from ssdrbm.retry import RetryPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TLS",
+    "Client",
+    "DeadlineExceeded",
+    "ExportedModel",
+    "FailedPrecondition",
+    "IntegrityError",
+    "InvalidArgument",
+    "Job",
+    "JobState",
+    "MetricEvent",
+    "Metrics",
+    "MetricsEvent",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "RetryPolicy",
+    "SSDRBMError",
+    "ServerError",
+    "StateEvent",
+    "Unauthenticated",
+    "Unavailable",
+    "UploadedDataset",
+    "__version__",
+    "read_safetensors",
+]

@@ -1,0 +1,317 @@
+"""The asyncio Python SDK: :class:`AsyncClient`, the same methods as :class:`ssdrbm.Client`.
+
+from ssdrbm.aio import AsyncClient
+
+async with AsyncClient("localhost:50051") as client:
+    job = await client.start_training(n_hidden=25, steps=500)
+    async for event in client.stream_metrics(job.id):
+        ...
+    features = await client.sample_hidden(job.id, x)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from ssdrbm import _calls
+from ssdrbm.client import DEFAULT_PAGE_SIZE, DEFAULT_RECONNECT_S
+from ssdrbm.connection import TLS, Connection
+from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, UploadedDataset, load_array, upload_messages
+from ssdrbm.errors import ResourceExhausted, from_rpc_error
+from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
+from ssdrbm.model_file import ExportedModel
+from ssdrbm.retry import NO_RETRY, RetryPolicy, acall_with_retry, is_retryable
+from ssdrbm.spec import training_request
+from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
+from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncClient:
+    """A ``grpc.aio`` connection to the ssdrbm service; arguments as for :class:`ssdrbm.Client`.
+
+    Create it inside a running event loop (``async with AsyncClient(...) as client``).
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        token: str | None = None,
+        tls: TLS | bool | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        reconnect_s: float = DEFAULT_RECONNECT_S,
+    ) -> None:
+        self.connection = Connection.resolve(target, token=token, tls=tls, timeout=timeout)
+        self.retry = retry or RetryPolicy()
+        self.max_batch_bytes = max_batch_bytes
+        self.reconnect_s = reconnect_s
+        self._channel = self.connection.aio_channel()
+        self._stub = rbm_pb2_grpc.RBMServiceStub(self._channel)
+
+    @property
+    def target(self) -> str:
+        """The address this client talks to."""
+        return self.connection.target
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _call(self, method: str, request: Any, *, idempotent: bool = True) -> Any:
+        stub_method = getattr(self._stub, method)
+        policy = self.retry if idempotent else NO_RETRY
+        try:
+            return await acall_with_retry(
+                lambda: stub_method(
+                    request, timeout=self.connection.timeout, metadata=self.connection.metadata()
+                ),
+                policy,
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, self.target) from None
+
+    async def start_training(self, **kwargs: Any) -> Job:
+        """Submit a training job; see :meth:`ssdrbm.Client.start_training` for the arguments."""
+        request = training_request(**kwargs)
+        return Job.from_proto((await self._call("StartTraining", request)).job)
+
+    async def get_job(self, job_id: str) -> Job:
+        """The job's current record."""
+        return Job.from_proto(await self._call("GetJob", rbm_pb2.GetJobRequest(job_id=job_id)))
+
+    async def list_jobs(
+        self, state: JobState | str | None = None, *, page_size: int = DEFAULT_PAGE_SIZE
+    ) -> AsyncIterator[Job]:
+        """Every job of the caller, newest first, page by page."""
+        state_number = JobState(state).to_proto() if state else 0
+        token = ""
+        while True:
+            request = rbm_pb2.ListJobsRequest(
+                page_size=page_size, page_token=token, state=state_number
+            )
+            response = await self._call("ListJobs", request)
+            for message in response.jobs:
+                yield Job.from_proto(message)
+            token = response.next_page_token
+            if not token:
+                return
+
+    async def cancel(self, job_id: str) -> Job:
+        """Ask the job to stop; returns its record."""
+        request = rbm_pb2.CancelJobRequest(job_id=job_id)
+        return Job.from_proto(await self._call("CancelJob", request))
+
+    async def stream_metrics(
+        self,
+        job_id: str,
+        after: str | None = None,
+        *,
+        follow: bool = True,
+        timeout: float | None = None,
+    ) -> AsyncIterator[MetricEvent]:
+        """The job's events, resuming after dropped connections; see the blocking client."""
+        token = after or ""
+        deadline = _calls.deadline_after(timeout)
+        reconnect = _calls.Reconnect(self.retry, self.reconnect_s)
+        while True:
+            request = rbm_pb2.StreamMetricsRequest(
+                job_id=job_id, after=token, history_only=not follow
+            )
+            call = self._stub.StreamMetrics(
+                request, timeout=_calls.remaining(deadline), metadata=self.connection.metadata()
+            )
+            received = 0
+            try:
+                async for message in call:
+                    token = message.resume_token or token
+                    received += 1
+                    reconnect.reset()
+                    event = event_from_proto(message)
+                    if event is None:
+                        continue
+                    yield event
+                    if isinstance(event, StateEvent) and event.state.terminal:
+                        return
+            except grpc.RpcError as error:
+                delay = reconnect.next_delay() if is_retryable(error) else None
+                if delay is None:
+                    raise from_rpc_error(error, self.target) from None
+                logger.info("metric stream of %s dropped (%s); resuming", job_id, error.code())
+                await asyncio.sleep(delay)
+                continue
+            finally:
+                call.cancel()
+            if not follow or (received == 0 and (await self.get_job(job_id)).done):
+                return
+            delay = reconnect.next_delay()
+            if delay is None:
+                return
+            await asyncio.sleep(delay)
+
+    async def wait(
+        self,
+        job_id: str,
+        *,
+        timeout: float | None = None,
+        on_event: Callable[[MetricEvent], None] | None = None,
+    ) -> Job:
+        """Follow the job until it ends and return its final record."""
+        async for event in self.stream_metrics(job_id, timeout=timeout):
+            if on_event is not None:
+                on_event(event)
+        return await self.get_job(job_id)
+
+    async def _batched(
+        self,
+        x: np.ndarray,
+        method: str,
+        build: Callable[[np.ndarray, int], Any],
+        same: bool,
+    ) -> np.ndarray:
+        plan = _calls.BatchPlan.for_input(x, self.max_batch_bytes)
+        outputs: list[np.ndarray] = []
+        start = 0
+        while start < plan.batch.shape[0]:
+            rows = plan.next_slice(start)
+            try:
+                response = await self._call(method, build(plan.batch[rows], start))
+            except ResourceExhausted:
+                if plan.shrink():
+                    continue
+                raise
+            outputs.append(_calls.output_array(response))
+            start = rows.stop
+        return plan.assemble(outputs, same_shape=same)
+
+    async def reconstruct(
+        self,
+        job_id: str,
+        x: np.ndarray,
+        k: int = 1,
+        *,
+        mean_field: bool = False,
+        seed: int = 0,
+        checkpoint_step: int = 0,
+    ) -> np.ndarray:
+        """Visible vectors after ``k`` Gibbs steps (or mean field); same shape as ``x``."""
+
+        def build(rows: np.ndarray, start: int) -> rbm_pb2.ReconstructRequest:
+            return _calls.reconstruct_request(
+                job_id,
+                rows,
+                k=k,
+                mean_field=mean_field,
+                seed=_calls.chunk_seed(seed, start),
+                checkpoint_step=checkpoint_step,
+            )
+
+        return await self._batched(x, "Reconstruct", build, same=True)
+
+    async def sample_hidden(
+        self,
+        job_id: str,
+        x: np.ndarray,
+        mode: str = "probs",
+        *,
+        seed: int = 0,
+        checkpoint_step: int = 0,
+    ) -> np.ndarray:
+        """Hidden probabilities (``"probs"``) or samples (``"sample"``) of ``x``."""
+        mode_number = _calls.hidden_mode(mode)
+
+        def build(rows: np.ndarray, start: int) -> rbm_pb2.SampleHiddenRequest:
+            return _calls.sample_hidden_request(
+                job_id,
+                rows,
+                mode=mode_number,
+                seed=_calls.chunk_seed(seed, start),
+                checkpoint_step=checkpoint_step,
+            )
+
+        return await self._batched(x, "SampleHidden", build, same=False)
+
+    async def upload_dataset(
+        self,
+        data: np.ndarray | str | Path,
+        *,
+        name: str = "",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> str:
+        """Upload an array (or a ``.npy`` file) and return its dataset id."""
+        details = await self.upload_dataset_details(data, name=name, chunk_bytes=chunk_bytes)
+        return details.id
+
+    async def upload_dataset_details(
+        self,
+        data: np.ndarray | str | Path,
+        *,
+        name: str = "",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> UploadedDataset:
+        """Upload and return the id with shape, size and whether the content was new."""
+        array = load_array(data)
+        timeout = self.connection.timeout + array.nbytes / 5e6
+
+        def send() -> Awaitable[Any]:
+            return self._stub.UploadDataset(
+                _aiter(upload_messages(array, name=name, chunk_bytes=chunk_bytes)),
+                timeout=timeout,
+                metadata=self.connection.metadata(),
+            )
+
+        try:
+            response = await acall_with_retry(send, self.retry)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, self.target) from None
+        return UploadedDataset(
+            id=response.dataset_id,
+            shape=tuple(response.shape),
+            size_bytes=response.size_bytes,
+            created=response.created,
+        )
+
+    async def _download(self, job_id: str, checkpoint_step: int) -> _calls.ModelDownload:
+        request = rbm_pb2.ExportModelRequest(job_id=job_id, checkpoint_step=checkpoint_step)
+
+        async def receive() -> _calls.ModelDownload:
+            call = self._stub.ExportModel(
+                request, timeout=self.connection.timeout, metadata=self.connection.metadata()
+            )
+            return _calls.collect_export([message async for message in call])
+
+        try:
+            return await acall_with_retry(receive, self.retry)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, self.target) from None
+
+    async def fetch_model(self, job_id: str, *, checkpoint_step: int = 0) -> ExportedModel:
+        """The job's model as numpy tensors plus its config."""
+        return (await self._download(job_id, checkpoint_step)).model()
+
+    async def export_model(
+        self, job_id: str, path: str | Path, *, checkpoint_step: int = 0
+    ) -> Path:
+        """Write ``model.safetensors`` and ``config.json`` into directory ``path``."""
+        return (await self._download(job_id, checkpoint_step)).write(path)
+
+
+async def _aiter(items: Any) -> AsyncIterator[Any]:
+    for item in items:
+        yield item

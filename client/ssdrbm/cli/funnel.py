@@ -1,0 +1,153 @@
+"""The one place where failures become a line on stderr and an exit code.
+
+Every error is printed as ``ssdrbm: error: <what happened> — <what to do>``; the traceback is
+shown only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import TextIO
+
+from ssdrbm import errors
+from ssdrbm.cli.exit_codes import ExitCode
+
+PROGRAM = "ssdrbm"
+
+
+class ServerNotInstalled(Exception):
+    """``ssdrbm serve`` / ``ssdrbm worker`` need the server package, which is not importable."""
+
+
+class UsageError(Exception):
+    """A command-line value that cannot work, found before anything was sent."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What to print and what to return for an error."""
+
+    what: str
+    todo: str
+    code: ExitCode
+
+    def line(self) -> str:
+        """The single stderr line."""
+        return f"{PROGRAM}: error: {self.what} — {self.todo}"
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the command was doing, so the message can name the address, job and command."""
+
+    command: str = ""
+    target: str = ""
+    job_id: str | None = None
+
+
+def describe(error: BaseException, context: Context) -> Failure:
+    """Map an exception to its message and exit code."""
+    if isinstance(error, KeyboardInterrupt):
+        todo = "nothing was changed"
+        if context.job_id and context.command in ("watch", "train"):
+            todo = f"the job keeps running; stop it with '{PROGRAM} cancel {context.job_id}'"
+        return Failure("interrupted", todo, ExitCode.INTERRUPTED)
+    if isinstance(error, errors.SSDRBMError):
+        return _describe_service_error(error, context)
+    if isinstance(error, ServerNotInstalled):
+        return Failure(
+            f"'{PROGRAM} {context.command}' needs the ssdrbm server, which is not installed here",
+            "install ssdrbm-server (pip install ssdrbm-server) or run it where it is installed",
+            ExitCode.ERROR,
+        )
+    if isinstance(error, UsageError):
+        return Failure(str(error), f"see '{PROGRAM} {context.command} --help'", ExitCode.USAGE)
+    if isinstance(error, OSError) and error.filename is not None:
+        return Failure(
+            f"cannot use {error.filename}: {error.strerror or error}",
+            "check the path and its permissions",
+            ExitCode.ERROR,
+        )
+    if isinstance(error, ValueError):
+        return Failure(str(error), "check the input", ExitCode.USAGE)
+    return Failure(
+        f"unexpected {type(error).__name__}: {error}",
+        "run again with --debug to see the traceback, and report it",
+        ExitCode.ERROR,
+    )
+
+
+def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Failure:
+    target = error.target or context.target
+    details = error.details
+    if isinstance(error, errors.Unavailable):
+        return Failure(
+            f"cannot reach the ssdrbm service at {target} ({_connection_problem(details)})",
+            f"start it with '{PROGRAM} serve', or point --target / SSDRBM_TARGET at a running one",
+            ExitCode.UNAVAILABLE,
+        )
+    if isinstance(error, errors.DeadlineExceeded):
+        return Failure(
+            f"the service at {target} did not answer in time",
+            "try again, or allow longer with --timeout / SSDRBM_TIMEOUT",
+            ExitCode.UNAVAILABLE,
+        )
+    if isinstance(error, errors.NotFound):
+        what = f"job {context.job_id} not found ({details})" if context.job_id else details
+        return Failure(what, f"list your jobs with '{PROGRAM} jobs'", ExitCode.NOT_FOUND)
+    if isinstance(error, errors.InvalidArgument):
+        return Failure(
+            f"invalid argument: {details}",
+            f"fix that value (see '{PROGRAM} {context.command} --help')",
+            ExitCode.USAGE,
+        )
+    if isinstance(error, errors.Unauthenticated):
+        return Failure(
+            f"the service at {target} did not accept the request: {details}",
+            "pass a valid --token or set SSDRBM_TOKEN",
+            ExitCode.UNAUTHENTICATED,
+        )
+    if isinstance(error, errors.PermissionDenied):
+        return Failure(
+            f"not allowed: {details}", "use a token that may do this", ExitCode.UNAUTHENTICATED
+        )
+    if isinstance(error, errors.FailedPrecondition):
+        job = context.job_id or "JOB"
+        return Failure(
+            details,
+            f"check the job with '{PROGRAM} get {job}'; models are served once it has a checkpoint",
+            ExitCode.NOT_READY,
+        )
+    if isinstance(error, errors.ResourceExhausted):
+        return Failure(
+            f"limit reached: {details}",
+            "send less at once (smaller batches or datasets) or wait for running jobs to finish",
+            ExitCode.LIMIT,
+        )
+    return Failure(
+        f"the service at {target} failed: {details}",
+        "try again; if it persists, check the server's log",
+        ExitCode.ERROR,
+    )
+
+
+def _connection_problem(details: str) -> str:
+    """gRPC's connection messages are long; keep the part a person acts on."""
+    for known in ("Connection refused", "Connection reset", "DNS resolution failed", "timed out"):
+        if known.lower() in details.lower():
+            return known.lower()
+    return details if len(details) <= 120 else details[:119] + "…"
+
+
+def report(
+    error: BaseException, context: Context, *, debug: bool = False, stream: TextIO | None = None
+) -> ExitCode:
+    """Print the error line (after the traceback with ``debug``) and return the exit code."""
+    stream = stream or sys.stderr
+    if debug and not isinstance(error, KeyboardInterrupt):
+        traceback.print_exception(error, file=stream)
+    failure = describe(error, context)
+    print(failure.line(), file=stream, flush=True)
+    return failure.code

@@ -1,0 +1,233 @@
+"""Commands about jobs: ``train``, ``watch``, ``jobs``, ``get``, ``cancel``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ssdrbm import spec
+from ssdrbm.cli.context import client_from_args
+from ssdrbm.cli.exit_codes import ExitCode
+from ssdrbm.cli.funnel import UsageError
+from ssdrbm.cli.output import print_json
+from ssdrbm.cli.progress import ProgressDisplay
+from ssdrbm.cli.tables import job_details, jobs_table
+from ssdrbm.client import Client
+from ssdrbm.events import Job, JobState, MetricsEvent, to_jsonable
+
+FINAL_EXIT_CODES = {
+    JobState.SUCCEEDED: ExitCode.OK,
+    JobState.FAILED: ExitCode.JOB_FAILED,
+    JobState.CANCELLED: ExitCode.JOB_CANCELLED,
+}
+
+
+def register(commands: argparse._SubParsersAction, parents: list) -> None:
+    """Add the job commands to the ``ssdrbm`` parser."""
+    train = commands.add_parser(
+        "train", parents=parents, help="submit a training job and print its id"
+    )
+    _add_training_options(train)
+    train.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    train.add_argument("--json", action="store_true", help="print the job as JSON")
+    train.set_defaults(run=run_train)
+
+    watch = commands.add_parser("watch", parents=parents, help="follow a job's progress live")
+    watch.add_argument("job", metavar="JOB")
+    watch.add_argument("--after", metavar="TOKEN", help="start after this resume token")
+    watch.add_argument("--json", action="store_true", help="print events as JSON lines")
+    watch.set_defaults(run=run_watch)
+
+    jobs = commands.add_parser("jobs", parents=parents, help="list jobs, newest first")
+    jobs.add_argument("--state", choices=[s.value for s in JobState if s.value != "unspecified"])
+    jobs.add_argument("--limit", type=int, default=50, help="at most this many (0 = all)")
+    jobs.add_argument("--json", action="store_true", help="print a JSON list")
+    jobs.set_defaults(run=run_jobs)
+
+    get = commands.add_parser("get", parents=parents, help="show one job")
+    get.add_argument("job", metavar="JOB")
+    get.add_argument("--json", action="store_true", help="print the job as JSON")
+    get.set_defaults(run=run_get)
+
+    cancel = commands.add_parser("cancel", parents=parents, help="stop a job")
+    cancel.add_argument("job", metavar="JOB")
+    cancel.add_argument("--json", action="store_true", help="print the job as JSON")
+    cancel.set_defaults(run=run_cancel)
+
+
+def _add_training_options(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="bernoulli", choices=list(spec.MODELS))
+    model.add_argument("--variance", choices=list(spec.VARIANCES), help="Gaussian models")
+    model.add_argument("--hidden", "--n-hidden", dest="n_hidden", type=int, default=64)
+    opt = parser.add_argument_group("optimizer")
+    opt.add_argument("--optimizer", default="ssd", choices=list(spec.OPTIMIZERS))
+    opt.add_argument("--method", default="lowrank", choices=list(spec.METHODS))
+    opt.add_argument("--preconditioner", choices=list(spec.PRECONDITIONERS))
+    opt.add_argument("--lr", type=float, default=0.01)
+    opt.add_argument("--momentum", type=float, default=0.0)
+    opt.add_argument("--weight-decay", type=float, default=0.0)
+    opt.add_argument("--max-spectral-norm", type=float, default=0.0)
+    opt.add_argument("--rank", type=int, default=0, help="randomized method's sketch rank")
+    opt.add_argument(
+        "--per-parameter",
+        action="append",
+        default=[],
+        metavar="NAME=OPTIMIZER",
+        help="hybrid override, e.g. W=ssd (repeatable)",
+    )
+    train = parser.add_argument_group("training")
+    train.add_argument("--cd-k", type=int, help="Gibbs steps per gradient [1]")
+    train.add_argument("--persistent", action="store_true", help="PCD instead of CD")
+    train.add_argument("--batch-size", type=int, default=100)
+    length = train.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help=f"iterations [{spec.DEFAULT_STEPS}]")
+    length.add_argument("--epochs", type=int)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--checkpoint-every", type=int, default=0)
+    evaluation = parser.add_argument_group("evaluation")
+    evaluation.add_argument("--eval-every", type=int, default=0, help="steps between metrics")
+    evaluation.add_argument("--ais", action="store_true", help="AIS log-likelihood")
+    evaluation.add_argument("--ais-chains", type=int, default=0)
+    evaluation.add_argument("--ais-betas", type=int, default=0)
+    evaluation.add_argument("--validation-fraction", type=float, default=0.0)
+    data = parser.add_argument_group("data")
+    source = data.add_mutually_exclusive_group()
+    source.add_argument("--dataset", default="synthetic", help="synthetic, mnist or freyface")
+    source.add_argument("--dataset-id", help="an id from 'ssdrbm upload'")
+    source.add_argument("--data", metavar="FILE.npy", help="upload this array and train on it")
+    data.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="built-in dataset option, e.g. n_samples=2000 (repeatable)",
+    )
+    data.add_argument("--preprocess", choices=list(spec.PREPROCESSING))
+    parser.add_argument("--name", default="", help="label shown in listings")
+    parser.add_argument("--request-id", help="idempotency key (generated when missing)")
+
+
+def _pairs(values: list[str], flag: str) -> dict[str, str]:
+    result = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"{flag} expects KEY=VALUE, got {item!r}")
+        result[key] = value
+    return result
+
+
+def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The :meth:`Client.start_training` arguments given on the command line."""
+    return {
+        "model": args.model,
+        "variance": args.variance,
+        "n_hidden": args.n_hidden,
+        "optimizer": args.optimizer,
+        "method": args.method,
+        "preconditioner": args.preconditioner,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "weight_decay": args.weight_decay,
+        "max_spectral_norm": args.max_spectral_norm,
+        "rank": args.rank,
+        "per_parameter": _pairs(args.per_parameter, "--per-parameter"),
+        "cd_k": args.cd_k,
+        "persistent": args.persistent,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "checkpoint_every": args.checkpoint_every,
+        "eval_every": args.eval_every,
+        "ais": args.ais,
+        "ais_chains": args.ais_chains,
+        "ais_betas": args.ais_betas,
+        "validation_fraction": args.validation_fraction,
+        "dataset": args.dataset,
+        "dataset_id": args.dataset_id,
+        "dataset_options": _pairs(args.option, "--option"),
+        "preprocess": args.preprocess,
+        "request_id": args.request_id,
+        "name": args.name,
+    }
+
+
+def run_train(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm train``: print the new job's id (or JSON); ``--watch`` then follows it."""
+    kwargs = training_kwargs(args)
+    with client_from_args(args) as client:
+        if args.data:
+            kwargs["dataset_id"] = client.upload_dataset(args.data)
+        job = client.start_training(**kwargs)
+        args.job = job.id  # lets an error or Ctrl-C name the job
+        if args.json:
+            print_json(job, lines=args.watch)
+        else:
+            print(job.id, flush=True)
+        if not args.watch:
+            return ExitCode.OK
+        return follow(client, job.id, as_json=args.json)
+
+
+def follow(client: Client, job_id: str, *, as_json: bool, after: str | None = None) -> ExitCode:
+    """Stream a job's events (progress on stderr, or JSON lines on stdout) until it ends."""
+    display = None if as_json else ProgressDisplay(job_id)
+    for event in client.stream_metrics(job_id, after=after):
+        if display is None:
+            kind = "metrics" if isinstance(event, MetricsEvent) else "state"
+            print_json({"event": kind, **to_jsonable(event)}, lines=True)
+        else:
+            display.on_event(event)
+    job = client.get_job(job_id)
+    if display is None:
+        print_json({"event": "job", "job": job}, lines=True)
+    else:
+        display.finish(job)
+    return FINAL_EXIT_CODES.get(job.state, ExitCode.ERROR)
+
+
+def run_watch(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm watch JOB``."""
+    with client_from_args(args) as client:
+        return follow(client, args.job, as_json=args.json, after=args.after)
+
+
+def run_jobs(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm jobs``: a table (or JSON list) of jobs."""
+    if args.limit < 0:
+        raise UsageError("--limit must be 0 (all) or more")
+    with client_from_args(args) as client:
+        jobs: list[Job] = []
+        page_size = min(args.limit, 1000) if args.limit else 1000
+        for job in client.list_jobs(args.state, page_size=page_size):
+            jobs.append(job)
+            if args.limit and len(jobs) >= args.limit:
+                break
+    if args.json:
+        print_json(jobs)
+    elif jobs:
+        print(jobs_table(jobs))
+    else:
+        print("no jobs yet — start one with 'ssdrbm train'")
+    return ExitCode.OK
+
+
+def run_get(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm get JOB``."""
+    with client_from_args(args) as client:
+        job = client.get_job(args.job)
+    print_json(job) if args.json else print(job_details(job))
+    return ExitCode.OK
+
+
+def run_cancel(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm cancel JOB``: the job's state after the request."""
+    with client_from_args(args) as client:
+        job = client.cancel(args.job)
+    if args.json:
+        print_json(job)
+    else:
+        print(f"{job.id} {job.state.value}")
+    return ExitCode.OK

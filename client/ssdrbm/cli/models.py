@@ -1,0 +1,159 @@
+"""Commands that use a trained model: ``reconstruct``, ``features``, ``export``, ``plot``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from ssdrbm.cli.context import client_from_args
+from ssdrbm.cli.exit_codes import ExitCode
+from ssdrbm.cli.funnel import UsageError
+from ssdrbm.cli.output import print_json
+from ssdrbm.events import MetricsEvent
+
+
+def register(commands: argparse._SubParsersAction, parents: list) -> None:
+    """Add the model commands to the ``ssdrbm`` parser."""
+    reconstruct = commands.add_parser(
+        "reconstruct", parents=parents, help="reconstruct inputs through a trained model"
+    )
+    _add_io(reconstruct, "reconstructions")
+    reconstruct.add_argument("-k", type=int, default=1, help="Gibbs steps")
+    reconstruct.add_argument("--mean-field", action="store_true", help="means, not samples")
+    reconstruct.set_defaults(run=run_reconstruct)
+
+    features = commands.add_parser(
+        "features", parents=parents, help="hidden-unit features of inputs"
+    )
+    _add_io(features, "features (N, n_hidden)")
+    features.add_argument("--sample", action="store_true", help="0/1 samples, not probabilities")
+    features.set_defaults(run=run_features)
+
+    export = commands.add_parser(
+        "export", parents=parents, help="write model.safetensors and config.json"
+    )
+    export.add_argument("job", metavar="JOB")
+    export.add_argument("--output", "-o", required=True, metavar="DIR")
+    export.add_argument("--checkpoint-step", type=int, default=0, help="0 = latest")
+    export.add_argument("--json", action="store_true", help="print the written paths as JSON")
+    export.set_defaults(run=run_export)
+
+    plot = commands.add_parser("plot", parents=parents, help="PNG figures of a job and its model")
+    plot.add_argument("job", metavar="JOB")
+    plot.add_argument("--output", "-o", required=True, metavar="DIR")
+    plot.add_argument("--input", metavar="X.npy", help="inputs to show beside reconstructions")
+    plot.add_argument("--image-shape", metavar="HxW", help="e.g. 28x28 (guessed when missing)")
+    plot.add_argument("--json", action="store_true", help="print the written files as JSON")
+    plot.set_defaults(run=run_plot)
+
+
+def _add_io(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("job", metavar="JOB")
+    parser.add_argument("--input", "-i", required=True, metavar="X.npy", help="(N, n_visible)")
+    parser.add_argument("--output", "-o", required=True, metavar="Y.npy", help=f"where {what} go")
+    parser.add_argument("--seed", type=int, default=0, help="0 = random")
+    parser.add_argument("--checkpoint-step", type=int, default=0, help="0 = latest")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+
+
+def load_input(path: str) -> np.ndarray:
+    """A numeric ``.npy`` array (never unpickled)."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as error:
+        raise UsageError(f"{path}: not a plain numeric .npy array ({error})") from None
+
+
+def _save(args: argparse.Namespace, result: np.ndarray) -> ExitCode:
+    np.save(args.output, result)
+    summary = {"job_id": args.job, "output": args.output, "shape": list(result.shape)}
+    if args.json:
+        print_json(summary)
+    else:
+        print(f"{args.output} {tuple(result.shape)}")
+    return ExitCode.OK
+
+
+def run_reconstruct(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm reconstruct JOB --input x.npy --output y.npy``."""
+    x = load_input(args.input)
+    with client_from_args(args) as client:
+        y = client.reconstruct(
+            args.job,
+            x,
+            k=args.k,
+            mean_field=args.mean_field,
+            seed=args.seed,
+            checkpoint_step=args.checkpoint_step,
+        )
+    return _save(args, y)
+
+
+def run_features(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm features JOB --input x.npy --output h.npy [--sample]``."""
+    x = load_input(args.input)
+    with client_from_args(args) as client:
+        h = client.sample_hidden(
+            args.job,
+            x,
+            mode="sample" if args.sample else "probs",
+            seed=args.seed,
+            checkpoint_step=args.checkpoint_step,
+        )
+    return _save(args, h)
+
+
+def run_export(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm export JOB --output DIR``."""
+    with client_from_args(args) as client:
+        directory = client.export_model(args.job, args.output, checkpoint_step=args.checkpoint_step)
+    files = sorted(str(path) for path in Path(directory).iterdir())
+    if args.json:
+        print_json({"job_id": args.job, "directory": str(directory), "files": files})
+    else:
+        print("\n".join(files))
+    return ExitCode.OK
+
+
+def parse_image_shape(text: str | None) -> tuple[int, int] | None:
+    """``"28x20"`` → (28, 20)."""
+    if text is None:
+        return None
+    height, sep, width = text.lower().partition("x")
+    if not sep or not height.isdigit() or not width.isdigit():
+        raise UsageError(f"--image-shape expects HxW such as 28x28, got {text!r}")
+    return int(height), int(width)
+
+
+def run_plot(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm plot JOB --output DIR``: metric curves, filters, W histogram, and more."""
+    from ssdrbm.cli import plot  # matplotlib is imported only for this command
+
+    image_shape = parse_image_shape(args.image_shape)
+    inputs = load_input(args.input) if args.input else None
+    with client_from_args(args) as client:
+        history = [
+            event.metrics
+            for event in client.stream_metrics(args.job, follow=False)
+            if isinstance(event, MetricsEvent)
+        ]
+        model = client.fetch_model(args.job)
+        reconstructions = None
+        if inputs is not None:
+            inputs = inputs[: plot.MAX_EXAMPLES]
+            reconstructions = client.reconstruct(args.job, inputs, mean_field=True, seed=1)
+    written = plot.write_figures(
+        Path(args.output),
+        history=history,
+        model=model,
+        inputs=inputs,
+        reconstructions=reconstructions,
+        image_shape=image_shape,
+    )
+    if args.json:
+        print_json({"job_id": args.job, "files": [str(path) for path in written]})
+    else:
+        print("\n".join(str(path) for path in written))
+    return ExitCode.OK

@@ -1,0 +1,49 @@
+"""Printing results: JSON for scripts (``--json``), plain text for people. Data goes to stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+import numpy as np
+
+from ssdrbm.events import to_jsonable
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+def dumps(value: Any, *, indent: int | None = 2) -> str:
+    """JSON text for the SDK's dataclasses, enums, datetimes, paths and numpy values."""
+    return json.dumps(to_jsonable(value), indent=indent, default=_default, sort_keys=False)
+
+
+def print_json(value: Any, *, lines: bool = False, stream: TextIO | None = None) -> None:
+    """Print ``value`` as JSON: indented, or one compact line each (``lines``) for streams."""
+    stream = stream or sys.stdout
+    print(dumps(value, indent=None if lines else 2), file=stream, flush=True)
+
+
+def format_number(value: float | None, digits: int = 4) -> str:
+    """A compact human-readable number, "-" for a missing one."""
+    if value is None:
+        return "-"
+    if value == 0 or 1e-3 <= abs(value) < 1e6:
+        return f"{value:.{digits}g}"
+    return f"{value:.{max(digits - 1, 1)}e}"
+
+
+def format_duration(seconds: float | None) -> str:
+    """``h:mm:ss`` or ``m:ss``; "-" when unknown."""
+    if seconds is None or seconds != seconds or seconds < 0 or seconds == float("inf"):
+        return "-"
+    total = round(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

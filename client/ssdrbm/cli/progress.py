@@ -1,0 +1,156 @@
+"""Live progress of a training job on stderr.
+
+On a terminal a single line is redrawn in place (step/total, a bar, samples/s, ETA, the latest
+reconstruction error and log-likelihood); anywhere else each event becomes one plain log line, so
+logs stay readable. Both end with a one-line summary.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from ssdrbm.cli.output import format_duration, format_number
+from ssdrbm.events import Job, JobState, MetricEvent, MetricsEvent, StateEvent
+
+REDRAW_INTERVAL_S = 0.1  # redrawing faster than this only costs terminal bandwidth
+
+
+@dataclass
+class ProgressState:
+    """What is known about a job from the events seen so far."""
+
+    job_id: str
+    state: JobState = JobState.QUEUED
+    step: int = 0
+    total_steps: int = 0
+    samples_per_second: float | None = None
+    wall_time_s: float | None = None
+    reconstruction_error: float | None = None
+    log_likelihood: float | None = None
+    message: str = ""
+
+    def update(self, event: MetricEvent) -> None:
+        """Fold one stream event into the state."""
+        if isinstance(event, MetricsEvent):
+            metrics = event.metrics
+            self.step = metrics.step
+            self.total_steps = metrics.total_steps or self.total_steps
+            self.samples_per_second = metrics.samples_per_second
+            self.wall_time_s = metrics.wall_time_s
+            self.reconstruction_error = metrics.reconstruction_error
+            if metrics.log_likelihood is not None:
+                self.log_likelihood = metrics.log_likelihood
+        elif isinstance(event, StateEvent):
+            self.state = event.state
+            self.step = max(self.step, event.step)
+            self.message = event.message
+
+    @property
+    def fraction(self) -> float:
+        """Share of the steps done, in [0, 1]."""
+        if self.total_steps <= 0:
+            return 0.0
+        return min(max(self.step / self.total_steps, 0.0), 1.0)
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the average pace so far; None before the first timed step."""
+        if self.total_steps and self.step >= self.total_steps:
+            return 0.0
+        if not self.wall_time_s or self.step <= 0 or not self.total_steps:
+            return None
+        return (self.total_steps - self.step) * self.wall_time_s / self.step
+
+
+def render_bar(fraction: float, width: int) -> str:
+    """A text bar of ``width`` cells, e.g. ``#####-----``."""
+    filled = round(fraction * width)
+    return "#" * filled + "-" * (width - filled)
+
+
+def render_line(progress: ProgressState, width: int = 100) -> str:
+    """The one-line TTY display, cut to ``width`` columns."""
+    parts = [
+        f"{progress.job_id} {progress.state.value}",
+        f"step {progress.step}/{progress.total_steps or '?'}",
+        f"[{render_bar(progress.fraction, 20)}] {progress.fraction:4.0%}",
+        f"{format_number(progress.samples_per_second, 3)} samples/s",
+        f"ETA {format_duration(progress.eta_s())}",
+        f"recon {format_number(progress.reconstruction_error)}",
+    ]
+    if progress.log_likelihood is not None:
+        parts.append(f"LL {format_number(progress.log_likelihood)}")
+    line = "  ".join(parts)
+    return line if len(line) <= width else line[: max(width - 1, 0)] + "…"
+
+
+def render_log_line(progress: ProgressState, event: MetricEvent) -> str:
+    """The plain (non-TTY) line for one event."""
+    if isinstance(event, StateEvent):
+        detail = f": {event.message}" if event.message else ""
+        return f"{progress.job_id} {event.state.value} at step {event.step}{detail}"
+    fields = [
+        f"step={progress.step}/{progress.total_steps or '?'}",
+        f"recon={format_number(progress.reconstruction_error)}",
+    ]
+    if event.metrics.log_likelihood is not None:
+        fields.append(f"ll={format_number(event.metrics.log_likelihood)}")
+    fields.append(f"samples/s={format_number(progress.samples_per_second, 3)}")
+    fields.append(f"eta={format_duration(progress.eta_s())}")
+    return f"{progress.job_id} " + " ".join(fields)
+
+
+def render_summary(job: Job) -> str:
+    """The closing line: final state, steps, time and metrics (or the failure's reason)."""
+    metrics = job.latest_metrics
+    elapsed = None
+    if job.started_at and job.finished_at:
+        elapsed = (job.finished_at - job.started_at).total_seconds()
+    elif metrics is not None:
+        elapsed = metrics.wall_time_s
+    line = f"job {job.id} {job.state.value} at step {job.step}/{job.total_steps}"
+    line += f" in {format_duration(elapsed)}"
+    if metrics is not None:
+        line += f" — recon {format_number(metrics.reconstruction_error)}"
+        if metrics.log_likelihood is not None:
+            line += f", LL {format_number(metrics.log_likelihood)}"
+    if job.error:
+        line += f" — {job.error}"
+    return line
+
+
+class ProgressDisplay:
+    """Draws a job's progress on ``stream`` (stderr by default) as its events arrive."""
+
+    def __init__(self, job_id: str, stream: TextIO | None = None, tty: bool | None = None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.progress = ProgressState(job_id)
+        self._last_draw = 0.0
+        self._drawn = False
+
+    def on_event(self, event: MetricEvent) -> None:
+        """Update with one event: redraw the line (TTY) or print a log line."""
+        self.progress.update(event)
+        if not self.tty:
+            print(render_log_line(self.progress, event), file=self.stream, flush=True)
+            return
+        now = time.monotonic()
+        if now - self._last_draw >= REDRAW_INTERVAL_S or isinstance(event, StateEvent):
+            self._draw()
+            self._last_draw = now
+
+    def _draw(self) -> None:
+        width = shutil.get_terminal_size((100, 20)).columns - 1
+        self.stream.write("\r\x1b[2K" + render_line(self.progress, width))
+        self.stream.flush()
+        self._drawn = True
+
+    def finish(self, job: Job) -> None:
+        """Replace the live line with the one-line summary."""
+        if self.tty and self._drawn:
+            self.stream.write("\r\x1b[2K")
+        print(render_summary(job), file=self.stream, flush=True)

@@ -1,0 +1,72 @@
+"""Plain-text tables aligned on column widths (no dependencies; pipes and terminals alike)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ssdrbm.cli.output import format_number
+from ssdrbm.events import Job
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell, separated by two spaces; no trailing blanks."""
+    widths = [len(header) for header in headers]
+    for row in rows:
+        widths = [max(width, len(cell)) for width, cell in zip(widths, row, strict=True)]
+    lines = []
+    for row in [list(headers), *rows]:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+JOB_HEADERS = ("ID", "NAME", "STATE", "STEP", "RECON", "LOG-LIK", "CREATED")
+
+
+def job_row(job: Job) -> list[str]:
+    """One row of the ``ssdrbm jobs`` table."""
+    metrics = job.latest_metrics
+    created = job.created_at.strftime("%Y-%m-%d %H:%M:%S") if job.created_at else "-"
+    return [
+        job.id,
+        job.name or "-",
+        job.state.value,
+        f"{job.step}/{job.total_steps}",
+        format_number(metrics.reconstruction_error if metrics else None),
+        format_number(metrics.log_likelihood if metrics else None),
+        created,
+    ]
+
+
+def jobs_table(jobs: Sequence[Job]) -> str:
+    """The ``ssdrbm jobs`` table."""
+    return render_table(JOB_HEADERS, [job_row(job) for job in jobs])
+
+
+def job_details(job: Job) -> str:
+    """``key: value`` lines describing one job, for ``ssdrbm get``."""
+    metrics = job.latest_metrics
+    fields = [
+        ("id", job.id),
+        ("name", job.name or "-"),
+        ("state", job.state.value),
+        ("step", f"{job.step}/{job.total_steps}"),
+        ("checkpoint step", str(job.checkpoint_step) if job.checkpoint_step >= 0 else "none"),
+        ("attempt", str(job.attempt)),
+        ("worker", job.worker or "-"),
+        ("n_visible", str(job.n_visible or "-")),
+        ("created", job.created_at.isoformat() if job.created_at else "-"),
+        ("started", job.started_at.isoformat() if job.started_at else "-"),
+        ("finished", job.finished_at.isoformat() if job.finished_at else "-"),
+    ]
+    if metrics is not None:
+        fields += [
+            ("reconstruction error", format_number(metrics.reconstruction_error)),
+            ("log-likelihood", format_number(metrics.log_likelihood)),
+            ("spectral norm", format_number(metrics.spectral_norm)),
+            ("samples/s", format_number(metrics.samples_per_second)),
+        ]
+    if job.error:
+        fields.append(("error", job.error))
+    width = max(len(key) for key, _ in fields)
+    return "\n".join(f"{key + ':':<{width + 1}} {value}" for key, value in fields)

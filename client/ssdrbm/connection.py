@@ -1,0 +1,137 @@
+"""Where and how to connect: target, token, TLS, deadlines — from arguments or the environment.
+
+Environment variables (the CLI's options default to them too):
+
+- ``SSDRBM_TARGET``: ``host:port`` of the service (default ``localhost:50051``);
+- ``SSDRBM_TOKEN``: bearer token sent as ``authorization: Bearer <token>``;
+- ``SSDRBM_TLS``: ``1`` to use TLS with the system's root certificates;
+- ``SSDRBM_TLS_CA``: PEM file of the CA that signed the server's certificate (implies TLS);
+- ``SSDRBM_TLS_CERT`` / ``SSDRBM_TLS_KEY``: client certificate and key for mutual TLS;
+- ``SSDRBM_TIMEOUT``: deadline in seconds for each unary call (default 30).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+DEFAULT_TARGET = "localhost:50051"
+DEFAULT_TIMEOUT_S = 30.0
+
+ENV_TARGET = "SSDRBM_TARGET"
+ENV_TOKEN = "SSDRBM_TOKEN"
+ENV_TLS = "SSDRBM_TLS"
+ENV_TLS_CA = "SSDRBM_TLS_CA"
+ENV_TLS_CERT = "SSDRBM_TLS_CERT"
+ENV_TLS_KEY = "SSDRBM_TLS_KEY"
+ENV_TIMEOUT = "SSDRBM_TIMEOUT"
+
+# Large enough for any message the service sends; the SDK splits its own requests well below it.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Reconnect quickly after a dropped connection or a restarted server; gRPC's default first
+    # backoff of 1 s would stall every retry and every stream resume.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    # Retries are the SDK's own (retry.py), so that only idempotent calls are retried.
+    ("grpc.enable_retries", 0),
+]
+
+
+@dataclass(frozen=True)
+class TLS:
+    """TLS settings: ``ca`` verifies the server, ``cert`` + ``key`` identify the client (mTLS).
+
+    ``TLS()`` alone trusts the system's root certificates.
+    """
+
+    ca: str | Path | None = None
+    cert: str | Path | None = None
+    key: str | Path | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials reading the PEM files now."""
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("tls: give both a client certificate and its key, or neither")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca),
+            private_key=_read(self.key),
+            certificate_chain=_read(self.cert),
+        )
+
+
+def _read(path: str | Path | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def tls_from_env(env: Mapping[str, str] | None = None) -> TLS | None:
+    """TLS settings from ``SSDRBM_TLS*`` variables, or ``None`` for a plaintext channel."""
+    env = os.environ if env is None else env
+    ca, cert, key = env.get(ENV_TLS_CA), env.get(ENV_TLS_CERT), env.get(ENV_TLS_KEY)
+    if not (_truthy(env.get(ENV_TLS)) or ca or cert or key):
+        return None
+    return TLS(ca=ca or None, cert=cert or None, key=key or None)
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Resolved connection settings shared by :class:`~ssdrbm.Client` and the asyncio client."""
+
+    target: str
+    token: str | None
+    tls: TLS | None
+    timeout: float
+
+    @classmethod
+    def resolve(
+        cls,
+        target: str | None = None,
+        *,
+        token: str | None = None,
+        tls: TLS | bool | None = None,
+        timeout: float | None = None,
+    ) -> Connection:
+        """Fill whatever is not given from the environment, then from the defaults."""
+        env = os.environ
+        if tls is True:
+            tls = TLS()
+        elif tls is None:
+            tls = tls_from_env(env)
+        elif tls is False:
+            tls = None
+        if timeout is None:
+            timeout = float(env.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S)
+        return cls(
+            target=target or env.get(ENV_TARGET) or DEFAULT_TARGET,
+            token=token if token is not None else (env.get(ENV_TOKEN) or None),
+            tls=tls,
+            timeout=timeout,
+        )
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata: the bearer token, when there is one."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def sync_channel(self) -> grpc.Channel:
+        """A blocking channel to the target."""
+        if self.tls is None:
+            return grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(self.target, self.tls.credentials(), options=CHANNEL_OPTIONS)
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        """An asyncio channel to the target."""
+        if self.tls is None:
+            return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(self.target, self.tls.credentials(), options=CHANNEL_OPTIONS)

@@ -1,0 +1,73 @@
+"""Turn an array or a ``.npy`` file into the message stream of ``UploadDataset``."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ssdrbm.errors import InvalidArgument
+from ssdrbm.v1 import rbm_pb2
+
+DEFAULT_CHUNK_BYTES = 1024 * 1024
+
+# dtypes the service stores as they are; anything else numeric travels as float32.
+_WIRE_DTYPES = {
+    np.dtype("float32"): rbm_pb2.DTYPE_FLOAT32,
+    np.dtype("float64"): rbm_pb2.DTYPE_FLOAT64,
+    np.dtype("uint8"): rbm_pb2.DTYPE_UINT8,
+}
+
+
+@dataclass(frozen=True)
+class UploadedDataset:
+    """What the service recorded for an upload."""
+
+    id: str
+    shape: tuple[int, ...]
+    size_bytes: int
+    created: bool  # False when the same content was already stored
+
+
+def load_array(source: np.ndarray | str | Path) -> np.ndarray:
+    """The array to upload: ``source`` itself, or a ``.npy`` file read without pickle."""
+    if isinstance(source, str | Path):
+        try:
+            return np.load(Path(source), allow_pickle=False)
+        except ValueError as error:
+            raise InvalidArgument(f"{source}: not a plain numeric .npy array ({error})") from None
+    return np.asarray(source)
+
+
+def wire_array(array: np.ndarray) -> tuple[np.ndarray, int]:
+    """``array`` as C-ordered little-endian bytes of a dtype the service accepts, with its code."""
+    if array.ndim not in (2, 3):
+        raise InvalidArgument(
+            f"dataset: expected shape (n_examples, n_features) or (n_examples, height, width), "
+            f"got {array.shape}"
+        )
+    if array.dtype.kind not in "biuf":
+        raise InvalidArgument(f"dataset: expected numbers, got dtype {array.dtype}")
+    if array.dtype.kind == "b":
+        array = array.astype(np.uint8)
+    native = array.dtype.newbyteorder("=")
+    dtype = native if native in _WIRE_DTYPES else np.dtype("float32")
+    wire = np.ascontiguousarray(array, dtype=dtype.newbyteorder("<"))
+    return wire, _WIRE_DTYPES[dtype]
+
+
+def upload_messages(
+    array: np.ndarray, *, name: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[rbm_pb2.UploadDatasetRequest]:
+    """The header (with the sha256 of the bytes, so the service can check them), then chunks."""
+    wire, dtype = wire_array(array)
+    data = memoryview(wire.tobytes())
+    header = rbm_pb2.DatasetHeader(
+        shape=list(wire.shape), dtype=dtype, name=name, sha256=hashlib.sha256(data).hexdigest()
+    )
+    yield rbm_pb2.UploadDatasetRequest(header=header)
+    for start in range(0, len(data), chunk_bytes):
+        yield rbm_pb2.UploadDatasetRequest(chunk=bytes(data[start : start + chunk_bytes]))

@@ -1,0 +1,210 @@
+"""Typed views of the service's messages: jobs, metrics and the events of a metric stream.
+
+The SDK hands these plain dataclasses to callers instead of protobuf messages, so code using it
+reads ``event.metrics.reconstruction_error`` and ``job.state is JobState.SUCCEEDED``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from ssdrbm.v1 import rbm_pb2
+
+
+class JobState(enum.StrEnum):
+    """Where a job is in its life: QUEUED → RUNNING → SUCCEEDED | FAILED | CANCELLED."""
+
+    UNSPECIFIED = "unspecified"
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """True once the job can no longer change."""
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+    @classmethod
+    def from_proto(cls, value: int) -> JobState:
+        """Map a ``ssdrbm.v1.JobState`` number to the enum (unknown numbers → UNSPECIFIED)."""
+        name = rbm_pb2.JobState.Name(value) if value in rbm_pb2.JobState.values() else ""
+        return cls.__members__.get(name.removeprefix("JOB_STATE_"), cls.UNSPECIFIED)
+
+    def to_proto(self) -> int:
+        """The ``ssdrbm.v1.JobState`` number of this state."""
+        return rbm_pb2.JobState.Value(f"JOB_STATE_{self.name}")
+
+
+def _time(message: Any, name: str) -> datetime | None:
+    if not message.HasField(name):
+        return None
+    stamp: Timestamp = getattr(message, name)
+    return stamp.ToDatetime(tzinfo=UTC)
+
+
+def _optional(message: Any, name: str) -> float | None:
+    return getattr(message, name) if message.HasField(name) else None
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """One evaluation of a job's model; ``None`` where the value was not computed."""
+
+    step: int
+    total_steps: int
+    reconstruction_error: float
+    spectral_norm: float
+    wall_time_s: float
+    samples_per_second: float
+    train_reconstruction_error: float | None = None
+    free_energy_gap: float | None = None
+    pseudo_log_likelihood: float | None = None
+    log_likelihood: float | None = None
+    log_likelihood_stderr: float | None = None
+    log_likelihood_method: str | None = None  # "exact" or "ais"
+
+    @classmethod
+    def from_proto(cls, message: rbm_pb2.Metrics) -> Metrics:
+        """Build from a ``ssdrbm.v1.Metrics`` message."""
+        method = rbm_pb2.LogLikelihoodMethod.Name(message.log_likelihood_method)
+        method = method.removeprefix("LOG_LIKELIHOOD_METHOD_").lower()
+        return cls(
+            step=message.step,
+            total_steps=message.total_steps,
+            reconstruction_error=message.reconstruction_error,
+            spectral_norm=message.spectral_norm,
+            wall_time_s=message.wall_time_s,
+            samples_per_second=message.samples_per_second,
+            train_reconstruction_error=_optional(message, "train_reconstruction_error"),
+            free_energy_gap=_optional(message, "free_energy_gap"),
+            pseudo_log_likelihood=_optional(message, "pseudo_log_likelihood"),
+            log_likelihood=_optional(message, "log_likelihood"),
+            log_likelihood_stderr=_optional(message, "log_likelihood_stderr"),
+            log_likelihood_method=None if method == "unspecified" else method,
+        )
+
+
+@dataclass(frozen=True)
+class MetricsEvent:
+    """A metric stream event carrying an evaluation of the model."""
+
+    job_id: str
+    resume_token: str
+    time: datetime | None
+    metrics: Metrics
+
+
+@dataclass(frozen=True)
+class StateEvent:
+    """A metric stream event saying the job changed state (the last one is terminal)."""
+
+    job_id: str
+    resume_token: str
+    time: datetime | None
+    state: JobState
+    message: str
+    attempt: int
+    step: int
+
+
+MetricEvent = MetricsEvent | StateEvent
+
+
+def event_from_proto(message: rbm_pb2.MetricEvent) -> MetricEvent | None:
+    """Convert a stream message; ``None`` for an event kind this SDK version does not know."""
+    common = {
+        "job_id": message.job_id,
+        "resume_token": message.resume_token,
+        "time": _time(message, "time"),
+    }
+    kind = message.WhichOneof("event")
+    if kind == "metrics":
+        return MetricsEvent(metrics=Metrics.from_proto(message.metrics), **common)
+    if kind == "state":
+        change = message.state
+        return StateEvent(
+            state=JobState.from_proto(change.state),
+            message=change.message,
+            attempt=change.attempt,
+            step=change.step,
+            **common,
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job's record as the service reports it."""
+
+    id: str
+    name: str
+    state: JobState
+    step: int
+    total_steps: int
+    attempt: int
+    error: str
+    checkpoint_step: int  # -1 until the first checkpoint
+    worker: str
+    n_visible: int
+    created_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    latest_metrics: Metrics | None
+    spec: dict[str, Any] = field(default_factory=dict)  # the request, defaults filled in
+
+    @property
+    def done(self) -> bool:
+        """True once the job is SUCCEEDED, FAILED or CANCELLED."""
+        return self.state.terminal
+
+    @classmethod
+    def from_proto(cls, message: rbm_pb2.Job) -> Job:
+        """Build from a ``ssdrbm.v1.Job`` message."""
+        return cls(
+            id=message.id,
+            name=message.name,
+            state=JobState.from_proto(message.state),
+            step=message.step,
+            total_steps=message.total_steps,
+            attempt=message.attempt,
+            error=message.error,
+            checkpoint_step=message.checkpoint_step,
+            worker=message.worker,
+            n_visible=message.n_visible,
+            created_at=_time(message, "created_at"),
+            started_at=_time(message, "started_at"),
+            finished_at=_time(message, "finished_at"),
+            latest_metrics=(
+                Metrics.from_proto(message.latest_metrics)
+                if message.HasField("latest_metrics")
+                else None
+            ),
+            spec=json_format.MessageToDict(message.spec, preserving_proto_field_name=True),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary (times as ISO 8601 strings, state as its name)."""
+        return to_jsonable(self)
+
+
+def to_jsonable(value: Any) -> Any:
+    """Turn the SDK's dataclasses, enums and datetimes into plain JSON values."""
+    if hasattr(value, "__dataclass_fields__"):
+        return {key: to_jsonable(item) for key, item in asdict(value).items()}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(key): to_jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_jsonable(item) for item in value]
+    return value

@@ -1,0 +1,81 @@
+"""Retries with exponential backoff for idempotent calls that failed with UNAVAILABLE.
+
+Only UNAVAILABLE is retried: it means the request did not reach a server that could answer it
+(connection refused, dropped, server draining), so sending it again cannot do anything twice for
+calls that are idempotent. Every other code is the server's answer and is returned at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry a call that failed with UNAVAILABLE."""
+
+    attempts: int = 5  # total tries, the first included; 1 disables retries
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2  # each delay is scaled by a random factor in [1 - jitter, 1 + jitter]
+
+    def delays(self) -> list[float]:
+        """The sleeps between attempts (one fewer than ``attempts``), jitter included."""
+        result = []
+        delay = self.initial_backoff_s
+        for _ in range(max(self.attempts - 1, 0)):
+            factor = 1.0 + random.uniform(-self.jitter, self.jitter)
+            result.append(min(delay, self.max_backoff_s) * factor)
+            delay *= self.multiplier
+        return result
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def is_retryable(error: BaseException) -> bool:
+    """True when ``error`` is a gRPC error worth sending again."""
+    return isinstance(error, grpc.RpcError) and error.code() in RETRYABLE_CODES
+
+
+def call_with_retry(
+    call: Callable[[], T], policy: RetryPolicy, sleep: Callable[[float], None] = time.sleep
+) -> T:
+    """Run ``call``; on UNAVAILABLE sleep per ``policy`` and try again; re-raise the last error."""
+    for delay in [*policy.delays(), None]:
+        try:
+            return call()
+        except grpc.RpcError as error:
+            if delay is None or not is_retryable(error):
+                raise
+            logger.debug("retrying in %.2fs after %s", delay, error.code())
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+async def acall_with_retry(call: Callable[[], Awaitable[T]], policy: RetryPolicy) -> T:
+    """The asyncio flavour of :func:`call_with_retry`."""
+    for delay in [*policy.delays(), None]:
+        try:
+            return await call()
+        except grpc.RpcError as error:
+            if delay is None or not is_retryable(error):
+                raise
+            logger.debug("retrying in %.2fs after %s", delay, error.code())
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
