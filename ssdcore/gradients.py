@@ -1,0 +1,225 @@
+"""CD-k and PCD-k gradient estimation for Bernoulli and Gaussian RBMs (the paper's appendix).
+
+The loss is the negative log-likelihood L = mean_n F(v_n) + log Z, so for any parameter θ
+
+    ∂L/∂θ = E_data[∂F/∂θ] - E_model[∂F/∂θ],
+
+where CD-k replaces the model expectation by k block-Gibbs sweeps started at the data (PCD-k:
+at persistent chains). With hidden probabilities p = σ(vᵀC⁻¹W + a) and weights w_n = -1/B_data on
+data rows and +1/B_model on model rows, every gradient is a weighted sum over the 2B rows:
+
+    W:       C⁻¹ Σ_n w_n v_n p_nᵀ             = left @ right  (rank ≤ 2B; C = I for the BRBM)
+    a:       Σ_n w_n p_n
+    b:       C⁻¹ Σ_n w_n v_n
+    log_var: -rowsum(W ⊙ ∂L/∂W) + ½ C⁻¹ Σ_n w_n (v_n - b)²      (diagonal; errata: "W h")
+    log_c:   the sum over units of the diagonal formula            (isotropic)
+    C⁻¹:     sym(M Wᵀ - ½ Σ_n w_n (v_n - b)(v_n - b)ᵀ), M = Σ_n w_n v_n p_nᵀ   (full)
+
+The full-precision gradient is the symmetric part, i.e. the gradient within symmetric matrices.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ssdcore.models.base import RBM, check_visible
+from ssdcore.models.gaussian import GaussianRBM
+from ssdcore.sampling import GibbsChain, RandomSource, seed_from
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CDStats:
+    """Views of the tensors one estimate used; overwritten by the next call to `estimate`."""
+
+    visible_data: torch.Tensor  # (B, V)
+    hidden_data: torch.Tensor  # (B, H) p(h | v_data)
+    visible_model: torch.Tensor  # (B_model, V) the negative samples v_k
+    hidden_model: torch.Tensor  # (B_model, H) p(h | v_k)
+
+
+class _Workspace:
+    """Buffers for one (data batch, chain count) shape: rows [0, B) data, [B, B + M) model."""
+
+    def __init__(self, n_data: int, n_model: int, model: RBM, source: RandomSource):
+        device = model.W.device
+        n_rows = n_data + n_model
+        V, H = model.n_visible, model.n_hidden
+        self.n_data = n_data
+        self.n_model = n_model
+        self.visible = torch.empty(n_rows, V, device=device)  # unscaled v rows
+        self.hidden_probs = torch.empty(n_rows, H, device=device)  # unscaled p rows
+        self.right = torch.empty(n_rows, H, device=device)  # w_n · p_n
+        self.weights = torch.cat(
+            [torch.full((n_data,), -1.0 / n_data), torch.full((n_model,), 1.0 / n_model)]
+        ).to(device)
+        self.hidden_start = torch.empty(n_data, H, device=device)
+        self.chain = GibbsChain(n_model, V, H, device, source)
+        gaussian = isinstance(model, GaussianRBM)
+        self.visible_precision = torch.empty(n_rows, V, device=device) if gaussian else None
+        self.centered = torch.empty(n_rows, V, device=device) if gaussian else None
+
+
+class CDEstimator:
+    """Contrastive divergence CD-k, or persistent CD (PCD-k) with `persistent=True`.
+
+    `estimate(v)` writes `.grad` of every model parameter (the gradient of the negative
+    log-likelihood, so optimizers descend) and sets `model.W.grad_factors = (left, right)`,
+    `left` (V, B + B_model), `right` (B + B_model, H), with `model.W.grad == left @ right`
+    (computed as that product). Gradients are overwritten, never accumulated, so callers need
+    no `zero_grad()`.
+
+    Persistent chains are kept as binary hidden states (one chain per row of the first batch,
+    started from the data), which saves one hidden pass per update; a sweep then goes h → v → h.
+    Random draws come from this estimator's own seeded source (`seed`, or drawn from
+    `generator`, or from torch's global generator); `state_dict()` holds the chains and the
+    source's state for an exact resume.
+    """
+
+    def __init__(
+        self,
+        model: RBM,
+        k: int = 1,
+        persistent: bool = False,
+        *,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if not isinstance(model, RBM):
+            raise TypeError(f"model must be an ssdcore RBM, got {type(model).__name__}")
+        if int(k) != k or k < 1:
+            raise ValueError(f"k (Gibbs sweeps per estimate) must be an integer >= 1, got {k}")
+        self.model = model
+        self.k = int(k)
+        self.persistent = bool(persistent)
+        self.source = RandomSource(
+            model.W.device, seed if seed is not None else seed_from(generator)
+        )
+        self.chains: torch.Tensor | None = None  # (n_chains, H) binary hidden states (PCD)
+        self._workspaces: dict[tuple[int, int], _Workspace] = {}
+
+    # --- estimation -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def estimate(self, v_data: torch.Tensor) -> CDStats:
+        """Estimate the gradient at the data batch `v_data` (B, V) and write it to `.grad`."""
+        model = self.model
+        check_visible(v_data, model.n_visible, "v_data")
+        model.constrain_()
+        kernel = model.gibbs_kernel()
+        n_data = v_data.shape[0]
+        resuming = self.persistent and self.chains is not None
+        n_model = self.chains.shape[0] if resuming else n_data
+        ws = self._workspace(n_data, n_model)
+        data_rows, model_rows = slice(0, n_data), slice(n_data, n_data + n_model)
+
+        visible_data = ws.visible[data_rows]
+        visible_data.copy_(v_data)
+        hidden_data = ws.hidden_probs[data_rows]
+        torch.addmm(kernel.hidden_bias, visible_data, kernel.hidden_weight, out=hidden_data)
+        hidden_data.sigmoid_()
+
+        if resuming:
+            start = self.chains
+        else:
+            start = self.source.bernoulli_(hidden_data, out=ws.hidden_start)
+        visible_model, hidden_model = ws.visible[model_rows], ws.hidden_probs[model_rows]
+        ws.chain.run(kernel, start, self.k, visible_model, hidden_model)
+        if self.persistent:
+            if self.chains is None:
+                self.chains = torch.empty_like(hidden_model)
+            self.source.bernoulli_(hidden_model, out=self.chains)
+
+        self._write_gradients(ws)
+        return CDStats(visible_data, hidden_data, visible_model, hidden_model)
+
+    def _write_gradients(self, ws: _Workspace) -> None:
+        model = self.model
+        right = torch.mul(ws.hidden_probs, ws.weights.unsqueeze(1), out=ws.right)
+        if isinstance(model, GaussianRBM) and model.variance != "identity":
+            assert ws.visible_precision is not None
+            if model.variance == "full":
+                weighted_visible = torch.mm(
+                    ws.visible, model.precision.detach(), out=ws.visible_precision
+                )
+            else:
+                precision = torch.exp(-model.log_variance().detach())
+                weighted_visible = torch.mul(ws.visible, precision, out=ws.visible_precision)
+        else:
+            weighted_visible = ws.visible  # C = I
+        left = weighted_visible.t()  # (V, 2B)
+        grad_w = torch.mm(left, right, out=_grad_buffer(model.W))
+        model.W.grad_factors = (left, right)
+        torch.sum(right, dim=0, out=_grad_buffer(model.a))
+        torch.mv(weighted_visible.t(), ws.weights, out=_grad_buffer(model.b))
+        if isinstance(model, GaussianRBM) and model.variance != "identity":
+            self._write_variance_gradient(model, ws, grad_w)
+
+    def _write_variance_gradient(
+        self, model: GaussianRBM, ws: _Workspace, grad_w: torch.Tensor
+    ) -> None:
+        assert ws.centered is not None
+        centered = torch.sub(ws.visible, model.b.detach(), out=ws.centered)  # (2B, V)
+        weight = model.W.detach()
+        if model.variance == "full":
+            # M = Σ_n w_n v_n p_nᵀ = C·∂L/∂W, recomputed from the unscaled rows (V is small).
+            moment = ws.visible.t() @ ws.right  # (V, H)
+            quadratic = centered.t() @ (centered * ws.weights.unsqueeze(1))  # (V, V)
+            grad = moment @ weight.t() - 0.5 * quadratic
+            _grad_buffer(model.precision).copy_(0.5 * (grad + grad.t()))
+            return
+        precision = torch.exp(-model.log_variance().detach())
+        squared_moment = torch.mv(centered.square_().t(), ws.weights)  # Σ_n w_n (v_n - b)²
+        grad = (0.5 * precision) * squared_moment - (weight * grad_w).sum(dim=1)  # (V,)
+        if model.variance == "diagonal":
+            _grad_buffer(model.log_var).copy_(grad)
+        else:
+            _grad_buffer(model.log_c).copy_(grad.sum().reshape(1))
+
+    def _workspace(self, n_data: int, n_model: int) -> _Workspace:
+        key = (n_data, n_model)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            if len(self._workspaces) >= 4:  # e.g. a last partial batch per epoch: keep a few
+                self._workspaces.clear()
+            ws = _Workspace(n_data, n_model, self.model, self.source)
+            self._workspaces[key] = ws
+        return ws
+
+    # --- persistence ------------------------------------------------------------------------
+
+    def reset_chains(self) -> None:
+        """Forget the persistent chains; the next estimate restarts them from its data batch."""
+        self.chains = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Chains (PCD) and random state as tensors, for an exact resume (safetensors-friendly)."""
+        state = {f"rng.{name}": tensor for name, tensor in self.source.state_dict().items()}
+        if self.chains is not None:
+            state["chains"] = self.chains.detach().cpu().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `state_dict()` output; chains must match the model's hidden size."""
+        rng = {name[4:]: tensor for name, tensor in state.items() if name.startswith("rng.")}
+        if rng:
+            self.source.load_state_dict(rng)
+        chains = state.get("chains")
+        if chains is None:
+            self.chains = None
+            return
+        if chains.ndim != 2 or chains.shape[1] != self.model.n_hidden:
+            expected = f"(n, {self.model.n_hidden})"
+            raise ValueError(f"saved chains have shape {tuple(chains.shape)}; expected {expected}")
+        self.chains = chains.to(device=self.model.W.device, dtype=torch.float32).clone()
+
+
+def _grad_buffer(parameter: torch.Tensor) -> torch.Tensor:
+    """The parameter's .grad tensor, allocated on first use and reused afterwards."""
+    if parameter.grad is None or parameter.grad.shape != parameter.shape:
+        parameter.grad = torch.empty_like(parameter)
+    return parameter.grad
