@@ -1,0 +1,86 @@
+"""Command line: `python -m bench [core|sklearn|service|all] [--json] [--quick]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+from bench.report import Case, Report, Target, write
+from bench.timing import environment
+
+logger = logging.getLogger("bench")
+
+Suite = Callable[..., tuple[list[Case], list[Target]]]
+
+
+def _suites() -> dict[str, Suite]:
+    # Imported lazily so that `--help` does not load torch, scikit-learn or the server.
+    def core(quick: bool):
+        from bench import core
+
+        return core.run(quick=quick)
+
+    def sklearn(quick: bool):
+        from bench import sklearn_case
+
+        return sklearn_case.run(quick=quick)
+
+    def service(quick: bool):
+        from bench import service
+
+        return service.run(quick=quick)
+
+    return {"core": core, "sklearn": sklearn, "service": service}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Measure ssdrbm's speed; ratios measured in one run are the figures of record.",
+    )
+    parser.add_argument(
+        "suite", nargs="?", default="all", choices=["core", "sklearn", "service", "all"]
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
+    parser.add_argument("--verbose", action="store_true", help="progress on stderr")
+    return parser.parse_args(argv)
+
+
+def run(suite: str, *, quick: bool) -> tuple[Report, list[str]]:
+    """Run one suite or all of them; return the report and the suites that failed."""
+    suites = _suites()
+    names = list(suites) if suite == "all" else [suite]
+    report = Report(environment={**environment(), "quick": quick, "suites": names})
+    failed = []
+    for name in names:
+        started = time.perf_counter()
+        try:
+            cases, targets = suites[name](quick)
+        except Exception:
+            logger.exception("suite %s failed", name)
+            failed.append(name)
+            continue
+        report.extend(cases, targets)
+        logger.info("suite %s took %.1f s", name, time.perf_counter() - started)
+    report.environment["failed_suites"] = failed
+    return report, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    report, failed = run(args.suite, quick=args.quick)
+    write(report, sys.stdout, as_json=args.json)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""Core case: milliseconds per training iteration of ssdcore against the plain reference loop.
+
+For each size (784×50, 784×500) and CD-k (1, 10), every variant — both models (Bernoulli, and
+Gaussian with diagonal variance), the project's SGD, Nesterov and SSD with each polar method, and
+the reference loop's SGD, Nesterov and full-SVD SSD — is timed round-robin in the same rounds, so
+the ratios between them (the figures of record) are measured under the same machine load.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bench import data as bench_data
+from bench.reference import ReferenceConfig, ReferenceLoop
+from bench.report import Case, Target
+from bench.timing import interleaved_rounds, peak_tensor_mib
+
+logger = logging.getLogger(__name__)
+
+BATCH_SIZE = 100
+N_VISIBLE = 784
+MODELS = ("bernoulli", "gaussian")
+# Step sizes only keep the chains finite for the few hundred timed iterations; they do not
+# change the cost of an iteration.
+SGD_LR = 1e-3
+SSD_LR = 1e-5
+PROJECT_OPTIMIZERS: dict[str, dict[str, object]] = {
+    "sgd": {"name": "sgd", "lr": SGD_LR},
+    "nesterov": {"name": "nesterov", "lr": SGD_LR, "momentum": 0.9},
+    "ssd-svd": {"name": "ssd", "lr": SSD_LR, "method": "svd"},
+    "ssd-lowrank": {"name": "ssd", "lr": SSD_LR, "method": "lowrank"},
+    "ssd-randomized": {"name": "ssd", "lr": SSD_LR, "method": "randomized"},
+    "ssd-newton-schulz": {"name": "ssd", "lr": SSD_LR, "method": "newton-schulz"},
+}
+REFERENCE_OPTIMIZERS = {"sgd": SGD_LR, "nesterov": SGD_LR, "ssd": SSD_LR}
+DEFAULT_POLAR = "ssd-lowrank"
+# Data preprocessing per model: binary pixels for the Bernoulli RBM, [0, 1] for the Gaussian.
+DATA_MODES = {"bernoulli": "binarize", "gaussian": "scale"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure: sizes, CD-k values, rounds and the time each round aims at."""
+
+    hidden_sizes: tuple[int, ...]
+    cd_ks: tuple[int, ...]
+    rounds: int
+    round_seconds: float
+    warmup_calls: int
+    data_limit: int | None
+    memory_steps: int
+
+    @classmethod
+    def full(cls) -> Plan:
+        return cls(
+            (50, 500),
+            (1, 10),
+            rounds=9,
+            round_seconds=0.12,
+            warmup_calls=2,
+            data_limit=None,
+            memory_steps=2,
+        )
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(
+            (50,),
+            (1,),
+            rounds=2,
+            round_seconds=0.01,
+            warmup_calls=1,
+            data_limit=500,
+            memory_steps=1,
+        )
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One implementation × model × optimizer at a given size and CD-k."""
+
+    impl: str  # project | reference
+    model: str  # bernoulli | gaussian
+    optimizer: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.impl}/{self.model}/{self.optimizer}"
+
+
+def pick_device() -> torch.device:
+    """CUDA when present (the project's code path picks it too), else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_project(
+    variant: Variant, data: torch.Tensor, *, n_hidden: int, cd_k: int, seed: int = 0
+) -> Callable[[int], object]:
+    """An ssdcore Trainer for the variant; returns its `train_steps`."""
+    import ssdcore
+    from ssdcore.optim import OptimizerConfig
+
+    n_visible = data.shape[1]
+    if variant.model == "bernoulli":
+        model = ssdcore.BernoulliRBM(n_visible, n_hidden)
+    else:
+        model = ssdcore.GaussianRBM(n_visible, n_hidden, variance="diagonal")
+    model = model.to(data.device)
+    optimizer = OptimizerConfig(**PROJECT_OPTIMIZERS[variant.optimizer])
+    trainer = ssdcore.Trainer(
+        model, data, optimizer=optimizer, batch_size=BATCH_SIZE, cd_k=cd_k, seed=seed
+    )
+    return trainer.train_steps
+
+
+def build_reference(
+    variant: Variant, data: torch.Tensor, *, n_hidden: int, cd_k: int, seed: int = 0
+) -> Callable[[int], object]:
+    """The plain reference loop for the variant; returns a `run(steps)` function."""
+    config = ReferenceConfig(
+        model=variant.model,
+        n_visible=data.shape[1],
+        n_hidden=n_hidden,
+        batch_size=BATCH_SIZE,
+        cd_k=cd_k,
+        optimizer=variant.optimizer,
+        lr=REFERENCE_OPTIMIZERS[variant.optimizer],
+    )
+    loop = ReferenceLoop(config, data, seed=seed)
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            loop.step()
+
+    return run
+
+
+class Runner:
+    """Runs a variant's steps, rebuilding it if training diverges (timing needs no convergence).
+
+    The project raises DivergenceError on NaN/Inf; the plain loop fails in `torch.bernoulli` with
+    a RuntimeError once its probabilities turn NaN. Either way the variant starts afresh and the
+    restart is reported with the case.
+    """
+
+    def __init__(self, build: Callable[[], Callable[[int], object]]):
+        self._build = build
+        self._run = build()
+        self.restarts = 0
+
+    def __call__(self, steps: int) -> None:
+        from ssdcore import DivergenceError
+
+        try:
+            self._run(steps)
+        except (DivergenceError, RuntimeError):
+            logger.warning("rebuilding a diverged variant", exc_info=True)
+            self.restarts += 1
+            self._run = self._build()
+
+
+def variants() -> list[Variant]:
+    """Every variant measured at one size and CD-k, in a stable order."""
+    result = []
+    for model in MODELS:
+        result += [Variant("project", model, name) for name in PROJECT_OPTIMIZERS]
+        result += [Variant("reference", model, name) for name in REFERENCE_OPTIMIZERS]
+    return result
+
+
+def _builder(variant: Variant, data: torch.Tensor, n_hidden: int, cd_k: int):
+    build = build_project if variant.impl == "project" else build_reference
+    return lambda: build(variant, data, n_hidden=n_hidden, cd_k=cd_k)
+
+
+def _steps_per_call(runner: Runner, device: torch.device, round_seconds: float) -> int:
+    # Calibrate from one timed step after the warm-up, so every round lasts about as long.
+    start = time.perf_counter()
+    runner(1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = max(time.perf_counter() - start, 1e-6)
+    return max(1, min(200, math.ceil(round_seconds / seconds)))
+
+
+def measure_group(
+    n_hidden: int, cd_k: int, datasets: dict[str, torch.Tensor], plan: Plan
+) -> list[Case]:
+    """Time all variants at one size and CD-k in shared rounds; one Case per variant."""
+    device = next(iter(datasets.values())).device
+    group = variants()
+    builders = {v.name: _builder(v, datasets[v.model], n_hidden, cd_k) for v in group}
+    runners = {name: Runner(build) for name, build in builders.items()}
+    for runner in runners.values():
+        runner(plan.warmup_calls)
+    steps = {name: _steps_per_call(r, device, plan.round_seconds) for name, r in runners.items()}
+    calls = {name: (lambda r=runners[name], n=steps[name]: r(n)) for name in runners}
+    timings = interleaved_rounds(
+        calls,
+        warmup_calls=0,
+        calls_per_round=1,
+        rounds=plan.rounds,
+        device=device,
+        units_per_call=steps,
+    )
+    medians = {name: timing.median_ms for name, timing in timings.items()}
+    cases = []
+    for variant in group:
+        peak = peak_tensor_mib(lambda b=builders[variant.name]: b()(plan.memory_steps), device)
+        cases.append(
+            _case(
+                variant,
+                n_hidden,
+                cd_k,
+                timings[variant.name].as_dict(),
+                peak,
+                medians,
+                runners[variant.name].restarts,
+                steps[variant.name],
+            )
+        )
+    return cases
+
+
+def _reference_of(variant: Variant) -> str:
+    family = "ssd" if variant.optimizer.startswith("ssd") else variant.optimizer
+    return f"reference/{variant.model}/{family}"
+
+
+def _case(variant, n_hidden, cd_k, timing, peak, medians, restarts, steps) -> Case:
+    ms = medians[variant.name]
+    ratios: dict[str, float | None] = {}
+    if variant.impl == "project":
+        ratios["x_faster_than_reference"] = medians[_reference_of(variant)] / ms
+    sgd = f"{variant.impl}/{variant.model}/sgd"
+    if variant.optimizer.startswith("ssd"):
+        ratios["ssd_over_sgd"] = ms / medians[sgd]
+    if variant.model == "gaussian":
+        ratios["grbm_over_brbm"] = ms / medians[f"{variant.impl}/bernoulli/{variant.optimizer}"]
+    notes = []
+    if restarts:
+        notes.append(f"{variant.name} {n_hidden}h CD-{cd_k}: rebuilt {restarts}x after divergence")
+    return Case(
+        suite="core",
+        name=variant.name,
+        config={
+            "size": f"{N_VISIBLE}x{n_hidden}",
+            "cd_k": cd_k,
+            "batch": BATCH_SIZE,
+            "steps_per_round": steps,
+        },
+        metrics={
+            "ms_per_iter": ms,
+            "min_ms": timing["min_ms"],
+            "rounds": timing["rounds"],
+            "peak_mib": peak,
+        },
+        ratios=ratios,
+        notes=notes,
+    )
+
+
+def load_datasets(plan: Plan, device: torch.device) -> dict[str, torch.Tensor]:
+    """Binarized MNIST for the Bernoulli model and [0, 1]-scaled MNIST for the Gaussian."""
+    return {
+        model: bench_data.mnist(mode, limit=plan.data_limit).to(device)
+        for model, mode in DATA_MODES.items()
+    }
+
+
+def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
+    """Measure every core configuration of the plan; return its cases and targets."""
+    plan = Plan.quick() if quick else Plan.full()
+    device = pick_device()
+    datasets = load_datasets(plan, device)
+    cases: list[Case] = []
+    for n_hidden in plan.hidden_sizes:
+        for cd_k in plan.cd_ks:
+            logger.info("core: 784x%d CD-%d", n_hidden, cd_k)
+            cases += measure_group(n_hidden, cd_k, datasets, plan)
+    return cases, targets(cases, device)
+
+
+def _find(cases: list[Case], name: str, size: str, cd_k: int) -> Case | None:
+    for case in cases:
+        if case.name == name and case.config["size"] == size and case.config["cd_k"] == cd_k:
+            return case
+    return None
+
+
+def targets(cases: list[Case], device: torch.device) -> list[Target]:
+    """The core goals, judged on the ratios measured in this run (None where not measured)."""
+    result = []
+    for model in MODELS:
+        sgd = _find(cases, f"project/{model}/sgd", "784x50", 10)
+        result.append(
+            Target(
+                "core",
+                f"{model} CD-10 784x50 SGD: x faster than the plain loop",
+                sgd.ratios["x_faster_than_reference"] if sgd else None,
+                4.5,
+                ">=",
+                "x",
+            )
+        )
+    for size, limit in (("784x500", 1.05), ("784x50", 1.10)):
+        for model in MODELS:
+            ssd = _find(cases, f"project/{model}/{DEFAULT_POLAR}", size, 10)
+            result.append(
+                Target(
+                    "core",
+                    f"{model} CD-10 {size}: SSD ({DEFAULT_POLAR}) / SGD time",
+                    ssd.ratios["ssd_over_sgd"] if ssd else None,
+                    limit,
+                    "<=",
+                    "x",
+                )
+            )
+    for size in ("784x50", "784x500"):
+        for optimizer in ("sgd", DEFAULT_POLAR):
+            grbm = _find(cases, f"project/gaussian/{optimizer}", size, 10)
+            result.append(
+                Target(
+                    "core",
+                    f"GRBM / BRBM time, {optimizer} CD-10 {size}",
+                    grbm.ratios["grbm_over_brbm"] if grbm else None,
+                    1.2,
+                    "<=",
+                    "x",
+                )
+            )
+    h100 = _find(cases, f"project/bernoulli/{DEFAULT_POLAR}", "784x500", 10)
+    on_gpu = device.type == "cuda"
+    result.append(
+        Target(
+            "core",
+            "H100: CD-10 784x500 batch 100, ms per iteration",
+            h100.metrics["ms_per_iter"] if (h100 and on_gpu) else None,
+            1.0,
+            "<=",
+            " ms",
+            "" if on_gpu else "no GPU in this environment; not measured",
+        )
+    )
+    return result

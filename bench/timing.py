@@ -1,0 +1,164 @@
+"""Timing and memory primitives: warm-up, repeated rounds, medians, percentiles, peak memory.
+
+Shared machines drift by 2–3x within minutes, so the functions here are built for comparisons
+measured side by side: `interleaved_rounds` runs every variant of one configuration in turn, round
+after round, so that noise hits all of them alike and their ratios stay meaningful.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call over repeated rounds, after warm-up."""
+
+    samples_s: tuple[float, ...]
+
+    @property
+    def median_ms(self) -> float:
+        return 1000.0 * statistics.median(self.samples_s)
+
+    @property
+    def min_ms(self) -> float:
+        return 1000.0 * min(self.samples_s)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "median_ms": self.median_ms,
+            "min_ms": self.min_ms,
+            "rounds": len(self.samples_s),
+        }
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock timings include it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], object], *, calls: int, device: torch.device) -> float:
+    """Seconds per call of `fn`, averaged over `calls` back-to-back calls."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
+def interleaved_rounds(
+    variants: Mapping[str, Callable[[], object]],
+    *,
+    warmup_calls: int,
+    calls_per_round: int,
+    rounds: int,
+    device: torch.device,
+    units_per_call: Mapping[str, int] | int = 1,
+) -> dict[str, Timing]:
+    """Time every variant round-robin: warm each up, then `rounds` rounds of all variants.
+
+    Each round times `calls_per_round` consecutive calls of one variant and records the mean time
+    per unit (a call may run `units_per_call` iterations); the result per variant is the list of
+    per-round means (take the median). The order of variants is rotated from round to round so no
+    variant always runs right after the same neighbour.
+    """
+    names = list(variants)
+    for name in names:
+        for _ in range(warmup_calls):
+            variants[name]()
+    synchronize(device)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds = time_calls(variants[name], calls=calls_per_round, device=device)
+            units = units_per_call if isinstance(units_per_call, int) else units_per_call[name]
+            samples[name].append(seconds / units)
+    return {name: Timing(tuple(values)) for name, values in samples.items()}
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """The `fraction` quantile (0..1) of `values` by linear interpolation between ranks."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    ordered = sorted(values)
+    position = fraction * (len(ordered) - 1)
+    lower = int(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    weight = position - lower
+    return ordered[lower] * (1.0 - weight) + ordered[upper] * weight
+
+
+def _status_kib(pid: int | str, field: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_mib(pid: int | str = "self") -> float | None:
+    """Resident memory of a process in MiB (Linux), or None where it cannot be read."""
+    kib = _status_kib(pid, "VmRSS")
+    return None if kib is None else kib / 1024.0
+
+
+def peak_rss_mib(pid: int | str = "self") -> float | None:
+    """Peak resident memory (VmHWM) of a process in MiB (Linux), or None."""
+    kib = _status_kib(pid, "VmHWM")
+    return None if kib is None else kib / 1024.0
+
+
+def peak_tensor_mib(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak of tensor memory allocated while `fn` runs, above the level at its start, in MiB.
+
+    CPU: replays torch's own allocation and free records (the profiler's memory events) in time
+    order, so the figure is exact and independent of what the C allocator keeps cached. CUDA:
+    torch's peak-allocated counter.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda event: event.start_ns())
+    level = peak = 0
+    for event in events:
+        level += event.nbytes()
+        peak = max(peak, level)
+    return peak / 2**20
+
+
+def environment() -> dict[str, object]:
+    """What the figures were measured on: versions, threads, device, load."""
+    info: dict[str, object] = {
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    with contextlib.suppress(OSError):  # not every platform has a load average
+        info["load_average_1m"] = os.getloadavg()[0]
+    return info

@@ -1,0 +1,217 @@
+"""The benchmark suite: its JSON output shape on a quick run, and the correctness of its parts.
+
+Budget: under 60 s on a 2-core machine (one `python -m bench all --quick --json` run, which starts
+its own redis-server and gRPC server, plus small in-process checks). No timing is asserted: speed
+is what the benchmark reports, not what a test decides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench.reference import ReferenceConfig, ReferenceLoop, ReferenceRBM, cd_chain, spectral_step
+from bench.report import Case, Report, Target, render_text
+from bench.timing import interleaved_rounds, peak_tensor_mib, percentile
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+QUICK_RUN_TIMEOUT_S = 240  # a guard against a hang, far above the ~40 s a quick run takes
+
+
+@pytest.fixture(scope="module")
+def quick_records() -> list[dict]:
+    """Every JSON record of one `python -m bench all --quick --json` run."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench", "all", "--quick", "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=QUICK_RUN_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return [json.loads(line) for line in completed.stdout.splitlines() if line.strip()]
+
+
+def _cases(records: list[dict], suite: str) -> list[dict]:
+    return [r for r in records if r["kind"] == "case" and r["suite"] == suite]
+
+
+def _is_positive_number(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def test_quick_run_starts_with_the_environment(quick_records):
+    environment = quick_records[0]
+    assert environment["kind"] == "environment"
+    assert environment["quick"] is True
+    assert environment["failed_suites"] == []
+    assert {"torch", "torch_threads", "device", "time_utc"} <= environment.keys()
+    assert {r["kind"] for r in quick_records} == {"environment", "case", "target"}
+
+
+def test_core_cases_cover_every_variant_with_ratios(quick_records):
+    cases = _cases(quick_records, "core")
+    names = {case["name"] for case in cases}
+    for model in ("bernoulli", "gaussian"):
+        for optimizer in (
+            "sgd",
+            "nesterov",
+            "ssd-svd",
+            "ssd-lowrank",
+            "ssd-randomized",
+            "ssd-newton-schulz",
+        ):
+            assert f"project/{model}/{optimizer}" in names
+        for optimizer in ("sgd", "nesterov", "ssd"):
+            assert f"reference/{model}/{optimizer}" in names
+    for case in cases:
+        assert case["config"]["batch"] == 100
+        assert _is_positive_number(case["metrics"]["ms_per_iter"])
+        assert case["metrics"]["peak_mib"] >= 0
+        for ratio in case["ratios"].values():
+            assert _is_positive_number(ratio)
+        if case["name"].startswith("project/"):
+            assert "x_faster_than_reference" in case["ratios"]
+        if "/ssd" in case["name"]:
+            assert "ssd_over_sgd" in case["ratios"]
+
+
+def test_sklearn_cases_score_both_implementations(quick_records):
+    cases = {case["name"]: case for case in _cases(quick_records, "sklearn")}
+    assert set(cases) == {"ssdcore", "sklearn-float64", "sklearn-float32"}
+    for case in cases.values():
+        assert _is_positive_number(case["metrics"]["s_per_epoch"])
+        assert _is_positive_number(case["metrics"]["recon_error"])
+        assert case["metrics"]["pseudo_ll"] < 0
+    assert _is_positive_number(cases["ssdcore"]["ratios"]["x_faster_than_sklearn-float32"])
+
+
+def test_service_cases_report_latency_throughput_and_memory(quick_records):
+    cases = {case["name"]: case for case in _cases(quick_records, "service")}
+    for rpc in ("Reconstruct", "SampleHidden"):
+        for batch in (1, 256):
+            metrics = cases[f"{rpc} batch {batch}"]["metrics"]
+            assert 0 < metrics["p50_ms"] <= metrics["p99_ms"]
+    assert _is_positive_number(cases["Reconstruct 16 clients"]["metrics"]["requests_per_s"])
+    assert cases["StreamMetrics lag"]["metrics"]["p99_ms"] >= 0
+    training = cases["training throughput"]
+    assert _is_positive_number(training["metrics"]["idle_samples_per_s"])
+    assert _is_positive_number(training["metrics"]["loaded_samples_per_s"])
+    memory = cases["server memory"]["metrics"]
+    assert _is_positive_number(memory["idle_rss_mib"])
+    assert _is_positive_number(memory["busy_rss_mib"])
+
+
+def test_targets_state_goal_measurement_and_verdict(quick_records):
+    targets = [r for r in quick_records if r["kind"] == "target"]
+    assert {t["suite"] for t in targets} == {"core", "sklearn", "service"}
+    for target in targets:
+        assert target["sense"] in ("<=", ">=")
+        assert target["met"] in (True, False, None)
+        if target["met"] is None:
+            assert target["why"], f"an unmeasured target must say why: {target['name']}"
+
+
+@pytest.mark.parametrize("model", ["bernoulli", "gaussian"])
+def test_reference_gradient_equals_autograd_of_free_energy_difference(model):
+    # With the samples fixed, the CD gradient is ∇θ [mean F(v_data) - mean F(v_model)].
+    torch.manual_seed(0)
+    config = ReferenceConfig(model=model, n_visible=7, n_hidden=5, batch_size=6, cd_k=2)
+    rbm = ReferenceRBM(config, device=torch.device("cpu"))
+    rbm.W.normal_(0, 0.5)
+    rbm.b.normal_(0, 0.5)
+    rbm.a.normal_(0, 0.5)
+    if rbm.log_var is not None:
+        rbm.log_var.normal_(0, 0.3)
+    v_data = torch.bernoulli(torch.full((6, 7), 0.5))
+    v_model, ph_data, ph_model = cd_chain(rbm, v_data, config.cd_k)
+    expected = rbm.gradients(v_data, v_model, ph_data, ph_model)
+    params = rbm.parameters()
+    for tensor in params.values():
+        tensor.requires_grad_(True)
+    loss = rbm.free_energy(v_data).mean() - rbm.free_energy(v_model).mean()
+    grads = torch.autograd.grad(loss, list(params.values()))
+    for (name, _), grad in zip(params.items(), grads, strict=True):
+        # float32 throughout; 1e-5 absolute covers rounding at these magnitudes.
+        torch.testing.assert_close(expected[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_reference_spectral_step_is_nuclear_norm_times_polar_factor():
+    torch.manual_seed(0)
+    grad = torch.randn(9, 4, dtype=torch.float64)
+    step = spectral_step(grad)
+    # ⟨G, ‖σ‖₁UVᵀ⟩ = ‖σ‖₁² and the step's singular values all equal ‖σ‖₁.
+    nuclear = torch.linalg.svdvals(grad).sum()
+    torch.testing.assert_close((grad * step).sum(), nuclear**2)
+    torch.testing.assert_close(torch.linalg.svdvals(step), nuclear.expand(4))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "ssd"])
+def test_reference_loop_lowers_reconstruction_error(optimizer):
+    torch.manual_seed(0)
+    prototypes = torch.bernoulli(torch.full((4, 20), 0.5))
+    data = prototypes[torch.randint(0, 4, (400,))]
+    lr = {"sgd": 0.1, "nesterov": 0.05, "ssd": 0.01}[optimizer]
+    config = ReferenceConfig("bernoulli", 20, 8, batch_size=20, optimizer=optimizer, lr=lr)
+    loop = ReferenceLoop(config, data, seed=0)
+
+    def error() -> float:
+        probs = loop.rbm.hidden_probs(data)
+        return float(((data - torch.sigmoid(probs @ loop.rbm.W.T + loop.rbm.b)) ** 2).sum(1).mean())
+
+    before = error()
+    for _ in range(200):
+        loop.step()
+    assert error() < 0.7 * before
+
+
+def test_percentile_matches_numpy():
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for fraction in (0.0, 0.5, 0.99, 1.0):
+        assert percentile(values, fraction) == pytest.approx(np.percentile(values, 100 * fraction))
+
+
+def test_peak_tensor_memory_sees_a_temporary_allocation():
+    def allocate_and_free() -> None:
+        block = torch.ones(2**20)  # 4 MiB of float32, freed on return
+        del block
+
+    assert peak_tensor_mib(allocate_and_free, torch.device("cpu")) == pytest.approx(4.0, abs=0.1)
+
+
+def test_interleaved_rounds_report_one_sample_per_round():
+    calls = {"a": 0, "b": 0}
+
+    def bump(name: str):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+
+    timings = interleaved_rounds(
+        {"a": bump("a"), "b": bump("b")},
+        warmup_calls=1,
+        calls_per_round=3,
+        rounds=4,
+        device=torch.device("cpu"),
+        units_per_call={"a": 2, "b": 1},
+    )
+    assert calls == {"a": 13, "b": 13}
+    assert all(len(timing.samples_s) == 4 for timing in timings.values())
+
+
+def test_report_renders_missed_and_unmeasured_targets():
+    report = Report(environment={"device": "cpu"})
+    report.extend(
+        [Case("core", "x", {"size": "2x2"}, {"ms_per_iter": 1.5}, {"ratio": float("nan")})],
+        [Target("core", "fast", 2.0, 1.0, "<=", "x"), Target("core", "gpu", None, 1.0, "<=")],
+    )
+    text = render_text(report)
+    assert "MISSED" in text and "not measured" in text
+    records = [json.loads(line) for line in report.json_lines()]
+    assert records[1]["ratios"]["ratio"] is None  # NaN is not valid JSON
+    assert [r["met"] for r in records[2:]] == [False, None]
