@@ -33,6 +33,7 @@ _DTYPES = {
     "BOOL": "?",
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+MODEL_PREFIX = "model."  # how training checkpoints name the model's own tensors
 
 
 class SafetensorsError(ValueError):
@@ -87,37 +88,54 @@ class ExportedModel:
     step: int = 0
 
     @property
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The model's parameters by name (W, b, a, log_var, ...).
+
+        A training checkpoint also holds optimizer and sampler state; its model parameters are
+        the entries prefixed ``model.``.
+        """
+        if any(name.startswith(MODEL_PREFIX) for name in self.tensors):
+            return {
+                name.removeprefix(MODEL_PREFIX): array
+                for name, array in self.tensors.items()
+                if name.startswith(MODEL_PREFIX)
+            }
+        return self.tensors
+
+    @property
     def weights(self) -> np.ndarray:
         """W, shape (n_visible, n_hidden)."""
-        return self.tensors["W"]
+        return self.parameters["W"]
 
     @property
     def kind(self) -> str:
-        """ "bernoulli" or "gaussian" (from the config)."""
-        kind = self.config.get("kind") or self.config.get("model") or "bernoulli"
-        return str(kind).lower().removesuffix("rbm")
+        """Either "bernoulli" or "gaussian" (the config's ``type``)."""
+        kind = self.config.get("type") or self.config.get("kind") or "bernoulli"
+        return str(kind).lower()
 
     def hidden_probs(self, v: np.ndarray) -> np.ndarray:
         """p(h=1|v) = σ(vᵀC⁻¹W + a), computed locally (C = I for Bernoulli models)."""
         v = np.asarray(v, dtype=np.float64)
-        if "precision" in self.tensors:
-            scaled = v @ self.tensors["precision"].astype(np.float64)
+        parameters = self.parameters
+        if "precision" in parameters:
+            scaled = v @ parameters["precision"].astype(np.float64)
         elif self.kind.startswith("gaussian"):
             scaled = v / self.visible_variance()
         else:
             scaled = v
-        activation = scaled @ self.weights + self.tensors["a"]
+        activation = scaled @ self.weights.astype(np.float64) + parameters["a"]
         return 1.0 / (1.0 + np.exp(-activation))
 
     def visible_variance(self) -> np.ndarray:
         """Per-visible-unit variance of a Gaussian model (ones for identity or Bernoulli)."""
         n_visible = self.weights.shape[0]
-        if "log_var" in self.tensors:
-            return np.exp(self.tensors["log_var"].astype(np.float64))
-        if "log_c" in self.tensors:
-            return np.full(n_visible, float(np.exp(self.tensors["log_c"].reshape(-1)[0])))
-        if "precision" in self.tensors:
-            return np.diag(np.linalg.inv(self.tensors["precision"].astype(np.float64)))
+        parameters = self.parameters
+        if "log_var" in parameters:
+            return np.exp(parameters["log_var"].astype(np.float64))
+        if "log_c" in parameters:
+            return np.full(n_visible, float(np.exp(parameters["log_c"].reshape(-1)[0])))
+        if "precision" in parameters:
+            return np.diag(np.linalg.inv(parameters["precision"].astype(np.float64)))
         return np.ones(n_visible)
 
     @classmethod

@@ -1,0 +1,190 @@
+"""PNG figures of a job: metric curves, weight filters, W histogram, reconstructions, variances.
+
+matplotlib is imported inside :func:`write_figures` only, so the rest of the CLI never pays for it
+(and works where it is not installed: ``pip install 'ssdrbm-client[plot]'`` adds it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ssdrbm.events import Metrics
+from ssdrbm.model_file import ExportedModel
+
+MAX_EXAMPLES = 8  # reconstructions shown beside their inputs
+MAX_FILTERS = 100  # hidden units drawn as filters (a 10×10 grid)
+
+# Image sizes of the built-in datasets whose pixel count is not a perfect square.
+KNOWN_IMAGE_SHAPES = {560: (28, 20)}  # Frey Face: 28 rows × 20 columns
+
+
+def guess_image_shape(n_visible: int) -> tuple[int, int] | None:
+    """(height, width) when ``n_visible`` pixels look like an image, else None."""
+    if n_visible in KNOWN_IMAGE_SHAPES:
+        return KNOWN_IMAGE_SHAPES[n_visible]
+    side = math.isqrt(n_visible)
+    return (side, side) if side * side == n_visible and side >= 4 else None
+
+
+def tile_images(images: np.ndarray, shape: tuple[int, int], columns: int) -> np.ndarray:
+    """Arrange (N, H*W) images into one (rows*(H+1)-1, columns*(W+1)-1) canvas with NaN gaps."""
+    height, width = shape
+    rows = max(1, math.ceil(len(images) / columns))
+    canvas = np.full((rows * (height + 1) - 1, columns * (width + 1) - 1), np.nan)
+    for index, image in enumerate(images):
+        row, column = divmod(index, columns)
+        top, left = row * (height + 1), column * (width + 1)
+        canvas[top : top + height, left : left + width] = image.reshape(height, width)
+    return canvas
+
+
+def _metric_series(history: Sequence[Metrics], name: str) -> tuple[list[int], list[float]]:
+    points = [(m.step, getattr(m, name)) for m in history if getattr(m, name) is not None]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def _plot_metrics(plt: Any, history: Sequence[Metrics], path: Path) -> Path | None:
+    panels = [
+        ("reconstruction error", ["reconstruction_error", "train_reconstruction_error"]),
+        ("log-likelihood", ["log_likelihood", "pseudo_log_likelihood"]),
+        ("free-energy gap", ["free_energy_gap"]),
+        ("spectral norm ‖W‖₂", ["spectral_norm"]),
+    ]
+    panels = [(title, names) for title, names in panels if any(
+        _metric_series(history, name)[0] for name in names
+    )]  # fmt: skip
+    if not panels:
+        return None
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5), squeeze=False)
+    for axis, (title, names) in zip(axes[0], panels, strict=True):
+        for name in names:
+            steps, values = _metric_series(history, name)
+            if steps:
+                axis.plot(steps, values, marker=".", label=name.replace("_", " "))
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _plot_filters(plt: Any, weights: np.ndarray, shape: tuple[int, int], path: Path) -> Path:
+    filters = weights[:, :MAX_FILTERS].T  # (H, V): one image per hidden unit
+    columns = math.ceil(math.sqrt(len(filters)))
+    canvas = tile_images(filters, shape, columns)
+    limit = float(np.nanmax(np.abs(canvas))) or 1.0
+    figure, axis = plt.subplots(figsize=(8, 8 * canvas.shape[0] / canvas.shape[1]))
+    axis.imshow(canvas, cmap="RdBu_r", vmin=-limit, vmax=limit)
+    axis.set_title(f"weight filters ({len(filters)} of {weights.shape[1]} hidden units)")
+    axis.axis("off")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _plot_histogram(plt: Any, weights: np.ndarray, path: Path) -> Path:
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.hist(weights.ravel(), bins=100)
+    axis.set_title(f"W entries ({weights.shape[0]}×{weights.shape[1]})")
+    axis.set_xlabel("value")
+    axis.set_ylabel("count")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _plot_reconstructions(
+    plt: Any,
+    inputs: np.ndarray,
+    reconstructions: np.ndarray,
+    shape: tuple[int, int] | None,
+    path: Path,
+) -> Path:
+    inputs = inputs.reshape(len(inputs), -1)[:MAX_EXAMPLES]
+    reconstructions = reconstructions.reshape(len(reconstructions), -1)[:MAX_EXAMPLES]
+    figure, axes = plt.subplots(2, len(inputs), figsize=(1.6 * len(inputs), 3.6), squeeze=False)
+    for column, (x, y) in enumerate(zip(inputs, reconstructions, strict=True)):
+        for row, vector in enumerate((x, y)):
+            axis = axes[row][column]
+            if shape is not None:
+                axis.imshow(vector.reshape(shape), cmap="gray")
+            else:
+                axis.imshow(vector[None, :], aspect="auto", cmap="gray")
+            axis.set_xticks([])
+            axis.set_yticks([])
+        axes[0][column].set_title(f"#{column}", fontsize="small")
+    axes[0][0].set_ylabel("input")
+    axes[1][0].set_ylabel("reconstruction")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _plot_variances(
+    plt: Any, variances: np.ndarray, shape: tuple[int, int] | None, path: Path
+) -> Path:
+    figure, axis = plt.subplots(figsize=(5, 4))
+    if shape is not None:
+        image = axis.imshow(variances.reshape(shape), cmap="viridis")
+        figure.colorbar(image, ax=axis)
+        axis.axis("off")
+    else:
+        axis.bar(np.arange(len(variances)), variances)
+        axis.set_xlabel("visible unit")
+    axis.set_title("learned visible variances")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def write_figures(
+    directory: Path,
+    *,
+    history: Sequence[Metrics],
+    model: ExportedModel,
+    inputs: np.ndarray | None = None,
+    reconstructions: np.ndarray | None = None,
+    image_shape: tuple[int, int] | None = None,
+) -> list[Path]:
+    """Write every figure that applies to ``directory``; returns the PNG paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = model.weights.astype(np.float64)
+    n_visible = weights.shape[0]
+    if image_shape is not None and image_shape[0] * image_shape[1] != n_visible:
+        raise ValueError(
+            f"--image-shape {image_shape[0]}x{image_shape[1]} does not match n_visible={n_visible}"
+        )
+    shape = image_shape or guess_image_shape(n_visible)
+    written = [
+        _plot_metrics(plt, history, directory / "metrics.png"),
+        _plot_histogram(plt, weights, directory / "weights_histogram.png"),
+    ]
+    if shape is not None:
+        written.append(_plot_filters(plt, weights, shape, directory / "filters.png"))
+    if inputs is not None and reconstructions is not None:
+        written.append(
+            _plot_reconstructions(
+                plt, inputs, reconstructions, shape, directory / "reconstructions.png"
+            )
+        )
+    if any(name in model.parameters for name in ("log_var", "precision")):
+        written.append(
+            _plot_variances(plt, model.visible_variance(), shape, directory / "variances.png")
+        )
+    return [path for path in written if path is not None]
