@@ -66,6 +66,9 @@ class Settings:
     # Worker in the same process (`python -m server`); set SSDRBM_RUN_WORKER=0 for API-only nodes
     run_worker: bool = True
     worker_id: str = ""  # empty: derived from host name and process id
+    lease_seconds: float = 10.0  # a dead worker's job is taken over this long after it died
+    checkpoint_keep: int = 3  # checkpoints kept per job: the newest and older ones to fall back on
+    torch_threads: int = 0  # CPU threads of each training process; 0: torch's default
 
     # Authentication: "none" (development, tenant "default") or "token" (bearer tokens)
     auth_mode: str = "none"
