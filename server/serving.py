@@ -9,11 +9,9 @@ loop stays free for other calls.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,10 +25,6 @@ from server.store.records import JobRecord
 logger = logging.getLogger(__name__)
 
 MAX_GIBBS_STEPS = 1000
-
-# Sampling in ssdcore draws from torch's global generator; a seeded request swaps in its own
-# state for the duration of the call, so all sampling takes this lock to stay reproducible.
-_GLOBAL_RNG_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -94,16 +88,14 @@ class ModelCache:
         return loaded
 
 
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Sampling with torch's global generator; reproducible when ``seed`` is not 0."""
-    with _GLOBAL_RNG_LOCK:
-        if seed == 0:
-            yield
-            return
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            yield
+def _generator(seed: int) -> torch.Generator | None:
+    """A private generator for a seeded request (reproducible, and no shared state between
+    threads); None (torch's default generator) when the caller asked for no seed."""
+    if seed == 0:
+        return None
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
 
 
 def _reconstruct(
@@ -111,22 +103,18 @@ def _reconstruct(
 ) -> np.ndarray:
     with torch.inference_mode():
         batch = torch.from_numpy(v)  # (B, V)
-        if mean_field:
-            out = model.reconstruct(batch, k=k, mean_field=True)
-        else:
-            with _seeded(seed):
-                out = model.reconstruct(batch, k=k, mean_field=False)
-        return out.detach().to(torch.float32).cpu().numpy()  # (B, V)
+        out = model.reconstruct(batch, k=k, mean_field=mean_field, generator=_generator(seed))
+        return out.to(torch.float32).cpu().numpy()  # (B, V)
 
 
 def _hidden(model: torch.nn.Module, v: np.ndarray, sample: bool, seed: int) -> np.ndarray:
     with torch.inference_mode():
         batch = torch.from_numpy(v)  # (B, V)
-        probs = model.hidden_probs(batch)  # (B, H)
         if sample:
-            with _seeded(seed):
-                probs = torch.bernoulli(probs)
-        return probs.detach().to(torch.float32).cpu().numpy()  # (B, H)
+            out = model.sample_hidden(batch, generator=_generator(seed))  # (B, H)
+        else:
+            out = model.hidden_probs(batch)  # (B, H)
+        return out.to(torch.float32).cpu().numpy()
 
 
 class ModelServer:

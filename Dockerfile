@@ -1,0 +1,55 @@
+# ssdrbm: the gRPC training service and its worker in one image.
+#
+#   docker build -t ssdrbm .                                  # CPU (default)
+#   docker build -t ssdrbm:cuda \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#
+# `python -m server` runs the gRPC server with a worker (SSDRBM_RUN_WORKER=0 for API only);
+# `python -m server.worker` runs a worker alone. Configuration: SSDRBM_* environment variables
+# (server/config.py). Real datasets are read from SSDRBM_DATA_DIR (mount them at /data).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+
+# The CPU wheel index keeps the image small; a CUDA build passes a CUDA wheel index.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    SSDRBM_LISTEN_ADDRESS=0.0.0.0:50051 \
+    SSDRBM_METRICS_PORT=9108 \
+    SSDRBM_DATA_DIR=/data
+
+# CUDA base images come without Python: install it there (python images already have it).
+RUN if ! command -v python3 >/dev/null 2>&1; then \
+        apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            python3 python3-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+WORKDIR /app
+# torch first, from the chosen index, at the version pyproject.toml pins.
+RUN python -m pip install -q "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+
+COPY client/ client/
+COPY pyproject.toml README.md ./
+COPY ssdcore/ ssdcore/
+COPY server/ server/
+# As scripts/install: the client package on its own, then the service and core that depend on it.
+RUN python -m pip install -q ./client ./
+
+RUN useradd --create-home --uid 10001 ssdrbm && mkdir -p /data && chown ssdrbm /data
+USER ssdrbm
+
+EXPOSE 50051 9108
+HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
+    CMD ["python", "-m", "server.healthcheck", "127.0.0.1:50051"]
+# SIGTERM starts the graceful shutdown (health NOT_SERVING, worker checkpoints, drain, stop).
+STOPSIGNAL SIGTERM
+CMD ["python", "-m", "server"]

@@ -1,0 +1,162 @@
+"""Deployment files and the process entry points.
+
+- docker-compose.yml: Redis with AOF and a health check, the gRPC port published, workers.
+- Dockerfile: installs the same packages as scripts/install, torch at the pinned version.
+- ``python -m server``: starts, reports SERVING to ``python -m server.healthcheck``, serves
+  Prometheus metrics, and on SIGTERM shuts down gracefully with exit code 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from importlib.util import find_spec
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+
+from server.healthcheck import check
+from tests.fixtures.redis import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 60.0
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def dockerfile() -> str:
+    # Join continuation lines so each instruction is one line.
+    return (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+
+
+def pip_targets(text: str) -> set[str]:
+    """Local packages that `pip install` lines install, without -e and [extras]."""
+    targets: set[str] = set()
+    for line in text.splitlines():
+        if "pip install" not in line or line.lstrip().startswith("#"):
+            continue
+        words = shlex.split(line.split("pip install", 1)[1].split("&&")[0], comments=True)
+        for word in words:
+            word = word.strip("'\"")
+            if word.startswith(".") and not word.startswith("--"):
+                targets.add(re.sub(r"\[.*\]$", "", word).rstrip("/") or ".")
+    return targets
+
+
+def test_compose_runs_redis_with_aof_and_health_checks() -> None:
+    services = compose()["services"]
+    redis = services["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert "redis-cli" in redis["healthcheck"]["test"]
+    assert any(volume.endswith(":/data") for volume in redis["volumes"])
+
+
+def test_compose_publishes_grpc_and_checks_its_health() -> None:
+    services = compose()["services"]
+    api = services["ssdrbm"]
+    assert "50051:50051" in api["ports"]
+    assert api["command"] == ["python", "-m", "server"]
+    assert "server.healthcheck" in api["healthcheck"]["test"]
+    assert api["depends_on"]["redis"]["condition"] == "service_healthy"
+    worker = services["worker"]
+    assert worker["command"] == ["python", "-m", "server.worker"]
+    assert worker["deploy"]["replicas"] >= 1
+    for service in (api, worker):
+        assert service["environment"]["SSDRBM_REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_compose_commands_name_modules_that_exist() -> None:
+    for module in ("server", "server.healthcheck", "server.worker"):
+        assert find_spec(module) is not None, module
+
+
+def test_dockerfile_installs_what_scripts_install_installs() -> None:
+    install = (ROOT / "scripts" / "install").read_text()
+    docker = dockerfile()
+    assert pip_targets(docker) == pip_targets(install) == {"./client", "."}
+    # Every folder the installed packages need is copied into the image.
+    for folder in ("client/", "ssdcore/", "server/"):
+        assert re.search(rf"^COPY {folder} ", docker, re.MULTILINE), folder
+
+
+def test_dockerfile_pins_the_same_torch_and_runs_the_server() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pinned = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
+    docker = dockerfile()
+    version = re.search(r"^ARG TORCH_VERSION=(\S+)", docker, re.MULTILINE).group(1)
+    assert pinned == f"torch=={version}"
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11", docker, re.MULTILINE)
+    assert re.search(r'^CMD \["python", "-m", "server"\]', docker, re.MULTILINE)
+    assert "server.healthcheck" in re.search(r"^HEALTHCHECK .*", docker, re.MULTILINE).group(0)
+
+
+def test_python_m_server_serves_and_stops_gracefully_on_sigterm(redis_url: str) -> None:
+    port, metrics_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": redis_url,
+        "SSDRBM_LISTEN_ADDRESS": f"127.0.0.1:{port}",
+        "SSDRBM_METRICS_PORT": str(metrics_port),
+        "SSDRBM_METRICS_ADDRESS": "127.0.0.1",
+        "SSDRBM_RUN_WORKER": "0",
+        "SSDRBM_SHUTDOWN_GRACE_S": "1",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not check(f"127.0.0.1:{port}", timeout_s=1.0):
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.2)
+        healthcheck = subprocess.run(
+            [sys.executable, "-m", "server.healthcheck", f"127.0.0.1:{port}"], cwd=ROOT, timeout=30
+        )
+        assert healthcheck.returncode == 0
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rbm_pb2_grpc.RBMServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.GetJob(rbm_pb2.GetJobRequest(job_id="0" * 32), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            exposition = response.read().decode()
+        assert 'ssdrbm_rpc_latency_seconds_count{code="NOT_FOUND",method="GetJob"} 1.0' in (
+            exposition
+        )
+        assert 'ssdrbm_jobs{state="QUEUED"}' in exposition
+        assert "ssdrbm_training_samples_per_second" in exposition
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, output
+    assert "AUTHENTICATION IS OFF" in output  # the no-auth mode is announced loudly
+    assert "shutting down" in output and "gRPC server stopped" in output
+    assert not check(f"127.0.0.1:{port}", timeout_s=1.0)
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:1"])
+def test_healthcheck_fails_when_nothing_listens(target: str) -> None:
+    assert not check(target, timeout_s=1.0)
