@@ -187,18 +187,22 @@ def test_safetensors_reader_widens_bfloat16() -> None:
     np.testing.assert_array_equal(read_safetensors(data)[0]["x"], values)
 
 
+def _one(entry: dict, body: bytes) -> bytes:
+    return _raw_safetensors({"x": entry}, body)
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
         (b"\x01\x02", "too short"),
         (struct.pack("<Q", 1000) + b"{}", "header length"),
         (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
-        (_raw_safetensors({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4), "does not fit"),
-        (_raw_safetensors({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 4), "does not fit"),
-        (_raw_safetensors({"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8), "unsupported dtype"),
-        (_raw_safetensors({"x": {"shape": [1]}}, b""), "needs dtype"),
+        (_one({"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}, b"\0" * 4), "does not fit"),
+        (_one({"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}, b"\0" * 4), "does not fit"),
+        (_one({"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}, b"\0" * 8), "unsupported"),
+        (_one({"shape": [1]}, b""), "needs dtype"),
     ],
-)  # fmt: skip
+)
 def test_safetensors_reader_refuses_malformed_files(data, message) -> None:
     with pytest.raises(SafetensorsError, match=message):
         read_safetensors(data)
@@ -227,9 +231,11 @@ def test_exported_model_hidden_probs_by_hand() -> None:
 def test_unreachable_service_is_retried_then_reported_with_its_address() -> None:
     port = free_port()
     policy = RetryPolicy(attempts=3, initial_backoff_s=0.01)
-    with Client(f"127.0.0.1:{port}", retry=policy, timeout=5) as client:
-        with pytest.raises(Unavailable) as caught:
-            client.get_job("anything")
+    with (
+        Client(f"127.0.0.1:{port}", retry=policy, timeout=5) as client,
+        pytest.raises(Unavailable) as caught,
+    ):
+        client.get_job("anything")
     assert caught.value.target == f"127.0.0.1:{port}"
 
 
