@@ -39,6 +39,13 @@ def format_number(value: float | None, digits: int = 4) -> str:
     return f"{value:.{max(digits - 1, 1)}e}"
 
 
+def format_rate(value: float | None) -> str:
+    """A throughput such as ``2,500``; "-" when unknown."""
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
+
+
 def format_duration(seconds: float | None) -> str:
     """``h:mm:ss`` or ``m:ss``; "-" when unknown."""
     if seconds is None or seconds != seconds or seconds < 0 or seconds == float("inf"):

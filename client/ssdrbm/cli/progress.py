@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from ssdrbm.cli.output import format_duration, format_number
+from ssdrbm.cli.output import format_duration, format_number, format_rate
 from ssdrbm.events import Job, JobState, MetricEvent, MetricsEvent, StateEvent
 
 REDRAW_INTERVAL_S = 0.1  # redrawing faster than this only costs terminal bandwidth
@@ -77,7 +77,7 @@ def render_line(progress: ProgressState, width: int = 100) -> str:
         f"{progress.job_id} {progress.state.value}",
         f"step {progress.step}/{progress.total_steps or '?'}",
         f"[{render_bar(progress.fraction, 20)}] {progress.fraction:4.0%}",
-        f"{format_number(progress.samples_per_second, 3)} samples/s",
+        f"{format_rate(progress.samples_per_second)} samples/s",
         f"ETA {format_duration(progress.eta_s())}",
         f"recon {format_number(progress.reconstruction_error)}",
     ]
@@ -98,7 +98,7 @@ def render_log_line(progress: ProgressState, event: MetricEvent) -> str:
     ]
     if event.metrics.log_likelihood is not None:
         fields.append(f"ll={format_number(event.metrics.log_likelihood)}")
-    fields.append(f"samples/s={format_number(progress.samples_per_second, 3)}")
+    fields.append(f"samples/s={format_rate(progress.samples_per_second)}")
     fields.append(f"eta={format_duration(progress.eta_s())}")
     return f"{progress.job_id} " + " ".join(fields)
 

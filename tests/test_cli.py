@@ -1,0 +1,263 @@
+"""The ``ssdrbm`` command: exit codes, the error funnel, progress rendering, tables, figures, and
+every command driven through its entry point against a real in-process service and real Redis."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save as safetensors_save
+from ssdrbm import errors
+from ssdrbm.cli import main
+from ssdrbm.cli.exit_codes import ExitCode
+from ssdrbm.cli.funnel import Context, describe
+from ssdrbm.cli.main import EPILOG
+from ssdrbm.cli.plot import guess_image_shape, tile_images, write_figures
+from ssdrbm.cli.progress import (
+    ProgressDisplay,
+    ProgressState,
+    render_line,
+    render_summary,
+)
+from ssdrbm.cli.tables import render_table
+from ssdrbm.events import Job, JobState, Metrics, MetricsEvent, StateEvent
+from ssdrbm.model_file import ExportedModel
+
+from tests.fixtures.redis import free_port
+
+ERROR_LINE = re.compile(r"^ssdrbm: error: .+ — .+$")
+
+# --- exit codes and the error funnel ------------------------------------------------------------
+
+
+def test_exit_codes_are_documented_where_users_look() -> None:
+    table = dict(re.findall(r"^\s+([A-Z_]+)\s+(\d+)\s", ExitCode.__doc__ or "", re.MULTILINE))
+    assert {name: int(value) for name, value in table.items()} == {
+        code.name: int(code) for code in ExitCode
+    }
+    assert ExitCode.INTERRUPTED == 130 and ExitCode.OK == 0 and ExitCode.USAGE == 2
+    for code in ExitCode:  # the --help epilog lists every code
+        assert re.search(rf"\b{int(code)} ", EPILOG), code
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "says"),
+    [
+        (errors.Unavailable("connection refused"), ExitCode.UNAVAILABLE, "10.0.0.1:5"),
+        (errors.DeadlineExceeded("slow"), ExitCode.UNAVAILABLE, "--timeout"),
+        (errors.NotFound("no such job"), ExitCode.NOT_FOUND, "job j-1 not found"),
+        (errors.InvalidArgument("lr: must be > 0"), ExitCode.USAGE, "lr: must be > 0"),
+        (errors.Unauthenticated("missing token"), ExitCode.UNAUTHENTICATED, "--token"),
+        (errors.PermissionDenied("nope"), ExitCode.UNAUTHENTICATED, "not allowed"),
+        (errors.FailedPrecondition("no checkpoint"), ExitCode.NOT_READY, "ssdrbm get j-1"),
+        (errors.ResourceExhausted("too big"), ExitCode.LIMIT, "too big"),
+        (errors.ServerError("boom"), ExitCode.ERROR, "boom"),
+        (KeyboardInterrupt(), ExitCode.INTERRUPTED, "ssdrbm cancel j-1"),
+        (FileNotFoundError(2, "No such file", "x.npy"), ExitCode.ERROR, "x.npy"),
+        (RuntimeError("odd"), ExitCode.ERROR, "--debug"),
+    ],
+)
+def test_each_failure_is_one_line_naming_what_to_do(error, code, says) -> None:
+    failure = describe(error, Context(command="watch", target="10.0.0.1:5", job_id="j-1"))
+    assert failure.code == code
+    assert ERROR_LINE.match(failure.line()), failure.line()
+    assert says in failure.line()
+
+
+def test_unreachable_service_exits_3_with_the_address_and_no_traceback(capsys) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    code = main(["--target", target, "get", "some-job"])
+    out, err = capsys.readouterr()
+    assert code == ExitCode.UNAVAILABLE
+    assert out == ""
+    assert err.count("\n") == 1 and ERROR_LINE.match(err.strip())
+    assert f"cannot reach the ssdrbm service at {target}" in err and "Traceback" not in err
+
+    code = main(["get", "some-job", "--target", target, "--debug"])  # options after the verb too
+    err = capsys.readouterr().err
+    assert code == ExitCode.UNAVAILABLE
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("ssdrbm: error:")
+
+
+def test_target_and_token_come_from_the_environment(monkeypatch, capsys) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("SSDRBM_TARGET", target)
+    assert main(["jobs"]) == ExitCode.UNAVAILABLE
+    assert target in capsys.readouterr().err
+
+
+def test_bad_command_lines_exit_2(capsys) -> None:
+    assert main(["train", "--lr", "fast"]) == ExitCode.USAGE
+    assert "invalid float value" in capsys.readouterr().err
+    assert main(["train", "--optimizer", "adamw"]) == ExitCode.USAGE
+    assert main(["train", "--steps", "5", "--epochs", "1"]) == ExitCode.USAGE
+    capsys.readouterr()
+    assert main(["train", "--hidden", "-4"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert ERROR_LINE.match(err.strip()) and "n_hidden" in err
+    assert main(["train", "--option", "oops"]) == ExitCode.USAGE
+    assert "--option expects KEY=VALUE" in capsys.readouterr().err
+    assert main(["plot", "j", "--output", "d", "--image-shape", "big"]) == ExitCode.USAGE
+
+
+def test_serve_without_the_server_package_says_what_to_install(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "server", None)  # as if ssdrbm-server were not installed
+    assert main(["serve"]) == ExitCode.ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ERROR_LINE.match(err.strip())
+    assert "install ssdrbm-server" in err
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+def _metrics(step: int, total: int = 1000, wall: float = 10.0, ll: float | None = None):
+    return Metrics(
+        step=step,
+        total_steps=total,
+        reconstruction_error=12.5,
+        spectral_norm=3.0,
+        wall_time_s=wall,
+        samples_per_second=2500.0,
+        log_likelihood=ll,
+    )
+
+
+def _metrics_event(step: int, **kwargs) -> MetricsEvent:
+    return MetricsEvent("job-1", f"{step}-0", None, _metrics(step, **kwargs))
+
+
+def _state_event(state: JobState, step: int = 0, message: str = "") -> StateEvent:
+    return StateEvent("job-1", f"s{step}", None, state, message, 1, step)
+
+
+def _job(state: JobState, error: str = "") -> Job:
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    return Job(
+        id="job-1",
+        name="",
+        state=state,
+        step=1000,
+        total_steps=1000,
+        attempt=1,
+        error=error,
+        checkpoint_step=1000,
+        worker="w",
+        n_visible=100,
+        created_at=start,
+        started_at=start,
+        finished_at=start + timedelta(seconds=83),
+        latest_metrics=_metrics(1000, wall=80.0, ll=-61.25),
+    )
+
+
+def test_progress_state_computes_fraction_and_eta() -> None:
+    progress = ProgressState("job-1")
+    assert progress.eta_s() is None and progress.fraction == 0.0
+    progress.update(_state_event(JobState.RUNNING))
+    progress.update(_metrics_event(250, wall=10.0, ll=-70.0))  # 25 steps/s
+    assert progress.state is JobState.RUNNING
+    assert progress.fraction == 0.25
+    assert progress.eta_s() == pytest.approx(30.0)
+    progress.update(_metrics_event(500, wall=20.0))  # no LL this time: keep the latest one
+    assert progress.log_likelihood == -70.0
+
+
+def test_progress_line_shows_step_rate_eta_and_metrics() -> None:
+    progress = ProgressState("job-1", state=JobState.RUNNING)
+    progress.update(_metrics_event(250, wall=10.0, ll=-70.0))
+    line = render_line(progress, width=200)
+    for part in ("step 250/1000", "25%", "2,500 samples/s", "ETA 0:30", "recon 12.5", "LL -70"):
+        assert part in line, (part, line)
+    assert len(render_line(progress, width=40)) == 40
+
+
+def test_progress_draws_in_place_on_a_tty_and_logs_lines_otherwise() -> None:
+    events = [_state_event(JobState.RUNNING), _metrics_event(500), _metrics_event(1000)]
+    tty = io.StringIO()
+    display = ProgressDisplay("job-1", stream=tty, tty=True)
+    for event in events:
+        display.on_event(event)
+    display.finish(_job(JobState.SUCCEEDED))
+    text = tty.getvalue()
+    assert text.startswith("\r\x1b[2K") and text.count("\n") == 1  # one line, redrawn
+    assert text.endswith(render_summary(_job(JobState.SUCCEEDED)) + "\n")
+
+    plain = io.StringIO()
+    display = ProgressDisplay("job-1", stream=plain, tty=False)
+    for event in events:
+        display.on_event(event)
+    display.finish(_job(JobState.SUCCEEDED))
+    lines = plain.getvalue().splitlines()
+    assert "\x1b" not in plain.getvalue() and "\r" not in plain.getvalue()
+    assert lines[0] == "job-1 running at step 0"
+    assert lines[1].startswith("job-1 step=500/1000 recon=12.5")
+    assert len(lines) == 4
+
+
+def test_summary_names_time_metrics_and_failure_reason() -> None:
+    done = render_summary(_job(JobState.SUCCEEDED))
+    assert done == "job job-1 succeeded at step 1000/1000 in 1:23 — recon 12.5, LL -61.25"
+    failed = render_summary(_job(JobState.FAILED, error="diverged at step 17"))
+    assert "failed" in failed and failed.endswith("— diverged at step 17")
+
+
+# --- tables and figures -------------------------------------------------------------------------
+
+
+def test_table_columns_are_aligned() -> None:
+    text = render_table(("ID", "STATE"), [["a", "running"], ["long-id", "queued"]])
+    assert text.splitlines() == ["ID       STATE", "a        running", "long-id  queued"]
+
+
+def test_image_shapes_and_tiles() -> None:
+    assert guess_image_shape(784) == (28, 28)
+    assert guess_image_shape(560) == (28, 20)
+    assert guess_image_shape(100) == (10, 10)
+    assert guess_image_shape(30) is None
+    canvas = tile_images(np.arange(12.0).reshape(3, 4), (2, 2), columns=2)
+    assert canvas.shape == (5, 5)
+    np.testing.assert_array_equal(canvas[0:2, 3:5], [[4, 5], [6, 7]])
+    assert np.isnan(canvas[2]).all()
+
+
+def test_figures_are_written_as_png(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    tensors = {
+        "model.W": rng.standard_normal((16, 6)).astype(np.float32),
+        "model.a": np.zeros(6, dtype=np.float32),
+        "model.log_var": rng.standard_normal(16).astype(np.float32),
+    }
+    model = ExportedModel.from_bytes(safetensors_save(tensors), config={"type": "gaussian"})
+    history = [_metrics(step, ll=-50.0 + step / 100) for step in (10, 20, 30)]
+    inputs = rng.random((3, 16))
+    written = write_figures(
+        tmp_path, history=history, model=model, inputs=inputs, reconstructions=inputs
+    )
+    names = sorted(path.name for path in written)
+    assert names == [
+        "filters.png",
+        "metrics.png",
+        "reconstructions.png",
+        "variances.png",
+        "weights_histogram.png",
+    ]
+    for path in written:
+        assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(ValueError, match="does not match"):
+        write_figures(tmp_path, history=[], model=model, image_shape=(3, 3))
+
+
+def test_json_output_of_a_job_is_plain_json() -> None:
+    from ssdrbm.cli.output import dumps
+
+    decoded = json.loads(dumps(_job(JobState.SUCCEEDED)))
+    assert decoded["state"] == "succeeded"
+    assert decoded["finished_at"] == "2026-01-01T00:01:23+00:00"
+    assert decoded["latest_metrics"]["log_likelihood"] == -61.25
