@@ -17,6 +17,7 @@ randomized).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -128,7 +129,8 @@ def polar_randomized(
     ``⟨G, direction⟩ = ‖λ‖₁ + ‖R‖_F² / ‖R‖_S∞``, which equals the paper's ‖λ‖₁ when the sketch
     captures all of G and, for a flat tail, adds the tail's nuclear norm that ‖λ‖₁ omits — so the
     step equals the exact S∞ step in both limits. ``‖R‖_S∞`` comes from a few power iterations
-    on R applied implicitly; a residual at rounding level is treated as zero (no correction).
+    on R applied implicitly; a residual below ``sqrt(eps) ‖G‖_F`` is rounding noise and gets no
+    correction (it would otherwise add unit steps along noise directions).
     """
     m, n = grad.shape
     sketch = min(rank + oversample, m, n)
@@ -145,7 +147,8 @@ def polar_randomized(
     direction = (u * kept) @ vh
     if residual_correction:
         residual = grad - (u * s) @ vh  # (m, n)
-        if residual.norm() > s[0] * max(m, n) * torch.finfo(grad.dtype).eps:
+        # Rounding leaves a residual near eps·‖G‖; sqrt(eps)·‖G‖ separates it from a real tail.
+        if residual.norm() > math.sqrt(torch.finfo(grad.dtype).eps) * grad.norm():
             tail = _spectral_norm_estimate(
                 lambda x: residual @ x, lambda y: residual.mT @ y, n, grad, iterations=8
             )

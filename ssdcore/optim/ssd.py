@@ -109,6 +109,8 @@ class SSD(Optimizer):
             _check_group(group)
         self._sketch_generators: dict[torch.device, torch.Generator] = {}
         self._fallback_logged: set[int] = set()
+        # Scratch space, not state: checkpoints need not carry it.
+        self._sign_buffers: dict[Tensor, Tensor] = {}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -141,7 +143,7 @@ class SSD(Optimizer):
                 elif param.ndim == 2:
                     self._spectral_matrix_step(param, factors, state, group)
                 else:
-                    _linf_step_(param, param.grad, state, group["lr"])
+                    self._linf_step_(param, param.grad, group["lr"])
                 finish_update_(param, group)
         return loss
 
@@ -195,6 +197,14 @@ class SSD(Optimizer):
             generator = self._sketch_generators[device] = torch.Generator(device=device)
         return generator
 
+    def _linf_step_(self, param: Tensor, grad: Tensor, lr: float) -> None:
+        """l∞ step ``x -= lr * ‖g‖₁ * sign(g)``, with a scratch buffer kept out of the state."""
+        sign = self._sign_buffers.get(param)
+        if sign is None or sign.shape != grad.shape:
+            sign = self._sign_buffers[param] = torch.empty_like(grad)
+        torch.sign(grad, out=sign)
+        param.addcmul_(sign, torch.linalg.vector_norm(grad, 1), value=-lr)
+
     def _preconditioned_step(
         self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
@@ -220,15 +230,6 @@ class SSD(Optimizer):
         else:
             norm = torch.linalg.vector_norm(scaled_grad, 1)
             param.addcmul_(scaled_grad.sign_().mul_(scale), norm, value=-group["lr"])
-
-
-def _linf_step_(param: Tensor, grad: Tensor, state: dict[str, Any], lr: float) -> None:
-    """l∞ step ``x -= lr * ‖g‖₁ * sign(g)`` with a reused sign buffer."""
-    sign = state.get("sign_buffer")
-    if sign is None or sign.shape != grad.shape:
-        sign = state["sign_buffer"] = torch.empty_like(grad)
-    torch.sign(grad, out=sign)
-    param.addcmul_(sign, torch.linalg.vector_norm(grad, 1), value=-lr)
 
 
 def _take_factors(param: Tensor) -> tuple[Tensor, Tensor] | None:

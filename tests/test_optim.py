@@ -1,0 +1,327 @@
+"""Optimizer steps against their formulas, hybrids, projections, validation and configs.
+
+Steps are compared with the formula computed independently in float64 (rtol 1e-5 in float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ssdcore import BernoulliRBM, CDEstimator
+from ssdcore.optim import (
+    SGD,
+    SSD,
+    OptimizerConfig,
+    PreconditionedSSD,
+    build_optimizer,
+)
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def svd_step(grad: torch.Tensor) -> torch.Tensor:
+    """‖σ(G)‖₁ · U Vᵀ over G's range, from a float64 SVD."""
+    u, s, vh = torch.linalg.svd(grad.double(), full_matrices=False)
+    keep = s > s.max() * 1e-6
+    return (s.sum() * (u[:, keep] @ vh[keep])).float()
+
+
+class Tiny(nn.Module):
+    """Named like an RBM: W (V, H), b (V,), a (H,)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.W = nn.Parameter(torch.randn(8, 5, generator=generator))
+        self.b = nn.Parameter(torch.randn(8, generator=generator))
+        self.a = nn.Parameter(torch.randn(5, generator=generator))
+
+
+def set_grads(model: nn.Module, seed: int = 1) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    grads = {}
+    for name, p in model.named_parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+        grads[name] = p.grad.clone()
+    return grads
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+# --- SSD steps ------------------------------------------------------------------------------
+
+
+def test_vector_step_is_l1_norm_times_sign():
+    x = nn.Parameter(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+    x.grad = torch.tensor([0.5, -0.25, 0.0, 2.0])
+    SSD([x], lr=0.1).step()
+    expected = torch.tensor([1.0, -2.0, 3.0, 0.5]) - 0.1 * 2.75 * torch.tensor([1.0, -1, 0, 1])
+    assert torch.allclose(x.detach(), expected, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("method", ["svd", "newton-schulz", "randomized", "lowrank"])
+def test_matrix_step_is_nuclear_norm_times_polar_factor(method):
+    model = Tiny()
+    before = snapshot(model)
+    grads = set_grads(model)
+    SSD([model.W], lr=0.01, method=method, rank=5).step()
+    expected = before["W"] - 0.01 * svd_step(grads["W"])
+    tolerance = 1e-3 if method == "newton-schulz" else RTOL
+    assert torch.allclose(model.W.detach(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_lowrank_uses_and_consumes_grad_factors():
+    generator = torch.Generator().manual_seed(2)
+    w = nn.Parameter(torch.randn(30, 20, generator=generator))
+    left, right = torch.randn(30, 4, generator=generator), torch.randn(4, 20, generator=generator)
+    before = w.detach().clone()
+    w.grad = left @ right
+    w.grad_factors = (left, right)
+    SSD([w], lr=0.01, method="lowrank").step()
+    assert w.grad_factors is None
+    assert torch.allclose(w.detach(), before - 0.01 * svd_step(left @ right), rtol=RTOL, atol=ATOL)
+
+
+def test_lowrank_works_from_factors_alone():
+    generator = torch.Generator().manual_seed(3)
+    w = nn.Parameter(torch.randn(30, 20, generator=generator))
+    left, right = torch.randn(30, 4, generator=generator), torch.randn(4, 20, generator=generator)
+    before = w.detach().clone()
+    w.grad_factors = (left, right)
+    SSD([w], lr=0.01).step()
+    assert torch.allclose(w.detach(), before - 0.01 * svd_step(left @ right), rtol=RTOL, atol=ATOL)
+
+
+def test_stale_factors_fall_back_to_the_svd_of_the_gradient():
+    generator = torch.Generator().manual_seed(4)
+    w = nn.Parameter(torch.randn(30, 20, generator=generator))
+    left, right = torch.randn(30, 4, generator=generator), torch.randn(4, 20, generator=generator)
+    grad = torch.randn(30, 20, generator=generator)  # not left @ right
+    before = w.detach().clone()
+    w.grad, w.grad_factors = grad, (left, right)
+    SSD([w], lr=0.01).step()
+    assert torch.allclose(w.detach(), before - 0.01 * svd_step(grad), rtol=RTOL, atol=ATOL)
+
+
+def test_factors_do_not_outlive_their_step():
+    """A second step without new factors uses the (new) dense gradient, not old factors."""
+    generator = torch.Generator().manual_seed(5)
+    w = nn.Parameter(torch.randn(12, 9, generator=generator))
+    left, right = torch.randn(12, 2, generator=generator), torch.randn(2, 9, generator=generator)
+    optimizer = SSD([w], lr=0.01)
+    w.grad, w.grad_factors = left @ right, (left, right)
+    optimizer.step()
+    before = w.detach().clone()
+    w.grad = torch.randn(12, 9, generator=generator)
+    optimizer.step()
+    assert torch.allclose(w.detach(), before - 0.01 * svd_step(w.grad), rtol=RTOL, atol=ATOL)
+
+
+def test_factors_with_wrong_shapes_are_refused():
+    w = nn.Parameter(torch.zeros(6, 4))
+    w.grad_factors = (torch.zeros(5, 2), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="grad_factors"):
+        SSD([w], lr=0.1).step()
+
+
+def test_lowrank_step_on_a_real_cd_gradient_equals_the_svd_step():
+    torch.manual_seed(0)
+    model = BernoulliRBM(40, 30)
+    data = torch.bernoulli(torch.full((10, 40), 0.4))
+    CDEstimator(model, k=1, seed=0).estimate(data)
+    grad = model.W.grad.clone()
+    before = model.W.detach().clone()
+    SSD([model.W], lr=1e-3).step()
+    assert torch.allclose(model.W.detach(), before - 1e-3 * svd_step(grad), rtol=RTOL, atol=ATOL)
+
+
+def test_euclidean_group_takes_an_sgd_step():
+    model = Tiny()
+    before, grads = snapshot(model), set_grads(model)
+    SSD(
+        [{"params": [model.W], "geometry": "euclidean"}, {"params": [model.b, model.a]}],
+        lr=0.1,
+    ).step()
+    assert torch.allclose(model.W.detach(), before["W"] - 0.1 * grads["W"])
+    g = grads["b"]
+    assert torch.allclose(model.b.detach(), before["b"] - 0.1 * g.abs().sum() * g.sign())
+
+
+def test_max_spectral_norm_keeps_w_in_the_ball():
+    model = Tiny()
+    optimizer = SSD([model.W], lr=1.0, max_spectral_norm=0.5)
+    for seed in range(3):
+        set_grads(model, seed)
+        optimizer.step()
+        assert torch.linalg.matrix_norm(model.W.detach(), 2) <= 0.5 * (1 + 1e-5)
+
+
+def test_decoupled_weight_decay_scales_before_the_step():
+    x = nn.Parameter(torch.tensor([2.0, -4.0]))
+    x.grad = torch.tensor([1.0, 1.0])
+    SSD([x], lr=0.1, weight_decay=0.5).step()
+    assert torch.allclose(x.detach(), torch.tensor([2.0, -4.0]) * 0.95 - 0.1 * 2.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": 0.0}, "learning rate"),
+        ({"lr": 0.1, "method": "qr"}, "method"),
+        ({"lr": 0.1, "geometry": "hyperbolic"}, "geometry"),
+        ({"lr": 0.1, "momentum": 0.9}, "momentum"),
+        ({"lr": 0.1, "max_spectral_norm": -1.0}, "max_spectral_norm"),
+        ({"lr": 0.1, "rank": -2}, "rank"),
+        ({"lr": 0.1, "preconditioner": "rmsprop", "method": "lowrank"}, "lowrank"),
+    ],
+)
+def test_ssd_validates_its_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SSD([nn.Parameter(torch.zeros(3))], **kwargs)
+
+
+def test_unsupported_parameters_are_refused():
+    cube = nn.Parameter(torch.zeros(2, 2, 2))
+    cube.grad = torch.zeros(2, 2, 2)
+    with pytest.raises(ValueError, match="matrices"):
+        SSD([cube], lr=0.1).step()
+    sparse = nn.Parameter(torch.zeros(3, 3))
+    sparse.grad = torch.zeros(3, 3).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        SSD([sparse], lr=0.1).step()
+
+
+# --- SGD ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.0, False), (0.9, False), (0.9, True)])
+def test_sgd_matches_torch_sgd(momentum, nesterov):
+    ours, theirs = Tiny(), Tiny()
+    mine = SGD(ours.parameters(), lr=0.05, momentum=momentum, nesterov=nesterov)
+    reference = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=momentum, nesterov=nesterov)
+    for seed in range(4):
+        set_grads(ours, seed)
+        set_grads(theirs, seed)
+        mine.step()
+        reference.step()
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=RTOL, atol=ATOL)
+
+
+def test_sgd_validates_its_settings():
+    params = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="momentum"):
+        SGD(params, lr=0.1, momentum=1.0)
+    with pytest.raises(ValueError, match="Nesterov"):
+        SGD(params, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="weight_decay"):
+        SGD(params, lr=0.1, weight_decay=-1)
+
+
+# --- preconditioned SSD ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preconditioner", ["rmsprop", "adam"])
+def test_preconditioned_step_matches_its_formula(preconditioner):
+    model = Tiny()
+    before = snapshot(model)
+    grads = set_grads(model)
+    optimizer = PreconditionedSSD(
+        [model.W, model.b], lr=0.01, preconditioner=preconditioner, betas=(0.9, 0.99), eps=1e-8
+    )
+    optimizer.step()
+    for name in ("W", "b"):
+        g = grads[name].double()
+        # First step: bias-corrected moments are g (Adam) and g², so D = |g| + eps.
+        scale = (g.abs() + 1e-8).rsqrt()
+        y = g * scale
+        sharp = svd_step(y).double() if name == "W" else y.abs().sum() * y.sign()
+        expected = before[name].double() - 0.01 * scale * sharp
+        actual = dict(model.named_parameters())[name].detach().double()
+        assert torch.allclose(actual, expected, rtol=1e-4, atol=1e-5), name
+
+
+def test_preconditioned_refuses_lowrank_and_unknown_preconditioners():
+    with pytest.raises(ValueError, match="lowrank"):
+        PreconditionedSSD([nn.Parameter(torch.zeros(2, 2))], lr=0.1, method="lowrank")
+    with pytest.raises(ValueError, match="preconditioner"):
+        PreconditionedSSD([nn.Parameter(torch.zeros(2))], lr=0.1, preconditioner="adagrad")
+
+
+# --- configuration --------------------------------------------------------------------------
+
+
+def geometry_of(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    return {g["name"]: g.get("geometry", "euclidean") for g in optimizer.param_groups}
+
+
+def test_hybrids_put_w_in_the_right_geometry():
+    ssd_w = build_optimizer(Tiny(), OptimizerConfig("sgd", per_parameter={"W": "ssd"}))
+    assert geometry_of(ssd_w) == {"W": "spectral", "b": "euclidean", "a": "euclidean"}
+    sgd_w = build_optimizer(Tiny(), OptimizerConfig("ssd", per_parameter={"W": "sgd"}))
+    assert geometry_of(sgd_w) == {"W": "euclidean", "b": "spectral", "a": "spectral"}
+
+
+def test_hybrid_steps_follow_their_geometries():
+    model = Tiny()
+    before, grads = snapshot(model), set_grads(model)
+    build_optimizer(model, OptimizerConfig("sgd", lr=0.01, per_parameter={"W": "ssd"})).step()
+    assert torch.allclose(model.W.detach(), before["W"] - 0.01 * svd_step(grads["W"]), atol=1e-5)
+    assert torch.allclose(model.b.detach(), before["b"] - 0.01 * grads["b"])
+
+
+def test_config_builds_the_right_classes_and_defaults():
+    assert type(build_optimizer(Tiny(), OptimizerConfig("sgd"))) is SGD
+    nesterov = build_optimizer(Tiny(), OptimizerConfig("nesterov"))
+    assert all(g["nesterov"] and g["momentum"] == 0.9 for g in nesterov.param_groups)
+    ssd = build_optimizer(Tiny(), OptimizerConfig("ssd"))
+    assert type(ssd) is SSD and all(g["method"] == "lowrank" for g in ssd.param_groups)
+    pre = build_optimizer(Tiny(), OptimizerConfig("ssd-preconditioned", preconditioner="adam"))
+    assert type(pre) is PreconditionedSSD
+    assert all(g["method"] == "svd" and g["preconditioner"] == "adam" for g in pre.param_groups)
+
+
+def test_config_decays_and_bounds_only_w():
+    optimizer = build_optimizer(
+        Tiny(), OptimizerConfig("ssd", weight_decay=0.1, max_spectral_norm=2.0)
+    )
+    groups = {g["name"]: g for g in optimizer.param_groups}
+    assert groups["W"]["weight_decay"] == 0.1 and groups["W"]["max_spectral_norm"] == 2.0
+    assert groups["b"]["weight_decay"] == 0.0 and groups["b"]["max_spectral_norm"] is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"lr": 0.0}, "lr"),
+        ({"lr": float("nan")}, "lr"),
+        ({"name": "adam"}, "name"),
+        ({"method": "qr"}, "method"),
+        ({"preconditioner": "adagrad"}, "preconditioner"),
+        ({"momentum": 1.5}, "momentum"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"rank": -1}, "rank"),
+        ({"per_parameter": {"W": "lbfgs"}}, "per_parameter"),
+        ({"name": "ssd-preconditioned", "method": "lowrank"}, "method"),
+    ],
+)
+def test_config_errors_name_the_field(fields, named):
+    with pytest.raises(ValueError, match=f"OptimizerConfig.{named}"):
+        OptimizerConfig(**fields)
+
+
+def test_unknown_parameter_name_is_refused():
+    with pytest.raises(ValueError, match=r"per_parameter.*'V'"):
+        build_optimizer(Tiny(), OptimizerConfig("ssd", per_parameter={"V": "sgd"}))
+
+
+def test_config_round_trips_through_a_dict():
+    config = OptimizerConfig("ssd", lr=0.02, per_parameter={"W": "sgd"}, max_spectral_norm=3.0)
+    assert OptimizerConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="unknown fields"):
+        OptimizerConfig.from_dict({**config.to_dict(), "learning_rate": 1.0})
