@@ -16,6 +16,7 @@ import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import redis.asyncio as aioredis
@@ -32,6 +33,9 @@ from server.servicer import RBMServicer, Stores
 from server.serving import ModelServer
 from server.store import CheckpointStore, DatasetStore, EventStore, JobStore, connect
 from server.store.records import JobState
+
+if TYPE_CHECKING:
+    from server.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -195,20 +199,16 @@ async def serve(
     service.metrics.stop_http()
 
 
-def _start_worker(settings: Settings) -> tuple[object, asyncio.Task[None]]:
+def _start_worker(settings: Settings) -> tuple[Worker, asyncio.Task[None]]:
     from server.worker import Worker  # the worker pulls in training; only when it runs here
 
-    worker = Worker(
-        settings.redis_url,
-        worker_id=settings.worker_id or default_worker_id(),
-        data_dir=settings.data_dir,
-    )
+    worker = Worker.from_settings(settings, worker_id=settings.worker_id or default_worker_id())
     logger.info("worker %s runs in this process", worker.worker_id)
     return worker, asyncio.create_task(worker.run())
 
 
-async def _stop_worker(worker: object, task: asyncio.Task[None] | None) -> None:
-    await worker.stop(graceful=True)  # type: ignore[attr-defined]
+async def _stop_worker(worker: Worker, task: asyncio.Task[None] | None) -> None:
+    await worker.stop(graceful=True)
     if task is not None:
         await asyncio.gather(task, return_exceptions=True)
 
