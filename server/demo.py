@@ -89,7 +89,8 @@ def follow(stub: rbm_pb2_grpc.RBMServiceStub, job_id: str) -> list[pb.Metrics]:
         metrics.append(m)
         print(
             f"{m.step:>6} {m.reconstruction_error:>10.3f} {m.free_energy_gap:>8.3f} "
-            f"{m.pseudo_log_likelihood:>10.3f} {m.spectral_norm:>7.3f} {m.samples_per_second:>10.0f}"
+            f"{m.pseudo_log_likelihood:>10.3f} {m.spectral_norm:>7.3f} "
+            f"{m.samples_per_second:>10.0f}"
         )
     return metrics
 
