@@ -3,29 +3,38 @@ a real in-process service with real Redis (including a metric stream cut mid-fli
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
 import json
 import re
+import socket
 import struct
+import threading
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
+from safetensors.numpy import load_file as safetensors_load_file
 from safetensors.numpy import save as safetensors_save
 from ssdrbm import (
     Client,
     InvalidArgument,
+    JobState,
+    MetricsEvent,
+    NotFound,
     RetryPolicy,
+    StateEvent,
     Unavailable,
     read_safetensors,
 )
 from ssdrbm._calls import BatchPlan
+from ssdrbm.aio import AsyncClient
 from ssdrbm.datasets import upload_messages, wire_array
 from ssdrbm.model_file import ExportedModel, SafetensorsError
-from ssdrbm.retry import call_with_retry
 from ssdrbm.spec import training_request
 from ssdrbm.tensors import as_batch, from_tensor, rows_per_chunk, to_tensor
-from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+from ssdrbm.v1 import rbm_pb2
 
 from tests.fixtures.redis import free_port
 
@@ -89,8 +98,6 @@ def test_upload_messages_carry_header_then_exact_bytes() -> None:
     body = b"".join(m.chunk for m in messages[1:])
     assert body == array.astype("<f8").tobytes()
     assert all(len(m.chunk) <= 64 for m in messages[1:])
-    import hashlib
-
     assert header.sha256 == hashlib.sha256(body).hexdigest()
     wire, dtype = wire_array(np.array([[True, False]]))
     assert wire.dtype == np.uint8 and dtype == rbm_pb2.DTYPE_UINT8
@@ -239,19 +246,202 @@ def test_unreachable_service_is_retried_then_reported_with_its_address() -> None
     assert caught.value.target == f"127.0.0.1:{port}"
 
 
-def test_retry_gives_up_at_once_on_answers_other_than_unavailable() -> None:
-    attempts = []
+# --- against the real service -------------------------------------------------------------------
 
-    def call():
-        attempts.append(1)
-        channel = grpc.insecure_channel(f"127.0.0.1:{free_port()}")
-        stub = rbm_pb2_grpc.RBMServiceStub(channel)
+JOB_TIMEOUT_S = 120
+
+
+def binary_data(n: int = 300, v: int = 16, seed: int = 0) -> np.ndarray:
+    """Binary vectors with structure (two prototypes plus noise): something for an RBM to learn."""
+    rng = np.random.default_rng(seed)
+    prototypes = (rng.random((2, v)) < 0.5).astype(np.float32)
+    flips = rng.random((n, v)) < 0.1
+    return np.abs(prototypes[rng.integers(0, 2, n)] - flips).astype(np.float32)
+
+
+def small_job(**overrides) -> dict:
+    """A job that trains in a second or two."""
+    return {"n_hidden": 8, "steps": 60, "batch_size": 50, "eval_every": 20, "seed": 3, **overrides}
+
+
+def test_sdk_end_to_end(service, tmp_path: Path) -> None:
+    x = binary_data()
+    with Client(service.target) as client:
+        dataset_id = client.upload_dataset(x, name="bits")
+        again = client.upload_dataset_details(x)  # content-addressed: same bytes, same id
+        assert again.id == dataset_id and not again.created and again.shape == (300, 16)
+
+        job = client.start_training(
+            dataset_id=dataset_id, name="sdk", request_id="r-1", **small_job()
+        )
+        assert job.state in (JobState.QUEUED, JobState.RUNNING) and job.name == "sdk"
+        repeat = client.start_training(dataset_id=dataset_id, request_id="r-1", **small_job())
+        assert repeat.id == job.id  # idempotent: what makes retrying StartTraining safe
+
+        events = []
+        final = client.wait(job.id, timeout=JOB_TIMEOUT_S, on_event=events.append)
+        assert final.state is JobState.SUCCEEDED, final.error
+        assert final.step == final.total_steps == 60 and final.n_visible == 16
+        assert isinstance(events[-1], StateEvent) and events[-1].state is JobState.SUCCEEDED
+        steps = [e.metrics.step for e in events if isinstance(e, MetricsEvent)]
+        assert steps == sorted(steps) and steps[-1] == 60
+        tokens = [e.resume_token for e in events]
+        assert len(set(tokens)) == len(tokens)
+
+        history = list(client.stream_metrics(job.id, follow=False))
+        assert [e.resume_token for e in history] == tokens
+        assert list(client.stream_metrics(job.id, after=tokens[1])) == events[2:]
+
+        # A second job, cancelled, so that listing has two pages of one.
+        other = client.start_training(dataset_id=dataset_id, **small_job(steps=100_000))
+        client.cancel(other.id)
+        assert client.wait(other.id, timeout=JOB_TIMEOUT_S).state is JobState.CANCELLED
+        assert [j.id for j in client.list_jobs(page_size=1)] == [other.id, job.id]
+        assert [j.id for j in client.list_jobs("succeeded")] == [job.id]
+
+        # Serving: features agree with the exported model evaluated locally in numpy.
+        model = client.fetch_model(job.id)
+        assert model.weights.shape == (16, 8) and model.config["n_visible"] == 16
+        probs = client.sample_hidden(job.id, x[:50])
+        assert probs.shape == (50, 8)
+        np.testing.assert_allclose(probs, model.hidden_probs(x[:50]), atol=1e-5)
+        samples = client.sample_hidden(job.id, x[:50], mode="sample", seed=7)
+        assert set(np.unique(samples)) <= {0.0, 1.0}
+        assert client.sample_hidden(job.id, x[0]).shape == (8,)
+        recon = client.reconstruct(job.id, x[:50], mean_field=True)
+        assert recon.shape == (50, 16) and recon.min() >= 0.0 and recon.max() <= 1.0
+        with Client(service.target, max_batch_bytes=16 * 4 * 7) as small:  # 7 rows a request
+            np.testing.assert_allclose(
+                small.sample_hidden(job.id, x), client.sample_hidden(job.id, x), atol=1e-6
+            )
+
+        directory = client.export_model(job.id, tmp_path / "model")
+        exported = ExportedModel.load(directory)
+        assert json.loads((directory / "config.json").read_text())["n_hidden"] == 8
+        reference = safetensors_load_file(directory / "model.safetensors")
+        assert set(reference) == set(exported.tensors)
+        for name, array in reference.items():
+            np.testing.assert_array_equal(exported.tensors[name], array)
+
+        with pytest.raises(NotFound):
+            client.get_job("no-such-job")
+        with pytest.raises(InvalidArgument, match="lr"):
+            client.start_training(lr=-1.0)
+        with pytest.raises(InvalidArgument):
+            client.sample_hidden(job.id, np.ones((2, 5)))  # the model has 16 visible units
+
+
+class DroppingProxy:
+    """A TCP proxy to ``upstream`` that cuts its first ``cuts`` connections after ``budget`` bytes
+    have gone from the server to the client: a network that fails mid-stream, on purpose."""
+
+    def __init__(self, upstream_port: int, *, budget: int, cuts: int) -> None:
+        self.upstream_port = upstream_port
+        self.budget = budget
+        self.cuts_left = cuts
+        self.connections = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            with self._lock:
+                self.connections += 1
+                cut = self.cuts_left > 0
+                self.cuts_left -= 1 if cut else 0
+            budget = self.budget if cut else None
+            threading.Thread(
+                target=self._pump, args=(downstream, upstream, None), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._pump, args=(upstream, downstream, budget), daemon=True
+            ).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, budget: int | None) -> None:
+        sent = 0
         try:
-            return stub.GetJob(rbm_pb2.GetJobRequest(job_id="x"), timeout=0.000001)
-        finally:
-            channel.close()
+            while data := source.recv(65536):
+                if budget is not None and sent + len(data) > budget:
+                    sink.sendall(data[: budget - sent])  # part of a frame, then the line goes dead
+                    break
+                sink.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
-    with pytest.raises(grpc.RpcError) as caught:
-        call_with_retry(call, RetryPolicy(attempts=4), sleep=lambda s: None)
-    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert len(attempts) == 1
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_metric_stream_resumes_after_cut_connections_without_gaps_or_repeats(service) -> None:
+    with Client(service.target) as direct:
+        job = direct.start_training(**small_job(steps=200, eval_every=10))
+    proxy = DroppingProxy(service.port, budget=700, cuts=3)
+    try:
+        with Client(f"127.0.0.1:{proxy.port}") as client:
+            received = list(client.stream_metrics(job.id, timeout=JOB_TIMEOUT_S))
+    finally:
+        proxy.close()
+    assert proxy.connections >= 4  # three cut, at least one more to finish
+    with Client(service.target) as direct:
+        complete = list(direct.stream_metrics(job.id, follow=False))
+    assert [e.resume_token for e in received] == [e.resume_token for e in complete]
+    assert received == complete
+    assert isinstance(received[-1], StateEvent) and received[-1].state is JobState.SUCCEEDED
+    assert len([e for e in received if isinstance(e, MetricsEvent)]) == 20
+
+
+def test_calls_wait_out_a_service_that_is_still_starting(service_factory) -> None:
+    port = free_port()
+    starter = threading.Timer(0.5, lambda: service_factory(listen_address=f"127.0.0.1:{port}"))
+    starter.start()
+    patient = RetryPolicy(attempts=30, initial_backoff_s=0.1, max_backoff_s=0.5)
+    try:
+        with Client(f"127.0.0.1:{port}", retry=patient) as client:
+            job = client.start_training(**small_job())  # retried: its request_id makes it safe
+            assert [j.id for j in client.list_jobs()] == [job.id]  # created exactly once
+    finally:
+        starter.join()
+
+
+def test_async_client(service) -> None:
+    x = binary_data(n=100)
+
+    async def scenario() -> None:
+        async with AsyncClient(service.target) as client:
+            dataset_id = await client.upload_dataset(x)
+            job = await client.start_training(dataset_id=dataset_id, **small_job())
+            events = [event async for event in client.stream_metrics(job.id)]
+            assert events[-1].state is JobState.SUCCEEDED
+            assert (await client.get_job(job.id)).state is JobState.SUCCEEDED
+            assert [j.id async for j in client.list_jobs()] == [job.id]
+            features = await client.sample_hidden(job.id, x, mode="probs")
+            assert features.shape == (100, 8)
+            assert (await client.reconstruct(job.id, x[:3], k=2)).shape == (3, 16)
+            model = await client.fetch_model(job.id)
+            np.testing.assert_allclose(features, model.hidden_probs(x), atol=1e-5)
+            with pytest.raises(NotFound):
+                await client.cancel("missing-job")
+
+    asyncio.run(scenario())
+
+
+def test_readme_sdk_example_runs_as_written(service, monkeypatch, tmp_path: Path) -> None:
+    text = README.read_text()
+    section = text.split("## Python SDK", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    monkeypatch.setenv("SSDRBM_TARGET", service.target)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
