@@ -6,6 +6,16 @@ Pure torch; no service dependencies. See docs/ARCHITECTURE.md for the public int
 from __future__ import annotations
 
 from ssdcore.errors import DivergenceError
+from ssdcore.evaluation import (
+    AISResult,
+    ais_log_partition,
+    exact_log_partition,
+    free_energy_gap,
+    log_likelihood,
+    pseudo_log_likelihood,
+    reconstruction_error,
+    spectral_norm,
+)
 from ssdcore.gradients import CDEstimator, CDStats
 from ssdcore.models import RBM, BernoulliRBM, GaussianRBM, model_from_config
 
@@ -15,10 +25,18 @@ from ssdcore.models import RBM, BernoulliRBM, GaussianRBM, model_from_config
 
 __all__ = [
     "RBM",
+    "AISResult",
     "BernoulliRBM",
     "CDEstimator",
     "CDStats",
     "DivergenceError",
     "GaussianRBM",
+    "ais_log_partition",
+    "exact_log_partition",
+    "free_energy_gap",
+    "log_likelihood",
     "model_from_config",
+    "pseudo_log_likelihood",
+    "reconstruction_error",
+    "spectral_norm",
 ]

@@ -1,0 +1,28 @@
+"""Evaluation: reconstruction error, pseudo-log-likelihood, free-energy gap, ‖W‖₂, log Z, log p."""
+
+from __future__ import annotations
+
+from ssdcore.evaluation.ais import AISResult, ais_log_partition, annealing_schedule
+from ssdcore.evaluation.likelihood import log_likelihood
+from ssdcore.evaluation.metrics import (
+    free_energy_gap,
+    mean_free_energy,
+    pseudo_log_likelihood,
+    reconstruction_error,
+    spectral_norm,
+)
+from ssdcore.evaluation.partition import MAX_ENUMERATED_UNITS, exact_log_partition
+
+__all__ = [
+    "MAX_ENUMERATED_UNITS",
+    "AISResult",
+    "ais_log_partition",
+    "annealing_schedule",
+    "exact_log_partition",
+    "free_energy_gap",
+    "log_likelihood",
+    "mean_free_energy",
+    "pseudo_log_likelihood",
+    "reconstruction_error",
+    "spectral_norm",
+]
