@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -261,3 +263,115 @@ def test_json_output_of_a_job_is_plain_json() -> None:
     assert decoded["state"] == "succeeded"
     assert decoded["finished_at"] == "2026-01-01T00:01:23+00:00"
     assert decoded["latest_metrics"]["log_likelihood"] == -61.25
+
+
+# --- every command against the real service -----------------------------------------------------
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run ``ssdrbm ARGS`` through its entry point; returns (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_end_to_end(service, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SSDRBM_TARGET", service.target)
+    rng = np.random.default_rng(0)
+    x = (rng.random((120, 16)) < 0.3).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    x_path = str(tmp_path / "x.npy")
+
+    code, out, _ = run_cli(capsys, "upload", x_path, "--json")
+    assert code == ExitCode.OK
+    dataset = json.loads(out)
+    assert dataset["shape"] == [120, 16]
+
+    train = ["train", "--dataset-id", dataset["id"], "--hidden", "8", "--steps", "60"]
+    train += ["--batch-size", "40", "--eval-every", "20", "--name", "cli-job", "--watch"]
+    code, out, err = run_cli(capsys, *train)
+    assert code == ExitCode.OK, err
+    job_id = out.strip()
+    assert "\n" not in job_id and job_id  # stdout carries only the id: JOB=$(ssdrbm train ...)
+    log = err.splitlines()
+    assert any(line.startswith(f"{job_id} step=60/60 recon=") for line in log), err
+    assert log[-1].startswith(f"job {job_id} succeeded at step 60/60 in ")
+
+    code, out, _ = run_cli(capsys, "jobs")
+    header, row = out.splitlines()
+    assert header.split() == ["ID", "NAME", "STATE", "STEP", "RECON", "LOG-LIK", "CREATED"]
+    assert row.split()[:4] == [job_id, "cli-job", "succeeded", "60/60"]
+
+    code, out, _ = run_cli(capsys, "get", job_id, "--json")
+    assert code == ExitCode.OK and json.loads(out)["state"] == "succeeded"
+    code, out, _ = run_cli(capsys, "get", job_id)
+    assert "id:" in out and "succeeded" in out
+
+    code, out, err = run_cli(capsys, "watch", job_id, "--json")  # a finished job replays
+    events = [json.loads(line) for line in out.splitlines()]
+    assert code == ExitCode.OK
+    assert [e["metrics"]["step"] for e in events if e["event"] == "metrics"][-1] == 60
+    assert events[-1]["event"] == "job" and events[-1]["job"]["id"] == job_id
+
+    code, out, _ = run_cli(capsys, "features", job_id, "-i", x_path, "-o", str(tmp_path / "h.npy"))
+    assert code == ExitCode.OK
+    h = np.load(tmp_path / "h.npy")
+    assert h.shape == (120, 8) and h.min() >= 0.0 and h.max() <= 1.0
+    code, _, _ = run_cli(
+        capsys, "features", job_id, "-i", x_path, "-o", str(tmp_path / "s.npy"), "--sample"
+    )
+    assert set(np.unique(np.load(tmp_path / "s.npy"))) <= {0.0, 1.0}
+    code, out, _ = run_cli(
+        capsys, "reconstruct", job_id, "-i", x_path, "-o", str(tmp_path / "y.npy"), "--json"
+    )
+    assert code == ExitCode.OK and json.loads(out)["shape"] == [120, 16]
+    assert np.load(tmp_path / "y.npy").shape == (120, 16)
+
+    code, out, _ = run_cli(capsys, "export", job_id, "--output", str(tmp_path / "model"))
+    assert code == ExitCode.OK
+    assert sorted(Path(p).name for p in out.split()) == ["config.json", "model.safetensors"]
+
+    code, out, err = run_cli(
+        capsys, "plot", job_id, "--output", str(tmp_path / "fig"), "--input", x_path
+    )
+    assert code == ExitCode.OK, err
+    names = sorted(Path(p).name for p in out.split())
+    assert names == ["filters.png", "metrics.png", "reconstructions.png", "weights_histogram.png"]
+
+    # A job cancelled while it runs: `watch` ends with the cancelled exit code.
+    code, out, _ = run_cli(capsys, "train", "--dataset-id", dataset["id"], "--steps", "100000")
+    long_job = out.strip()
+    code, out, _ = run_cli(capsys, "cancel", long_job)
+    assert code == ExitCode.OK and out.startswith(f"{long_job} ")
+    code, _, err = run_cli(capsys, "watch", long_job)
+    assert code == ExitCode.JOB_CANCELLED
+    assert err.splitlines()[-1].startswith(f"job {long_job} cancelled")
+
+    # The console script itself, as a user's shell runs it.
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "ssdrbm"), "jobs", "--json", "--state", "succeeded"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SSDRBM_TARGET": service.target},
+    )
+    assert result.returncode == 0, result.stderr
+    assert [job["id"] for job in json.loads(result.stdout)] == [job_id]
+
+
+def test_cli_errors_name_the_job_and_the_field(service, capsys) -> None:
+    target = ["--target", service.target]
+    code, out, err = run_cli(capsys, *target, "get", "no-such-job")
+    assert code == ExitCode.NOT_FOUND and out == ""
+    assert ERROR_LINE.match(err.strip()) and "job no-such-job not found" in err
+    assert "ssdrbm jobs" in err
+
+    code, _, err = run_cli(capsys, *target, "train", "--lr", "-1")
+    assert code == ExitCode.USAGE
+    assert ERROR_LINE.match(err.strip()) and "invalid argument: " in err and "lr" in err
+
+    code, _, err = run_cli(capsys, *target, "watch", "no-such-job")
+    assert code == ExitCode.NOT_FOUND and "no-such-job" in err
+
+    code, _, err = run_cli(capsys, *target, "upload", "/nonexistent/x.npy")
+    assert code == ExitCode.ERROR and "/nonexistent/x.npy" in err and ERROR_LINE.match(err.strip())
