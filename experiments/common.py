@@ -27,14 +27,14 @@ matplotlib.use("Agg")  # figures are files; never open a window
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+
+import ssdcore
 from ssdcore.evaluation import (
     ais_log_partition,
     exact_log_partition,
     log_likelihood,
     reconstruction_error,
 )
-
-import ssdcore
 from ssdcore.optim import SSD, OptimizerConfig
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,9 @@ class _TorchOptimizerTrainer:
         self.model = model
         self.data = data
         self.batch_size = spec.batch_size
-        self.estimator = ssdcore.CDEstimator(model, k=spec.cd_k, persistent=spec.persistent)
+        self.estimator = ssdcore.CDEstimator(
+            model, k=spec.cd_k, persistent=spec.persistent, seed=spec.seed
+        )
         self.optimizer = spec.optimizer.build(model)
         self.generator = torch.Generator().manual_seed(spec.seed)
         self.order = torch.randperm(len(data), generator=self.generator)

@@ -33,13 +33,18 @@ def _finite_recon(rows: list[dict]) -> None:
 
 def test_simulation_quick(tmp_path: Path) -> None:
     summary = simulation.run(tmp_path, quick=True)
-    assert len(summary["brbm"]) == 8 and len(summary["grbm"]) == 2
-    _finite_recon(summary["brbm"] + summary["grbm"])
+    assert len(summary["brbm"]) == len(summary["brbm_ll"]) == 8
+    assert len(summary["grbm"]) == len(summary["grbm_ll"]) == 2
+    _finite_recon(summary["brbm"] + summary["grbm"] + summary["brbm_ll"] + summary["grbm_ll"])
     # Exact log-probability of binary vectors under a BRBM: a finite value below zero.
-    for row in summary["brbm"]:
+    for row in summary["brbm_ll"]:
         assert math.isfinite(row["test_ll"]) and row["test_ll"] < 0, row
+    assert all(math.isfinite(row["test_ll"]) for row in summary["grbm_ll"])
     directory = tmp_path / "simulation"
-    _pngs_written(directory, ["fig3ab_brbm_recon.png", "brbm_exact_ll.png", "fig3c_grbm.png"])
+    _pngs_written(
+        directory,
+        ["fig3ab_brbm_recon.png", "fig3c_grbm_recon.png", "brbm_exact_ll.png", "grbm_exact_ll.png"],
+    )
     curves = json.loads((directory / "curves.json").read_text())
     assert {r["label"] for r in curves} >= {"SGD (large)", "SSD_W/SGD (small)", "SSD"}
 
