@@ -1,49 +1,69 @@
 """Commands that run the service itself: ``serve`` and ``worker``.
 
 They need the server package (``ssdrbm-server``: torch, Redis), imported only here and only when
-one of these commands runs, so the client stays light.
+one of these commands runs, so the client stays light. ``ssdrbm serve ARGS`` is exactly
+``python -m server ARGS``, and ``ssdrbm worker ARGS`` is ``python -m server.worker ARGS``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import runpy
+import sys
 
 from ssdrbm.cli.funnel import ServerNotInstalled
 
-# The module whose ``main(argv) -> int`` runs each command.
-ENTRY_POINTS = {"serve": "server.__main__", "worker": "server.worker.__main__"}
+# The package run as ``python -m`` for each command.
+ENTRY_POINTS = {"serve": "server", "worker": "server.worker"}
+_SERVER_DEPENDENCIES = ("server", "ssdcore", "torch", "redis")
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
     """Add ``serve`` and ``worker`` to the ``ssdrbm`` parser."""
+    # prefix_chars="+": every option after the command (--listen, --help, ...) is the server's.
     serve = commands.add_parser(
         "serve",
-        help="run the gRPC service with a worker (needs ssdrbm-server)",
-        description="Run the service; configured by SSDRBM_* variables (see the server's docs).",
+        prefix_chars="+",
+        add_help=False,
+        help="run the gRPC service with a worker (needs ssdrbm-server; --help for its options)",
     )
-    serve.add_argument(
-        "server_args", nargs=argparse.REMAINDER, help="passed on, e.g. --listen 0.0.0.0:50051"
+    serve.add_argument("server_args", nargs=argparse.REMAINDER)
+    serve.set_defaults(run=run_server, server_command="serve")
+
+    worker = commands.add_parser(
+        "worker",
+        prefix_chars="+",
+        add_help=False,
+        help="run a training worker only (needs ssdrbm-server)",
     )
-    serve.set_defaults(run=run_serve, server_command="serve")
-
-    worker = commands.add_parser("worker", help="run a training worker only (needs ssdrbm-server)")
-    worker.add_argument("server_args", nargs=argparse.REMAINDER, help="passed to the worker")
-    worker.set_defaults(run=run_serve, server_command="worker")
+    worker.add_argument("server_args", nargs=argparse.REMAINDER)
+    worker.set_defaults(run=run_server, server_command="worker")
 
 
-def load_server_main(command: str):
-    """The server's ``main(argv) -> int``, or ServerNotInstalled when it cannot be imported."""
+def import_server(package: str) -> None:
+    """Import ``package``; ServerNotInstalled when it (or torch, Redis) is missing."""
     try:
-        module = importlib.import_module(ENTRY_POINTS[command])
+        importlib.import_module(package)
     except ModuleNotFoundError as error:
-        if error.name and error.name.split(".")[0] in ("server", "torch", "redis", "ssdcore"):
+        if (error.name or "").split(".")[0] in _SERVER_DEPENDENCIES:
             raise ServerNotInstalled(str(error)) from None
         raise
-    return module.main
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Hand over to the server package's entry point."""
-    main = load_server_main(args.server_command)
-    return int(main(list(args.server_args)) or 0)
+def run_server(args: argparse.Namespace) -> int:
+    """Run the server package's ``__main__`` with the remaining arguments; its exit status."""
+    package = ENTRY_POINTS[args.server_command]
+    import_server(package)
+    saved_argv = sys.argv
+    sys.argv = [f"ssdrbm {args.server_command}", *args.server_args]
+    try:
+        runpy.run_module(package, run_name="__main__", alter_sys=False)
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(exit_.code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv = saved_argv
+    return 0
