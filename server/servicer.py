@@ -330,8 +330,10 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         )
         yield pb.ExportModelResponse(header=header)
         data = checkpoint.data
-        for start in range(0, len(data), EXPORT_CHUNK_BYTES):
-            yield pb.ExportModelResponse(chunk=data[start : start + EXPORT_CHUNK_BYTES])
+        # Chunks stay well under the message limit (a deployment may set it below 1 MiB).
+        chunk = max(1, min(EXPORT_CHUNK_BYTES, self.settings.max_message_bytes // 2))
+        for start in range(0, len(data), chunk):
+            yield pb.ExportModelResponse(chunk=data[start : start + chunk])
 
     # --- helpers ----------------------------------------------------------------------------
 
