@@ -5,6 +5,8 @@ Pure torch; no service dependencies. See docs/ARCHITECTURE.md for the public int
 
 from __future__ import annotations
 
+from ssdcore import data
+from ssdcore.data import load_frey_face, load_mnist, preprocess, synthetic_rbm_data
 from ssdcore.errors import DivergenceError
 from ssdcore.evaluation import (
     AISResult,
@@ -32,11 +34,16 @@ __all__ = [
     "DivergenceError",
     "GaussianRBM",
     "ais_log_partition",
+    "data",
     "exact_log_partition",
     "free_energy_gap",
+    "load_frey_face",
+    "load_mnist",
     "log_likelihood",
     "model_from_config",
+    "preprocess",
     "pseudo_log_likelihood",
     "reconstruction_error",
     "spectral_norm",
+    "synthetic_rbm_data",
 ]

@@ -193,6 +193,8 @@ class GibbsChain:
         self.hidden = torch.empty(n_chains, n_hidden, device=device)
         self.noise = torch.empty(n_chains, n_visible, device=device)
         self.hidden_noise: torch.Tensor | None = None
+        # Integrate the Gaussian visible layer out of intermediate sweeps where that is cheaper.
+        self.collapse = True
 
     def sample_visible_(self, kernel: GibbsKernel, hidden: torch.Tensor, out: torch.Tensor) -> None:
         """out ← a draw of v ~ p(v | hidden)."""
@@ -222,7 +224,7 @@ class GibbsChain:
         holds p(h | v_k).
         """
         hidden = hidden_start
-        collapsed = collapsed_sweep(kernel, hidden_start.shape[0], k - 1)
+        collapsed = collapsed_sweep(kernel, hidden_start.shape[0], k - 1) if self.collapse else None
         if collapsed is not None:
             hidden = self._run_collapsed(collapsed, hidden, k - 1, hidden_probs_out)
             k = 1
