@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import save as safetensors_save
-from ssdrbm import errors
+from ssdrbm import Client, RetryPolicy, errors
 from ssdrbm.cli import main
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import Context, describe
@@ -375,3 +376,30 @@ def test_cli_errors_name_the_job_and_the_field(service, capsys) -> None:
 
     code, _, err = run_cli(capsys, *target, "upload", "/nonexistent/x.npy")
     assert code == ExitCode.ERROR and "/nonexistent/x.npy" in err and ERROR_LINE.match(err.strip())
+
+
+def test_serve_runs_the_service_until_sigterm(redis_url: str) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": redis_url,
+        "SSDRBM_METRICS_PORT": "0",
+        "SSDRBM_LOG_LEVEL": "WARNING",
+    }
+    command = [str(Path(sys.executable).parent / "ssdrbm"), "serve", "--no-worker"]
+    process = subprocess.Popen(
+        [*command, "--listen", f"127.0.0.1:{port}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    startup = RetryPolicy(attempts=60, initial_backoff_s=0.2, max_backoff_s=0.5)
+    try:
+        with Client(f"127.0.0.1:{port}", retry=startup) as client:
+            job = client.start_training(n_hidden=4, steps=10)
+            assert client.get_job(job.id).state is JobState.QUEUED  # no worker in this process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
