@@ -1,0 +1,68 @@
+"""Messages between a worker and its training child process, over a multiprocessing pipe.
+
+A message is a JSON header (`kind`, plain fields, the names and sizes of binary parts) followed
+by its binary parts as raw byte frames. Nothing is pickled: both ends only ever decode JSON and
+copy bytes.
+
+Child -> worker:
+    started      n_visible, total_steps, start_step       the data is loaded, training begins
+    metrics      step                   + metrics         a serialized ssdrbm.v1.Metrics
+    checkpoint   step, config_json      + model, trainer  safetensors bytes
+    finished     step                                     the last step is trained and saved
+    stopped      step                                     stopped on request, after a checkpoint
+    failed       step, reason, diverged                   training cannot go on
+Worker -> child:
+    start        spec fields, settings  + spec, dataset, resume
+    stop                                                  checkpoint now and exit
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+# Message kinds, child -> worker
+STARTED = "started"
+METRICS = "metrics"
+CHECKPOINT = "checkpoint"
+FINISHED = "finished"
+STOPPED = "stopped"
+FAILED = "failed"
+# worker -> child
+START = "start"
+STOP = "stop"
+
+
+@dataclass
+class Message:
+    """One message: its kind, JSON-safe fields and named binary parts."""
+
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    blobs: dict[str, bytes] = field(default_factory=dict)
+
+
+def send(conn: Connection, message: Message) -> None:
+    """Write a message: the JSON header, then each binary part in the header's order."""
+    header = {
+        "kind": message.kind,
+        "fields": message.fields,
+        "blobs": [[name, len(blob)] for name, blob in message.blobs.items()],
+    }
+    conn.send_bytes(json.dumps(header).encode())
+    for blob in message.blobs.values():
+        conn.send_bytes(blob)
+
+
+def receive(conn: Connection) -> Message:
+    """Read one message (blocking); EOFError when the other end has closed."""
+    header = json.loads(conn.recv_bytes())
+    blobs: dict[str, bytes] = {}
+    for name, size in header["blobs"]:
+        blob = conn.recv_bytes()
+        if len(blob) != size:
+            raise ValueError(f"part {name!r} has {len(blob)} bytes, header said {size}")
+        blobs[name] = blob
+    return Message(header["kind"], header["fields"], blobs)

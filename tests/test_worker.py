@@ -1,0 +1,437 @@
+"""Workers against a real redis-server: jobs end to end in spawned training processes, two
+workers sharing a queue, cancel, divergence, SIGTERM release and SIGKILL takeover with resume.
+
+Jobs are tiny (16 visibles, 8 hidden units, a few hundred steps) so that the process start-up
+dominates; each test states what it proves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ssdrbm.v1 import rbm_pb2
+
+from server.keys import Keys
+from server.store import (
+    CheckpointStore,
+    DatasetStore,
+    EventStore,
+    JobRecord,
+    JobState,
+    JobStore,
+    connect,
+)
+from server.worker import Worker
+from server.worker.spec import PlanDefaults, plan_from_request
+from ssdcore.checkpoint import model_from_bytes
+from ssdcore.optim import OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+TENANT = "team"
+REPO = Path(__file__).resolve().parents[1]
+WAIT_S = 60.0  # upper bound for a job to reach a state on a loaded machine (not a speed check)
+LEASE_S = 1.5  # short leases so that a takeover happens quickly
+
+
+def spec(
+    *,
+    steps: int,
+    eval_every: int = 10,
+    checkpoint_every: int = 20,
+    lr: float = 0.05,
+    optimizer: int = rbm_pb2.OPTIMIZER_KIND_SSD,
+    dataset: rbm_pb2.DatasetRef | None = None,
+    gaussian: bool = False,
+    variance: int = rbm_pb2.VARIANCE_KIND_DIAGONAL,
+) -> rbm_pb2.StartTrainingRequest:
+    """A small job on the synthetic dataset (16 visibles)."""
+    builtin = rbm_pb2.BuiltinDataset(
+        name="synthetic", options={"n_visible": "16", "n_hidden": "4", "n_samples": "400"}
+    )
+    return rbm_pb2.StartTrainingRequest(
+        model=rbm_pb2.ModelSpec(
+            kind=rbm_pb2.MODEL_KIND_GAUSSIAN if gaussian else rbm_pb2.MODEL_KIND_BERNOULLI,
+            n_hidden=8,
+            variance=variance,
+        ),
+        optimizer=rbm_pb2.OptimizerSpec(kind=optimizer, lr=lr),
+        training=rbm_pb2.TrainingSpec(
+            batch_size=20, steps=steps, seed=3, checkpoint_every=checkpoint_every
+        ),
+        eval=rbm_pb2.EvalSpec(every=eval_every, validation_fraction=0.2),
+        dataset=dataset or rbm_pb2.DatasetRef(builtin=builtin),
+    )
+
+
+def make_worker(redis_url: str, worker_id: str) -> Worker:
+    return Worker(
+        redis_url,
+        worker_id=worker_id,
+        lease_seconds=LEASE_S,
+        heartbeat_seconds=0.25,
+        poll_ms=200,
+        torch_threads=1,
+    )
+
+
+class Harness:
+    """Stores on one client, plus helpers that wait for a job to get somewhere."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.redis = connect(redis_url)
+        self.jobs = JobStore(self.redis)
+        self.events = EventStore(self.redis)
+        self.checkpoints = CheckpointStore(self.redis)
+        self.datasets = DatasetStore(self.redis)
+
+    async def submit(self, request: rbm_pb2.StartTrainingRequest) -> str:
+        job, _ = await self.jobs.submit(
+            TENANT,
+            request.SerializeToString(),
+            name="test",
+            total_steps=request.training.steps,
+            request_id=None,
+        )
+        return job.id
+
+    async def wait_for(
+        self, job_id: str, done: Callable[[JobRecord], bool], timeout: float = WAIT_S
+    ) -> JobRecord:
+        deadline = time.monotonic() + timeout
+        while True:
+            record = await self.jobs.get(TENANT, job_id)
+            if done(record):
+                return record
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job never got there; last record: {record}")
+            await asyncio.sleep(0.05)
+
+    async def wait_for_state(self, job_id: str, state: JobState) -> JobRecord:
+        return await self.wait_for(job_id, lambda r: r.state is state or r.state.is_terminal)
+
+    async def events_of(self, job_id: str) -> list[tuple[str, bytes, int]]:
+        """(kind, data, attempt) of every event, in order."""
+        return [
+            (fields[b"kind"].decode(), fields[b"data"], int(fields[b"attempt"]))
+            for _, fields in await self.redis.xrange(Keys().events(job_id))
+        ]
+
+    async def metric_steps(self, job_id: str) -> list[tuple[int, int]]:
+        """(step, attempt) of every metric event, in order."""
+        return [
+            (rbm_pb2.Metrics.FromString(data).step, attempt)
+            for kind, data, attempt in await self.events_of(job_id)
+            if kind == "metrics"
+        ]
+
+    async def state_changes(self, job_id: str) -> list[rbm_pb2.StateChange]:
+        return [
+            rbm_pb2.StateChange.FromString(data)
+            for kind, data, _ in await self.events_of(job_id)
+            if kind == "state"
+        ]
+
+
+def run_with_workers(
+    redis_url: str, worker_ids: list[str], scenario: Callable[..., Awaitable[None]]
+) -> list[Worker]:
+    """Run `scenario(harness, workers)` while in-process workers serve the queue."""
+    workers = [make_worker(redis_url, worker_id) for worker_id in worker_ids]
+
+    async def main() -> None:
+        harness = Harness(redis_url)
+        tasks = [asyncio.create_task(worker.run()) for worker in workers]
+        try:
+            await scenario(harness, workers)
+        finally:
+            await asyncio.gather(*(worker.stop(graceful=False) for worker in workers))
+            await asyncio.gather(*tasks)
+            await harness.redis.aclose()
+
+    asyncio.run(main())
+    return workers
+
+
+def state_names(changes: list[rbm_pb2.StateChange]) -> list[str]:
+    return [rbm_pb2.JobState.Name(change.state).removeprefix("JOB_STATE_") for change in changes]
+
+
+def test_job_runs_end_to_end_with_metrics_and_checkpoints(redis_url: str) -> None:
+    async def scenario(h: Harness, workers: list[Worker]) -> None:
+        job_id = await h.submit(spec(steps=60))
+        record = await h.wait_for_state(job_id, JobState.SUCCEEDED)
+        assert record.state is JobState.SUCCEEDED, record.error
+        assert (record.step, record.total_steps, record.n_visible) == (60, 60, 16)
+        assert record.attempt == 1 and record.worker == "w1" and record.finished_at is not None
+        assert await h.metric_steps(job_id) == [(s, 1) for s in range(10, 61, 10)]
+        assert state_names(await h.state_changes(job_id)) == ["QUEUED", "RUNNING", "SUCCEEDED"]
+        latest = rbm_pb2.Metrics.FromString(record.latest_metrics)
+        assert latest.step == 60 and latest.total_steps == 60
+        assert latest.log_likelihood_method == rbm_pb2.LOG_LIKELIHOOD_METHOD_EXACT
+        assert math.isfinite(latest.log_likelihood) and latest.log_likelihood < 0
+        assert latest.spectral_norm > 0 and latest.samples_per_second > 0
+
+        assert await h.checkpoints.list_steps(job_id) == [20, 40, 60]  # 3 kept
+        checkpoint = await h.checkpoints.latest(job_id)
+        model = model_from_bytes(checkpoint.data)
+        assert json.loads(checkpoint.config_json) == model.config()
+        assert (model.n_visible, model.n_hidden) == (16, 8)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    run_with_workers(redis_url, ["w1"], scenario)
+
+
+def test_two_workers_share_the_queue(redis_url: str) -> None:
+    """Two workers on one Redis each take a job; one job trains on an uploaded dataset."""
+
+    async def scenario(h: Harness, workers: list[Worker]) -> None:
+        rng = np.random.default_rng(0)
+        array = rng.normal(size=(200, 16)).astype("<f4")
+        info, _ = await h.datasets.put(
+            TENANT, shape=array.shape, dtype="float32", name="gauss", data=array.tobytes()
+        )
+        await asyncio.sleep(0.3)  # both workers are waiting on the queue
+        uploaded = rbm_pb2.DatasetRef(dataset_id=info.id)
+        first = await h.submit(spec(steps=40, gaussian=True, dataset=uploaded, lr=0.01))
+        second = await h.submit(spec(steps=40))
+        records = [await h.wait_for_state(job, JobState.SUCCEEDED) for job in (first, second)]
+        assert [r.state for r in records] == [JobState.SUCCEEDED] * 2, [r.error for r in records]
+        assert {r.worker for r in records} == {"w1", "w2"}
+        assert records[0].n_visible == 16
+        config = json.loads((await h.checkpoints.latest(first)).config_json)
+        assert config["type"] == "gaussian"
+
+    run_with_workers(redis_url, ["w1", "w2"], scenario)
+
+
+def test_cancel_stops_a_running_job_within_two_seconds(redis_url: str) -> None:
+    async def scenario(h: Harness, workers: list[Worker]) -> None:
+        job_id = await h.submit(spec(steps=1_000_000, checkpoint_every=50))
+        await h.wait_for(job_id, lambda r: r.checkpoint_step >= 50)
+        asked = time.monotonic()
+        flagged = await h.jobs.cancel(TENANT, job_id)
+        assert flagged.cancel_requested
+        record = await h.wait_for(job_id, lambda r: r.state.is_terminal, timeout=2.0)
+        took = time.monotonic() - asked
+        assert record.state is JobState.CANCELLED
+        assert state_names(await h.state_changes(job_id))[-1] == "CANCELLED"
+        assert await h.checkpoints.list_steps(job_id)  # its checkpoints stay usable
+        logger.info("cancel took %.2f s", took)
+
+    run_with_workers(redis_url, ["w1"], scenario)
+
+
+# A Gaussian RBM with unit variances and plain SGD at this step size overflows after a few
+# dozen steps on the synthetic data (seeded, so always at the same step).
+DIVERGING_LR = 2.0
+
+
+def test_divergence_fails_the_job_and_keeps_the_last_good_checkpoint(redis_url: str) -> None:
+    async def scenario(h: Harness, workers: list[Worker]) -> None:
+        job_id = await h.submit(
+            spec(
+                steps=2000,
+                checkpoint_every=5,
+                eval_every=5,
+                lr=DIVERGING_LR,
+                optimizer=rbm_pb2.OPTIMIZER_KIND_SGD,
+                gaussian=True,
+                variance=rbm_pb2.VARIANCE_KIND_IDENTITY,
+            )
+        )
+        record = await h.wait_for(job_id, lambda r: r.state.is_terminal)
+        assert record.state is JobState.FAILED
+        assert "diverged" in record.error and f"step {record.checkpoint_step}" in record.error
+        assert record.checkpoint_step >= 5
+        checkpoint = await h.checkpoints.latest(job_id)
+        assert checkpoint.step == record.checkpoint_step
+        model = model_from_bytes(checkpoint.data)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert state_names(await h.state_changes(job_id))[-1] == "FAILED"
+
+    run_with_workers(redis_url, ["w1"], scenario)
+
+
+# --- worker processes ----------------------------------------------------------------------
+
+
+def start_worker_process(redis_url: str, worker_id: str) -> subprocess.Popen[bytes]:
+    """`python -m server.worker` with short leases, as a separate process."""
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": redis_url,
+        "SSDRBM_WORKER_ID": worker_id,
+        "SSDRBM_LEASE_SECONDS": str(LEASE_S),
+        "SSDRBM_TORCH_THREADS": "1",
+        "SSDRBM_LOG_LEVEL": "WARNING",
+    }
+    return subprocess.Popen([sys.executable, "-m", "server.worker"], cwd=REPO, env=env)
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids of the live processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid and fields[0] != "Z":
+                    found.append(int(entry.name))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    return False
+
+
+@pytest.fixture
+def processes():
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+def test_sigkilled_worker_job_resumes_on_another_with_each_step_once(
+    redis_url: str, processes: list
+) -> None:
+    """SIGKILL a worker mid-job: its training process exits, another worker takes the job
+    over once the lease lapses, resumes from the checkpoint, and every step is in the metric
+    stream exactly once."""
+    total = 400
+
+    async def main() -> None:
+        h = Harness(redis_url)
+        job_id = await h.submit(spec(steps=total, eval_every=10, checkpoint_every=50))
+        doomed = start_worker_process(redis_url, "doomed")
+        processes.append(doomed)
+        # Killed once a checkpoint exists and later steps were published after it.
+        record = await h.wait_for(job_id, lambda r: 50 <= r.checkpoint_step < r.step < total)
+        assert record.worker == "doomed"
+        trainers = children_of(doomed.pid)
+        assert len(trainers) == 1
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        await wait_until(lambda: not is_running(trainers[0]), timeout=5)
+        killed_at = await h.jobs.get(TENANT, job_id)
+
+        survivor = make_worker(redis_url, "survivor")
+        task = asyncio.create_task(survivor.run())
+        try:
+            final = await h.wait_for_state(job_id, JobState.SUCCEEDED)
+        finally:
+            await survivor.stop(graceful=False)
+            await task
+        assert final.state is JobState.SUCCEEDED, final.error
+        assert final.attempt == 2 and final.worker == "survivor"
+
+        published = await h.metric_steps(job_id)
+        assert [step for step, _ in published] == list(range(10, total + 1, 10))
+        resumed_from = (await h.state_changes(job_id))[2]  # QUEUED, RUNNING, RUNNING again
+        assert resumed_from.attempt == 2 and resumed_from.step == killed_at.checkpoint_step
+        assert all(attempt == 1 for step, attempt in published if step <= killed_at.step)
+        assert all(attempt == 2 for step, attempt in published if step > killed_at.step)
+        assert (await h.checkpoints.latest(job_id)).attempt == 2
+        await h.redis.aclose()
+
+    asyncio.run(main())
+
+
+def test_sigterm_checkpoints_releases_and_exits_cleanly(redis_url: str, processes: list) -> None:
+    """SIGTERM: the worker checkpoints the current step, puts the job back in the queue and
+    exits 0; the next worker continues from exactly that step."""
+
+    async def main() -> None:
+        h = Harness(redis_url)
+        job_id = await h.submit(spec(steps=100_000, eval_every=10, checkpoint_every=1000))
+        leaving = start_worker_process(redis_url, "leaving")
+        processes.append(leaving)
+        await h.wait_for(job_id, lambda r: r.step >= 30)
+        leaving.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(leaving.wait, WAIT_S) == 0
+        released = await h.jobs.get(TENANT, job_id)
+        assert released.state is JobState.QUEUED and released.worker == ""
+        assert released.checkpoint_step >= released.step >= 30  # saved where it stopped
+        assert state_names(await h.state_changes(job_id)) == ["QUEUED", "RUNNING", "QUEUED"]
+
+        successor = make_worker(redis_url, "successor")
+        task = asyncio.create_task(successor.run())
+        try:
+            resumed = await h.wait_for(job_id, lambda r: r.attempt == 2 and r.step > released.step)
+            await h.jobs.cancel(TENANT, job_id)  # no need to train 100k steps
+            await h.wait_for(job_id, lambda r: r.state.is_terminal)
+        finally:
+            await successor.stop(graceful=False)
+            await task
+        assert resumed.worker == "successor"
+        changes = await h.state_changes(job_id)
+        assert changes[3].attempt == 2 and changes[3].step == released.checkpoint_step
+        steps = [step for step, _ in await h.metric_steps(job_id)]
+        assert steps == list(range(10, steps[-1] + 1, 10))
+        await h.redis.aclose()
+
+    asyncio.run(main())
+
+
+# --- spec mapping ----------------------------------------------------------------------------
+
+
+def test_spec_maps_to_optimizer_config_and_plan() -> None:
+    request = rbm_pb2.StartTrainingRequest(
+        model=rbm_pb2.ModelSpec(
+            kind=rbm_pb2.MODEL_KIND_GAUSSIAN, variance=rbm_pb2.VARIANCE_KIND_ISOTROPIC, n_hidden=5
+        ),
+        optimizer=rbm_pb2.OptimizerSpec(
+            kind=rbm_pb2.OPTIMIZER_KIND_SGD,
+            lr=0.1,
+            per_parameter={"W": rbm_pb2.OPTIMIZER_KIND_SSD},
+            method=rbm_pb2.POLAR_METHOD_NEWTON_SCHULZ,
+        ),
+        training=rbm_pb2.TrainingSpec(epochs=3, batch_size=30),
+    )
+    plan = plan_from_request(request, PlanDefaults(eval_every=7, checkpoint_every=70))
+    assert plan.optimizer == OptimizerConfig(
+        name="sgd", lr=0.1, method="newton-schulz", per_parameter={"W": "ssd"}
+    )
+    assert plan.optimizer.momentum is None and plan.optimizer.max_spectral_norm is None
+    assert (plan.cd_k, plan.eval_every, plan.checkpoint_every) == (1, 7, 70)
+    assert plan.total_steps(n_train=100) == 9  # 3 whole batches of 30 per epoch
+    assert plan.model_config(12) == {
+        "type": "gaussian",
+        "n_visible": 12,
+        "n_hidden": 5,
+        "variance": "isotropic",
+    }
+    request.training.cd_k = 3
+    request.optimizer.kind = rbm_pb2.OPTIMIZER_KIND_NESTEROV
+    request.optimizer.momentum = 0.5
+    plan = plan_from_request(request)
+    assert plan.cd_k == 3 and plan.optimizer.name == "nesterov" and plan.optimizer.momentum == 0.5
