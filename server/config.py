@@ -53,7 +53,7 @@ class Settings:
     default_ais_chains: int = 100
     default_ais_betas: int = 1000
     max_total_steps: int = 10_000_000  # refuse jobs that would never end
-    max_full_variance_visibles: int = 1024  # a full precision matrix is V×V and O(V³) per step
+    max_full_variance_visibles: int = 256  # a full precision matrix is V×V and O(V³) per step
 
     # Serving
     serving_threads: int = 4  # thread pool for Reconstruct / SampleHidden (torch frees the GIL)
