@@ -27,6 +27,8 @@ VARIANCE_KINDS = ("identity", "isotropic", "diagonal", "full")
 # A dense V×V precision costs O(V²) per example and O(V³) per projection; beyond this size
 # the diagonal model is the practical choice.
 MAX_FULL_VISIBLE = 64
+# Smallest eigenvalue of the full precision relative to its largest (see _project_precision_).
+_RELATIVE_FLOOR = 1e-5
 
 
 class GaussianRBM(RBM):
@@ -190,14 +192,27 @@ class GaussianRBM(RBM):
         elif self.variance == "isotropic":
             self.log_c.clamp_(low, high)
         elif self.variance == "full":
-            precision = self.precision
-            precision.copy_(0.5 * (precision + precision.t()))
-            eigenvalues, eigenvectors = torch.linalg.eigh(precision)
-            low_p, high_p = 1.0 / self.max_variance, 1.0 / self.min_variance
-            if eigenvalues.min() < low_p or eigenvalues.max() > high_p:
-                clipped = eigenvalues.clamp(low_p, high_p)
-                precision.copy_((eigenvectors * clipped) @ eigenvectors.t())
-                precision.copy_(0.5 * (precision + precision.t()))
+            self._project_precision_()
+
+    def _project_precision_(self) -> None:
+        """Symmetrize; clip the spectrum when it leaves the allowed range.
+
+        Eigenvalues are kept in [max(1/max_variance, λ_max·1e-5), 1/min_variance]: the relative
+        floor keeps the matrix positive definite after rounding to float32, whose error is
+        about 1e-7·λ_max per entry. Computed in float64.
+        """
+        precision = self.precision
+        symmetric = 0.5 * (precision.double() + precision.double().t())
+        eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
+        high = 1.0 / self.min_variance
+        low = max(1.0 / self.max_variance, min(float(eigenvalues.max()), high) * _RELATIVE_FLOOR)
+        if eigenvalues.min() < low or eigenvalues.max() > high:
+            clipped = eigenvalues.clamp(low, high)
+            symmetric = (eigenvectors * clipped) @ eigenvectors.t()
+            symmetric = 0.5 * (symmetric + symmetric.t())
+        precision.copy_(symmetric)
+        # Rounding to float32 may break exact symmetry by one ulp; restore it.
+        precision.copy_(torch.triu(precision) + torch.triu(precision, diagonal=1).t())
 
     @torch.no_grad()
     def init_from_data(self, v: torch.Tensor) -> None:
