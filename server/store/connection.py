@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 # Short enough that an RPC answers UNAVAILABLE promptly when Redis is down, long enough for a
 # checkpoint write of a few megabytes on a busy machine.
@@ -21,6 +24,11 @@ def connect(url: str, **options: object) -> aioredis.Redis:
         "socket_connect_timeout": CONNECT_TIMEOUT_S,
         "health_check_interval": 30,
         "retry_on_timeout": False,
+        # One immediate retry on a fresh connection when a pooled one turns out dead (Redis
+        # restarted while it sat idle). Without it, each stale connection fails one request
+        # after Redis is back. A Redis that is really down still fails fast: the reconnect is
+        # refused. Every write script is fenced or checked, so a rare repeat is harmless.
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     }
     settings.update(options)
     return aioredis.Redis.from_url(url, decode_responses=False, **settings)
