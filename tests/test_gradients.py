@@ -206,7 +206,7 @@ def test_random_source_draws_have_the_right_distribution():
     assert set(draws.unique().tolist()) <= {0.0, 1.0}
     assert draws[:, 0].sum() == 0 and draws[:, -1].sum() == 20000
     torch.testing.assert_close(draws.mean(0), probs[0], atol=0.012, rtol=0)
-    normals = source.normal_(torch.empty(200001)).double()  # odd size: the padded path
+    normals = source.normal_(torch.empty(200001)).double()
     assert abs(normals.mean()) < 0.01 and abs(normals.var() - 1) < 0.015
     assert abs((normals**4).mean() - 3) < 0.06  # Gaussian kurtosis
     assert abs((normals.abs() > 2).double().mean() - 0.0455) < 0.002
@@ -215,6 +215,9 @@ def test_random_source_draws_have_the_right_distribution():
 def test_random_source_state_round_trip():
     source = RandomSource("cpu", 42)
     state = source.state_dict()
-    first = source.normal_(torch.empty(100)).clone()
+    probs = torch.full((1000,), 0.5)
+    first_normal = source.normal_(torch.empty(100)).clone()
+    first_bits = source.bernoulli_(probs, out=torch.empty(1000)).clone()
     source.load_state_dict(state)
-    assert torch.equal(first, source.normal_(torch.empty(100)))
+    assert torch.equal(first_normal, source.normal_(torch.empty(100)))
+    assert torch.equal(first_bits, source.bernoulli_(probs, out=torch.empty(1000)))
