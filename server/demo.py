@@ -42,7 +42,7 @@ def wait_until_serving(channel: grpc.Channel, timeout_s: float = HEALTH_WAIT_S) 
 def training_request(dataset: str, steps: int) -> pb.StartTrainingRequest:
     """A Bernoulli RBM trained with exact low-rank SSD on ``dataset``."""
     if dataset == "mnist":
-        source = pb.BuiltinDataset(name="mnist", options={"limit": "3000"})
+        source = pb.BuiltinDataset(name="mnist", options={"limit": "2000"})
         n_hidden = 64
     else:
         source = pb.BuiltinDataset(
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo against ``--target``; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m server.demo", description=__doc__)
     parser.add_argument("--target", default="127.0.0.1:50051", help="host:port of the service")
-    parser.add_argument("--steps", type=int, default=600, help="training steps")
+    parser.add_argument("--steps", type=int, default=400, help="training steps")
     args = parser.parse_args(argv)
     with grpc.insecure_channel(args.target) as channel:
         wait_until_serving(channel)
