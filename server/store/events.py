@@ -22,7 +22,7 @@ from server.store.records import JobState
 METRICS = "metrics"
 STATE = "state"
 
-_TOKEN = re.compile(r"\d{1,20}-\d{1,20}")
+_TOKEN = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")  # ASCII digits only, as Redis reads them
 _START = "0-0"
 _MAX_ID_PART = 2**64 - 1  # both halves of a stream id are unsigned 64-bit
 

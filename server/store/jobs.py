@@ -86,7 +86,7 @@ def _parse_page_token(page_token: str) -> int | None:
     """The listing position to continue below, or None for the first page."""
     if page_token == "":
         return None
-    if not page_token.isdigit() or len(page_token) > 18:
+    if not (page_token.isascii() and page_token.isdigit()) or len(page_token) > 18:
         raise InvalidArgumentError(
             "page_token", "not a token from ListJobs; pass next_page_token unchanged or leave empty"
         )
