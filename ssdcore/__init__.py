@@ -22,7 +22,11 @@ from ssdcore.gradients import CDEstimator, CDStats
 from ssdcore.models import RBM, BernoulliRBM, GaussianRBM, model_from_config
 
 # --- optimizers and training ---
-# (exports of ssdcore.optim, Trainer and fit go here)
+# isort: split
+from ssdcore import optim
+from ssdcore.optim import OptimizerConfig, build_optimizer
+from ssdcore.training import Trainer, fit
+
 # --- end optimizers and training ---
 
 __all__ = [
@@ -33,14 +37,19 @@ __all__ = [
     "CDStats",
     "DivergenceError",
     "GaussianRBM",
+    "OptimizerConfig",
+    "Trainer",
     "ais_log_partition",
+    "build_optimizer",
     "data",
     "exact_log_partition",
+    "fit",
     "free_energy_gap",
     "load_frey_face",
     "load_mnist",
     "log_likelihood",
     "model_from_config",
+    "optim",
     "preprocess",
     "pseudo_log_likelihood",
     "reconstruction_error",

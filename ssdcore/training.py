@@ -1,0 +1,344 @@
+"""The training loop: minibatches, CD/PCD gradients, an optimizer step, divergence checks, metrics.
+
+:class:`Trainer` owns everything a run needs to resume exactly: the model, the CD estimator (its
+chains and random state), the optimizer (its state), a seeded generator that shuffles the data
+each epoch on the data's device, and the position in the current permutation.
+:func:`fit` is the one-call entry point around it.
+
+Divergence: after every ``check_every`` steps (default 1) the trainer sums every parameter into a
+single scalar — NaN or Inf anywhere makes that sum non-finite, so one reduction and one host sync
+check the whole model — and keeps a copy of the parameters that passed. When a check fails the
+model is put back to the last parameters that passed and :class:`~ssdcore.DivergenceError` is
+raised; the optimizer state and chains are not rolled back, so treat the run as ended and use
+the restored model (or the last checkpoint) from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ssdcore.errors import DivergenceError
+from ssdcore.evaluation import (
+    ais_log_partition,
+    exact_log_partition,
+    free_energy_gap,
+    pseudo_log_likelihood,
+    reconstruction_error,
+    spectral_norm,
+)
+from ssdcore.evaluation import log_likelihood as mean_log_likelihood
+from ssdcore.gradients import CDEstimator
+from ssdcore.models.base import RBM
+from ssdcore.models.bernoulli import BernoulliRBM
+from ssdcore.optim.config import OptimizerConfig, build_optimizer
+
+logger = logging.getLogger(__name__)
+
+LOG_LIKELIHOOD_METHODS = ("none", "exact", "ais")
+# Evaluation looks at most this many training rows, so metrics stay cheap on large data sets.
+DEFAULT_EVAL_EXAMPLES = 10_000
+# Offsets the estimator's seed from the shuffling seed so the two streams never coincide.
+_ESTIMATOR_SEED_OFFSET = 0x5EED
+
+
+def check_data(data: Tensor, n_visible: int, name: str) -> None:
+    """Raise ``ValueError`` for data that is not a finite (N, n_visible) tensor."""
+    if not isinstance(data, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape (N, {n_visible})")
+    if data.ndim != 2 or data.shape[1] != n_visible or data.shape[0] == 0:
+        raise ValueError(
+            f"{name} has shape {tuple(data.shape)}; expected (N, {n_visible}) with N >= 1"
+        )
+    if not data.is_floating_point():
+        raise ValueError(f"{name} has dtype {data.dtype}; convert it to float32")
+    finite = torch.isfinite(data).all(dim=1)
+    if not bool(finite.all()):
+        row = int((~finite).nonzero()[0, 0])
+        raise ValueError(
+            f"{name} contains NaN or Inf (first at row {row}); clean or drop those rows"
+        )
+
+
+class Trainer:
+    """Trains ``model`` on ``train_data`` with CD-k / PCD-k and an optimizer from a config.
+
+    Args:
+        model: the RBM; parameters are updated in place.
+        train_data: (N, V) float tensor; moved to the model's device as float32.
+        optimizer: an :class:`~ssdcore.optim.OptimizerConfig` (or just its name).
+        batch_size: examples per step; each epoch is a fresh permutation, the last partial
+            batch of an epoch is dropped.
+        cd_k: Gibbs sweeps per gradient estimate.
+        persistent: PCD-k (persistent chains) instead of CD-k.
+        seed: seeds the shuffling and the estimator's random draws.
+        valid_data: optional (M, V) held-out data for the validation metrics.
+        check_every: steps between divergence checks (1 = every step).
+    """
+
+    def __init__(
+        self,
+        model: RBM,
+        train_data: Tensor,
+        *,
+        optimizer: OptimizerConfig | str = "ssd",
+        batch_size: int = 100,
+        cd_k: int = 1,
+        persistent: bool = False,
+        seed: int = 0,
+        valid_data: Tensor | None = None,
+        check_every: int = 1,
+    ) -> None:
+        if isinstance(optimizer, str):
+            optimizer = OptimizerConfig(name=optimizer)
+        if not isinstance(optimizer, OptimizerConfig):
+            raise ValueError(f"optimizer must be an OptimizerConfig or a name, got {optimizer!r}")
+        check_data(train_data, model.n_visible, "train_data")
+        if valid_data is not None:
+            check_data(valid_data, model.n_visible, "valid_data")
+        if not (isinstance(batch_size, int) and 1 <= batch_size <= train_data.shape[0]):
+            raise ValueError(
+                f"batch_size must be an integer in [1, {train_data.shape[0]}] (the number of "
+                f"training examples), got {batch_size!r}"
+            )
+        if not (isinstance(check_every, int) and check_every >= 1):
+            raise ValueError(f"check_every must be an integer >= 1, got {check_every!r}")
+        self.model = model
+        self.device = model.W.device
+        self.train_data = train_data.to(self.device, torch.float32)
+        self.valid_data = None if valid_data is None else valid_data.to(self.device, torch.float32)
+        self.optimizer_config = optimizer
+        self.batch_size = batch_size
+        self.cd_k = cd_k
+        self.persistent = persistent
+        self.seed = seed
+        self.check_every = check_every
+        self.estimator = CDEstimator(
+            model, k=cd_k, persistent=persistent, seed=seed + _ESTIMATOR_SEED_OFFSET
+        )
+        self.optimizer = build_optimizer(model, optimizer)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.step_count = 0
+        self.epoch = 0
+        self.wall_time_s = 0.0
+        self._permutation = self._new_permutation()
+        self._position = 0
+        self._batch = torch.empty(batch_size, model.n_visible, device=self.device)
+        self._named_parameters = list(model.named_parameters())
+        self._last_good = [p.detach().clone() for _, p in self._named_parameters]
+        self._last_good_step = 0
+
+    # --- data order -----------------------------------------------------------------------
+
+    def _new_permutation(self) -> Tensor:
+        n = self.train_data.shape[0]
+        return torch.randperm(n, generator=self.generator, device=self.device)
+
+    def _next_batch(self) -> Tensor:
+        """The next minibatch, gathered into a reused buffer; reshuffles at each epoch's end."""
+        if self._position + self.batch_size > self._permutation.shape[0]:
+            self._permutation = self._new_permutation()
+            self._position = 0
+            self.epoch += 1
+        index = self._permutation[self._position : self._position + self.batch_size]
+        self._position += self.batch_size
+        return torch.index_select(self.train_data, 0, index, out=self._batch)
+
+    # --- training -------------------------------------------------------------------------
+
+    def train_steps(self, n: int) -> None:
+        """Run ``n`` optimizer steps; raises DivergenceError when parameters become non-finite."""
+        if not (isinstance(n, int) and n >= 0):
+            raise ValueError(f"n (number of steps) must be an integer >= 0, got {n!r}")
+        started = time.perf_counter()
+        try:
+            for _ in range(n):
+                self.estimator.estimate(self._next_batch())
+                self.optimizer.step()
+                self.model.constrain_()
+                self.step_count += 1
+                if self.step_count % self.check_every == 0:
+                    self._check_finite()
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.wall_time_s += time.perf_counter() - started
+
+    @torch.no_grad()
+    def _check_finite(self) -> None:
+        """One reduction over all parameters; restore the last good ones when it is not finite."""
+        parameters = [p for _, p in self._named_parameters]
+        total = torch.stack([p.sum() for p in parameters]).sum()
+        if bool(torch.isfinite(total)):
+            torch._foreach_copy_(self._last_good, parameters)
+            self._last_good_step = self.step_count
+            return
+        bad = [name for name, p in self._named_parameters if not bool(torch.isfinite(p).all())]
+        torch._foreach_copy_(parameters, self._last_good)
+        failed_step = self.step_count
+        self.step_count = self._last_good_step
+        raise DivergenceError(
+            f"parameters {bad or '(overflowing sum)'} became NaN or Inf by step {failed_step}; "
+            f"the model was restored to step {self._last_good_step}. Lower the learning rate "
+            f"(lr={self.optimizer_config.lr}) or bound ‖W‖₂ with max_spectral_norm"
+        )
+
+    # --- evaluation -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        log_likelihood: str = "none",
+        *,
+        ais_chains: int = 100,
+        ais_betas: int = 1000,
+        ais_seed: int = 0,
+        max_examples: int = DEFAULT_EVAL_EXAMPLES,
+    ) -> dict[str, Any]:
+        """Metrics of the current model, keyed as the service's ``Metrics`` message.
+
+        Validation metrics use ``valid_data`` when given, else the training data. At most
+        ``max_examples`` rows of each set are used. ``log_likelihood`` is ``"none"``,
+        ``"exact"`` (enumerates hidden states: n_hidden ≤ 24) or ``"ais"``.
+        """
+        if log_likelihood not in LOG_LIKELIHOOD_METHODS:
+            raise ValueError(
+                f"log_likelihood must be one of {LOG_LIKELIHOOD_METHODS}, got {log_likelihood!r}"
+            )
+        model = self.model
+        train = self.train_data[:max_examples]
+        valid = train if self.valid_data is None else self.valid_data[:max_examples]
+        metrics: dict[str, Any] = {
+            "step": self.step_count,
+            "reconstruction_error": float(reconstruction_error(model, valid)),
+            "train_reconstruction_error": float(reconstruction_error(model, train)),
+            "spectral_norm": float(spectral_norm(model.W)),
+            "wall_time_s": self.wall_time_s,
+            "samples_per_second": (
+                self.step_count * self.batch_size / self.wall_time_s if self.wall_time_s else 0.0
+            ),
+            "log_likelihood_method": log_likelihood,
+        }
+        if self.valid_data is not None:
+            metrics["free_energy_gap"] = float(free_energy_gap(model, train, valid))
+        if isinstance(model, BernoulliRBM):
+            metrics["pseudo_log_likelihood"] = float(pseudo_log_likelihood(model, valid))
+        if log_likelihood == "exact":
+            log_z = float(exact_log_partition(model))
+            metrics["log_likelihood"] = float(mean_log_likelihood(model, valid, log_z))
+            metrics["log_likelihood_stderr"] = 0.0
+        elif log_likelihood == "ais":
+            result = ais_log_partition(
+                model,
+                n_chains=ais_chains,
+                n_betas=ais_betas,
+                seed=ais_seed,
+                base_visible_bias=_data_visible_bias(model, train),
+            )
+            metrics["log_likelihood"] = float(
+                mean_log_likelihood(model, valid, float(result.log_z))
+            )
+            metrics["log_likelihood_stderr"] = float(result.stderr)
+        return metrics
+
+    # --- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the model and the data needed to continue exactly where this stopped."""
+        return {
+            "step": self.step_count,
+            "epoch": self.epoch,
+            "position": self._position,
+            "wall_time_s": self.wall_time_s,
+            "permutation": self._permutation.detach().cpu().clone(),
+            "generator": self.generator.get_state().clone(),
+            "estimator": self.estimator.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output into this trainer (same model and settings)."""
+        permutation = state["permutation"]
+        if permutation.shape != (self.train_data.shape[0],):
+            raise ValueError(
+                f"saved data order covers {permutation.shape[0]} examples but the training data "
+                f"has {self.train_data.shape[0]}; resume with the same data"
+            )
+        self.step_count = int(state["step"])
+        self.epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self.wall_time_s = float(state["wall_time_s"])
+        self._permutation = permutation.to(self.device, torch.int64)
+        self.generator.set_state(state["generator"].cpu())
+        self.estimator.load_state_dict(state["estimator"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._last_good = [p.detach().clone() for _, p in self._named_parameters]
+        self._last_good_step = self.step_count
+
+
+def _data_visible_bias(model: RBM, data: Tensor) -> Tensor | None:
+    """AIS base-model visible bias for a BRBM: the logit of the data mean (a closer start)."""
+    if not isinstance(model, BernoulliRBM):
+        return None
+    mean = data.mean(dim=0).clamp(1e-3, 1 - 1e-3)
+    return torch.log(mean) - torch.log1p(-mean)
+
+
+def fit(
+    model: RBM,
+    data: Tensor,
+    *,
+    steps: int,
+    batch_size: int = 100,
+    cd_k: int = 1,
+    optimizer: OptimizerConfig | str = "ssd",
+    lr: float | None = None,
+    persistent: bool = False,
+    seed: int = 0,
+    callback: Callable[[dict[str, Any]], bool | None] | None = None,
+    eval_every: int | None = None,
+    valid_data: Tensor | None = None,
+    log_likelihood: str = "none",
+) -> list[dict[str, Any]]:
+    """Train ``model`` for ``steps`` steps and return the metric history.
+
+    Metrics are taken at step 0, every ``eval_every`` steps (default: ten points over the run)
+    and at the end; each dict also carries ``total_steps``. ``callback`` receives each dict;
+    returning ``False`` stops training early. ``lr`` overrides the config's step size.
+    """
+    if not (isinstance(steps, int) and steps >= 0):
+        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+    config = OptimizerConfig(name=optimizer) if isinstance(optimizer, str) else optimizer
+    if lr is not None:
+        config = OptimizerConfig(**{**config.to_dict(), "lr": lr})
+    every = eval_every if eval_every is not None else max(1, math.ceil(steps / 10))
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
+    trainer = Trainer(
+        model,
+        data,
+        optimizer=config,
+        batch_size=batch_size,
+        cd_k=cd_k,
+        persistent=persistent,
+        seed=seed,
+        valid_data=valid_data,
+    )
+    history: list[dict[str, Any]] = []
+    while True:
+        metrics = {**trainer.evaluate(log_likelihood), "total_steps": steps}
+        history.append(metrics)
+        logger.debug("step %d: %s", trainer.step_count, metrics)
+        if callback is not None and callback(metrics) is False:
+            break
+        if trainer.step_count >= steps:
+            break
+        trainer.train_steps(min(every, steps - trainer.step_count))
+    return history
