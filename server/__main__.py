@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except RuntimeError:
+        logging.getLogger("server").exception("the service stopped with an error")
+        return 1
     return 0
 
 

@@ -188,8 +188,9 @@ async def serve(
     if worker_task is not None:
         waiters.append(worker_task)
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    if worker_task is not None and worker_task.done() and not stop.is_set():
-        logger.error("the worker stopped unexpectedly: %r; shutting down", worker_task.exception())
+    worker_failed = worker_task is not None and worker_task.done() and not stop.is_set()
+    if worker_failed:
+        logger.error("the worker stopped unexpectedly; shutting the process down")
     logger.info("shutting down (grace %.1f s)", settings.shutdown_grace_s)
     stopping = [service.stop()]
     if worker is not None:
@@ -197,6 +198,11 @@ async def serve(
     await asyncio.gather(*stopping, return_exceptions=True)
     waiters[0].cancel()
     service.metrics.stop_http()
+    if worker_failed:
+        # A process without its worker would accept jobs it never runs: fail loudly instead.
+        assert worker_task is not None
+        error = worker_task.exception() if not worker_task.cancelled() else None
+        raise RuntimeError("the in-process worker stopped unexpectedly") from error
 
 
 def _start_worker(settings: Settings) -> tuple[Worker, asyncio.Task[None]]:
