@@ -27,11 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     arguments = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    threads = common.configure_threads()
     module = importlib.import_module(f"experiments.{arguments.name}")
     started = time.perf_counter()
     summary = module.run(arguments.out, quick=arguments.quick)
     summary["wall_seconds"] = time.perf_counter() - started
     summary["quick"] = arguments.quick
+    summary["torch_threads"] = threads
     directory = common.output_dir(arguments.out, arguments.name)
     (directory / "run.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     logging.getLogger("experiments").info(

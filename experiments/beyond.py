@@ -44,6 +44,10 @@ class Config:
     pcd_k: int = 1
     seed: int = 0
 
+    @property
+    def ssd_method(self) -> str:
+        return common.ssd_method(784, self.n_hidden, self.data.batch_size)
+
 
 FULL = Config()
 QUICK = Config(
@@ -85,7 +89,7 @@ def adaptive_runs(config: Config, chosen: dict[str, float]) -> list[RunSpec]:
     lr = {k: common.step_size(chosen, f"beyond/{k}", v) for k, v in FALLBACK_LR.items()}
     ssd_lr = common.step_size(chosen, "mnist-brbm/ssd", mnist.FALLBACK_LR["SSD"])
     return [
-        _spec(config, "SSD", OptimizerConfig(name="ssd", lr=ssd_lr, method="lowrank")),
+        _spec(config, "SSD", OptimizerConfig(name="ssd", lr=ssd_lr, method=config.ssd_method)),
         _spec(
             config,
             "PSSD-RMSprop",
@@ -93,7 +97,6 @@ def adaptive_runs(config: Config, chosen: dict[str, float]) -> list[RunSpec]:
                 name="ssd-preconditioned",
                 lr=lr["pssd-rmsprop"],
                 preconditioner="rmsprop",
-                method="lowrank",
             ),
         ),
         _spec(
@@ -103,7 +106,6 @@ def adaptive_runs(config: Config, chosen: dict[str, float]) -> list[RunSpec]:
                 name="ssd-preconditioned",
                 lr=lr["pssd-adam"],
                 preconditioner="adam",
-                method="lowrank",
             ),
         ),
         _spec(config, "Adam", TorchOptimizer("adam", lr["adam"])),
@@ -129,7 +131,7 @@ def polar_runs(
 
 def pcd_runs(config: Config, chosen: dict[str, float]) -> list[RunSpec]:
     ssd_lr = common.step_size(chosen, "mnist-brbm/ssd", mnist.FALLBACK_LR["SSD"])
-    optimizer = OptimizerConfig(name="ssd", lr=ssd_lr, method="lowrank")
+    optimizer = OptimizerConfig(name="ssd", lr=ssd_lr, method=config.ssd_method)
     k = config.pcd_k
     return [
         _spec(config, f"SSD CD-{k}", optimizer, cd_k=k),

@@ -51,6 +51,29 @@ FIGURE_MAX_BYTES = 150_000
 # Seeds, data, step sizes
 
 
+# Threads per experiment process. One thread is the fast choice on small, shared CPUs: on this
+# project's 2-core machines under load, a CD-10 step at 784×50 took about 10× longer with two
+# torch threads than with one (threads spin waiting for each other).
+THREADS_ENV = "SSDRBM_EXPERIMENT_THREADS"
+
+
+def configure_threads() -> int:
+    """Sets torch's intra-op threads from `SSDRBM_EXPERIMENT_THREADS` (default 1)."""
+    threads = int(os.environ.get(THREADS_ENV, "1"))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def ssd_method(n_visible: int, n_hidden: int, batch_size: int) -> str:
+    """The faster of the two exact polar methods for a CD weight gradient of this shape.
+
+    The low-rank step works on factors of rank 2·batch_size; it only pays when that rank is
+    below min(n_visible, n_hidden). Otherwise a plain SVD of the (smaller) gradient is cheaper.
+    Both give the same step to float precision.
+    """
+    return "lowrank" if 2 * batch_size < min(n_visible, n_hidden) else "svd"
+
+
 def seed_everything(seed: int) -> None:
     """Seeds every random number generator an experiment touches (torch, numpy, random)."""
     torch.manual_seed(seed)
@@ -88,12 +111,14 @@ class ModelSpec:
     kind: str
     n_hidden: int
     variance: str = "diagonal"
+    min_variance: float | None = None  # GRBM variance floor; None: the library's default
 
     def build(self, n_visible: int) -> ssdcore.RBM:
         if self.kind == "bernoulli":
             return ssdcore.BernoulliRBM(n_visible, self.n_hidden)
         if self.kind == "gaussian":
-            return ssdcore.GaussianRBM(n_visible, self.n_hidden, variance=self.variance)
+            floor = {} if self.min_variance is None else {"min_variance": self.min_variance}
+            return ssdcore.GaussianRBM(n_visible, self.n_hidden, variance=self.variance, **floor)
         raise ValueError(f"unknown model kind {self.kind!r}: use 'bernoulli' or 'gaussian'")
 
 
@@ -124,6 +149,7 @@ class HybridOptimizer:
     spectral: tuple[str, ...]
     lr: float
     lr_euclidean: float
+    method: str = "lowrank"
 
     def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         named = dict(model.named_parameters())
@@ -134,7 +160,7 @@ class HybridOptimizer:
             groups.append({"params": spectral, "lr": self.lr})
         if euclidean:
             groups.append({"params": euclidean, "lr": self.lr_euclidean, "geometry": "euclidean"})
-        return SSD(groups, lr=self.lr)
+        return SSD(groups, lr=self.lr, method=self.method)
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 import torch
-from ssdcore.data import load_frey_face, preprocess, split
 
 from experiments import common
 from experiments.common import EvalPlan, ModelSpec, RunResult, RunSpec
 from experiments.mnist import optimizer_config
+from ssdcore.data import load_frey_face, preprocess, split
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,11 @@ class Config:
     batch_size: int = 100
     steps: int = 2000
     eval_every: int = 50
+    min_variance: float = 1e-3  # GRBM variance floor (pixel variances are about 1e-2)
     seed: int = 0
+
+    def model(self, kind: str) -> ModelSpec:
+        return ModelSpec(kind, self.n_hidden, variance="diagonal", min_variance=self.min_variance)
 
 
 FULL = Config()
@@ -61,8 +65,14 @@ def runs(config: Config, chosen: dict[str, float]) -> list[RunSpec]:
             specs.append(
                 RunSpec(
                     label=f"{model_name} {optimizer}",
-                    model=ModelSpec(kind, config.n_hidden, variance="diagonal"),
-                    optimizer=optimizer_config(optimizer, lr),
+                    model=config.model(kind),
+                    optimizer=optimizer_config(
+                        optimizer,
+                        lr,
+                        common.ssd_method(
+                            IMAGE_SHAPE[0] * IMAGE_SHAPE[1], config.n_hidden, config.batch_size
+                        ),
+                    ),
                     steps=config.steps,
                     batch_size=config.batch_size,
                     cd_k=config.cd_k,

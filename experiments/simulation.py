@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ssdcore.data import synthetic_rbm_data
 
 from experiments import common
 from experiments.common import EvalPlan, HybridOptimizer, ModelSpec, RunResult, RunSpec
+from ssdcore.data import synthetic_rbm_data
 from ssdcore.optim import OptimizerConfig
 
 logger = logging.getLogger(__name__)
@@ -79,14 +79,15 @@ def load_data(config: Config) -> tuple[torch.Tensor, torch.Tensor]:
 def brbm_runs(config: Config, n_hidden: int, lr_sgd: float, lr_ssd: float) -> list[RunSpec]:
     """SGD, SSD and both hybrids at the large (tuned) and small step sizes."""
     model = ModelSpec("bernoulli", n_hidden)
+    method = common.ssd_method(config.n_visible, n_hidden, config.batch_size)
     runs = []
     for size, factor in (("large", 1.0), ("small", 1.0 / config.small_factor)):
         sgd, ssd = lr_sgd * factor, lr_ssd * factor
         optimizers: dict[str, Any] = {
             "SGD": OptimizerConfig(name="sgd", lr=sgd),
-            "SSD": OptimizerConfig(name="ssd", lr=ssd, method="lowrank"),
-            "SSD_W/SGD": HybridOptimizer(spectral=("W",), lr=ssd, lr_euclidean=sgd),
-            "SGD_W/SSD": HybridOptimizer(spectral=("b", "a"), lr=ssd, lr_euclidean=sgd),
+            "SSD": OptimizerConfig(name="ssd", lr=ssd, method=method),
+            "SSD_W/SGD": HybridOptimizer(("W",), ssd, sgd, method),
+            "SGD_W/SSD": HybridOptimizer(("b", "a"), ssd, sgd, method),
         }
         for name, optimizer in optimizers.items():
             runs.append(
@@ -119,7 +120,11 @@ def grbm_runs(config: Config, n_hidden: int, lr_sgd: float, lr_ssd: float) -> li
         RunSpec(
             "SSD",
             model,
-            OptimizerConfig(name="ssd", lr=lr_ssd, method="lowrank"),
+            OptimizerConfig(
+                name="ssd",
+                lr=lr_ssd,
+                method=common.ssd_method(config.n_visible, n_hidden, config.batch_size),
+            ),
             config.steps,
             config.batch_size,
             config.cd_k,

@@ -3,8 +3,11 @@
 For each setting (data set, model, CD-k) and optimizer, a short run is trained at every step size
 of the optimizer's grid on 80% of the experiment's training portion and scored by the mean
 reconstruction error on the other 20% (the validation set) over the run's last evaluations. The
-test portion is never seen. The best value of each grid goes into `experiments/step_sizes.json`,
-which the other experiments read; a full run rewrites it, a quick run leaves it alone.
+test portion is never seen. When the best value sits at an end of the grid, the grid is extended
+by one more half-decade in that direction (at most `MAX_EXTENSIONS` times), so that a chosen value
+is a minimum rather than a boundary. The best value of each grid goes into
+`experiments/step_sizes.json`, which the other experiments read; a full run rewrites it after
+each setting (so the next experiment may start early), a quick run leaves it alone.
 """
 
 from __future__ import annotations
@@ -19,26 +22,36 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 import torch
-from ssdcore.data import split
 
 from experiments import common, freyface, mnist, simulation
 from experiments.common import EvalPlan, ModelSpec, RunSpec, TorchOptimizer
+from ssdcore.data import split
 from ssdcore.optim import OptimizerConfig
 
 logger = logging.getLogger(__name__)
 
 NAME = "tuning"
-# Half-decade grids, centred where each update rule's step has a sensible size. SSD's step is
-# ‖σ(G)‖₁·UVᵀ (and ‖g‖₁·sign(g) for vectors), far longer than G itself, hence its small values.
-GRIDS: dict[str, tuple[float, ...]] = {
-    "sgd": (0.01, 0.03, 0.1, 0.3),
-    "nesterov": (0.001, 0.003, 0.01, 0.03),
-    "ssd": (1e-5, 3e-5, 1e-4, 3e-4, 1e-3),
-    "adam": (3e-4, 1e-3, 3e-3, 1e-2),
-    "rmsprop": (3e-4, 1e-3, 3e-3, 1e-2),
-    "pssd-rmsprop": (1e-5, 3e-5, 1e-4, 3e-4, 1e-3),
-    "pssd-adam": (1e-5, 3e-5, 1e-4, 3e-4, 1e-3),
+HALF_DECADE = 10**0.5
+# Starting grids (half-decades), by model family, centred where a probe on MNIST found each update
+# rule's useful range. SSD's step is ‖σ(G)‖₁·UVᵀ (‖g‖₁·sign(g) for vectors), much longer than G;
+# for the GRBM the l∞ step of the 784 log-variances moves each by lr·‖g‖₁, hence far smaller values.
+GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
+    "bernoulli": {
+        "sgd": (0.1, 0.3, 1.0, 3.0),
+        "nesterov": (0.01, 0.03, 0.1, 0.3),
+        "ssd": (1e-3, 3e-3, 1e-2, 3e-2),
+        "adam": (3e-4, 1e-3, 3e-3, 1e-2),
+        "rmsprop": (3e-4, 1e-3, 3e-3, 1e-2),
+        "pssd-rmsprop": (1e-4, 3e-4, 1e-3, 3e-3),
+        "pssd-adam": (1e-4, 3e-4, 1e-3, 3e-3),
+    },
+    "gaussian": {
+        "sgd": (0.003, 0.01, 0.03, 0.1),
+        "nesterov": (0.001, 0.003, 0.01, 0.03),
+        "ssd": (1e-5, 3e-5, 1e-4, 3e-4),
+    },
 }
+MAX_EXTENSIONS = 2
 VALID_FRACTION = 0.2
 SCORE_POINTS = 3  # validation error averaged over the last few evaluations: less noise
 
@@ -55,28 +68,29 @@ class Setting:
     cd_k: int
     batch_size: int
     eval_every: int
+    ssd_method: str = "svd"
 
 
-def optimizer_for(name: str, lr: float) -> OptimizerConfig | TorchOptimizer:
+def optimizer_for(name: str, lr: float, ssd_method: str) -> OptimizerConfig | TorchOptimizer:
     if name == "sgd":
         return OptimizerConfig(name="sgd", lr=lr)
     if name == "nesterov":
         return OptimizerConfig(name="nesterov", lr=lr, momentum=0.9)
     if name == "ssd":
-        return OptimizerConfig(name="ssd", lr=lr, method="lowrank")
+        return OptimizerConfig(name="ssd", lr=lr, method=ssd_method)
     if name in ("adam", "rmsprop"):
         return TorchOptimizer(name, lr)
-    preconditioner = name.removeprefix("pssd-")
     # the preconditioned gradient is full-rank: the exact SVD is the polar method
-    return OptimizerConfig(name="ssd-preconditioned", lr=lr, preconditioner=preconditioner)
+    return OptimizerConfig(name="ssd-preconditioned", lr=lr, preconditioner=name[len("pssd-") :])
 
 
 def settings(quick: bool) -> list[Setting]:
+    """The settings in the order they are tuned: the cheap simulation first."""
     sim = simulation.QUICK if quick else simulation.FULL
     mn = mnist.QUICK if quick else mnist.FULL
     ff = freyface.QUICK if quick else freyface.FULL
-    steps = {"sim": 4, "mnist": 4, "ff": 4} if quick else {"sim": 1000, "mnist": 400, "ff": 300}
-    every = 2 if quick else 50
+    steps = {"sim": 4, "mnist": 4, "ff": 4} if quick else {"sim": 600, "mnist": 200, "ff": 150}
+    every = 2 if quick else 25
 
     def sim_train() -> torch.Tensor:
         return simulation.load_data(sim)[0]
@@ -87,73 +101,55 @@ def settings(quick: bool) -> list[Setting]:
     def ff_train() -> torch.Tensor:
         return freyface.load_data(ff)[0]
 
-    common_mnist = {
-        "steps": steps["mnist"],
-        "cd_k": mn.cd_k,
-        "batch_size": mn.batch_size,
-        "eval_every": every,
-    }
-    common_ff = {
-        "steps": steps["ff"],
-        "cd_k": ff.cd_k,
-        "batch_size": ff.batch_size,
-        "eval_every": every,
-    }
-    common_sim = {
-        "steps": steps["sim"],
-        "cd_k": sim.cd_k,
-        "batch_size": sim.batch_size,
-        "eval_every": every,
-    }
+    def shared(config: Any, n_visible: int, key: str) -> dict[str, Any]:
+        return {
+            "steps": steps[key],
+            "cd_k": config.cd_k,
+            "batch_size": config.batch_size,
+            "eval_every": every,
+            "ssd_method": common.ssd_method(n_visible, config.n_hidden, config.batch_size),
+        }
+
+    sim_args = shared(sim, sim.n_visible, "sim")
+    mnist_args = shared(mn, 784, "mnist")
+    ff_args = shared(ff, 560, "ff")
     return [
         Setting(
             "simulation-brbm",
             sim_train,
             ModelSpec("bernoulli", sim.n_hidden),
             ("sgd", "ssd"),
-            **common_sim,
+            **sim_args,
         ),
         Setting(
             "simulation-grbm",
             sim_train,
             ModelSpec("gaussian", sim.n_hidden, "isotropic"),
             ("sgd", "ssd"),
-            **common_sim,
+            **sim_args,
         ),
         Setting(
             "mnist-brbm",
             mnist_train,
-            ModelSpec("bernoulli", mn.n_hidden),
+            mn.model("bernoulli", mn.n_hidden),
             ("sgd", "nesterov", "ssd"),
-            **common_mnist,
+            **mnist_args,
         ),
         Setting(
             "mnist-grbm",
             mnist_train,
-            ModelSpec("gaussian", mn.n_hidden, "diagonal"),
+            mn.model("gaussian", mn.n_hidden),
             ("sgd", "nesterov", "ssd"),
-            **common_mnist,
+            **mnist_args,
         ),
+        Setting("freyface-brbm", ff_train, ff.model("bernoulli"), ("nesterov", "ssd"), **ff_args),
+        Setting("freyface-grbm", ff_train, ff.model("gaussian"), ("nesterov", "ssd"), **ff_args),
         Setting(
             "beyond",
             mnist_train,
-            ModelSpec("bernoulli", mn.n_hidden),
+            mn.model("bernoulli", mn.n_hidden),
             ("adam", "rmsprop", "pssd-rmsprop", "pssd-adam"),
-            **common_mnist,
-        ),
-        Setting(
-            "freyface-brbm",
-            ff_train,
-            ModelSpec("bernoulli", ff.n_hidden),
-            ("nesterov", "ssd"),
-            **common_ff,
-        ),
-        Setting(
-            "freyface-grbm",
-            ff_train,
-            ModelSpec("gaussian", ff.n_hidden, "diagonal"),
-            ("nesterov", "ssd"),
-            **common_ff,
+            **mnist_args,
         ),
     ]
 
@@ -167,33 +163,53 @@ def score(result: common.RunResult) -> float:
     return sum(tail) / len(tail) if tail and all(map(math.isfinite, tail)) else math.inf
 
 
+def tune_optimizer(
+    setting: Setting, name: str, grid: tuple[float, ...], plan: EvalPlan, seed: int, extensions: int
+) -> tuple[dict[float, float], float, bool]:
+    """Scores every step size of `grid`, extending it past an end that wins; returns the scores,
+    the best step size, and whether the best is still at an end of the (extended) grid."""
+
+    def evaluate(lr: float) -> float:
+        spec = RunSpec(
+            f"{setting.key}/{name} lr={lr:.3g}",
+            setting.model,
+            optimizer_for(name, lr, setting.ssd_method),
+            setting.steps,
+            setting.batch_size,
+            setting.cd_k,
+            seed=seed,
+        )
+        return score(common.execute(spec, plan))
+
+    scores = {lr: evaluate(lr) for lr in grid}
+    for _ in range(extensions):
+        ordered = sorted(scores)
+        best = min(ordered, key=lambda lr: scores[lr])
+        if math.isinf(scores[best]) or best not in (ordered[0], ordered[-1]):
+            break
+        beyond = best * HALF_DECADE if best == ordered[-1] else best / HALF_DECADE
+        scores[float(f"{beyond:.3g}")] = evaluate(float(f"{beyond:.3g}"))
+    ordered = sorted(scores)
+    best = min(ordered, key=lambda lr: scores[lr])
+    return scores, best, best in (ordered[0], ordered[-1])
+
+
 def tune_setting(
-    setting: Setting,
-    grids: dict[str, tuple[float, ...]],
-    seed: int,
+    setting: Setting, quick: bool, seed: int
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Runs every grid point of every optimizer of `setting`; returns the rows and the choices."""
+    """Tunes every optimizer of `setting`; returns the table rows and the chosen step sizes."""
     train, valid = split(setting.load(), VALID_FRACTION, seed=seed)
     plan = EvalPlan(train, valid, every=setting.eval_every)
     rows, chosen = [], {}
     for name in setting.optimizers:
-        scores = {}
-        for lr in grids[name]:
-            spec = RunSpec(
-                f"{setting.key}/{name} lr={lr:g}",
-                setting.model,
-                optimizer_for(name, lr),
-                setting.steps,
-                setting.batch_size,
-                setting.cd_k,
-                seed=seed,
-            )
-            scores[lr] = score(common.execute(spec, plan))
-        best = min(scores, key=lambda lr: scores[lr])
-        edge = best in (grids[name][0], grids[name][-1])
+        grid = GRIDS[setting.model.kind][name]
+        grid = grid[1:3] if quick else grid
+        scores, best, edge = tune_optimizer(
+            setting, name, grid, plan, seed, 0 if quick else MAX_EXTENSIONS
+        )
         if edge:
             logger.warning(
-                "%s/%s: best step size %g is at the edge of the grid", setting.key, name, best
+                "%s/%s: best step size %g is at the end of the grid", setting.key, name, best
             )
         chosen[f"{setting.key}/{name}"] = best
         rows += [
@@ -201,10 +217,10 @@ def tune_setting(
                 "setting": setting.key,
                 "optimizer": name,
                 "lr": lr,
-                "valid_recon": value,
-                "chosen": "yes" + (" (grid edge)" if edge else "") if lr == best else "",
+                "valid_recon": scores[lr],
+                "chosen": ("yes (grid end)" if edge else "yes") if lr == best else "",
             }
-            for lr, value in scores.items()
+            for lr in sorted(scores)
         ]
     return rows, chosen
 
@@ -212,24 +228,24 @@ def tune_setting(
 def run(out: Path, quick: bool = False) -> dict[str, Any]:
     """Tunes every setting and writes the grid table, a figure and the chosen step sizes."""
     directory = common.output_dir(out, NAME)
-    grids = {k: v[1:3] for k, v in GRIDS.items()} if quick else GRIDS
     rows: list[dict[str, Any]] = []
     chosen: dict[str, float] = {}
     for setting in settings(quick):
-        setting_rows, setting_chosen = tune_setting(setting, grids, seed=0)
+        setting_rows, setting_chosen = tune_setting(setting, quick, seed=0)
         rows += setting_rows
         chosen |= setting_chosen
-    common.write_table(rows, directory, "grid")
-    document = {
-        "chosen": chosen,
-        "grids": {k: list(v) for k, v in grids.items()},
-        "criterion": f"mean validation reconstruction error over the last "
-        f"{SCORE_POINTS} evaluations; {VALID_FRACTION:.0%} of the training "
-        "portion held out",
-    }
-    (directory / "step_sizes.json").write_text(json.dumps(document, indent=1) + "\n")
-    if not quick:
-        common.STEP_SIZES_PATH.write_text(json.dumps(document, indent=1) + "\n")
+        document = {
+            "chosen": chosen,
+            "grids": GRIDS,
+            "extensions": 0 if quick else MAX_EXTENSIONS,
+            "criterion": f"mean validation reconstruction error over the last {SCORE_POINTS} "
+            f"evaluations; {VALID_FRACTION:.0%} of the training portion held out",
+        }
+        text = json.dumps(document, indent=1) + "\n"
+        (directory / "step_sizes.json").write_text(text)
+        if not quick:
+            common.STEP_SIZES_PATH.write_text(text)
+        common.write_table(rows, directory, "grid")
     grid_figure(rows, directory / "grid.png")
     return {"chosen": chosen}
 
