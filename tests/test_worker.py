@@ -171,13 +171,28 @@ def state_names(changes: list[rbm_pb2.StateChange]) -> list[str]:
     return [rbm_pb2.JobState.Name(change.state).removeprefix("JOB_STATE_") for change in changes]
 
 
-def test_job_runs_end_to_end_with_metrics_and_checkpoints(redis_url: str) -> None:
+def test_two_workers_share_the_queue_and_run_jobs_end_to_end(redis_url: str) -> None:
+    """Two workers on one Redis each take a job: one on the synthetic data set (checked in
+    every detail), one a Gaussian RBM on an uploaded array."""
+
     async def scenario(h: Harness, workers: list[Worker]) -> None:
+        rng = np.random.default_rng(0)
+        array = rng.normal(size=(200, 16)).astype("<f4")
+        info, _ = await h.datasets.put(
+            TENANT, shape=array.shape, dtype="float32", name="gauss", data=array.tobytes()
+        )
+        await asyncio.sleep(0.3)  # both workers are waiting on the queue
         job_id = await h.submit(spec(steps=60))
+        uploaded = rbm_pb2.DatasetRef(dataset_id=info.id)
+        other = await h.submit(spec(steps=40, gaussian=True, dataset=uploaded, lr=0.01))
         record = await h.wait_for_state(job_id, JobState.SUCCEEDED)
+        other_record = await h.wait_for_state(other, JobState.SUCCEEDED)
         assert record.state is JobState.SUCCEEDED, record.error
+        assert other_record.state is JobState.SUCCEEDED, other_record.error
+        assert {record.worker, other_record.worker} == {"w1", "w2"}
+
         assert (record.step, record.total_steps, record.n_visible) == (60, 60, 16)
-        assert record.attempt == 1 and record.worker == "w1" and record.finished_at is not None
+        assert record.attempt == 1 and record.finished_at is not None
         assert await h.metric_steps(job_id) == [(s, 1) for s in range(10, 61, 10)]
         assert state_names(await h.state_changes(job_id)) == ["QUEUED", "RUNNING", "SUCCEEDED"]
         latest = rbm_pb2.Metrics.FromString(record.latest_metrics)
@@ -193,27 +208,8 @@ def test_job_runs_end_to_end_with_metrics_and_checkpoints(redis_url: str) -> Non
         assert (model.n_visible, model.n_hidden) == (16, 8)
         assert all(torch.isfinite(p).all() for p in model.parameters())
 
-    run_with_workers(redis_url, ["w1"], scenario)
-
-
-def test_two_workers_share_the_queue(redis_url: str) -> None:
-    """Two workers on one Redis each take a job; one job trains on an uploaded dataset."""
-
-    async def scenario(h: Harness, workers: list[Worker]) -> None:
-        rng = np.random.default_rng(0)
-        array = rng.normal(size=(200, 16)).astype("<f4")
-        info, _ = await h.datasets.put(
-            TENANT, shape=array.shape, dtype="float32", name="gauss", data=array.tobytes()
-        )
-        await asyncio.sleep(0.3)  # both workers are waiting on the queue
-        uploaded = rbm_pb2.DatasetRef(dataset_id=info.id)
-        first = await h.submit(spec(steps=40, gaussian=True, dataset=uploaded, lr=0.01))
-        second = await h.submit(spec(steps=40))
-        records = [await h.wait_for_state(job, JobState.SUCCEEDED) for job in (first, second)]
-        assert [r.state for r in records] == [JobState.SUCCEEDED] * 2, [r.error for r in records]
-        assert {r.worker for r in records} == {"w1", "w2"}
-        assert records[0].n_visible == 16
-        config = json.loads((await h.checkpoints.latest(first)).config_json)
+        assert other_record.n_visible == 16 and other_record.total_steps == 40
+        config = json.loads((await h.checkpoints.latest(other)).config_json)
         assert config["type"] == "gaussian"
 
     run_with_workers(redis_url, ["w1", "w2"], scenario)
@@ -283,14 +279,16 @@ def start_worker_process(redis_url: str, worker_id: str) -> subprocess.Popen[byt
     return subprocess.Popen([sys.executable, "-m", "server.worker"], cwd=REPO, env=env)
 
 
-def children_of(pid: int) -> list[int]:
-    """Pids of the live processes whose parent is `pid` (from /proc)."""
+def training_processes_of(pid: int) -> list[int]:
+    """Pids of the live spawned children of `pid` that run training (from /proc), leaving out
+    the resource tracker that multiprocessing also starts."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError):
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid and fields[0] != "Z":
+                command = (entry / "cmdline").read_bytes()
+                if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in command:
                     found.append(int(entry.name))
     return found
 
@@ -326,37 +324,38 @@ def test_sigkilled_worker_job_resumes_on_another_with_each_step_once(
     """SIGKILL a worker mid-job: its training process exits, another worker takes the job
     over once the lease lapses, resumes from the checkpoint, and every step is in the metric
     stream exactly once."""
-    total = 400
+    total = 1000
 
     async def main() -> None:
         h = Harness(redis_url)
         job_id = await h.submit(spec(steps=total, eval_every=10, checkpoint_every=50))
         doomed = start_worker_process(redis_url, "doomed")
         processes.append(doomed)
-        # Killed once a checkpoint exists and later steps were published after it.
-        record = await h.wait_for(job_id, lambda r: 50 <= r.checkpoint_step < r.step < total)
-        assert record.worker == "doomed"
-        trainers = children_of(doomed.pid)
-        assert len(trainers) == 1
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait()
-        await wait_until(lambda: not is_running(trainers[0]), timeout=5)
-        killed_at = await h.jobs.get(TENANT, job_id)
-
-        survivor = make_worker(redis_url, "survivor")
+        await h.wait_for(job_id, lambda r: r.worker == "doomed")
+        survivor = make_worker(redis_url, "survivor")  # idle until the lease lapses
         task = asyncio.create_task(survivor.run())
         try:
+            # Killed once a checkpoint exists and later steps were published after it.
+            await h.wait_for(job_id, lambda r: 50 <= r.checkpoint_step < r.step < total)
+            trainers = training_processes_of(doomed.pid)
+            assert len(trainers) == 1
+            doomed.send_signal(signal.SIGKILL)
+            doomed.wait()
+            killed_at = await h.jobs.get(TENANT, job_id)
+            await wait_until(lambda: not is_running(trainers[0]), timeout=5)
             final = await h.wait_for_state(job_id, JobState.SUCCEEDED)
         finally:
             await survivor.stop(graceful=False)
             await task
         assert final.state is JobState.SUCCEEDED, final.error
         assert final.attempt == 2 and final.worker == "survivor"
+        assert killed_at.state is JobState.RUNNING and killed_at.attempt == 1
 
         published = await h.metric_steps(job_id)
         assert [step for step, _ in published] == list(range(10, total + 1, 10))
-        resumed_from = (await h.state_changes(job_id))[2]  # QUEUED, RUNNING, RUNNING again
-        assert resumed_from.attempt == 2 and resumed_from.step == killed_at.checkpoint_step
+        changes = await h.state_changes(job_id)
+        assert state_names(changes) == ["QUEUED", "RUNNING", "RUNNING", "SUCCEEDED"]
+        assert changes[2].attempt == 2 and changes[2].step == killed_at.checkpoint_step
         assert all(attempt == 1 for step, attempt in published if step <= killed_at.step)
         assert all(attempt == 2 for step, attempt in published if step > killed_at.step)
         assert (await h.checkpoints.latest(job_id)).attempt == 2
@@ -371,31 +370,32 @@ def test_sigterm_checkpoints_releases_and_exits_cleanly(redis_url: str, processe
 
     async def main() -> None:
         h = Harness(redis_url)
-        job_id = await h.submit(spec(steps=100_000, eval_every=10, checkpoint_every=1000))
+        job_id = await h.submit(spec(steps=1_000_000, eval_every=10, checkpoint_every=100_000))
         leaving = start_worker_process(redis_url, "leaving")
         processes.append(leaving)
-        await h.wait_for(job_id, lambda r: r.step >= 30)
-        leaving.send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(leaving.wait, WAIT_S) == 0
-        released = await h.jobs.get(TENANT, job_id)
-        assert released.state is JobState.QUEUED and released.worker == ""
-        assert released.checkpoint_step >= released.step >= 30  # saved where it stopped
-        assert state_names(await h.state_changes(job_id)) == ["QUEUED", "RUNNING", "QUEUED"]
-
+        await h.wait_for(job_id, lambda r: r.worker == "leaving")
         successor = make_worker(redis_url, "successor")
         task = asyncio.create_task(successor.run())
         try:
-            resumed = await h.wait_for(job_id, lambda r: r.attempt == 2 and r.step > released.step)
-            await h.jobs.cancel(TENANT, job_id)  # no need to train 100k steps
-            await h.wait_for(job_id, lambda r: r.state.is_terminal)
+            await h.wait_for(job_id, lambda r: r.step >= 30)
+            leaving.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(leaving.wait, WAIT_S) == 0
+            await h.wait_for(job_id, lambda r: r.attempt == 2 and r.step > r.checkpoint_step)
+            await h.jobs.cancel(TENANT, job_id)  # no need to train a million steps
+            final = await h.wait_for(job_id, lambda r: r.state.is_terminal)
         finally:
             await successor.stop(graceful=False)
             await task
-        assert resumed.worker == "successor"
+        assert final.state is JobState.CANCELLED and final.worker == "successor"
         changes = await h.state_changes(job_id)
-        assert changes[3].attempt == 2 and changes[3].step == released.checkpoint_step
+        names = state_names(changes)
+        assert names == ["QUEUED", "RUNNING", "QUEUED", "RUNNING", "CANCELLED"]
+        released, resumed = changes[2], changes[3]
+        assert released.attempt == 1 and "stopped" in released.message
+        # Saved where it stopped (not at a checkpoint_every boundary), resumed from there.
+        assert resumed.attempt == 2 and resumed.step == released.step >= 30
         steps = [step for step, _ in await h.metric_steps(job_id)]
-        assert steps == list(range(10, steps[-1] + 1, 10))
+        assert steps == list(range(10, steps[-1] + 1, 10)) and steps[-1] > released.step
         await h.redis.aclose()
 
     asyncio.run(main())

@@ -49,21 +49,54 @@ def watch_parent(parent_pid: int) -> None:
 
 
 def child_main(conn: Connection, parent_pid: int, log_level: str = "INFO") -> None:
-    """Entry point of the spawned process: receive the job, train it, report, exit."""
+    """Entry point of the spawned process: warm up, then train each job it is sent, in turn,
+    until the worker closes the pipe (or dies)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[child] %(message)s")
     watch_parent(parent_pid)
+    warm_up()
     try:
-        start = protocol.receive(conn)
+        while True:
+            message = protocol.receive(conn)
+            if message.kind == protocol.START:  # a stop that arrives after its job is ignored
+                train_one(conn, message)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        os._exit(EXIT_PARENT_GONE)  # the worker went away or is done with us
+    finally:
+        conn.close()
+
+
+def train_one(conn: Connection, start: protocol.Message) -> None:
+    """Train one job; every failure is reported to the worker, never raised."""
+    try:
         Training(conn, start).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        os._exit(EXIT_PARENT_GONE)  # the worker went away; nobody to report to
+        raise
     except (DatasetError, ValueError) as exc:
         _report_failure(conn, str(exc), step=0)
     except Exception as exc:  # report anything else too, rather than dying silently
         logger.exception("training failed")
         _report_failure(conn, f"{type(exc).__name__}: {exc}", step=0)
-    finally:
-        conn.close()
+
+
+def warm_up() -> None:
+    """Train a throw-away model for one step while no job is waiting.
+
+    torch loads much of itself lazily on first use (e.g. its compiler stack on the first
+    optimizer), which costs seconds; paying that before the start message arrives lets a job
+    begin training as soon as it is claimed.
+    """
+    try:
+        data = torch.rand(8, 4).round()
+        trainer = Trainer(
+            model_from_config({"type": "bernoulli", "n_visible": 4, "n_hidden": 2}),
+            data,
+            optimizer="ssd",
+            batch_size=4,
+        )
+        trainer.train_steps(1)
+        trainer.evaluate("exact")
+    except Exception:  # only an optimisation: the job itself will report real problems
+        logger.exception("warm-up failed")
 
 
 def _report_failure(conn: Connection, reason: str, *, step: int, diverged: bool = False) -> None:

@@ -13,7 +13,7 @@ Child -> worker:
     failed       step, reason, diverged                   training cannot go on
 Worker -> child:
     start        spec fields, settings  + spec, dataset, resume
-    stop                                                  checkpoint now and exit
+    stop                                                  checkpoint now, end with "stopped"
 """
 
 from __future__ import annotations

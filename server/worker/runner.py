@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import os
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,8 +29,8 @@ from server.store.fencing import FencedJob, LeaseLostError
 from server.store.leases import Lease, LeaseStore
 from server.store.records import JobRecord, JobState
 from server.worker import protocol
-from server.worker.child import child_main
-from server.worker.spec import PlanDefaults
+from server.worker.defaults import PlanDefaults
+from server.worker.process import ChildProcess
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +42,6 @@ REDIS_DOWN = (
     redis.exceptions.BusyLoadingError,
 )
 RETRY_DELAY_S = 0.5
-CHILD_JOIN_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -70,55 +66,6 @@ class StopRequest:
     graceful: bool = True
 
 
-class ChildProcess:
-    """The spawned training process and a thread that feeds its messages to an asyncio queue."""
-
-    def __init__(self, job_id: str, log_level: str) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.conn, child_conn = context.Pipe(duplex=True)
-        self.process = context.Process(
-            target=child_main,
-            args=(child_conn, os.getpid(), log_level),
-            name=f"ssdrbm-train-{job_id[:8]}",
-            daemon=True,
-        )
-        self.process.start()
-        child_conn.close()  # so that the child's exit reads as EOF here
-        self.inbox: asyncio.Queue[protocol.Message | None] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self._reader = threading.Thread(target=self._pump, args=(loop,), daemon=True)
-        self._reader.start()
-
-    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            while True:
-                message = protocol.receive(self.conn)
-                loop.call_soon_threadsafe(self.inbox.put_nowait, message)
-        except (EOFError, OSError):
-            pass
-        loop.call_soon_threadsafe(self.inbox.put_nowait, None)  # the child is gone
-
-    def send(self, message: protocol.Message) -> None:
-        try:
-            protocol.send(self.conn, message)
-        except OSError:
-            logger.warning(
-                "training process %s is gone; message %s dropped", self.process.pid, message.kind
-            )
-
-    async def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        await self.join()
-
-    async def join(self) -> int | None:
-        await asyncio.to_thread(self.process.join, CHILD_JOIN_TIMEOUT_S)
-        return self.process.exitcode
-
-    def close(self) -> None:
-        self.conn.close()
-
-
 class JobRunner:
     """Runs one leased job to its end, its release, or the loss of its lease."""
 
@@ -130,6 +77,7 @@ class JobRunner:
         stop: StopRequest,
         *,
         keys: Keys | None = None,
+        child: ChildProcess | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys or Keys()
@@ -139,6 +87,10 @@ class JobRunner:
         self.job = FencedJob(redis, lease, keys=self.keys)
         self.record: JobRecord = lease.record
         self.step = max(lease.record.checkpoint_step, 0)
+        self.child = child  # a ready training process, or None to start one
+        # The child may take another job: it never got this one, or it reported the job's end.
+        self._child_idle = True
+        self.idle_child: ChildProcess | None = None  # after run(): the child, if reusable
 
     async def run(self) -> str:
         """Run the job; returns how it ended (a JobState value, "released" or "lost")."""
@@ -147,23 +99,36 @@ class JobRunner:
         except LeaseLostError as exc:
             logger.warning("%s; stopping work on it", exc)
             return "lost"
+        finally:
+            await self._settle_child()
+
+    async def _settle_child(self) -> None:
+        """Keep an idle child for the next job; kill one that may still be training."""
+        if self.child is None:
+            return
+        if self._child_idle and self.child.process.is_alive():
+            self.idle_child = self.child
+        else:
+            await self.child.kill()
+            self.child.close()
 
     async def _run(self) -> str:
         if self.record.cancel_requested:
             await self._finish(JobState.CANCELLED, message="cancelled before it resumed")
             return JobState.CANCELLED.value
+        logger.info(
+            "job %s: attempt %d on %s", self.lease.job_id, self.lease.attempt, self.lease.worker_id
+        )
         try:
             start = await self._start_message()
         except NotFoundError as exc:
             await self._finish(JobState.FAILED, error=exc.message)
             return JobState.FAILED.value
-        child = ChildProcess(self.lease.job_id, self.options.log_level)
-        try:
-            child.send(start)
-            return await self._supervise(child)
-        finally:
-            await child.kill()
-            child.close()
+        if self.child is None or not self.child.process.is_alive():
+            self.child = ChildProcess(self.options.log_level)
+        self._child_idle = False
+        self.child.send(start)
+        return await self._supervise(self.child)
 
     async def _start_message(self) -> protocol.Message:
         request = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
@@ -264,6 +229,7 @@ class JobRunner:
                 )
             )
         elif kind == protocol.FINISHED:
+            self._child_idle = True
             self.step = int(fields["step"])
             await self._finish(JobState.SUCCEEDED, message="finished")
             return JobState.SUCCEEDED.value
@@ -272,6 +238,7 @@ class JobRunner:
             await self._release("worker stopped; resumes from the last checkpoint")
             return "released"
         elif kind == protocol.FAILED:
+            self._child_idle = True
             self.step = max(self.step, int(fields["step"]))
             await self._finish(JobState.FAILED, error=fields["reason"])
             return JobState.FAILED.value

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ssdrbm.v1 import rbm_pb2
 
+from server.worker.defaults import PlanDefaults
 from ssdcore.optim import OptimizerConfig
 
 OPTIMIZER_NAMES = {
@@ -39,18 +40,6 @@ VARIANCES = {
     rbm_pb2.VARIANCE_KIND_DIAGONAL: "diagonal",
     rbm_pb2.VARIANCE_KIND_FULL: "full",
 }
-
-
-@dataclass(frozen=True)
-class PlanDefaults:
-    """Server defaults for spec fields left at zero."""
-
-    batch_size: int = 100
-    eval_every: int = 100
-    checkpoint_every: int = 500
-    validation_fraction: float = 0.1
-    ais_chains: int = 100
-    ais_betas: int = 1000
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
 import redis.exceptions
 
 from server.config import Settings
@@ -26,13 +27,15 @@ from server.keys import DEFAULT_PREFIX, Keys
 from server.store.connection import connect
 from server.store.leases import Lease, LeaseStore
 from server.store.queue import JobQueue
+from server.worker.defaults import PlanDefaults
+from server.worker.process import ChildProcess
 from server.worker.runner import REDIS_DOWN, JobRunner, RunnerOptions, StopRequest
-from server.worker.spec import PlanDefaults
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 REDIS_RETRY_S = 1.0
+MAX_JOBS_PER_CHILD = 100  # a training process is replaced after this many jobs
 
 
 def default_worker_id() -> str:
@@ -81,6 +84,7 @@ class Worker:
         self.jobs_run: list[tuple[str, str]] = []  # (job id, outcome), for logs and tests
         self._stop: StopRequest | None = None
         self._stopped: asyncio.Event | None = None  # both created in run(), on its loop
+        self._spare: ChildProcess | None = None  # a training process started ahead of its job
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: Any) -> Worker:
@@ -112,6 +116,7 @@ class Worker:
         client = connect(self.redis_url)
         queue = JobQueue(client, keys=self.keys)
         leases = LeaseStore(client, keys=self.keys)
+        self._spare = ChildProcess(self.options.log_level)
         logger.info("worker %s started (data in %s)", self.worker_id, self.options.data_dir)
         check_pending = True
         try:
@@ -121,9 +126,7 @@ class Worker:
                     lease = await self._next_lease(queue, leases, check_pending)
                     check_pending = False
                     if lease is not None:
-                        runner = JobRunner(client, lease, self.options, self._stop, keys=self.keys)
-                        outcome = await runner.run()
-                        self.jobs_run.append((lease.job_id, outcome))
+                        await self._run_job(client, lease)
                 except REDIS_DOWN as exc:
                     logger.warning("worker %s: Redis unreachable (%s)", self.worker_id, exc)
                     await self._pause(REDIS_RETRY_S)
@@ -131,9 +134,27 @@ class Worker:
                     if "NOGROUP" not in str(exc):  # the queue vanished (Redis lost its data)
                         raise
         finally:
+            if self._spare is not None:
+                await self._spare.kill()
+                self._spare.close()
+                self._spare = None
             await client.aclose()
             self._stopped.set()
             logger.info("worker %s stopped", self.worker_id)
+
+    async def _run_job(self, client: aioredis.Redis, lease: Lease) -> None:
+        child, self._spare = self._spare, None
+        assert self._stop is not None
+        runner = JobRunner(client, lease, self.options, self._stop, keys=self.keys, child=child)
+        outcome = await runner.run()
+        self.jobs_run.append((lease.job_id, outcome))
+        self._spare = runner.idle_child
+        if self._spare is not None and self._spare.jobs_started >= MAX_JOBS_PER_CHILD:
+            await self._spare.kill()  # start afresh now and then: no growth over months
+            self._spare.close()
+            self._spare = None
+        if self._spare is None and not self._stop.event.is_set():
+            self._spare = ChildProcess(self.options.log_level)  # ready for the next job
 
     async def _next_lease(
         self, queue: JobQueue, leases: LeaseStore, check_pending: bool
