@@ -138,9 +138,12 @@ class Service:
     async def running_samples_per_second(self) -> float:
         """Training throughput summed over RUNNING jobs, from their latest metric events."""
         job_ids = await self.redis.smembers(self.keys.jobs_in_state(JobState.RUNNING.value))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id.decode()), "latest_metrics")
+            replies = await pipe.execute()
         total = 0.0
-        for job_id in job_ids:
-            raw = await self.redis.hget(self.keys.job(job_id.decode()), "latest_metrics")
+        for raw in replies:
             if raw:
                 total += rbm_pb2.Metrics.FromString(raw).samples_per_second
         return total

@@ -22,6 +22,7 @@ from safetensors.numpy import load as load_safetensors
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
+from server.store.records import JobState
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.service import RunningService, make_settings
 
@@ -269,6 +270,12 @@ def test_cancel_stops_a_running_job(module_service: RunningService) -> None:
     for event in stream:
         if event.WhichOneof("event") == "metrics":
             break  # training is under way
+    # The Prometheus gauges' sources see the running job and its throughput.
+    service = module_service.service
+    assert service is not None
+    counts = module_service.run_in_loop(service.stores.jobs.count_by_state())
+    assert counts[JobState.RUNNING] == 1
+    assert module_service.run_in_loop(service.running_samples_per_second()) > 0
     requested = time.monotonic()
     stub.CancelJob(pb.CancelJobRequest(job_id=job.id), timeout=10)
     rest = list(stream)
