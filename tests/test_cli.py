@@ -403,3 +403,51 @@ def test_serve_runs_the_service_until_sigterm(redis_url: str) -> None:
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr
+
+
+def _self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A throw-away certificate for 127.0.0.1 (it is its own CA) and its key."""
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=ssdrbm",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )  # fmt: skip
+    return key, cert
+
+
+def test_tls_and_token_from_options_and_environment(
+    service_factory, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    key, cert = _self_signed_certificate(tmp_path)
+    running = service_factory(
+        run_worker=False,
+        auth_mode="token",
+        auth_tokens="s3cret=team-a",
+        tls_cert_file=str(cert),
+        tls_key_file=str(key),
+    )
+    target = ["--target", running.target]
+
+    code, _, err = run_cli(capsys, *target, "--token", "s3cret", "jobs")  # plaintext to TLS
+    assert code == ExitCode.UNAVAILABLE and running.target in err
+
+    code, _, err = run_cli(capsys, *target, "--tls-ca", str(cert), "jobs")  # no token
+    assert code == ExitCode.UNAUTHENTICATED
+    assert ERROR_LINE.match(err.strip()) and "--token or set SSDRBM_TOKEN" in err
+    code, _, err = run_cli(capsys, *target, "--tls-ca", str(cert), "--token", "wrong", "jobs")
+    assert code == ExitCode.UNAUTHENTICATED
+
+    monkeypatch.setenv("SSDRBM_TLS_CA", str(cert))
+    monkeypatch.setenv("SSDRBM_TOKEN", "s3cret")
+    code, out, err = run_cli(capsys, *target, "jobs", "--json")
+    assert code == ExitCode.OK, err
+    assert json.loads(out) == []
+    with Client(running.target) as client:  # the SDK reads the same variables
+        job = client.start_training(n_hidden=4, steps=10)
+        assert client.get_job(job.id).state is JobState.QUEUED
+    with Client(running.target, token="wrong") as client, pytest.raises(errors.Unauthenticated):
+        client.get_job(job.id)
