@@ -174,7 +174,8 @@ class CDEstimator:
             return
         precision = torch.exp(-model.log_variance().detach())
         squared_moment = torch.mv(centered.square_().t(), ws.weights)  # Σ_n w_n (v_n - b)²
-        grad = (0.5 * precision) * squared_moment - (weight * grad_w).sum(dim=1)  # (V,)
+        # rowsum(W ⊙ ∂L/∂W) as one fused row-wise dot product
+        grad = (0.5 * precision) * squared_moment - torch.linalg.vecdot(weight, grad_w, dim=1)
         if model.variance == "diagonal":
             _grad_buffer(model.log_var).copy_(grad)
         else:

@@ -26,6 +26,7 @@ from ssdcore.models.base import GibbsKernel
 
 _TWO_POW_16 = 65536.0
 _RAW_WORDS_PER_SFC64_STATE = 4
+_MAX_SCRATCH_BUFFERS = 16
 
 
 class RandomSource:
@@ -67,6 +68,8 @@ class RandomSource:
         key = (name, numel)
         buffer = self._scratch.get(key)
         if buffer is None or buffer.dtype != dtype:
+            if len(self._scratch) >= _MAX_SCRATCH_BUFFERS:  # shapes changed: start afresh
+                self._scratch.clear()
             buffer = torch.empty(numel, dtype=dtype, device=self.device)
             self._scratch[key] = buffer
         return buffer
