@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from bench.report import Case, Report, Target, write
-from bench.timing import environment
+from bench.timing import environment, set_threads
 
 logger = logging.getLogger("bench")
 
@@ -47,6 +47,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU threads for every implementation (default: each library's own default)",
+    )
+    parser.add_argument(
+        "--save-json", metavar="PATH", help="also write the JSON lines to PATH (with the table)"
+    )
     return parser.parse_args(argv)
 
 
@@ -77,8 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    if args.threads is not None:
+        if args.threads < 1:
+            print("python -m bench: --threads must be at least 1", file=sys.stderr)
+            return 2
+        set_threads(args.threads)
     report, failed = run(args.suite, quick=args.quick)
     write(report, sys.stdout, as_json=args.json)
+    if args.save_json:
+        with open(args.save_json, "w") as saved:
+            write(report, saved, as_json=True)
     return 1 if failed else 0
 
 

@@ -19,7 +19,7 @@ import torch
 from bench import data as bench_data
 from bench.reference import ReferenceConfig, ReferenceLoop
 from bench.report import Case, Target
-from bench.timing import interleaved_rounds, peak_tensor_mib
+from bench.timing import Timing, interleaved_rounds, paired_ratio, peak_tensor_mib
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,11 @@ class Plan:
         return cls(
             (50, 500),
             (1, 10),
-            rounds=9,
-            round_seconds=0.12,
-            warmup_calls=2,
+            rounds=7,
+            round_seconds=0.08,
+            warmup_calls=1,
             data_limit=None,
-            memory_steps=2,
+            memory_steps=1,
         )
 
     @classmethod
@@ -113,10 +113,32 @@ def build_project(
         model = ssdcore.GaussianRBM(n_visible, n_hidden, variance="diagonal")
     model = model.to(data.device)
     optimizer = OptimizerConfig(**PROJECT_OPTIMIZERS[variant.optimizer])
+    if not hasattr(ssdcore, "Trainer"):
+        return _estimator_loop(model, optimizer, data, cd_k=cd_k, seed=seed)
     trainer = ssdcore.Trainer(
         model, data, optimizer=optimizer, batch_size=BATCH_SIZE, cd_k=cd_k, seed=seed
     )
     return trainer.train_steps
+
+
+def _estimator_loop(model, optimizer_config, data, *, cd_k: int, seed: int):
+    # The core's own step (CDEstimator + optimizer) for trees where Trainer is not in yet.
+    import ssdcore
+    from ssdcore.optim import build_optimizer
+
+    estimator = ssdcore.CDEstimator(model, k=cd_k, seed=seed)
+    optimizer = build_optimizer(model, optimizer_config)
+    generator = torch.Generator(device=data.device).manual_seed(seed)
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            index = torch.randint(
+                0, data.shape[0], (BATCH_SIZE,), device=data.device, generator=generator
+            )
+            estimator.estimate(data[index])
+            optimizer.step()
+
+    return run
 
 
 def build_reference(
@@ -209,22 +231,16 @@ def measure_group(
         device=device,
         units_per_call=steps,
     )
-    medians = {name: timing.median_ms for name, timing in timings.items()}
     cases = []
     for variant in group:
         peak = peak_tensor_mib(lambda b=builders[variant.name]: b()(plan.memory_steps), device)
-        cases.append(
-            _case(
-                variant,
-                n_hidden,
-                cd_k,
-                timings[variant.name].as_dict(),
-                peak,
-                medians,
-                runners[variant.name].restarts,
-                steps[variant.name],
+        case = _case(variant, n_hidden, cd_k, timings, peak, steps[variant.name])
+        if runners[variant.name].restarts:
+            case.notes.append(
+                f"{variant.name} 784x{n_hidden} CD-{cd_k}: rebuilt "
+                f"{runners[variant.name].restarts}x after divergence"
             )
-        )
+        cases.append(case)
     return cases
 
 
@@ -233,19 +249,24 @@ def _reference_of(variant: Variant) -> str:
     return f"reference/{variant.model}/{family}"
 
 
-def _case(variant, n_hidden, cd_k, timing, peak, medians, restarts, steps) -> Case:
-    ms = medians[variant.name]
+def _ratios(variant: Variant, timings: dict[str, Timing]) -> dict[str, float | None]:
+    """Same-round ratios: the median over rounds of (this variant / the other) per round."""
+    own = timings[variant.name]
     ratios: dict[str, float | None] = {}
     if variant.impl == "project":
-        ratios["x_faster_than_reference"] = medians[_reference_of(variant)] / ms
-    sgd = f"{variant.impl}/{variant.model}/sgd"
+        ratios["x_faster_than_reference"] = paired_ratio(timings[_reference_of(variant)], own)
     if variant.optimizer.startswith("ssd"):
-        ratios["ssd_over_sgd"] = ms / medians[sgd]
+        ratios["ssd_over_sgd"] = paired_ratio(own, timings[f"{variant.impl}/{variant.model}/sgd"])
     if variant.model == "gaussian":
-        ratios["grbm_over_brbm"] = ms / medians[f"{variant.impl}/bernoulli/{variant.optimizer}"]
-    notes = []
-    if restarts:
-        notes.append(f"{variant.name} {n_hidden}h CD-{cd_k}: rebuilt {restarts}x after divergence")
+        brbm = timings[f"{variant.impl}/bernoulli/{variant.optimizer}"]
+        ratios["grbm_over_brbm"] = paired_ratio(own, brbm)
+    return ratios
+
+
+def _case(
+    variant: Variant, n_hidden: int, cd_k: int, timings: dict[str, Timing], peak: float, steps: int
+) -> Case:
+    timing = timings[variant.name]
     return Case(
         suite="core",
         name=variant.name,
@@ -256,13 +277,12 @@ def _case(variant, n_hidden, cd_k, timing, peak, medians, restarts, steps) -> Ca
             "steps_per_round": steps,
         },
         metrics={
-            "ms_per_iter": ms,
-            "min_ms": timing["min_ms"],
-            "rounds": timing["rounds"],
+            "ms_per_iter": timing.median_ms,
+            "min_ms": timing.min_ms,
+            "rounds": len(timing.samples_s),
             "peak_mib": peak,
         },
-        ratios=ratios,
-        notes=notes,
+        ratios=_ratios(variant, timings),
     )
 
 
@@ -282,8 +302,11 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
     cases: list[Case] = []
     for n_hidden in plan.hidden_sizes:
         for cd_k in plan.cd_ks:
-            logger.info("core: 784x%d CD-%d", n_hidden, cd_k)
+            started = time.perf_counter()
             cases += measure_group(n_hidden, cd_k, datasets, plan)
+            logger.info(
+                "core: 784x%d CD-%d took %.0f s", n_hidden, cd_k, time.perf_counter() - started
+            )
     return cases, targets(cases, device)
 
 
@@ -335,6 +358,9 @@ def targets(cases: list[Case], device: torch.device) -> list[Target]:
                     "x",
                 )
             )
+    for target in result:
+        if target.measured is None and not target.why:
+            target.why = "configuration not part of this run (--quick measures 784x50 CD-1 only)"
     h100 = _find(cases, f"project/bernoulli/{DEFAULT_POLAR}", "784x500", 10)
     on_gpu = device.type == "cuda"
     result.append(

@@ -87,6 +87,19 @@ def interleaved_rounds(
     return {name: Timing(tuple(values)) for name, values in samples.items()}
 
 
+def paired_ratio(numerator: Timing, denominator: Timing) -> float:
+    """Median over rounds of numerator / denominator, pairing samples taken in the same round.
+
+    Both timings must come from one `interleaved_rounds` call. Load that drifts from round to
+    round slows both members of a pair alike, so the paired ratio is steadier than the ratio of
+    the two medians.
+    """
+    if len(numerator.samples_s) != len(denominator.samples_s):
+        raise ValueError("paired_ratio needs timings from the same rounds")
+    pairs = zip(numerator.samples_s, denominator.samples_s, strict=True)
+    return statistics.median(top / bottom for top, bottom in pairs)
+
+
 def percentile(values: Sequence[float], fraction: float) -> float:
     """The `fraction` quantile (0..1) of `values` by linear interpolation between ranks."""
     if not values:
@@ -149,6 +162,22 @@ def peak_tensor_mib(fn: Callable[[], object], device: torch.device) -> float:
     return peak / 2**20
 
 
+def set_threads(threads: int) -> None:
+    """Use `threads` CPU threads everywhere: torch, numpy's BLAS (scikit-learn) and subprocesses.
+
+    Every implementation then runs with the same parallelism, so their ratios compare like with
+    like. On a shared, oversubscribed machine one thread is the steadier choice: OpenMP threads
+    that spin-wait for a descheduled sibling can slow a step down several-fold.
+    """
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(threads)
+    threadpool_limits(limits=threads)  # stays in force for the rest of the process
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the service's processes inherit these
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    os.environ["SSDRBM_TORCH_THREADS"] = str(threads)
+
+
 def environment() -> dict[str, object]:
     """What the figures were measured on: versions, threads, device, load."""
     info: dict[str, object] = {
@@ -158,6 +187,7 @@ def environment() -> dict[str, object]:
         "cuda": torch.cuda.is_available(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
     }
     with contextlib.suppress(OSError):  # not every platform has a load average
         info["load_average_1m"] = os.getloadavg()[0]

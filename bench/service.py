@@ -1,0 +1,523 @@
+"""Service case: the gRPC service measured end to end over loopback, as its clients see it.
+
+The case starts its own redis-server (free port, temporary directory, no persistence) and the
+service (gRPC server + worker) as a separate process on port 0 (`bench.service_host`), then:
+
+1. trains a 784×500 Bernoulli RBM on MNIST through StartTraining, to have a model to serve;
+2. times Reconstruct and SampleHidden one request at a time at batch 1 and 256 (p50 / p99);
+3. drives Reconstruct (batch 1) from 16 concurrent clients, each on its own connection: req/s;
+4. opens 100 StreamMetrics subscriptions to a running job: lag from an event's write to Redis
+   (its `time`) to its arrival at each subscriber;
+5. trains the same job spec twice — alone, then under the 16-client serving load — and compares
+   the training throughput the worker reports (samples/s of training time);
+6. samples the resident memory of the server process (and its training child) idle and busy.
+
+Everything runs on one machine: load generator, server, worker and training share its cores,
+which the figures include.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+from ssdrbm.v1 import rbm_pb2 as pb
+from ssdrbm.v1 import rbm_pb2_grpc
+
+from bench.data import REPO_ROOT, data_directory
+from bench.report import Case, Target
+from bench.timing import percentile, rss_mib
+
+logger = logging.getLogger(__name__)
+
+N_VISIBLE = 784
+SERVED_HIDDEN = 500
+CLIENTS = 16
+SUBSCRIBERS = 100
+START_TIMEOUT_S = 60.0
+JOB_TIMEOUT_S = 300.0
+TERMINAL = {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure; `quick` shrinks every count but keeps the shapes."""
+
+    serve_train_steps: int
+    latency_requests: dict[int, int]  # batch size -> sequential requests timed
+    load_seconds: float
+    stream_steps: int
+    stream_eval_every: int
+    throughput_steps: int
+    throughput_eval_every: int
+
+    @classmethod
+    def full(cls) -> Plan:
+        return cls(
+            serve_train_steps=100,
+            latency_requests={1: 1000, 256: 200},
+            load_seconds=8.0,
+            stream_steps=600,
+            stream_eval_every=20,
+            throughput_steps=600,
+            throughput_eval_every=100,
+        )
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(
+            serve_train_steps=20,
+            latency_requests={1: 40, 256: 8},
+            load_seconds=1.0,
+            stream_steps=60,
+            stream_eval_every=20,
+            throughput_steps=60,
+            throughput_eval_every=20,
+        )
+
+
+# --- processes --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def redis_server(directory: Path) -> Iterator[str]:
+    """A throw-away redis-server on a free loopback port; yields its URL."""
+    executable = shutil.which("redis-server") or "/usr/bin/redis-server"
+    port = _free_port()
+    command = [
+        executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
+        "--save", "", "--appendonly", "no", "--logfile", str(directory / "redis.log"),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, process)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_for_port(port: int, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server exited with status {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start listening in time")
+
+
+@dataclass
+class ServerProcess:
+    """The service in its own process; `target` is its loopback address."""
+
+    process: subprocess.Popen
+    target: str
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def children(self) -> list[int]:
+        """Direct child processes (the worker's training child), from /proc."""
+        pids: list[int] = []
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{self.pid}/task"):
+                with open(f"/proc/{self.pid}/task/{task}/children") as children:
+                    pids += [int(pid) for pid in children.read().split()]
+        return pids
+
+
+@contextlib.contextmanager
+def service_process(redis_url: str, directory: Path) -> Iterator[ServerProcess]:
+    """Start `python -m bench.service_host` against `redis_url`; stop it with SIGTERM."""
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": redis_url,
+        "SSDRBM_DATA_DIR": str(data_directory()),
+        "SSDRBM_AUTH_MODE": "none",
+        "SSDRBM_LOG_LEVEL": "WARNING",
+        "SSDRBM_STREAM_BLOCK_MS": "1000",
+        "SSDRBM_MAX_JOBS_PER_TENANT": "64",
+    }
+    log_path = directory / "server.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bench.service_host"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+    try:
+        port = _read_port(process, log_path)
+        yield ServerProcess(process, f"127.0.0.1:{port}", log_path)
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _read_port(process: subprocess.Popen, log_path: Path) -> int:
+    from bench.service_host import READY_PREFIX
+
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(process.stdout.readline()))
+    reader.daemon = True
+    reader.start()
+    reader.join(START_TIMEOUT_S)
+    line = result[0] if result else ""
+    if not line.startswith(READY_PREFIX):
+        tail = log_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"the service did not start: {line!r}\n{tail}")
+    return int(line[len(READY_PREFIX) :])
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+def training_request(
+    *, n_hidden: int, steps: int, eval_every: int, name: str
+) -> pb.StartTrainingRequest:
+    """A Bernoulli RBM on binarized MNIST, CD-1, SGD, batch 100."""
+    return pb.StartTrainingRequest(
+        name=name,
+        model=pb.ModelSpec(kind=pb.MODEL_KIND_BERNOULLI, n_hidden=n_hidden),
+        optimizer=pb.OptimizerSpec(kind=pb.OPTIMIZER_KIND_SGD, lr=0.01),
+        training=pb.TrainingSpec(cd_k=1, batch_size=100, steps=steps, seed=1,
+                                 checkpoint_every=steps),
+        eval=pb.EvalSpec(every=eval_every),
+        dataset=pb.DatasetRef(builtin=pb.BuiltinDataset(name="mnist"),
+                              preprocess=pb.PREPROCESS_BINARIZE),
+    )  # fmt: skip
+
+
+def wait_for_job(stub: rbm_pb2_grpc.RBMServiceStub, job_id: str) -> pb.Job:
+    """Poll GetJob until the job ends; raise unless it SUCCEEDED."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        job = stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=10)
+        if job.state in TERMINAL:
+            if job.state != pb.JOB_STATE_SUCCEEDED:
+                raise RuntimeError(f"job {job_id} ended {pb.JobState.Name(job.state)}: {job.error}")
+            return job
+        time.sleep(0.1)
+    raise RuntimeError(f"job {job_id} did not finish within {JOB_TIMEOUT_S} s")
+
+
+def tensor(batch: int, seed: int = 0) -> pb.Tensor:
+    """A (batch, 784) binary input as the wire format wants it: float32 little-endian bytes."""
+    values = (np.random.default_rng(seed).random((batch, N_VISIBLE)) < 0.2).astype("<f4")
+    return pb.Tensor(shape=[batch, N_VISIBLE], data=values.tobytes())
+
+
+def _request(rpc: str, job_id: str, batch: int):
+    if rpc == "Reconstruct":
+        return pb.ReconstructRequest(job_id=job_id, input=tensor(batch), k=1, seed=1)
+    return pb.SampleHiddenRequest(job_id=job_id, input=tensor(batch), seed=1)
+
+
+def sequential_latency(
+    stub: rbm_pb2_grpc.RBMServiceStub, rpc: str, job_id: str, batch: int, count: int
+) -> list[float]:
+    """Seconds per call for `count` calls one after the other, after a short warm-up."""
+    method = getattr(stub, rpc)
+    request = _request(rpc, job_id, batch)
+    for _ in range(max(3, count // 20)):
+        method(request, timeout=30)
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        method(request, timeout=30)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+async def _concurrent_load(
+    target: str, job_id: str, clients: int, done: Callable[[], bool]
+) -> list[float]:
+    # Each client owns a connection (a local subchannel pool keeps them apart) and sends its
+    # next request as soon as the previous answer arrives, until `done()`.
+    request = _request("Reconstruct", job_id, 1)
+    latencies: list[float] = []
+    channels = [
+        grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(clients)
+    ]
+
+    async def client(channel: grpc.aio.Channel) -> None:
+        stub = rbm_pb2_grpc.RBMServiceStub(channel)
+        while not done():
+            start = time.perf_counter()
+            await stub.Reconstruct(request, timeout=30)
+            latencies.append(time.perf_counter() - start)
+
+    try:
+        stubs = [rbm_pb2_grpc.RBMServiceStub(channel) for channel in channels]
+        await asyncio.gather(*(stub.Reconstruct(request, timeout=30) for stub in stubs))
+        await asyncio.gather(*(client(channel) for channel in channels))
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
+    return latencies
+
+
+def concurrent_load(
+    target: str,
+    job_id: str,
+    *,
+    seconds: float | None = None,
+    stop: threading.Event | None = None,
+    clients: int = CLIENTS,
+) -> dict[str, float]:
+    """Reconstruct at batch 1 from `clients` concurrent clients for `seconds` or until `stop`."""
+    start = time.perf_counter()
+    if seconds is not None:
+        deadline = start + seconds
+        done = lambda: time.perf_counter() >= deadline  # noqa: E731
+    else:
+        assert stop is not None
+        done = stop.is_set
+    latencies = asyncio.run(_concurrent_load(target, job_id, clients, done))
+    elapsed = time.perf_counter() - start
+    return {
+        "requests_per_s": len(latencies) / elapsed,
+        "p50_ms": 1000 * percentile(latencies, 0.5),
+        "p99_ms": 1000 * percentile(latencies, 0.99),
+        "requests": len(latencies),
+    }
+
+
+def _event_seconds(event: pb.MetricEvent) -> float:
+    return event.time.seconds + event.time.nanos * 1e-9
+
+
+async def _stream_lag(target: str, job_id: str, subscribers: int) -> tuple[list[float], int]:
+    lags: list[float] = []
+    events = 0
+    channel = grpc.aio.insecure_channel(target)
+    stub = rbm_pb2_grpc.RBMServiceStub(channel)
+    subscribed_at = time.time()
+    calls = [stub.StreamMetrics(pb.StreamMetricsRequest(job_id=job_id)) for _ in range(subscribers)]
+
+    async def follow(call) -> None:
+        nonlocal events
+        async for event in call:
+            arrived = time.time()
+            events += 1
+            # Events written before the subscriptions opened are history, not live lag.
+            if _event_seconds(event) >= subscribed_at:
+                lags.append(arrived - _event_seconds(event))
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(follow(call) for call in calls)), JOB_TIMEOUT_S)
+    finally:
+        await channel.close()
+    return lags, events
+
+
+def stream_lag(
+    target: str, stub: rbm_pb2_grpc.RBMServiceStub, plan: Plan, subscribers: int = SUBSCRIBERS
+) -> dict[str, float]:
+    """`subscribers` clients follow a job from its start to its end; lag of each live event.
+
+    The lag runs from the moment the worker wrote the event to Redis (the event's `time`) to its
+    arrival at a subscriber; both clocks are this machine's.
+    """
+    request = training_request(
+        n_hidden=50, steps=plan.stream_steps, eval_every=plan.stream_eval_every, name="stream-lag"
+    )
+    job = stub.StartTraining(request, timeout=30).job
+    lags, events = asyncio.run(_stream_lag(target, job.id, subscribers))
+    wait_for_job(stub, job.id)
+    if not lags:
+        raise RuntimeError("no live StreamMetrics event arrived")
+    return {
+        "p50_ms": 1000 * percentile(lags, 0.5),
+        "p99_ms": 1000 * percentile(lags, 0.99),
+        "max_ms": 1000 * max(lags),
+        "live_events": len(lags),
+        "events": events,
+    }
+
+
+def training_throughput(stub: rbm_pb2_grpc.RBMServiceStub, plan: Plan, name: str) -> float:
+    """Train the throughput job to the end; the worker's samples/s of training time."""
+    request = training_request(
+        n_hidden=SERVED_HIDDEN,
+        steps=plan.throughput_steps,
+        eval_every=plan.throughput_eval_every,
+        name=name,
+    )
+    job = stub.StartTraining(request, timeout=30).job
+    return float(wait_for_job(stub, job.id).latest_metrics.samples_per_second)
+
+
+class MemorySampler:
+    """Samples the RSS of the server process and of its children every 50 ms in a thread."""
+
+    def __init__(self, server: ServerProcess):
+        self.server = server
+        self.server_mib: list[float] = []
+        self.child_mib: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            own = rss_mib(self.server.pid)
+            if own is not None:
+                self.server_mib.append(own)
+            children = [rss_mib(pid) for pid in self.server.children()]
+            if children and all(value is not None for value in children):
+                self.child_mib.append(sum(children))
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# --- the case ---------------------------------------------------------------------------------
+
+
+def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
+    """Start Redis and the service, measure, stop both; return the cases and the targets."""
+    plan = Plan.quick() if quick else Plan.full()
+    with tempfile.TemporaryDirectory(prefix="ssdrbm-bench-") as scratch:
+        directory = Path(scratch)
+        with redis_server(directory) as redis_url, service_process(redis_url, directory) as server:
+            channel = grpc.insecure_channel(server.target)
+            try:
+                return _measure(server, rbm_pb2_grpc.RBMServiceStub(channel), plan)
+            finally:
+                channel.close()
+
+
+def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[Target]]:
+    config = {"model": f"{N_VISIBLE}x{SERVED_HIDDEN}", "transport": "loopback, plaintext"}
+    logger.info("service: training the served model")
+    served = stub.StartTraining(
+        training_request(n_hidden=SERVED_HIDDEN, steps=plan.serve_train_steps,
+                         eval_every=plan.serve_train_steps, name="served"),
+        timeout=30,
+    ).job  # fmt: skip
+    wait_for_job(stub, served.id)
+    cases: list[Case] = []
+    latencies: dict[tuple[str, int], dict[str, float]] = {}
+    for rpc in ("Reconstruct", "SampleHidden"):
+        for batch, count in plan.latency_requests.items():
+            logger.info("service: %s batch %d", rpc, batch)
+            samples = sequential_latency(stub, rpc, served.id, batch, count)
+            metrics = {
+                "p50_ms": 1000 * percentile(samples, 0.5),
+                "p99_ms": 1000 * percentile(samples, 0.99),
+                "requests": len(samples),
+            }
+            latencies[(rpc, batch)] = metrics
+            cases.append(Case("service", f"{rpc} batch {batch}",
+                              {**config, "batch": batch, "clients": 1}, metrics))  # fmt: skip
+    idle_rss = rss_mib(server.pid)
+
+    logger.info("service: %d concurrent clients", CLIENTS)
+    with MemorySampler(server) as serving_memory:
+        load = concurrent_load(server.target, served.id, seconds=plan.load_seconds)
+    cases.append(Case("service", f"Reconstruct {CLIENTS} clients",
+                      {**config, "batch": 1, "clients": CLIENTS,
+                       "seconds": plan.load_seconds}, load))  # fmt: skip
+
+    logger.info("service: StreamMetrics with %d subscribers", SUBSCRIBERS)
+    lag = stream_lag(server.target, stub, plan)
+    cases.append(Case("service", "StreamMetrics lag",
+                      {"model": f"{N_VISIBLE}x50", "subscribers": SUBSCRIBERS,
+                       "eval_every": plan.stream_eval_every}, lag))  # fmt: skip
+
+    logger.info("service: training throughput, idle then under serving load")
+    idle_rate = training_throughput(stub, plan, "throughput-idle")
+    loaded_rate, busy = _train_under_load(server, stub, served.id, plan)
+    slowdown = 1.0 - loaded_rate / idle_rate
+    cases.append(Case("service", "training throughput",
+                      {**config, "cd_k": 1, "batch": 100, "steps": plan.throughput_steps,
+                       "load": f"{CLIENTS} clients Reconstruct batch 1"},
+                      {"idle_samples_per_s": idle_rate, "loaded_samples_per_s": loaded_rate,
+                       "loaded_requests_per_s": busy["requests_per_s"]},
+                      {"throughput_lost": slowdown})
+                 )  # fmt: skip
+    busy_rss = max(serving_memory.server_mib + busy["server_mib"], default=None)
+    cases.append(Case("service", "server memory", {"process": "gRPC server + worker"},
+                      {"idle_rss_mib": idle_rss, "busy_rss_mib": busy_rss,
+                       "training_child_rss_mib": busy["child_mib"]}))  # fmt: skip
+    return cases, _targets(latencies, load, lag, slowdown)
+
+
+def _train_under_load(server: ServerProcess, stub, served_id: str, plan: Plan):
+    """Run the throughput job while 16 clients keep Reconstruct busy for its whole length."""
+    request = training_request(
+        n_hidden=SERVED_HIDDEN,
+        steps=plan.throughput_steps,
+        eval_every=plan.throughput_eval_every,
+        name="throughput-loaded",
+    )
+    outcome: dict = {}
+    stop = threading.Event()
+
+    def load() -> None:
+        outcome.update(concurrent_load(server.target, served_id, stop=stop))
+
+    with MemorySampler(server) as memory:
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        time.sleep(0.5)  # the load is running before the job starts
+        job = stub.StartTraining(request, timeout=30).job
+        finished = wait_for_job(stub, job.id)
+        stop.set()
+        loader.join()
+    outcome["server_mib"] = memory.server_mib
+    outcome["child_mib"] = max(memory.child_mib, default=None)
+    return float(finished.latest_metrics.samples_per_second), outcome
+
+
+def _targets(latencies, load, lag, slowdown) -> list[Target]:
+    batch1 = latencies[("Reconstruct", 1)]
+    return [
+        Target("service", "Reconstruct batch 1 p50", batch1["p50_ms"], 2.0, "<=", " ms"),
+        Target("service", "Reconstruct batch 1 p99", batch1["p99_ms"], 10.0, "<=", " ms"),
+        Target("service", f"Reconstruct req/s, {CLIENTS} clients", load["requests_per_s"],
+               1000.0, ">=", "/s"),
+        Target("service", f"StreamMetrics lag p99, {SUBSCRIBERS} subscribers", lag["p99_ms"],
+               100.0, "<=", " ms"),
+        Target("service", "training throughput lost under serving load", slowdown, 0.20, "<="),
+    ]  # fmt: skip
