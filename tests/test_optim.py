@@ -325,3 +325,15 @@ def test_config_round_trips_through_a_dict():
     assert OptimizerConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="unknown fields"):
         OptimizerConfig.from_dict({**config.to_dict(), "learning_rate": 1.0})
+
+
+def test_per_parameter_step_sizes_reach_their_groups():
+    config = OptimizerConfig(
+        "sgd", lr=0.1, per_parameter={"W": "ssd"}, per_parameter_lr={"W": 1e-3}
+    )
+    groups = {g["name"]: g for g in build_optimizer(Tiny(), config).param_groups}
+    assert groups["W"]["lr"] == 1e-3 and groups["b"]["lr"] == 0.1
+    with pytest.raises(ValueError, match=r"OptimizerConfig\.per_parameter_lr"):
+        OptimizerConfig(per_parameter_lr={"W": 0.0})
+    with pytest.raises(ValueError, match="per_parameter_lr: unknown parameter names"):
+        build_optimizer(Tiny(), OptimizerConfig(per_parameter_lr={"V": 0.1}))

@@ -29,7 +29,8 @@ class OptimizerConfig:
     """How to optimize an RBM; ``per_parameter`` turns it into one of the paper's hybrids.
 
     ``OptimizerConfig("sgd", per_parameter={"W": "ssd"})`` is SSD_W/SGD and
-    ``OptimizerConfig("ssd", per_parameter={"W": "sgd"})`` is SGD_W/SSD.
+    ``OptimizerConfig("ssd", per_parameter={"W": "sgd"})`` is SGD_W/SSD. The two geometries'
+    steps differ in scale by orders of magnitude, so hybrids usually want ``per_parameter_lr``.
     """
 
     name: str = "ssd"  # sgd | nesterov | ssd | ssd-preconditioned
@@ -41,6 +42,8 @@ class OptimizerConfig:
     max_spectral_norm: float | None = None  # the paper's R: keep ‖W‖₂ ≤ R; None or 0: unbounded
     rank: int = 0  # randomized sketch rank; 0 = automatic
     per_parameter: dict[str, str] = field(default_factory=dict)  # parameter name -> name
+    # parameter name -> step size: hybrids need one per geometry (the steps differ in scale)
+    per_parameter_lr: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,6 +90,12 @@ class OptimizerConfig:
                     f"OptimizerConfig.per_parameter[{parameter!r}]: unknown optimizer {name!r}; "
                     f"choose one of {OPTIMIZER_NAMES}"
                 )
+        for parameter, lr in self.per_parameter_lr.items():
+            if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+                raise ValueError(
+                    f"OptimizerConfig.per_parameter_lr[{parameter!r}] must be a finite number > 0, "
+                    f"got {lr!r}"
+                )
         names = {self.name, *self.per_parameter.values()}
         if self.method == "lowrank" and "ssd-preconditioned" in names:
             raise ValueError(
@@ -115,6 +124,7 @@ def _group_for(name: str, parameter_name: str, config: OptimizerConfig) -> dict[
     is_weight = parameter_name == WEIGHT_NAME
     group: dict[str, Any] = {
         "name": parameter_name,
+        "lr": config.per_parameter_lr.get(parameter_name, config.lr),
         "weight_decay": config.weight_decay if is_weight else 0.0,
         "max_spectral_norm": (config.max_spectral_norm or None) if is_weight else None,
     }
@@ -150,12 +160,13 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> Optimizer:
     """
     config.validate()
     parameters = dict(model.named_parameters())
-    unknown = sorted(set(config.per_parameter) - set(parameters))
-    if unknown:
-        raise ValueError(
-            f"OptimizerConfig.per_parameter: unknown parameter names {unknown}; "
-            f"this model has {sorted(parameters)}"
-        )
+    for field_name in ("per_parameter", "per_parameter_lr"):
+        unknown = sorted(set(getattr(config, field_name)) - set(parameters))
+        if unknown:
+            raise ValueError(
+                f"OptimizerConfig.{field_name}: unknown parameter names {unknown}; "
+                f"this model has {sorted(parameters)}"
+            )
     names = {p: config.per_parameter.get(p, config.name) for p in parameters}
     groups = [
         {"params": [tensor], **_group_for(names[p], p, config)} for p, tensor in parameters.items()

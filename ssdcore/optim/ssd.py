@@ -157,6 +157,11 @@ class SSD(Optimizer):
         """S∞ step for a matrix, fusing the low-rank product into the update when possible."""
         lr, method = group["lr"], group["method"]
         if method == "lowrank":
+            if factors is not None and not _factors_pay_off(param, factors):
+                # Both routes are exact; a dense SVD is cheaper when the factors are not thin.
+                polar = polar_svd(_dense(param, factors))
+                param.addcmul_(polar.direction, polar.nuclear_norm, value=-lr)
+                return
             if factors is not None and _factors_describe(param, factors):
                 polar = polar_lowrank_factors(*factors)
                 # W -= lr * ‖σ‖₁ * left @ right, in one addmm without an (m, n) temporary.
@@ -251,6 +256,15 @@ def _take_factors(param: Tensor) -> tuple[Tensor, Tensor] | None:
             f"multiply to the parameter's shape {tuple(param.shape)}"
         )
     return left, right
+
+
+def _factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
+    """Whether QR of the (m, r) and (r, n) factors beats an SVD of the (m, n) matrix.
+
+    QR costs O((m + n) r²), the SVD O(m n min(m, n)); with r ≥ min(m, n) / 2 (small models,
+    large batches) the dense SVD is the cheaper exact route.
+    """
+    return 2 * factors[0].shape[1] < min(param.shape)
 
 
 def _factors_describe(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
