@@ -238,6 +238,9 @@ DIVERGING_LR = 2.0
 
 
 def test_divergence_fails_the_job_and_keeps_the_last_good_checkpoint(redis_url: str) -> None:
+    """A diverging job ends FAILED with the reason and keeps its last good checkpoint; jobs
+    whose data cannot be found or whose spec is unreadable fail with their reason too."""
+
     async def scenario(h: Harness, workers: list[Worker]) -> None:
         job_id = await h.submit(
             spec(
@@ -259,6 +262,24 @@ def test_divergence_fails_the_job_and_keeps_the_last_good_checkpoint(redis_url: 
         model = model_from_bytes(checkpoint.data)
         assert all(torch.isfinite(p).all() for p in model.parameters())
         assert state_names(await h.state_changes(job_id))[-1] == "FAILED"
+
+        # Jobs that cannot start fail with their reason; the same worker goes on.
+        missing = rbm_pb2.DatasetRef(dataset_id="0" * 64)
+        unknown = rbm_pb2.DatasetRef(builtin=rbm_pb2.BuiltinDataset(name="imagenet"))
+        reasons = []
+        for request in (spec(steps=10, dataset=missing), spec(steps=10, dataset=unknown)):
+            failed_id = await h.submit(request)
+            failed = await h.wait_for(failed_id, lambda r: r.state.is_terminal)
+            assert failed.state is JobState.FAILED
+            reasons.append(failed.error)
+        assert "dataset" in reasons[0] and "not found" in reasons[0]
+        assert "imagenet" in reasons[1] and "synthetic" in reasons[1]
+        garbage, _ = await h.jobs.submit(
+            TENANT, b"\xff\xff not a spec", name="bad", total_steps=1, request_id=None
+        )
+        failed = await h.wait_for(garbage.id, lambda r: r.state.is_terminal)
+        assert failed.state is JobState.FAILED and "internal error" in failed.error
+        assert [outcome for _, outcome in workers[0].jobs_run] == ["FAILED"] * 4
 
     run_with_workers(redis_url, ["w1"], scenario)
 

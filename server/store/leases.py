@@ -26,8 +26,11 @@ logger = logging.getLogger(__name__)
 _CLAIM = """
 local current = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'started_at')
 local state = current[1]
-if not state then return 'missing' end
-if state ~= 'QUEUED' and state ~= 'RUNNING' then return 'finished' end
+if state ~= 'QUEUED' and state ~= 'RUNNING' then
+  redis.call('ZREM', KEYS[2], ARGV[1])  -- no lease can outlive its job
+  if not state then return 'missing' end
+  return 'finished'
+end
 if current[2] ~= ARGV[3] then return 'retry' end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -86,6 +89,7 @@ class LeaseStore:
         for _ in range(_CLAIM_RETRIES):
             record = await self.load(job_id)
             if record is None or record.state.is_terminal:
+                await self.redis.zrem(self.keys.leases(), job_id)  # a stale lease, if any
                 return None
             attempt = record.attempt + 1
             message = f"claimed by {worker_id}"

@@ -99,6 +99,14 @@ class JobRunner:
         except LeaseLostError as exc:
             logger.warning("%s; stopping work on it", exc)
             return "lost"
+        except REDIS_DOWN:
+            raise  # only while stopping: the job stays leased and is taken over later
+        except Exception as exc:
+            # e.g. a spec that cannot be parsed: the job fails, the worker goes on.
+            logger.exception("job %s: unexpected error", self.lease.job_id)
+            reason = f"internal error: {type(exc).__name__}: {exc}"[:500]
+            await self._finish(JobState.FAILED, error=reason)
+            return JobState.FAILED.value
         finally:
             await self._settle_child()
 

@@ -82,8 +82,10 @@ class Worker:
             plan_defaults=plan_defaults or PlanDefaults(),
         )
         self.jobs_run: list[tuple[str, str]] = []  # (job id, outcome), for logs and tests
-        self._stop: StopRequest | None = None
-        self._stopped: asyncio.Event | None = None  # both created in run(), on its loop
+        # asyncio events bind to a loop only when first awaited: safe to create here.
+        self._stop = StopRequest()
+        self._stopped = asyncio.Event()
+        self._started = False
         self._spare: ChildProcess | None = None  # a training process started ahead of its job
 
     @classmethod
@@ -111,8 +113,9 @@ class Worker:
 
     async def run(self) -> None:
         """Take and run jobs until `stop()`."""
-        self._stop = StopRequest()
-        self._stopped = asyncio.Event()
+        if self._started:
+            raise RuntimeError(f"worker {self.worker_id} is already running")
+        self._started = True
         client = connect(self.redis_url)
         queue = JobQueue(client, keys=self.keys)
         leases = LeaseStore(client, keys=self.keys)
@@ -131,8 +134,14 @@ class Worker:
                     logger.warning("worker %s: Redis unreachable (%s)", self.worker_id, exc)
                     await self._pause(REDIS_RETRY_S)
                 except redis.exceptions.ResponseError as exc:
-                    if "NOGROUP" not in str(exc):  # the queue vanished (Redis lost its data)
-                        raise
+                    if "NOGROUP" in str(exc):  # the queue vanished (Redis lost its data)
+                        continue
+                    logger.exception("worker %s: unexpected Redis reply", self.worker_id)
+                    await self._pause(REDIS_RETRY_S)
+                except Exception:
+                    # A bug must not silently end the worker: log it, back off, go on.
+                    logger.exception("worker %s: unexpected error", self.worker_id)
+                    await self._pause(REDIS_RETRY_S)
         finally:
             if self._spare is not None:
                 await self._spare.kill()
@@ -144,7 +153,6 @@ class Worker:
 
     async def _run_job(self, client: aioredis.Redis, lease: Lease) -> None:
         child, self._spare = self._spare, None
-        assert self._stop is not None
         runner = JobRunner(client, lease, self.options, self._stop, keys=self.keys, child=child)
         outcome = await runner.run()
         self.jobs_run.append((lease.job_id, outcome))
@@ -178,18 +186,16 @@ class Worker:
         return None
 
     async def _pause(self, seconds: float) -> None:
-        assert self._stop is not None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.event.wait(), seconds)
 
     async def stop(self, graceful: bool = True) -> None:
-        """Stop taking jobs and return once `run()` has ended.
+        """Stop taking jobs and return once `run()` has ended (at once if it never started).
 
         graceful: the running job is checkpointed at its current step and released to the
         queue. Otherwise it is released at once and resumes from its last checkpoint.
         """
-        if self._stop is None or self._stopped is None:
-            return
         self._stop.graceful = graceful
         self._stop.event.set()
-        await self._stopped.wait()
+        if self._started:
+            await self._stopped.wait()
