@@ -49,6 +49,7 @@ class ServiceMetrics:
             "ssdrbm_metric_streams", "Open StreamMetrics calls", registry=self.registry
         )
         self._http: Any = None
+        self.set_job_counts({})  # every state's series exists from the first scrape on
 
     def set_job_counts(self, counts: dict[JobState, int]) -> None:
         """Update the jobs-by-state gauge."""
