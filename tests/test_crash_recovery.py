@@ -1,0 +1,269 @@
+"""Crashes seen from a client: a Redis crash and restart (AOF) while a job trains and a client
+follows its metrics, and a stalled worker whose lease lapsed coming back after another worker
+took its job over (fencing by attempt).
+
+Worker SIGKILL takeover and SIGTERM release are proven in tests/test_worker.py
+(``test_sigkilled_worker_job_resumes_on_another_with_each_step_once`` and
+``test_sigterm_checkpoints_releases_and_exits_cleanly``); acknowledged store writes surviving a
+Redis restart in tests/test_store.py. These tests add the view through the gRPC API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+
+from server.keys import Keys
+from tests.fixtures.jobs import rpc_error, tiny_request
+from tests.fixtures.redis import RedisServer
+from tests.fixtures.service import RunningService
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT_S = 90.0  # a bound for a loaded 2-core machine, not a speed check
+LEASE_S = 1.5
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+def training_request(
+    steps: int, *, every: int, checkpoint_every: int
+) -> rbm_pb2.StartTrainingRequest:
+    request = tiny_request(steps=steps)
+    request.eval.every = every
+    request.training.checkpoint_every = checkpoint_every
+    return request
+
+
+class Follower:
+    """Follows a job's StreamMetrics in a thread, keeping every event and how the call ended."""
+
+    def __init__(self, stub: rbm_pb2_grpc.RBMServiceStub, job_id: str, after: str = "") -> None:
+        self.events: list[rbm_pb2.MetricEvent] = []
+        self.error: grpc.RpcError | None = None
+        request = rbm_pb2.StreamMetricsRequest(job_id=job_id, after=after)
+        self._call = stub.StreamMetrics(request)
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        try:
+            for event in self._call:
+                self.events.append(event)
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def join(self, timeout: float = WAIT_S) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the metric stream did not end"
+
+
+def wait_for_job(
+    stub: rbm_pb2_grpc.RBMServiceStub, job_id: str, done: Callable[[rbm_pb2.Job], bool]
+) -> rbm_pb2.Job:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        job = stub.GetJob(rbm_pb2.GetJobRequest(job_id=job_id))
+        if done(job):
+            return job
+        assert time.monotonic() < deadline, f"job never got there: {job}"
+        time.sleep(0.05)
+
+
+def metric_steps(events: list[rbm_pb2.MetricEvent]) -> list[int]:
+    return [e.metrics.step for e in events if e.WhichOneof("event") == "metrics"]
+
+
+def final_state(events: list[rbm_pb2.MetricEvent]) -> int:
+    states = [e.state.state for e in events if e.WhichOneof("event") == "state"]
+    return states[-1]
+
+
+def test_redis_crash_and_restart_loses_nothing_acknowledged(
+    redis_factory: Callable[..., RedisServer], service_factory: Callable[..., RunningService]
+) -> None:
+    """Redis (AOF, fsync always) is killed while a job trains and a client follows it: every
+    RPC answers UNAVAILABLE meanwhile and the server keeps running; after the restart the job
+    finishes SUCCEEDED and the resumed stream holds every step exactly once."""
+    store = redis_factory(appendonly=True)
+    running = service_factory(store.url, torch_threads=1)
+    stub = running.stub()
+    total, every = 1500, 20
+    job = stub.StartTraining(training_request(total, every=every, checkpoint_every=100)).job
+    follower = Follower(stub, job.id)
+    before = wait_for_job(stub, job.id, lambda j: j.checkpoint_step >= 100 or j.state > 2)
+    assert before.state == rbm_pb2.JOB_STATE_RUNNING, "the job ended before Redis went down"
+
+    store.kill()
+    follower.join()
+    assert follower.error is not None and follower.error.code() is UNAVAILABLE
+    seen = list(follower.events)
+    calls = {
+        "GetJob": lambda: stub.GetJob(rbm_pb2.GetJobRequest(job_id=job.id)),
+        "ListJobs": lambda: stub.ListJobs(rbm_pb2.ListJobsRequest()),
+        "StartTraining": lambda: stub.StartTraining(tiny_request()),
+        "StreamMetrics": lambda: stub.StreamMetrics(rbm_pb2.StreamMetricsRequest(job_id=job.id)),
+        "CancelJob": lambda: stub.CancelJob(rbm_pb2.CancelJobRequest(job_id=job.id)),
+    }
+    for name, call in calls.items():
+        error = rpc_error(call)
+        assert error.code() is UNAVAILABLE, (name, error.code(), error.details())
+        assert "Redis" in error.details() and "retry" in error.details()
+    health = health_pb2_grpc.HealthStub(running.channel())
+    assert health.Check(health_pb2.HealthCheckRequest()).status == (
+        health_pb2.HealthCheckResponse.SERVING
+    )
+    time.sleep(1.0)  # the training process keeps going; its worker holds what it produced
+
+    store.start()
+    after = wait_for_job(stub, job.id, lambda j: True)  # answers again
+    assert after.checkpoint_step >= before.checkpoint_step and after.step >= before.step
+    resumed = Follower(stub, job.id, after=seen[-1].resume_token)
+    resumed.join()
+    assert resumed.error is None, resumed.error
+    events = seen + resumed.events
+    assert metric_steps(events) == list(range(every, total + 1, every))
+    assert final_state(events) == rbm_pb2.JOB_STATE_SUCCEEDED
+    tokens = [e.resume_token for e in events]
+    assert len(set(tokens)) == len(tokens)
+    finished = stub.GetJob(rbm_pb2.GetJobRequest(job_id=job.id))
+    assert finished.state == rbm_pb2.JOB_STATE_SUCCEEDED and finished.attempt == 1, finished.error
+    assert finished.checkpoint_step == total
+    # The server goes on taking work.
+    assert stub.StartTraining(tiny_request()).created
+
+
+# --- a stalled worker -----------------------------------------------------------------------
+
+
+def start_worker(redis_url: str, worker_id: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": redis_url,
+        "SSDRBM_WORKER_ID": worker_id,
+        "SSDRBM_LEASE_SECONDS": str(LEASE_S),
+        "SSDRBM_TORCH_THREADS": "1",
+        "SSDRBM_LOG_LEVEL": "INFO",
+    }
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "server.worker"], cwd=REPO, env=env, stdout=out, stderr=out
+        )
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids of the live child processes of ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid and fields[0] != "Z":
+                    found.append(int(entry.name))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    return False
+
+
+def trainers_of(pid: int) -> list[int]:
+    """The spawned training processes among the children of ``pid`` (not its helpers, such as
+    multiprocessing's resource tracker)."""
+    trainers = []
+    for child in children_of(pid):
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in (Path("/proc") / str(child) / "cmdline").read_bytes():
+                trainers.append(child)
+    return trainers
+
+
+@pytest.fixture
+def workers() -> list[subprocess.Popen[bytes]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGCONT)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def test_stalled_worker_cannot_overwrite_the_job_after_a_takeover(
+    redis_url: str,
+    service_factory: Callable[..., RunningService],
+    workers: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    """A worker and its training process are frozen (SIGSTOP) past their lease; another worker
+    takes the job over and resumes it; the frozen one wakes up with stale work in hand and has
+    every write refused. A client following the job sees each step once and SUCCEEDED."""
+    running = service_factory(run_worker=False)
+    stub = running.stub()
+    total, every = 600, 10
+    job = stub.StartTraining(training_request(total, every=every, checkpoint_every=50)).job
+    follower = Follower(stub, job.id)
+    slow_log = tmp_path / "slow.log"
+    slow = start_worker(redis_url, "slow", slow_log)
+    workers.append(slow)
+    wait_for_job(stub, job.id, lambda j: j.checkpoint_step >= 50 and j.worker == "slow")
+    stale_trainers = trainers_of(slow.pid)
+    assert len(stale_trainers) == 1, "expected the worker's training process"
+    frozen = [slow.pid, *children_of(slow.pid)]  # with its helper processes
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    stalled_at = stub.GetJob(rbm_pb2.GetJobRequest(job_id=job.id))
+
+    eager = start_worker(redis_url, "eager", tmp_path / "eager.log")
+    workers.append(eager)
+    wait_for_job(stub, job.id, lambda j: j.attempt == 2 and j.step > stalled_at.step)
+    for pid in frozen:
+        os.kill(pid, signal.SIGCONT)
+
+    follower.join()
+    assert follower.error is None, follower.error
+    assert metric_steps(follower.events) == list(range(every, total + 1, every))
+    assert final_state(follower.events) == rbm_pb2.JOB_STATE_SUCCEEDED
+    finished = stub.GetJob(rbm_pb2.GetJobRequest(job_id=job.id))
+    assert finished.state == rbm_pb2.JOB_STATE_SUCCEEDED and finished.worker == "eager"
+    assert finished.attempt == 2 and finished.checkpoint_step == total
+
+    # Nothing of attempt 1 was written after attempt 2 began.
+    client = redis.Redis.from_url(redis_url)
+    try:
+        attempts = [int(f[b"attempt"]) for _, f in client.xrange(Keys().events(job.id))]
+        checkpoint_attempts = {
+            int(client.hget(Keys().checkpoint(job.id, int(step)), "attempt"))
+            for step in client.zrange(Keys().checkpoint_index(job.id), 0, -1)
+        }
+    finally:
+        client.close()
+    takeover = attempts.index(2)
+    assert all(a == 2 for a in attempts[takeover:]), attempts
+    assert checkpoint_attempts == {2}
+
+    # The woken worker noticed, dropped the job, killed that training process and lives on
+    # (it may keep a fresh, idle one ready for its next job).
+    deadline = time.monotonic() + WAIT_S
+    while is_running(stale_trainers[0]) or "stopping work on it" not in slow_log.read_text():
+        assert time.monotonic() < deadline, slow_log.read_text()[-2000:]
+        time.sleep(0.1)
+    assert "STALE attempt 1" in slow_log.read_text()
+    assert slow.poll() is None
+    slow.send_signal(signal.SIGTERM)
+    assert slow.wait(WAIT_S) == 0
