@@ -174,6 +174,8 @@ def run_train(args: argparse.Namespace) -> ExitCode:
 def follow(client: Client, job_id: str, *, as_json: bool, after: str | None = None) -> ExitCode:
     """Stream a job's events (progress on stderr, or JSON lines on stdout) until it ends."""
     display = None if as_json else ProgressDisplay(job_id)
+    if display is not None:
+        display.start(client.get_job(job_id))  # the total is known before the first metrics
     for event in client.stream_metrics(job_id, after=after):
         if display is None:
             kind = "metrics" if isinstance(event, MetricsEvent) else "state"

@@ -43,7 +43,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     plot = commands.add_parser("plot", parents=parents, help="PNG figures of a job and its model")
     plot.add_argument("job", metavar="JOB")
     plot.add_argument("--output", "-o", required=True, metavar="DIR")
-    plot.add_argument("--input", metavar="X.npy", help="inputs to show beside reconstructions")
+    plot.add_argument("--input", "-i", metavar="X.npy", help="inputs shown beside reconstructions")
     plot.add_argument("--image-shape", metavar="HxW", help="e.g. 28x28 (guessed when missing)")
     plot.add_argument("--json", action="store_true", help="print the written files as JSON")
     plot.set_defaults(run=run_plot)

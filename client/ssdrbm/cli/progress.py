@@ -17,6 +17,7 @@ from ssdrbm.cli.output import format_duration, format_number, format_rate
 from ssdrbm.events import Job, JobState, MetricEvent, MetricsEvent, StateEvent
 
 REDRAW_INTERVAL_S = 0.1  # redrawing faster than this only costs terminal bandwidth
+BAR_WIDTH = 20
 
 
 @dataclass
@@ -72,18 +73,19 @@ def render_bar(fraction: float, width: int) -> str:
 
 
 def render_line(progress: ProgressState, width: int = 100) -> str:
-    """The one-line TTY display, cut to ``width`` columns."""
-    parts = [
-        f"{progress.job_id} {progress.state.value}",
-        f"step {progress.step}/{progress.total_steps or '?'}",
-        f"[{render_bar(progress.fraction, 20)}] {progress.fraction:4.0%}",
+    """The one-line TTY display, fitted to ``width`` columns (the bar shrinks first)."""
+    head = f"{progress.state.value} step {progress.step}/{progress.total_steps or '?'}"
+    tail = [
+        f"{progress.fraction:4.0%}",
         f"{format_rate(progress.samples_per_second)} samples/s",
         f"ETA {format_duration(progress.eta_s())}",
         f"recon {format_number(progress.reconstruction_error)}",
     ]
     if progress.log_likelihood is not None:
-        parts.append(f"LL {format_number(progress.log_likelihood)}")
-    line = "  ".join(parts)
+        tail.append(f"LL {format_number(progress.log_likelihood)}")
+    line = f"{head}  {'  '.join(tail)}"
+    if len(line) + BAR_WIDTH + 4 <= width:  # the bar only where it fits
+        line = f"{head}  [{render_bar(progress.fraction, BAR_WIDTH)}]  {'  '.join(tail)}"
     return line if len(line) <= width else line[: max(width - 1, 0)] + "…"
 
 
@@ -131,6 +133,12 @@ class ProgressDisplay:
         self.progress = ProgressState(job_id)
         self._last_draw = 0.0
         self._drawn = False
+
+    def start(self, job: Job) -> None:
+        """Begin from the job's record (state, step and total before any event arrives)."""
+        self.progress.state = job.state
+        self.progress.step = job.step
+        self.progress.total_steps = job.total_steps
 
     def on_event(self, event: MetricEvent) -> None:
         """Update with one event: redraw the line (TTY) or print a log line."""
