@@ -365,6 +365,9 @@ def test_sigkilled_worker_job_resumes_on_another_with_each_step_once(
             killed_at = await h.jobs.get(TENANT, job_id)
             await wait_until(lambda: not is_running(trainers[0]), timeout=5)
             final = await h.wait_for_state(job_id, JobState.SUCCEEDED)
+            # The same job without interruption, to compare the trained models.
+            twin_id = await h.submit(spec(steps=total, eval_every=10, checkpoint_every=50))
+            twin = await h.wait_for_state(twin_id, JobState.SUCCEEDED)
         finally:
             await survivor.stop(graceful=False)
             await task
@@ -379,7 +382,12 @@ def test_sigkilled_worker_job_resumes_on_another_with_each_step_once(
         assert changes[2].attempt == 2 and changes[2].step == killed_at.checkpoint_step
         assert all(attempt == 1 for step, attempt in published if step <= killed_at.step)
         assert all(attempt == 2 for step, attempt in published if step > killed_at.step)
-        assert (await h.checkpoints.latest(job_id)).attempt == 2
+        resumed_model = await h.checkpoints.latest(job_id)
+        assert resumed_model.attempt == 2 and twin.state is JobState.SUCCEEDED
+        # Resuming restores optimizer, chains, random state and data order: bit for bit.
+        resumed = model_from_bytes(resumed_model.data).state_dict()
+        uninterrupted = model_from_bytes((await h.checkpoints.latest(twin_id)).data).state_dict()
+        assert all(torch.equal(resumed[name], uninterrupted[name]) for name in resumed)
         await h.redis.aclose()
 
     asyncio.run(main())

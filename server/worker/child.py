@@ -1,4 +1,4 @@
-"""The training child process: trains one job with ssdcore and reports over its pipe.
+"""The training child process: trains jobs with ssdcore, one at a time, reporting over its pipe.
 
 Started with the spawn method (never fork after CUDA, gRPC or Redis are initialised). It has no
 Redis connection: everything it produces (metrics, checkpoints, the outcome) goes to its worker,
@@ -81,18 +81,16 @@ def train_one(conn: Connection, start: protocol.Message) -> None:
 def warm_up() -> None:
     """Train a throw-away model for one step while no job is waiting.
 
-    torch loads much of itself lazily on first use (e.g. its compiler stack on the first
-    optimizer), which costs seconds; paying that before the start message arrives lets a job
-    begin training as soon as it is claimed.
+    torch loads much of itself lazily on first use (its compiler stack on the first optimizer,
+    the CUDA context), which costs seconds; paying that before the start message arrives lets
+    a job begin training as soon as it is claimed.
     """
     try:
-        data = torch.rand(8, 4).round()
-        trainer = Trainer(
-            model_from_config({"type": "bernoulli", "n_visible": 4, "n_hidden": 2}),
-            data,
-            optimizer="ssd",
-            batch_size=4,
+        device = pick_device()  # on a GPU this also creates the CUDA context ahead of time
+        model = model_from_config(
+            {"type": "bernoulli", "n_visible": 4, "n_hidden": 2}, device=device
         )
+        trainer = Trainer(model, torch.rand(8, 4, device=device).round(), batch_size=4)
         trainer.train_steps(1)
         trainer.evaluate("exact")
     except Exception:  # only an optimisation: the job itself will report real problems
