@@ -143,6 +143,26 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 
 def _suite_table(cases: Sequence[Case]) -> str:
+    uniform = all(
+        case.config.keys() == cases[0].config.keys()
+        and case.metrics.keys() == cases[0].metrics.keys()
+        for case in cases
+    )
+    return _wide_table(cases) if uniform else _compact_table(cases)
+
+
+def _compact_table(cases: Sequence[Case]) -> str:
+    # Cases that measure different things: one column each for settings, figures and ratios.
+    def pairs(values: dict[str, object]) -> str:
+        return ", ".join(f"{key} {format_number(value)}" for key, value in values.items())
+
+    rows = [
+        [case.name, pairs(case.config), pairs(case.metrics), pairs(case.ratios)] for case in cases
+    ]
+    return render_table(["case", "configuration", "figures", "ratios"], rows)
+
+
+def _wide_table(cases: Sequence[Case]) -> str:
     config_keys = _ordered_keys(case.config for case in cases)
     metric_keys = _ordered_keys(case.metrics for case in cases)
     ratio_keys = _ordered_keys(case.ratios for case in cases)

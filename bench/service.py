@@ -64,6 +64,7 @@ class Plan:
     stream_eval_every: int
     throughput_steps: int
     throughput_eval_every: int
+    mnist_images: int  # the jobs' dataset: the first N MNIST images (10% held out)
 
     @classmethod
     def full(cls) -> Plan:
@@ -75,6 +76,7 @@ class Plan:
             stream_eval_every=20,
             throughput_steps=600,
             throughput_eval_every=100,
+            mnist_images=10000,
         )
 
     @classmethod
@@ -85,8 +87,9 @@ class Plan:
             load_seconds=1.0,
             stream_steps=60,
             stream_eval_every=20,
-            throughput_steps=60,
+            throughput_steps=20,
             throughput_eval_every=20,
+            mnist_images=1000,
         )
 
 
@@ -207,9 +210,11 @@ def _read_port(process: subprocess.Popen, log_path: Path) -> int:
 
 
 def training_request(
-    *, n_hidden: int, steps: int, eval_every: int, name: str
+    *, n_hidden: int, steps: int, eval_every: int, name: str, images: int
 ) -> pb.StartTrainingRequest:
     """A Bernoulli RBM on binarized MNIST, CD-1, SGD, batch 100."""
+    # An explicit limit: the spec's filled-in default (0, "all") is refused by the worker.
+    mnist = pb.BuiltinDataset(name="mnist", options={"limit": str(images)})
     return pb.StartTrainingRequest(
         name=name,
         model=pb.ModelSpec(kind=pb.MODEL_KIND_BERNOULLI, n_hidden=n_hidden),
@@ -217,8 +222,7 @@ def training_request(
         training=pb.TrainingSpec(cd_k=1, batch_size=100, steps=steps, seed=1,
                                  checkpoint_every=steps),
         eval=pb.EvalSpec(every=eval_every),
-        dataset=pb.DatasetRef(builtin=pb.BuiltinDataset(name="mnist"),
-                              preprocess=pb.PREPROCESS_BINARIZE),
+        dataset=pb.DatasetRef(builtin=mnist, preprocess=pb.PREPROCESS_BINARIZE),
     )  # fmt: skip
 
 
@@ -354,7 +358,11 @@ def stream_lag(
     arrival at a subscriber; both clocks are this machine's.
     """
     request = training_request(
-        n_hidden=50, steps=plan.stream_steps, eval_every=plan.stream_eval_every, name="stream-lag"
+        n_hidden=50,
+        steps=plan.stream_steps,
+        eval_every=plan.stream_eval_every,
+        name="stream-lag",
+        images=plan.mnist_images,
     )
     job = stub.StartTraining(request, timeout=30).job
     lags, events = asyncio.run(_stream_lag(target, job.id, subscribers))
@@ -377,6 +385,7 @@ def training_throughput(stub: rbm_pb2_grpc.RBMServiceStub, plan: Plan, name: str
         steps=plan.throughput_steps,
         eval_every=plan.throughput_eval_every,
         name=name,
+        images=plan.mnist_images,
     )
     job = stub.StartTraining(request, timeout=30).job
     return float(wait_for_job(stub, job.id).latest_metrics.samples_per_second)
@@ -432,7 +441,8 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
     logger.info("service: training the served model")
     served = stub.StartTraining(
         training_request(n_hidden=SERVED_HIDDEN, steps=plan.serve_train_steps,
-                         eval_every=plan.serve_train_steps, name="served"),
+                         eval_every=plan.serve_train_steps, name="served",
+                         images=plan.mnist_images),
         timeout=30,
     ).job  # fmt: skip
     wait_for_job(stub, served.id)
@@ -490,6 +500,7 @@ def _train_under_load(server: ServerProcess, stub, served_id: str, plan: Plan):
         steps=plan.throughput_steps,
         eval_every=plan.throughput_eval_every,
         name="throughput-loaded",
+        images=plan.mnist_images,
     )
     outcome: dict = {}
     stop = threading.Event()

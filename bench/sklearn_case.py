@@ -133,6 +133,10 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
         "sklearn-float64": lambda: train_sklearn(train.numpy().astype(np.float64), plan.epochs),
         "sklearn-float32": lambda: train_sklearn(train.numpy().astype(np.float32), plan.epochs),
     }
+    for name, runner in runners.items():
+        if not quick:  # an untimed first run pays one-off costs (library and thread start-up)
+            logger.info("sklearn case: warming up %s", name)
+            runner()
     times: dict[str, list[float]] = {name: [] for name in runners}
     last: dict[str, Trained] = {}
     for repeat in range(plan.repeats):

@@ -1,0 +1,535 @@
+"""`python -m bench.load`: a bounded load test of the whole service on loopback.
+
+It starts its own redis-server (AOF on), the API server (`python -m server --no-worker`) and two
+workers (`python -m server.worker`), all bound to 127.0.0.1, then at once:
+
+- submits many small training jobs (queued, shared by the two workers);
+- follows them with dozens of concurrent StreamMetrics subscribers;
+- sends a steady stream of Reconstruct / SampleHidden calls against a trained model;
+- kills one worker with SIGKILL in the middle and starts a replacement (the "chaos" step), and
+  measures how long its job took to resume elsewhere;
+- at the end, cancels a running job and measures how long the cancel took.
+
+It checks that every job SUCCEEDED, that every subscriber saw each metric step exactly once and
+the same events a replay returns (no event lost or repeated), and that every serving call
+succeeded; it reports latency percentiles. It stops by itself: everything runs under a deadline,
+and every process it started is stopped on the way out. Exit status 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+
+logger = logging.getLogger("bench.load")
+
+REPO = Path(__file__).resolve().parents[1]
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+N_VISIBLE = 16
+START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class LoadConfig:
+    """Sizes of one run; the defaults are the full run, ``quick()`` a test-sized one."""
+
+    jobs: int = 24
+    steps: int = 200
+    eval_every: int = 10
+    checkpoint_every: int = 50
+    subscribers: int = 48
+    serving_calls: int = 400
+    serving_concurrency: int = 16
+    chaos: bool = True  # SIGKILL one worker mid-run and start a replacement
+    lease_seconds: float = 2.0
+    deadline_s: float = 900.0
+
+    @classmethod
+    def quick(cls) -> LoadConfig:
+        return cls(
+            jobs=6,
+            steps=60,
+            subscribers=12,
+            serving_calls=40,
+            serving_concurrency=4,
+            deadline_s=240.0,
+        )
+
+
+@dataclass
+class LoadReport:
+    """What a run measured and found; ``failures`` is empty when every check passed."""
+
+    config: dict[str, object]
+    wall_s: float = 0.0
+    jobs_succeeded: int = 0
+    events_received: int = 0
+    latencies_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    recovery_s: float | None = None  # SIGKILL of a worker -> its job running again elsewhere
+    cancel_s: float | None = None  # CancelJob -> state CANCELLED
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class DeadlineExceeded(Exception):
+    """The run did not finish within its deadline."""
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    def check(self, what: str) -> None:
+        if time.monotonic() > self.end:
+            raise DeadlineExceeded(f"deadline passed while {what}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    """count, p50, p95, p99 and max of latencies given in seconds, in milliseconds."""
+    if not samples:
+        return {"count": 0}
+    values = np.asarray(samples) * 1000.0
+    return {
+        "count": len(samples),
+        "p50": round(float(np.percentile(values, 50)), 2),
+        "p95": round(float(np.percentile(values, 95)), 2),
+        "p99": round(float(np.percentile(values, 99)), 2),
+        "max": round(float(values.max()), 2),
+    }
+
+
+# --- the processes under test ---------------------------------------------------------------
+
+
+class Cluster:
+    """redis-server, the API server and the workers, as child processes on loopback."""
+
+    def __init__(self, directory: Path, config: LoadConfig) -> None:
+        self.directory = directory
+        self.config = config
+        self.redis_port = free_port()
+        self.api_port = free_port()
+        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        log = (self.directory / f"{name}.log").open("wb")
+        self.processes[name] = subprocess.Popen(
+            args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        return {
+            **os.environ,
+            "SSDRBM_REDIS_URL": self.redis_url,
+            "SSDRBM_LEASE_SECONDS": str(self.config.lease_seconds),
+            "SSDRBM_TORCH_THREADS": "1",
+            "SSDRBM_METRICS_PORT": "0",
+            "SSDRBM_LOG_LEVEL": "WARNING",
+            "SSDRBM_MAX_JOBS_PER_TENANT": str(self.config.jobs + 10),
+            **extra,
+        }
+
+    def start(self) -> None:
+        redis_dir = self.directory / "redis"
+        redis_dir.mkdir()
+        self._spawn(
+            "redis",
+            [REDIS_SERVER, "--port", str(self.redis_port), "--bind", "127.0.0.1",
+             "--dir", str(redis_dir), "--save", "", "--appendonly", "yes",
+             "--appendfsync", "everysec"],
+        )  # fmt: skip
+        self._spawn(
+            "api",
+            [sys.executable, "-m", "server", "--no-worker", "--listen",
+             f"127.0.0.1:{self.api_port}"],
+            self._env(),
+        )  # fmt: skip
+        for number in (1, 2):
+            self.start_worker(f"worker-{number}")
+        self._wait_until_serving()
+
+    def start_worker(self, worker_id: str) -> None:
+        self._spawn(
+            worker_id,
+            [sys.executable, "-m", "server.worker"],
+            self._env(SSDRBM_WORKER_ID=worker_id),
+        )
+
+    def kill(self, name: str) -> None:
+        process = self.processes[name]
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+
+    def _wait_until_serving(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with grpc.insecure_channel(f"127.0.0.1:{self.api_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                for name, process in self.processes.items():
+                    if process.poll() is not None:
+                        raise RuntimeError(f"{name} exited at start; see {self.directory}")
+                with contextlib.suppress(grpc.RpcError):
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the service did not start in time")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM everything (workers first), SIGKILL what lingers."""
+        order = [n for n in self.processes if n.startswith("worker")] + ["api", "redis"]
+        for name in order:
+            process = self.processes.get(name)
+            if process is None or process.poll() is not None:
+                continue
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+# --- the load ---------------------------------------------------------------------------------
+
+
+def job_request(config: LoadConfig, seed: int, steps: int | None = None):
+    return rbm_pb2.StartTrainingRequest(
+        model=rbm_pb2.ModelSpec(n_hidden=8),
+        optimizer=rbm_pb2.OptimizerSpec(kind=rbm_pb2.OPTIMIZER_KIND_SSD, lr=0.05),
+        training=rbm_pb2.TrainingSpec(
+            batch_size=20,
+            steps=steps or config.steps,
+            seed=seed,
+            checkpoint_every=config.checkpoint_every,
+        ),
+        eval=rbm_pb2.EvalSpec(every=config.eval_every, validation_fraction=0.2),
+        dataset=rbm_pb2.DatasetRef(
+            builtin=rbm_pb2.BuiltinDataset(
+                name="synthetic",
+                options={"n_visible": str(N_VISIBLE), "n_hidden": "4", "n_samples": "200"},
+            )
+        ),
+        name=f"load-{seed}",
+    )
+
+
+def timed(samples: list[float], call: Callable[[], object]) -> object:
+    started = time.perf_counter()
+    result = call()
+    samples.append(time.perf_counter() - started)
+    return result
+
+
+class Subscriber(threading.Thread):
+    """Follows one job's metric stream to its end, timing the first event and each event's lag
+    behind the moment it was written."""
+
+    def __init__(self, stub: rbm_pb2_grpc.RBMServiceStub, job_id: str, timeout: float) -> None:
+        super().__init__(daemon=True)
+        self.stub, self.job_id, self.timeout = stub, job_id, timeout
+        self.events: list[rbm_pb2.MetricEvent] = []
+        self.first_event_s: float | None = None
+        self.lags_s: list[float] = []
+        self.error: str | None = None
+
+    def run(self) -> None:
+        started = time.perf_counter()
+        request = rbm_pb2.StreamMetricsRequest(job_id=self.job_id)
+        try:
+            for event in self.stub.StreamMetrics(request, timeout=self.timeout):
+                if self.first_event_s is None:
+                    self.first_event_s = time.perf_counter() - started
+                written = event.time.ToNanoseconds() / 1e9
+                self.lags_s.append(max(0.0, time.time() - written))
+                self.events.append(event)
+        except grpc.RpcError as exc:
+            self.error = f"{exc.code().name}: {exc.details()}"
+
+
+def wait_for(
+    stub: rbm_pb2_grpc.RBMServiceStub,
+    job_id: str,
+    done: Callable[[rbm_pb2.Job], bool],
+    deadline: Deadline,
+    poll_s: float = 0.05,
+) -> rbm_pb2.Job:
+    while True:
+        job = stub.GetJob(rbm_pb2.GetJobRequest(job_id=job_id))
+        if done(job):
+            return job
+        deadline.check(f"waiting for job {job_id}")
+        time.sleep(poll_s)
+
+
+def serving_load(
+    stub: rbm_pb2_grpc.RBMServiceStub, job_id: str, config: LoadConfig, report: LoadReport
+) -> tuple[list[float], list[float]]:
+    """Reconstruct and SampleHidden calls, alternating, from a thread pool."""
+    rng = np.random.default_rng(0)
+    batch = (rng.random((32, N_VISIBLE)) < 0.5).astype("<f4")
+    tensor = rbm_pb2.Tensor(shape=list(batch.shape), data=batch.tobytes())
+    reconstruct: list[float] = []
+    hidden: list[float] = []
+
+    def call(number: int) -> None:
+        try:
+            if number % 2:
+                request = rbm_pb2.ReconstructRequest(job_id=job_id, input=tensor, k=1)
+                reply = timed(reconstruct, lambda: stub.Reconstruct(request, timeout=60))
+                assert list(reply.output.shape) == [32, N_VISIBLE]
+            else:
+                request = rbm_pb2.SampleHiddenRequest(job_id=job_id, input=tensor)
+                reply = timed(hidden, lambda: stub.SampleHidden(request, timeout=60))
+                assert list(reply.output.shape) == [32, 8]
+        except (grpc.RpcError, AssertionError) as exc:
+            report.failures.append(f"serving call {number} failed: {exc!r}"[:300])
+
+    with ThreadPoolExecutor(config.serving_concurrency) as pool:
+        list(pool.map(call, range(config.serving_calls)))
+    return reconstruct, hidden
+
+
+def check_stream(
+    stub: rbm_pb2_grpc.RBMServiceStub, subscriber: Subscriber, config: LoadConfig
+) -> list[str]:
+    """Problems with one subscriber's events (empty when it saw everything exactly once)."""
+    problems = []
+    if subscriber.error:
+        problems.append(f"stream of {subscriber.job_id} ended with {subscriber.error}")
+    steps = [e.metrics.step for e in subscriber.events if e.WhichOneof("event") == "metrics"]
+    expected = list(range(config.eval_every, config.steps + 1, config.eval_every))
+    if steps != expected:
+        problems.append(f"stream of {subscriber.job_id}: metric steps {steps} != {expected}")
+    states = [e.state.state for e in subscriber.events if e.WhichOneof("event") == "state"]
+    if not states or states[-1] != rbm_pb2.JOB_STATE_SUCCEEDED:
+        problems.append(f"stream of {subscriber.job_id} did not end SUCCEEDED: {states}")
+    replay = rbm_pb2.StreamMetricsRequest(job_id=subscriber.job_id, history_only=True)
+    stored = [e.resume_token for e in stub.StreamMetrics(replay, timeout=60)]
+    if [e.resume_token for e in subscriber.events] != stored:
+        problems.append(f"stream of {subscriber.job_id} differs from its replay")
+    return problems
+
+
+def chaos(
+    cluster: Cluster,
+    stub: rbm_pb2_grpc.RBMServiceStub,
+    job_ids: list[str],
+    deadline: Deadline,
+) -> float:
+    """SIGKILL the worker of a running job, start a replacement; seconds until the job runs
+    again under the next attempt."""
+    while True:
+        jobs = [stub.GetJob(rbm_pb2.GetJobRequest(job_id=j)) for j in job_ids]
+        victims = [
+            j
+            for j in jobs
+            if j.state == rbm_pb2.JOB_STATE_RUNNING
+            and j.worker in cluster.processes
+            and j.checkpoint_step >= 0
+        ]
+        if victims:
+            break
+        deadline.check("waiting for a job to kill a worker under")
+        time.sleep(0.05)
+    victim = victims[0]
+    killed_at = time.perf_counter()
+    cluster.kill(victim.worker)
+    cluster.start_worker(f"{victim.worker}-replacement")
+    wait_for(stub, victim.id, lambda j: j.attempt > victim.attempt, deadline, 0.02)
+    recovery = time.perf_counter() - killed_at
+    logger.info("killed %s under job %s; resumed after %.2f s", victim.worker, victim.id, recovery)
+    return recovery
+
+
+def measure_cancel(
+    stub: rbm_pb2_grpc.RBMServiceStub, config: LoadConfig, deadline: Deadline
+) -> float:
+    job = stub.StartTraining(job_request(config, seed=10_000, steps=1_000_000)).job
+    wait_for(stub, job.id, lambda j: j.state == rbm_pb2.JOB_STATE_RUNNING and j.step > 0, deadline)
+    asked = time.perf_counter()
+    stub.CancelJob(rbm_pb2.CancelJobRequest(job_id=job.id))
+    final = wait_for(stub, job.id, lambda j: j.state >= rbm_pb2.JOB_STATE_SUCCEEDED, deadline, 0.01)
+    took = time.perf_counter() - asked
+    if final.state != rbm_pb2.JOB_STATE_CANCELLED:
+        raise AssertionError(f"cancelled job ended {rbm_pb2.JobState.Name(final.state)}")
+    return took
+
+
+def drive(cluster: Cluster, config: LoadConfig, report: LoadReport, deadline: Deadline) -> None:
+    """Run the load against a started cluster, filling ``report``."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.api_port}")
+    stub = rbm_pb2_grpc.RBMServiceStub(channel)
+    try:
+        # A model to serve while the rest trains.
+        model_job = stub.StartTraining(job_request(config, seed=0, steps=config.eval_every)).job
+        wait_for(stub, model_job.id, lambda j: j.state >= rbm_pb2.JOB_STATE_SUCCEEDED, deadline)
+
+        started = time.perf_counter()
+        submit: list[float] = []
+        job_ids = [
+            timed(submit, lambda s=seed: stub.StartTraining(job_request(config, s))).job.id
+            for seed in range(1, config.jobs + 1)
+        ]
+        subscribers = [
+            Subscriber(stub, job_ids[i % len(job_ids)], deadline.left())
+            for i in range(config.subscribers)
+        ]
+        for subscriber in subscribers:
+            subscriber.start()
+        chaos_result: list[float] = []
+        chaos_thread = None
+        if config.chaos:
+            chaos_thread = threading.Thread(
+                target=lambda: chaos_result.append(chaos(cluster, stub, job_ids, deadline)),
+                daemon=True,
+            )
+            chaos_thread.start()
+        reconstruct, hidden = serving_load(stub, model_job.id, config, report)
+        for subscriber in subscribers:
+            subscriber.join(deadline.left())
+            deadline.check("waiting for the metric streams to end")
+        if chaos_thread is not None:
+            chaos_thread.join(deadline.left())
+            report.recovery_s = round(chaos_result[0], 3) if chaos_result else None
+            if report.recovery_s is None:
+                report.failures.append("the chaos step did not complete")
+        report.wall_s = round(time.perf_counter() - started, 3)
+
+        finals = [stub.GetJob(rbm_pb2.GetJobRequest(job_id=j)) for j in job_ids]
+        report.jobs_succeeded = sum(j.state == rbm_pb2.JOB_STATE_SUCCEEDED for j in finals)
+        for job in finals:
+            if job.state != rbm_pb2.JOB_STATE_SUCCEEDED:
+                report.failures.append(f"job {job.id} ended {job.state}: {job.error}")
+        for subscriber in subscribers:
+            report.failures.extend(check_stream(stub, subscriber, config))
+        report.events_received = sum(len(s.events) for s in subscribers)
+        report.cancel_s = round(measure_cancel(stub, config, deadline), 3)
+        report.latencies_ms = {
+            "StartTraining": percentiles(submit),
+            "Reconstruct (32x16)": percentiles(reconstruct),
+            "SampleHidden (32x16)": percentiles(hidden),
+            "StreamMetrics first event": percentiles(
+                [s.first_event_s for s in subscribers if s.first_event_s is not None]
+            ),
+            "metric event delivery lag": percentiles([x for s in subscribers for x in s.lags_s]),
+        }
+    finally:
+        channel.close()
+
+
+def run(config: LoadConfig, *, keep_dir: Path | None = None) -> LoadReport:
+    """One bounded run; never raises for a failed check (see ``report.failures``)."""
+    report = LoadReport(config=asdict(config))
+    deadline = Deadline(config.deadline_s)
+    with _work_dir(keep_dir) as directory:
+        cluster = Cluster(directory, config)
+        try:
+            cluster.start()
+            drive(cluster, config, report, deadline)
+        except (DeadlineExceeded, AssertionError, RuntimeError, grpc.RpcError) as exc:
+            report.failures.append(f"{type(exc).__name__}: {exc}"[:500])
+        finally:
+            cluster.stop()
+    return report
+
+
+@contextlib.contextmanager
+def _work_dir(keep: Path | None) -> Iterator[Path]:
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix="ssdrbm-load-") as directory:
+        yield Path(directory)
+
+
+def print_report(report: LoadReport) -> None:
+    config = report.config
+    print(
+        f"load: {config['jobs']} jobs x {config['steps']} steps on 2 workers, "
+        f"{config['subscribers']} metric subscribers, {config['serving_calls']} serving calls "
+        f"({config['serving_concurrency']} at a time), chaos={'on' if config['chaos'] else 'off'}"
+    )
+    print(
+        f"wall {report.wall_s:.1f} s, {report.jobs_succeeded}/{config['jobs']} jobs SUCCEEDED, "
+        f"{report.events_received} events received"
+    )
+    print(f"{'latency (ms)':32} {'count':>6} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}")
+    for name, values in report.latencies_ms.items():
+        cells = " ".join(f"{values.get(k, float('nan')):>9}" for k in ("p50", "p95", "p99", "max"))
+        print(f"{name:32} {values.get('count', 0):>6} {cells}")
+    if report.recovery_s is not None:
+        print(
+            f"worker SIGKILL -> job running again on another worker: {report.recovery_s:.2f} s "
+            f"(lease {config['lease_seconds']} s)"
+        )
+    if report.cancel_s is not None:
+        print(f"CancelJob -> CANCELLED: {report.cancel_s:.2f} s")
+    print("checks: all passed" if report.ok else "FAILED:\n  " + "\n  ".join(report.failures))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.load", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="test-sized run")
+    parser.add_argument("--jobs", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--subscribers", type=int)
+    parser.add_argument("--serving-calls", type=int)
+    parser.add_argument("--no-chaos", action="store_true", help="do not kill a worker")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--keep", type=Path, help="keep logs and Redis files in this directory")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = LoadConfig.quick() if args.quick else LoadConfig()
+    for name in ("jobs", "steps", "subscribers", "serving_calls"):
+        if getattr(args, name) is not None:
+            setattr(config, name, getattr(args, name))
+    config.chaos = config.chaos and not args.no_chaos
+    report = run(config, keep_dir=args.keep)
+    if args.json:
+        print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+    else:
+        print_report(report)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
