@@ -127,6 +127,7 @@ class Service:
         """Health NOT_SERVING, let in-flight RPCs finish for ``grace`` seconds, then release all."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
+        self.servicer.begin_shutdown()
         if self._refresh is not None:
             self._refresh.cancel()
         await self.server.stop(grace)

@@ -21,7 +21,7 @@ from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 from server import convert, validation
 from server.auth import current_tenant
 from server.config import Settings
-from server.errors import InvalidArgumentError, ResourceExhaustedError
+from server.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from server.metrics import ServiceMetrics
 from server.serving import ModelServer
 from server.store.checkpoints import CheckpointStore
@@ -78,6 +78,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self.models = models
         self.metrics = metrics
         self._open_streams = 0
+        self._draining = False
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -157,6 +158,11 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         finally:
             self._stream_opened(-1)
 
+    def begin_shutdown(self) -> None:
+        """End live metric streams at their next poll (UNAVAILABLE, resumable elsewhere), so
+        a graceful shutdown is not held up by followers that would never finish on their own."""
+        self._draining = True
+
     def _stream_opened(self, delta: int) -> None:
         self._open_streams += delta
         if self.metrics is not None:
@@ -181,6 +187,11 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             return
         # Follow live: XREAD BLOCK wakes up as soon as the worker appends an event.
         while True:
+            if self._draining:
+                raise UnavailableError(
+                    "this server is shutting down; reconnect and pass the last resume_token "
+                    f"as `after` ({after or 'empty'}) to continue without a gap"
+                )
             batch = await self._read(job.id, after, block_ms=self.settings.stream_block_ms)
             for event in batch:
                 yield event

@@ -592,3 +592,23 @@ def test_serving_runs_off_the_event_loop(trained: Trained) -> None:
     assert not errors and len(results) == 40
     for result in results:
         np.testing.assert_array_equal(result, expected)
+
+
+def test_shutdown_ends_live_streams_with_a_resumable_unavailable(service_factory) -> None:
+    running = service_factory(run_worker=False, shutdown_grace_s=60.0)
+    channel = grpc.insecure_channel(running.target)  # not closed by running.stop()
+    stub = Stub(channel)
+    job = stub.StartTraining(synthetic_request(steps=10), timeout=30).job
+    stream = stub.StreamMetrics(pb.StreamMetricsRequest(job_id=job.id), timeout=JOB_TIMEOUT_S)
+    first = next(stream)  # QUEUED; the stream now follows live (nothing will come)
+    stopper = threading.Thread(target=running.stop)
+    stopper.start()
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stream)
+    stopper.join(JOB_TIMEOUT_S)
+    # Ended by the drain, not by the 60 s grace running out; the message says how to resume.
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in caught.value.details()
+    assert first.resume_token in caught.value.details()
+    assert not stopper.is_alive()
+    channel.close()
