@@ -1,7 +1,8 @@
 """`python -m server.worker`: run one worker alone, configured from SSDRBM_* variables.
 
 SIGTERM (or SIGINT) stops it gracefully: the running job is checkpointed at its current step
-and released to the queue for another worker; then the process exits with status 0.
+and released to the queue for another worker; then the process exits with status 0. A second
+signal releases the job at once (it resumes from its last regular checkpoint).
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ async def main(settings: Settings) -> None:
     stopping: list[asyncio.Task[None]] = []
 
     def request_stop(signum: int) -> None:
-        logger.info(
-            "%s received: checkpointing and releasing the running job", signal.Signals(signum).name
-        )
+        name = signal.Signals(signum).name
+        if stopping:  # a second signal: do not wait for the checkpoint any longer
+            logger.warning("%s received again: releasing the running job at once", name)
+            stopping.append(asyncio.ensure_future(worker.stop(graceful=False)))
+            return
+        logger.info("%s received: checkpointing and releasing the running job", name)
         stopping.append(asyncio.ensure_future(worker.stop(graceful=True)))
 
     for signum in (signal.SIGTERM, signal.SIGINT):

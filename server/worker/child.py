@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -52,6 +53,10 @@ def child_main(conn: Connection, parent_pid: int, log_level: str = "INFO") -> No
     """Entry point of the spawned process: warm up, then train each job it is sent, in turn,
     until the worker closes the pipe (or dies)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[child] %(message)s")
+    # Ctrl-C or a SIGTERM sent to the whole process group is for the worker: it decides when
+    # this process checkpoints and stops. Parent death is caught by watch_parent.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(parent_pid)
     warm_up()
     try:
