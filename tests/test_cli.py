@@ -288,7 +288,7 @@ def test_cli_end_to_end(service, tmp_path: Path, capsys, monkeypatch) -> None:
     dataset = json.loads(out)
     assert dataset["shape"] == [120, 16]
 
-    train = ["train", "--dataset-id", dataset["id"], "--hidden", "8", "--steps", "60"]
+    train = ["train", "--data", x_path, "--hidden", "8", "--steps", "60"]  # uploads, then trains
     train += ["--batch-size", "40", "--eval-every", "20", "--name", "cli-job", "--watch"]
     code, out, err = run_cli(capsys, *train)
     assert code == ExitCode.OK, err
@@ -451,3 +451,29 @@ def test_tls_and_token_from_options_and_environment(
         assert client.get_job(job.id).state is JobState.QUEUED
     with Client(running.target, token="wrong") as client, pytest.raises(errors.Unauthenticated):
         client.get_job(job.id)
+
+
+def test_ctrl_c_while_watching_exits_130_and_leaves_the_job_running(service_factory) -> None:
+    running = service_factory(run_worker=False)  # the job stays queued: watch would never end
+    with Client(running.target) as client:
+        job = client.start_training(n_hidden=4, steps=10)
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ssdrbm"), "watch", job.id],
+        env={**os.environ, "SSDRBM_TARGET": running.target},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = process.stderr.readline()  # the replayed "queued" event: it is watching now
+        assert first.startswith(f"{job.id} queued"), first
+        process.send_signal(signal.SIGINT)
+        _, rest = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == ExitCode.INTERRUPTED
+    assert rest.strip() == (
+        f"ssdrbm: error: interrupted — the job keeps running; stop it with 'ssdrbm cancel {job.id}'"
+    )
+    with Client(running.target) as client:
+        assert client.get_job(job.id).state is JobState.QUEUED
