@@ -88,6 +88,7 @@ class CDEstimator:
         *,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        dense_weight_grad: bool = True,
     ):
         if not isinstance(model, RBM):
             raise TypeError(f"model must be an ssdcore RBM, got {type(model).__name__}")
@@ -96,6 +97,10 @@ class CDEstimator:
         self.model = model
         self.k = int(k)
         self.persistent = bool(persistent)
+        # False: leave W.grad as None and give only grad_factors (an exact low-rank SSD step
+        # needs nothing else), saving one (V, 2B) x (2B, H) product per step. The variance
+        # gradients of a Gaussian RBM read W.grad, so those models always get it.
+        self.dense_weight_grad = bool(dense_weight_grad)
         self.source = RandomSource(
             model.W.device, seed if seed is not None else seed_from(generator)
         )
@@ -152,11 +157,15 @@ class CDEstimator:
         else:
             weighted_visible = ws.visible  # C = I
         left = weighted_visible.t()  # (V, 2B)
-        grad_w = torch.mm(left, right, out=_grad_buffer(model.W))
         model.W.grad_factors = (left, right)
+        needs_variance = isinstance(model, GaussianRBM) and model.variance != "identity"
+        if self.dense_weight_grad or needs_variance:
+            grad_w = torch.mm(left, right, out=_grad_buffer(model.W))
+        else:
+            model.W.grad = None
         torch.sum(right, dim=0, out=_grad_buffer(model.a))
         torch.mv(weighted_visible.t(), ws.weights, out=_grad_buffer(model.b))
-        if isinstance(model, GaussianRBM) and model.variance != "identity":
+        if needs_variance:
             self._write_variance_gradient(model, ws, grad_w)
 
     def _write_variance_gradient(

@@ -119,10 +119,17 @@ class Trainer:
         self.persistent = persistent
         self.seed = seed
         self.check_every = check_every
-        self.estimator = CDEstimator(
-            model, k=cd_k, persistent=persistent, seed=seed + _ESTIMATOR_SEED_OFFSET
-        )
         self.optimizer = build_optimizer(model, optimizer)
+        # The CD weight gradient has rank ≤ 2B (B data rows and B chains); an exact low-rank
+        # SSD step on W then needs only its factors, so the estimator skips the dense product.
+        needs_dense = getattr(self.optimizer, "needs_dense_gradient", None)
+        self.estimator = CDEstimator(
+            model,
+            k=cd_k,
+            persistent=persistent,
+            seed=seed + _ESTIMATOR_SEED_OFFSET,
+            dense_weight_grad=needs_dense is None or needs_dense(model.W, 2 * batch_size),
+        )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.step_count = 0

@@ -337,3 +337,11 @@ def test_per_parameter_step_sizes_reach_their_groups():
         OptimizerConfig(per_parameter_lr={"W": 0.0})
     with pytest.raises(ValueError, match="per_parameter_lr: unknown parameter names"):
         build_optimizer(Tiny(), OptimizerConfig(per_parameter_lr={"V": 0.1}))
+
+
+def test_needs_dense_gradient_only_without_an_exact_low_rank_step():
+    w = nn.Parameter(torch.zeros(100, 60))
+    assert not SSD([w], lr=0.1).needs_dense_gradient(w, factor_rank=20)
+    assert SSD([w], lr=0.1).needs_dense_gradient(w, factor_rank=40)  # not thin: dense SVD
+    assert SSD([w], lr=0.1, method="svd").needs_dense_gradient(w, factor_rank=20)
+    assert SSD([w], lr=0.1, geometry="euclidean").needs_dense_gradient(w, factor_rank=20)

@@ -211,6 +211,24 @@ def test_same_seed_same_run(synthetic):
         assert torch.equal(p, q)
 
 
+def test_thin_factors_skip_the_dense_gradient_and_match_the_svd_step(synthetic):
+    """With 2B < min(V, H) the estimator gives only factors; the exact step is unchanged."""
+    train, _ = synthetic
+    runs = {}
+    for method in ("lowrank", "svd"):
+        torch.manual_seed(0)
+        model = BernoulliRBM(N_VISIBLE, 30)
+        config = OptimizerConfig("ssd", lr=1e-3, method=method)
+        runs[method] = Trainer(model, train, optimizer=config, batch_size=5, seed=0)
+        runs[method].train_steps(10)
+    assert runs["lowrank"].estimator.dense_weight_grad is False
+    assert runs["svd"].estimator.dense_weight_grad is True
+    for p, q in zip(
+        runs["lowrank"].model.parameters(), runs["svd"].model.parameters(), strict=True
+    ):
+        assert torch.allclose(p, q, atol=1e-5)
+
+
 def test_readme_library_example_runs():
     """The ```python block under "## Library API" in README.md runs as written."""
     text = README.read_text()

@@ -147,6 +147,23 @@ class SSD(Optimizer):
                 finish_update_(param, group)
         return loss
 
+    def needs_dense_gradient(self, param: Tensor, factor_rank: int) -> bool:
+        """Whether :meth:`step` reads ``param.grad`` when given factors of rank ``factor_rank``.
+
+        False only for an exact low-rank spectral step with thin factors: the gradient's producer
+        may then skip forming the dense gradient and attach just ``grad_factors``.
+        """
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                exact_lowrank = (
+                    group["geometry"] == "spectral"
+                    and group["method"] == "lowrank"
+                    and group["preconditioner"] is None
+                    and param.ndim == 2
+                )
+                return not (exact_lowrank and 2 * factor_rank < min(param.shape))
+        return True
+
     def _spectral_matrix_step(
         self,
         param: Tensor,
@@ -262,7 +279,7 @@ def _factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
     """Whether QR of the (m, r) and (r, n) factors beats an SVD of the (m, n) matrix.
 
     QR costs O((m + n) r²), the SVD O(m n min(m, n)); with r ≥ min(m, n) / 2 (small models,
-    large batches) the dense SVD is the cheaper exact route.
+    large batches) the dense SVD is the cheaper exact route. (Mirrored by needs_dense_gradient.)
     """
     return 2 * factors[0].shape[1] < min(param.shape)
 
