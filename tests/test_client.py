@@ -28,10 +28,10 @@ from ssdrbm import (
     Unavailable,
     read_safetensors,
 )
-from ssdrbm._calls import BatchPlan
 from ssdrbm.aio import AsyncClient
 from ssdrbm.datasets import upload_messages, wire_array
 from ssdrbm.model_file import ExportedModel, SafetensorsError
+from ssdrbm.serving import BatchPlan
 from ssdrbm.spec import training_request
 from ssdrbm.tensors import as_batch, from_tensor, rows_per_chunk, to_tensor
 from ssdrbm.v1 import rbm_pb2

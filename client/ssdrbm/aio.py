@@ -20,14 +20,14 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ssdrbm import _calls
+from ssdrbm import export, reconnect, serving
 from ssdrbm.client import DEFAULT_PAGE_SIZE, DEFAULT_RECONNECT_S
 from ssdrbm.connection import TLS, Connection
 from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, UploadedDataset, load_array, upload_messages
 from ssdrbm.errors import ResourceExhausted, from_rpc_error
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
-from ssdrbm.retry import NO_RETRY, RetryPolicy, acall_with_retry, is_retryable
+from ssdrbm.retry import RetryPolicy, acall_with_retry, is_retryable
 from ssdrbm.spec import training_request
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
@@ -74,15 +74,15 @@ class AsyncClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _call(self, method: str, request: Any, *, idempotent: bool = True) -> Any:
+    async def _call(self, method: str, request: Any) -> Any:
+        """A unary call with the deadline, the token and retries on UNAVAILABLE."""
         stub_method = getattr(self._stub, method)
-        policy = self.retry if idempotent else NO_RETRY
         try:
             return await acall_with_retry(
                 lambda: stub_method(
                     request, timeout=self.connection.timeout, metadata=self.connection.metadata()
                 ),
-                policy,
+                self.retry,
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error, self.target) from None
@@ -128,21 +128,21 @@ class AsyncClient:
     ) -> AsyncIterator[MetricEvent]:
         """The job's events, resuming after dropped connections; see the blocking client."""
         token = after or ""
-        deadline = _calls.deadline_after(timeout)
-        reconnect = _calls.Reconnect(self.retry, self.reconnect_s)
+        deadline = reconnect.deadline_after(timeout)
+        backoff = reconnect.Reconnect(self.retry, self.reconnect_s)
         while True:
             request = rbm_pb2.StreamMetricsRequest(
                 job_id=job_id, after=token, history_only=not follow
             )
             call = self._stub.StreamMetrics(
-                request, timeout=_calls.remaining(deadline), metadata=self.connection.metadata()
+                request, timeout=reconnect.remaining(deadline), metadata=self.connection.metadata()
             )
             received = 0
             try:
                 async for message in call:
                     token = message.resume_token or token
                     received += 1
-                    reconnect.reset()
+                    backoff.reset()
                     event = event_from_proto(message)
                     if event is None:
                         continue
@@ -150,7 +150,7 @@ class AsyncClient:
                     if isinstance(event, StateEvent) and event.state.terminal:
                         return
             except grpc.RpcError as error:
-                delay = reconnect.next_delay() if is_retryable(error) else None
+                delay = backoff.next_delay() if is_retryable(error) else None
                 if delay is None:
                     raise from_rpc_error(error, self.target) from None
                 logger.info("metric stream of %s dropped (%s); resuming", job_id, error.code())
@@ -160,7 +160,7 @@ class AsyncClient:
                 call.cancel()
             if not follow or (received == 0 and (await self.get_job(job_id)).done):
                 return
-            delay = reconnect.next_delay()
+            delay = backoff.next_delay()
             if delay is None:
                 return
             await asyncio.sleep(delay)
@@ -185,7 +185,7 @@ class AsyncClient:
         build: Callable[[np.ndarray, int], Any],
         same: bool,
     ) -> np.ndarray:
-        plan = _calls.BatchPlan.for_input(x, self.max_batch_bytes)
+        plan = serving.BatchPlan.for_input(x, self.max_batch_bytes)
         outputs: list[np.ndarray] = []
         start = 0
         while start < plan.batch.shape[0]:
@@ -196,7 +196,7 @@ class AsyncClient:
                 if plan.shrink():
                     continue
                 raise
-            outputs.append(_calls.output_array(response))
+            outputs.append(serving.output_array(response))
             start = rows.stop
         return plan.assemble(outputs, same_shape=same)
 
@@ -213,12 +213,12 @@ class AsyncClient:
         """Visible vectors after ``k`` Gibbs steps (or mean field); same shape as ``x``."""
 
         def build(rows: np.ndarray, start: int) -> rbm_pb2.ReconstructRequest:
-            return _calls.reconstruct_request(
+            return serving.reconstruct_request(
                 job_id,
                 rows,
                 k=k,
                 mean_field=mean_field,
-                seed=_calls.chunk_seed(seed, start),
+                seed=serving.chunk_seed(seed, start),
                 checkpoint_step=checkpoint_step,
             )
 
@@ -234,14 +234,14 @@ class AsyncClient:
         checkpoint_step: int = 0,
     ) -> np.ndarray:
         """Hidden probabilities (``"probs"``) or samples (``"sample"``) of ``x``."""
-        mode_number = _calls.hidden_mode(mode)
+        mode_number = serving.hidden_mode(mode)
 
         def build(rows: np.ndarray, start: int) -> rbm_pb2.SampleHiddenRequest:
-            return _calls.sample_hidden_request(
+            return serving.sample_hidden_request(
                 job_id,
                 rows,
                 mode=mode_number,
-                seed=_calls.chunk_seed(seed, start),
+                seed=serving.chunk_seed(seed, start),
                 checkpoint_step=checkpoint_step,
             )
 
@@ -287,14 +287,14 @@ class AsyncClient:
             created=response.created,
         )
 
-    async def _download(self, job_id: str, checkpoint_step: int) -> _calls.ModelDownload:
+    async def _download(self, job_id: str, checkpoint_step: int) -> export.ModelDownload:
         request = rbm_pb2.ExportModelRequest(job_id=job_id, checkpoint_step=checkpoint_step)
 
-        async def receive() -> _calls.ModelDownload:
+        async def receive() -> export.ModelDownload:
             call = self._stub.ExportModel(
                 request, timeout=self.connection.timeout, metadata=self.connection.metadata()
             )
-            return _calls.collect_export([message async for message in call])
+            return export.collect_export([message async for message in call])
 
         try:
             return await acall_with_retry(receive, self.retry)

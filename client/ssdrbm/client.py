@@ -18,13 +18,13 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ssdrbm import _calls
+from ssdrbm import export, reconnect, serving
 from ssdrbm.connection import TLS, Connection
 from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, UploadedDataset, load_array, upload_messages
 from ssdrbm.errors import ResourceExhausted, SSDRBMError, from_rpc_error
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
-from ssdrbm.retry import NO_RETRY, RetryPolicy, call_with_retry, is_retryable
+from ssdrbm.retry import RetryPolicy, call_with_retry, is_retryable
 from ssdrbm.spec import training_request
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
@@ -44,8 +44,9 @@ class Client:
         tls: ``True`` for TLS with system roots, a :class:`~ssdrbm.TLS` for a CA file or mutual
             TLS, ``False`` for plaintext; defaults to the ``SSDRBM_TLS*`` variables.
         timeout: deadline in seconds of each unary call (default ``$SSDRBM_TIMEOUT`` or 30).
-        retry: backoff for calls that failed with UNAVAILABLE; only idempotent calls are retried
-            (StartTraining is made idempotent with a generated ``request_id``).
+        retry: backoff for calls that failed with UNAVAILABLE (``ssdrbm.retry.NO_RETRY`` turns
+            it off). Every call is idempotent, StartTraining through its ``request_id``, which is
+            generated when not given — so a retry never creates a second job.
         max_batch_bytes: largest input tensor per Reconstruct/SampleHidden request.
         reconnect_s: how long a metric stream tries to reconnect after losing its connection.
     """
@@ -85,16 +86,18 @@ class Client:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _call(self, method: str, request: Any, *, idempotent: bool = True) -> Any:
-        """A unary call with the deadline, the token and (when idempotent) retries."""
+    def _call(self, method: str, request: Any) -> Any:
+        """A unary call with the deadline, the token and retries on UNAVAILABLE.
+
+        Every unary call is idempotent: reads, cancel, and StartTraining through its request_id.
+        """
         stub_method = getattr(self._stub, method)
-        policy = self.retry if idempotent else NO_RETRY
         try:
             return call_with_retry(
                 lambda: stub_method(
                     request, timeout=self.connection.timeout, metadata=self.connection.metadata()
                 ),
-                policy,
+                self.retry,
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error, self.target) from None
@@ -163,21 +166,21 @@ class Client:
         after the history; ``timeout`` bounds the whole stream (DeadlineExceeded after it).
         """
         token = after or ""
-        deadline = _calls.deadline_after(timeout)
-        reconnect = _calls.Reconnect(self.retry, self.reconnect_s)
+        deadline = reconnect.deadline_after(timeout)
+        backoff = reconnect.Reconnect(self.retry, self.reconnect_s)
         while True:
             request = rbm_pb2.StreamMetricsRequest(
                 job_id=job_id, after=token, history_only=not follow
             )
             call = self._stub.StreamMetrics(
-                request, timeout=_calls.remaining(deadline), metadata=self.connection.metadata()
+                request, timeout=reconnect.remaining(deadline), metadata=self.connection.metadata()
             )
             received = 0
             try:
                 for message in call:
                     token = message.resume_token or token
                     received += 1
-                    reconnect.reset()
+                    backoff.reset()
                     event = event_from_proto(message)
                     if event is None:
                         continue
@@ -185,7 +188,7 @@ class Client:
                     if isinstance(event, StateEvent) and event.state.terminal:
                         return
             except grpc.RpcError as error:
-                if not is_retryable(error) or not reconnect.wait():
+                if not is_retryable(error) or not backoff.wait():
                     raise from_rpc_error(error, self.target) from None
                 logger.info("metric stream of %s dropped (%s); resuming", job_id, error.code())
                 continue
@@ -194,7 +197,7 @@ class Client:
             if not follow or (received == 0 and self.get_job(job_id).done):
                 return
             # The server closed the stream before the job ended (e.g. it is draining): resume.
-            if not reconnect.wait():
+            if not backoff.wait():
                 return
 
     def wait(
@@ -215,7 +218,7 @@ class Client:
     def _batched(
         self, x: np.ndarray, method: str, build: Callable[[np.ndarray, int], Any], same: bool
     ) -> np.ndarray:
-        plan = _calls.BatchPlan.for_input(x, self.max_batch_bytes)
+        plan = serving.BatchPlan.for_input(x, self.max_batch_bytes)
         outputs: list[np.ndarray] = []
         start = 0
         while start < plan.batch.shape[0]:
@@ -226,7 +229,7 @@ class Client:
                 if plan.shrink():
                     continue
                 raise
-            outputs.append(_calls.output_array(response))
+            outputs.append(serving.output_array(response))
             start = rows.stop
         return plan.assemble(outputs, same_shape=same)
 
@@ -247,12 +250,12 @@ class Client:
         """
 
         def build(rows: np.ndarray, start: int) -> rbm_pb2.ReconstructRequest:
-            return _calls.reconstruct_request(
+            return serving.reconstruct_request(
                 job_id,
                 rows,
                 k=k,
                 mean_field=mean_field,
-                seed=_calls.chunk_seed(seed, start),
+                seed=serving.chunk_seed(seed, start),
                 checkpoint_step=checkpoint_step,
             )
 
@@ -271,14 +274,14 @@ class Client:
 
         Returns (batch, n_hidden), or (n_hidden,) for a single vector.
         """
-        mode_number = _calls.hidden_mode(mode)
+        mode_number = serving.hidden_mode(mode)
 
         def build(rows: np.ndarray, start: int) -> rbm_pb2.SampleHiddenRequest:
-            return _calls.sample_hidden_request(
+            return serving.sample_hidden_request(
                 job_id,
                 rows,
                 mode=mode_number,
-                seed=_calls.chunk_seed(seed, start),
+                seed=serving.chunk_seed(seed, start),
                 checkpoint_step=checkpoint_step,
             )
 
@@ -325,11 +328,11 @@ class Client:
             created=response.created,
         )
 
-    def _download(self, job_id: str, checkpoint_step: int) -> _calls.ModelDownload:
+    def _download(self, job_id: str, checkpoint_step: int) -> export.ModelDownload:
         request = rbm_pb2.ExportModelRequest(job_id=job_id, checkpoint_step=checkpoint_step)
         try:
             return call_with_retry(
-                lambda: _calls.collect_export(
+                lambda: export.collect_export(
                     self._stub.ExportModel(
                         request,
                         timeout=self.connection.timeout,
