@@ -39,7 +39,7 @@ class RandomSource:
     def __init__(self, device: torch.device | str, seed: int):
         self.device = torch.device(device)
         self._scratch: dict[tuple[str, int], torch.Tensor] = {}
-        self._half = torch.tensor(0.5, device=self.device)
+        self._offset = torch.tensor(-_TWO_POW_16 / 2, device=self.device)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self._bits = np.random.SFC64(seed) if self.device.type == "cpu" else None
@@ -56,9 +56,11 @@ class RandomSource:
         words = self._bits.random_raw((n + 3) // 4)
         u16 = torch.from_numpy(words.view(np.int16)[:n]).view(probs.shape)
         uniform = self._buffer("uniform", n, probs.dtype).view(probs.shape)
-        # one op: u = 0.5 + u16 / 2¹⁶, a 16-bit uniform on [0, 1) (exact in float32)
-        torch.add(self._half, u16, alpha=1.0 / _TWO_POW_16, out=uniform)
-        return torch.lt(uniform, probs, out=out)
+        uniform.copy_(u16)  # integers k in [-32768, 32767], converted without a temporary
+        # k < 65536·p - 32768  ⇔  (k + 32768) / 65536 < p, a 16-bit uniform on [0, 1) below p
+        threshold = self._buffer("threshold", n, probs.dtype).view(probs.shape)
+        torch.add(self._offset, probs, alpha=_TWO_POW_16, out=threshold)
+        return torch.lt(uniform, threshold, out=out)
 
     def normal_(self, out: torch.Tensor) -> torch.Tensor:
         """Fill `out` with independent standard normal draws."""
