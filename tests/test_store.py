@@ -4,7 +4,6 @@ fencing, datasets and the queue."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -410,8 +409,6 @@ def test_acknowledged_writes_survive_a_redis_restart(redis_factory) -> None:
         assert not created and again.id == ids["job"]
 
     run(server.url, write)
-    started = time.monotonic()
     server.kill()  # as a crash: only what AOF fsynced survives
     server.start()
-    assert time.monotonic() - started < 10
     run(server.url, read)

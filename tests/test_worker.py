@@ -222,6 +222,8 @@ def test_cancel_stops_a_running_job_within_two_seconds(redis_url: str) -> None:
         asked = time.monotonic()
         flagged = await h.jobs.cancel(TENANT, job_id)
         assert flagged.cancel_requested
+        # The promise is "within 2 s" (heartbeat every 0.25 s here); this bounds behaviour,
+        # it does not measure speed.
         record = await h.wait_for(job_id, lambda r: r.state.is_terminal, timeout=2.0)
         took = time.monotonic() - asked
         assert record.state is JobState.CANCELLED

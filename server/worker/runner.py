@@ -1,4 +1,4 @@
-"""Runs one claimed job: spawns the training child and turns its reports into fenced writes.
+"""Runs one claimed job in a training process and turns its reports into fenced writes.
 
 While the child trains, the runner renews the lease and reads the cancel flag every
 `heartbeat_s` (so a cancel takes effect within about that long), and writes what the child
@@ -100,7 +100,7 @@ class JobRunner:
             logger.warning("%s; stopping work on it", exc)
             return "lost"
         except REDIS_DOWN:
-            raise  # only while stopping: the job stays leased and is taken over later
+            raise  # retried where they happen; an outage is never the job's failure
         except Exception as exc:
             # e.g. a spec that cannot be parsed: the job fails, the worker goes on.
             logger.exception("job %s: unexpected error", self.lease.job_id)
@@ -294,6 +294,8 @@ class JobRunner:
 
     async def _wait_for_redis(self, exc: Exception) -> None:
         if self.stop.event.is_set() and not self.stop.graceful:
+            # Stopping now: give the job up. It stays leased in Redis, the lease lapses and
+            # another worker resumes it from its last checkpoint.
             raise LeaseLostError(f"job {self.lease.job_id}: Redis unreachable while stopping")
         logger.warning("job %s: Redis unreachable (%s); retrying", self.lease.job_id, exc)
         await asyncio.sleep(RETRY_DELAY_S)
