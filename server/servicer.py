@@ -41,16 +41,14 @@ DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
 MAX_ID_LENGTH = 128
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+# Upload dtypes: the wire enum → (numpy little-endian dtype, name the dataset store keeps).
 DTYPES = {
     pb.DTYPE_UNSPECIFIED: np.dtype("<f4"),
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
     pb.DTYPE_FLOAT64: np.dtype("<f8"),
     pb.DTYPE_UINT8: np.dtype("u1"),
 }
-DTYPE_NAMES = {pb.DTYPE_UNSPECIFIED: "float32", pb.DTYPE_FLOAT32: "float32"} | {
-    pb.DTYPE_FLOAT64: "float64",
-    pb.DTYPE_UINT8: "uint8",
-}
+DTYPE_NAMES = {number: dtype.name for number, dtype in DTYPES.items()}
 
 
 @dataclass
