@@ -391,11 +391,18 @@ def test_sdk_end_to_end_with_the_metric_stream_cut_mid_flight(service, tmp_path:
             client.sample_hidden(job.id, np.ones((2, 5)))  # the model has 16 visible units
 
     # The asyncio client on the same job gives the same answers.
-    asyncio.run(_async_checks(service.target, job.id, x, events, probs))
+    asyncio.run(_async_checks(service, job.id, x, events, probs))
 
 
-async def _async_checks(target: str, job_id: str, x, events, probs) -> None:
-    async with AsyncClient(target) as client:
+async def _async_checks(service, job_id: str, x, events, probs) -> None:
+    proxy = DroppingProxy(service.port, budget=700, cuts=2)
+    try:
+        async with AsyncClient(f"127.0.0.1:{proxy.port}") as through_proxy:
+            assert [event async for event in through_proxy.stream_metrics(job_id)] == events
+    finally:
+        proxy.close()
+    assert proxy.connections >= 3  # the asyncio stream resumed after both cuts too
+    async with AsyncClient(service.target) as client:
         assert (await client.get_job(job_id)).state is JobState.SUCCEEDED
         assert [event async for event in client.stream_metrics(job_id)] == events
         assert [j.id async for j in client.list_jobs("succeeded")] == [job_id]
