@@ -25,6 +25,9 @@ STATE = "state"
 _TOKEN = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")  # ASCII digits only, as Redis reads them
 _START = "0-0"
 _MAX_ID_PART = 2**64 - 1  # both halves of a stream id are unsigned 64-bit
+# A blocking read holds its connection and must end before the client's socket timeout
+# (server/store/connection.py); callers that follow longer simply read again.
+MAX_BLOCK_MS = 5000
 
 
 def state_event_fields(
@@ -75,13 +78,14 @@ class EventStore:
     ) -> list[tuple[str, str, bytes]]:
         """Up to `count` events after the token `after`, as (token, kind, data), oldest first.
 
-        block_ms=None returns at once (replay); block_ms > 0 waits that long for a new event
-        when none is there yet (live follow) and returns [] on timeout.
+        block_ms=None returns at once (replay); block_ms > 0 waits that long (at most
+        MAX_BLOCK_MS) for a new event when none is there yet (live follow) and returns [] on
+        timeout.
         """
         start = check_token(after)
         if count < 1:
             raise InvalidArgumentError("count", "must be at least 1")
-        block = block_ms if block_ms and block_ms > 0 else None
+        block = min(block_ms, MAX_BLOCK_MS) if block_ms and block_ms > 0 else None
         reply = await self.redis.xread({self.keys.events(job_id): start}, count=count, block=block)
         events: list[tuple[str, str, bytes]] = []
         for _stream, entries in reply or []:
