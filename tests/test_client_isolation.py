@@ -10,14 +10,23 @@ import subprocess
 import sys
 
 CHECK = """
-import pkgutil, sys
+import importlib.abc, pkgutil, sys
+
+class Absent(importlib.abc.MetaPathFinder):
+    # As in an environment where only the client is installed.
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "redis", "server", "ssdcore"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Absent())
 import ssdrbm, ssdrbm.aio, ssdrbm.cli
-from ssdrbm.cli.main import build_parser
 # every module of the package, the lazily used ones (plot, servers) included
 for info in pkgutil.walk_packages(ssdrbm.__path__, "ssdrbm."):
     if not info.name.endswith("__main__"):
         __import__(info.name)
-build_parser().parse_args(["jobs"])
+from ssdrbm.cli import main
+assert main(["--target", "127.0.0.1:1", "--timeout", "2", "jobs"]) == 3  # a real command path
+assert main(["serve"]) == 1  # says to install ssdrbm-server
 heavy = sorted(m for m in ("torch", "redis", "server", "ssdcore", "matplotlib") if m in sys.modules)
 assert not heavy, heavy
 print("ok")
