@@ -36,6 +36,7 @@ from server.store import (
     connect,
 )
 from server.worker import Worker
+from server.worker.datasets import DatasetError, Uploaded, prepare
 from server.worker.spec import PlanDefaults, plan_from_request
 from ssdcore.checkpoint import model_from_bytes
 from ssdcore.optim import OptimizerConfig
@@ -466,3 +467,59 @@ def test_spec_maps_to_optimizer_config_and_plan() -> None:
     request.optimizer.momentum = 0.5
     plan = plan_from_request(request)
     assert plan.cd_k == 3 and plan.optimizer.name == "nesterov" and plan.optimizer.momentum == 0.5
+
+
+# --- dataset resolution ----------------------------------------------------------------------
+
+
+def builtin(name: str, preprocess: int = rbm_pb2.PREPROCESS_UNSPECIFIED, **options: str):
+    return rbm_pb2.DatasetRef(
+        builtin=rbm_pb2.BuiltinDataset(name=name, options=options), preprocess=preprocess
+    )
+
+
+def test_builtin_datasets_resolve_with_their_natural_preprocessing() -> None:
+    data_dir = Worker("redis://unused").options.data_dir
+
+    def load(ref: rbm_pb2.DatasetRef, model_kind: str = "bernoulli"):
+        return prepare(
+            ref,
+            model_kind=model_kind,
+            data_dir=data_dir,
+            uploaded=None,
+            validation_fraction=0.1,
+            seed=0,
+        )
+
+    mnist = load(builtin("mnist", limit="200"))
+    assert mnist.train.shape == (180, 784) and mnist.valid.shape == (20, 784)
+    assert set(torch.unique(mnist.train).tolist()) == {0.0, 1.0}  # binarized for a BRBM
+    faces = load(builtin("freyface", limit="300"), model_kind="gaussian")
+    assert faces.n_visible == 560
+    everything = torch.cat([faces.train, faces.valid])  # standardized per pixel for a GRBM
+    assert torch.allclose(everything.mean(0), torch.zeros(560), atol=1e-4)
+    scaled = load(builtin("freyface", rbm_pb2.PREPROCESS_SCALE, limit="50"), "gaussian")
+    assert float(scaled.train.min()) >= 0.0 and float(scaled.train.max()) <= 1.0
+    synthetic = load(builtin("synthetic", n_visible="12", n_samples="50", seed="4"))
+    assert synthetic.n_visible == 12 and synthetic.train.shape[0] + synthetic.valid.shape[0] == 50
+
+    uploaded = Uploaded("uint8", (4, 2, 3), bytes(range(24)))
+    images = prepare(
+        rbm_pb2.DatasetRef(dataset_id="f" * 64, preprocess=rbm_pb2.PREPROCESS_NONE),
+        model_kind="gaussian",
+        data_dir=data_dir,
+        uploaded=uploaded,
+        validation_fraction=0.25,
+        seed=0,
+    )
+    rows = torch.cat([images.train, images.valid])  # (4, 2, 3) flattened to (4, 6), unchanged
+    assert sorted(rows[:, 0].tolist()) == [0.0, 6.0, 12.0, 18.0]
+
+    for ref, fix in [
+        (builtin("imagenet"), "synthetic"),
+        (builtin("mnist", size="3"), "limit"),
+        (builtin("synthetic", n_visible="many"), "integer"),
+        (builtin("mnist", limit="0"), "positive"),
+    ]:
+        with pytest.raises(DatasetError, match=fix):
+            load(ref)
