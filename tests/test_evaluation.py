@@ -110,6 +110,22 @@ def test_gaussian_exact_log_partition_equals_numerical_integration(variance, n_v
     assert exact_log_partition(model) == pytest.approx(expected, abs=1e-6)
 
 
+def test_gaussian_exact_log_partition_block_split_matches_direct_sum():
+    # 14 hidden units: the enumeration splits them into low and high bits; compare with the
+    # closed form summed directly over all 2^14 states (validated by quadrature above).
+    model = gaussian_model("full", 4, 14, std=0.3)
+    W, b, a = (p.detach().double() for p in (model.W, model.b, model.a))
+    precision = model.precision_matrix().detach().double()
+    h = all_states(14)
+    exponent = h @ (a + b @ precision @ W) + 0.5 * ((h @ W.t() @ precision @ W) * h).sum(1)
+    expected = (
+        float(torch.logsumexp(exponent, 0))
+        + 2 * math.log(2 * math.pi)
+        - 0.5 * float(torch.logdet(precision))
+    )
+    assert exact_log_partition(model) == pytest.approx(expected, abs=1e-9)
+
+
 def test_exact_log_partition_refuses_too_many_units():
     with pytest.raises(ValueError, match="ais_log_partition"):
         exact_log_partition(BernoulliRBM(25, 30))

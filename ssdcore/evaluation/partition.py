@@ -5,7 +5,7 @@ Bernoulli RBM: summing out the other layer in closed form,
 so the cost is O(2^n · (V + H)) for the n units enumerated (the smaller layer, n ≤ 24).
 Gaussian RBM: the visible integral is Gaussian,
     ∫ exp(-E(v, h)) dv = (2π)^(V/2) |C|^(1/2) exp(aᵀh + bᵀC⁻¹Wh + ½ hᵀWᵀC⁻¹Wh),
-so only the hidden states are enumerated (n_hidden ≤ 24).
+so only the hidden states are enumerated (n_hidden ≤ 24), at O(2^H · H) cost.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from ssdcore.models.gaussian import GaussianRBM
 
 MAX_ENUMERATED_UNITS = 24
 _CHUNK_BITS = 14  # 16384 states per chunk
+# Gaussian RBM: 2^12 low states × 2^10 high states per block (32 MB in float64).
+_LOW_BITS = 12
+_HIGH_CHUNK_BITS = 10
 
 
 @torch.no_grad()
@@ -68,12 +71,35 @@ def _gaussian_log_partition(model: GaussianRBM, dtype: torch.dtype) -> float:
     coupling = W.t() @ precision_w  # WᵀC⁻¹W (H, H)
     linear = a + b @ precision_w  # a + WᵀC⁻¹b (H,)
 
-    def log_terms(h: torch.Tensor) -> torch.Tensor:
-        return h @ linear + 0.5 * ((h @ coupling) * h).sum(dim=1)
-
     log_det_c = -torch.logdet(precision)
     constant = 0.5 * model.n_visible * math.log(2 * math.pi) + 0.5 * float(log_det_c)
-    return constant + _logsumexp_over_states(model.n_hidden, log_terms, W.device, dtype)
+    return constant + _logsumexp_quadratic(linear, coupling)
+
+
+def _logsumexp_quadratic(linear: torch.Tensor, coupling: torch.Tensor) -> float:
+    """logsumexp over s ∈ {0, 1}^H of sᵀ·linear + ½·sᵀ·coupling·s.
+
+    Splitting s into low and high bits, s = (l, u), the exponent is
+    t(l) + t(u) + lᵀ A_lu u: for each chunk of high states one (2^low × H) @ (H × chunk) product
+    gives every cross term, so the cost is O(2^H · H) rather than O(2^H · H²).
+    """
+    n_units = linear.numel()
+    n_low = min(n_units, _LOW_BITS)
+    device, dtype = linear.device, linear.dtype
+
+    def own_terms(states: torch.Tensor, part: slice) -> torch.Tensor:
+        block = coupling[part, part]
+        return states @ linear[part] + 0.5 * ((states @ block) * states).sum(dim=1)
+
+    low_part, high_part = slice(0, n_low), slice(n_low, n_units)
+    low = next(_states(n_low, device, dtype, chunk_bits=n_low))  # (2^low, low)
+    low_terms = own_terms(low, low_part)  # (2^low,)
+    cross = low @ coupling[low_part, high_part]  # (2^low, H - low)
+    partial = []
+    for high in _states(n_units - n_low, device, dtype, chunk_bits=_HIGH_CHUNK_BITS):
+        exponent = low_terms[:, None] + own_terms(high, high_part)[None, :] + cross @ high.t()
+        partial.append(torch.logsumexp(exponent.flatten(), dim=0))
+    return float(torch.logsumexp(torch.stack(partial), dim=0))
 
 
 def _logsumexp_over_states(
@@ -89,10 +115,12 @@ def _logsumexp_over_states(
     return float(torch.logsumexp(torch.stack(partial), dim=0))
 
 
-def _states(n_units: int, device: torch.device, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+def _states(
+    n_units: int, device: torch.device, dtype: torch.dtype, chunk_bits: int = _CHUNK_BITS
+) -> Iterator[torch.Tensor]:
     """All binary vectors of length n_units, as chunks of rows (bit j of the index → unit j)."""
     total = 1 << n_units
-    chunk = 1 << min(_CHUNK_BITS, n_units)
+    chunk = 1 << min(chunk_bits, n_units)
     shifts = torch.arange(n_units, device=device)
     for start in range(0, total, chunk):
         index = torch.arange(start, min(start + chunk, total), device=device)
