@@ -184,11 +184,13 @@ class Trainer:
         parameters = [p for _, p in self._named_parameters]
         total = torch.stack([p.sum() for p in parameters]).sum()
         if bool(torch.isfinite(total)):
-            torch._foreach_copy_(self._last_good, parameters)
+            for good, parameter in zip(self._last_good, parameters, strict=True):
+                good.copy_(parameter)
             self._last_good_step = self.step_count
             return
         bad = [name for name, p in self._named_parameters if not bool(torch.isfinite(p).all())]
-        torch._foreach_copy_(parameters, self._last_good)
+        for parameter, good in zip(parameters, self._last_good, strict=True):
+            parameter.copy_(good)
         failed_step = self.step_count
         self.step_count = self._last_good_step
         raise DivergenceError(

@@ -18,6 +18,8 @@ from ssdcore.optim import (
     build_optimizer,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RTOL = 1e-5
 ATOL = 1e-6
 

@@ -19,6 +19,8 @@ from ssdcore.optim.polar import (
     polar_svd,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # float32 methods that are exact in exact arithmetic stay within these of the float64 SVD.
 EXACT_DIRECTION_RTOL = 1e-4
 EXACT_NUCLEAR_RTOL = 1e-5

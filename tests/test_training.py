@@ -16,20 +16,13 @@ from ssdcore import BernoulliRBM, DivergenceError, GaussianRBM, OptimizerConfig,
 from ssdcore.data import synthetic_rbm_data
 from ssdcore.evaluation import exact_log_partition, log_likelihood
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 N_VISIBLE, N_HIDDEN = 40, 10
 STEPS = 120
 # Each optimizer must cut the validation reconstruction error by at least this fraction.
 REQUIRED_IMPROVEMENT = 0.10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine a second spinning thread is far slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
