@@ -181,7 +181,12 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                 after = batch[-1].resume_token
             if len(batch) < REPLAY_BATCH:
                 break
-        if history_only or await self._has_ended(job):
+        if history_only:
+            return
+        if await self._has_ended(job):
+            # It may have ended after the replay's last read: send what it wrote since.
+            for event in await self._read(job.id, after, block_ms=None):
+                yield event
             return
         # Follow live: XREAD BLOCK wakes up as soon as the worker appends an event.
         while True:
