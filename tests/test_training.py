@@ -231,3 +231,13 @@ def test_readme_library_example_runs():
     exec(compile(code, str(README), "exec"), namespace)
     assert isinstance(namespace["history"], list) and namespace["history"]
     assert isinstance(namespace["model"], ssdcore.RBM)
+
+
+def test_demo_prints_a_summary_table(capsys):
+    from ssdcore import demo
+
+    assert demo.main(["--steps", "20", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "recon before" in out and "test LL" in out
+    rows = [line for line in out.splitlines() if line.strip().startswith(("SSD", "SGD"))]
+    assert len(rows) == 2 and all(" 20 " in row for row in rows)

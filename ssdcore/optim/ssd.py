@@ -71,7 +71,7 @@ class SSD(Optimizer):
         weight_decay: decoupled decay ``p *= 1 - lr * weight_decay``, kept out of the gradient
             so that it stays low-rank.
         max_spectral_norm: project matrices onto ``‖W‖₂ ≤ R`` after each step (the paper's R).
-        rank: sketch rank for ``"randomized"``; 0 means the factors' rank when known, else 64.
+        rank: sketch rank for ``"randomized"``; 0 means 64, or the factors' rank if smaller.
     """
 
     def __init__(
@@ -205,8 +205,8 @@ class SSD(Optimizer):
         if method == "newton-schulz":
             return polar_newton_schulz(grad)
         if method == "randomized":
-            rank = group["rank"] or (
-                factors[0].shape[1] if factors is not None else DEFAULT_SKETCH_RANK
+            rank = group["rank"] or min(
+                DEFAULT_SKETCH_RANK, factors[0].shape[1] if factors is not None else grad.shape[0]
             )
             generator = self._sketch_generator(grad.device)
             generator.manual_seed(SKETCH_SEED + state["step"])
