@@ -47,21 +47,22 @@ class _Workspace:
 
     def __init__(self, n_data: int, n_model: int, model: RBM, source: RandomSource):
         device = model.W.device
+        f32 = {"device": device, "dtype": torch.float32}
         n_rows = n_data + n_model
         V, H = model.n_visible, model.n_hidden
         self.n_data = n_data
         self.n_model = n_model
-        self.visible = torch.empty(n_rows, V, device=device)  # unscaled v rows
-        self.hidden_probs = torch.empty(n_rows, H, device=device)  # unscaled p rows
-        self.right = torch.empty(n_rows, H, device=device)  # w_n · p_n
+        self.visible = torch.empty(n_rows, V, **f32)  # unscaled v rows
+        self.hidden_probs = torch.empty(n_rows, H, **f32)  # unscaled p rows
+        self.right = torch.empty(n_rows, H, **f32)  # w_n · p_n
         self.weights = torch.cat(
             [torch.full((n_data,), -1.0 / n_data), torch.full((n_model,), 1.0 / n_model)]
-        ).to(device)
-        self.hidden_start = torch.empty(n_data, H, device=device)
+        ).to(**f32)
+        self.hidden_start = torch.empty(n_data, H, **f32)
         self.chain = GibbsChain(n_model, V, H, device, source)
         gaussian = isinstance(model, GaussianRBM)
-        self.visible_precision = torch.empty(n_rows, V, device=device) if gaussian else None
-        self.centered = torch.empty(n_rows, V, device=device) if gaussian else None
+        self.visible_precision = torch.empty(n_rows, V, **f32) if gaussian else None
+        self.centered = torch.empty(n_rows, V, **f32) if gaussian else None
 
 
 class CDEstimator:

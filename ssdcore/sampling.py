@@ -39,7 +39,7 @@ class RandomSource:
     def __init__(self, device: torch.device | str, seed: int):
         self.device = torch.device(device)
         self._scratch: dict[tuple[str, int], torch.Tensor] = {}
-        self._offset = torch.tensor(-_TWO_POW_16 / 2, device=self.device)
+        self._offset = torch.tensor(-_TWO_POW_16 / 2, device=self.device, dtype=torch.float32)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self._bits = np.random.SFC64(seed) if self.device.type == "cpu" else None
@@ -170,8 +170,8 @@ class GibbsChain:
         source: RandomSource,
     ):
         self.source = source
-        self.hidden = torch.empty(n_chains, n_hidden, device=device)
-        self.noise = torch.empty(n_chains, n_visible, device=device)
+        self.hidden = torch.empty(n_chains, n_hidden, device=device, dtype=torch.float32)
+        self.noise = torch.empty(n_chains, n_visible, device=device, dtype=torch.float32)
         self.hidden_noise: torch.Tensor | None = None
         # Integrate the Gaussian visible layer out of intermediate sweeps where that is cheaper.
         self.collapse = True

@@ -103,9 +103,9 @@ def _anneal_bernoulli(
     base = b if base_visible_bias is None else base_visible_bias.to(b).reshape(b.shape)
     log_z_base = float(F.softplus(base.double()).sum()) + model.n_hidden * math.log(2.0)
     device = W.device
-    v = torch.empty(n_chains, model.n_visible, device=device)
+    v = torch.empty(n_chains, model.n_visible, device=device, dtype=W.dtype)
     source.bernoulli_(torch.sigmoid(base).expand_as(v).contiguous(), out=v)
-    h = torch.empty(n_chains, model.n_hidden, device=device)
+    h = torch.empty(n_chains, model.n_hidden, device=device, dtype=W.dtype)
     probs_v = torch.empty_like(v)
     log_w = torch.zeros(n_chains, dtype=torch.float64, device=device)
     bias_shift = b - base  # d/dβ of the visible bias term
@@ -134,8 +134,8 @@ def _anneal_gaussian(
         + model.n_hidden * math.log(2.0)
     )
     device = W.device
-    noise = torch.empty(n_chains, model.n_visible, device=device)
-    h = torch.empty(n_chains, model.n_hidden, device=device)
+    noise = torch.empty(n_chains, model.n_visible, device=device, dtype=W.dtype)
+    h = torch.empty(n_chains, model.n_hidden, device=device, dtype=W.dtype)
     v = _correlated(source.normal_(noise), kernel).add_(b)  # v ~ N(b, C)
     log_w = torch.zeros(n_chains, dtype=torch.float64, device=device)
     for previous, beta in itertools.pairwise(betas):

@@ -75,10 +75,11 @@ class RBM(nn.Module, ABC):
         self.n_visible = int(n_visible)
         self.n_hidden = int(n_hidden)
         self.init_std = float(init_std)
-        weight = torch.randn(n_visible, n_hidden, generator=generator) * init_std
+        weight = torch.randn(n_visible, n_hidden, generator=generator, dtype=torch.float32)
+        weight = weight * init_std
         self.W = nn.Parameter(weight.to(device=device, dtype=torch.float32))
-        self.b = nn.Parameter(torch.zeros(n_visible, device=device))
-        self.a = nn.Parameter(torch.zeros(n_hidden, device=device))
+        self.b = nn.Parameter(torch.zeros(n_visible, device=device, dtype=torch.float32))
+        self.a = nn.Parameter(torch.zeros(n_hidden, device=device, dtype=torch.float32))
 
     # --- conditionals -----------------------------------------------------------------------
 

@@ -65,13 +65,13 @@ class GaussianRBM(RBM):
         self.variance = variance
         self.min_variance = float(min_variance)
         self.max_variance = float(max_variance)
-        device = self.W.device
+        f32 = {"device": self.W.device, "dtype": torch.float32}
         if variance == "isotropic":
-            self.log_c = nn.Parameter(torch.zeros(1, device=device))
+            self.log_c = nn.Parameter(torch.zeros(1, **f32))
         elif variance == "diagonal":
-            self.log_var = nn.Parameter(torch.zeros(n_visible, device=device))
+            self.log_var = nn.Parameter(torch.zeros(n_visible, **f32))
         elif variance == "full":
-            self.precision = nn.Parameter(torch.eye(n_visible, device=device))
+            self.precision = nn.Parameter(torch.eye(n_visible, **f32))
 
     # --- the covariance -----------------------------------------------------------------
 
@@ -85,7 +85,7 @@ class GaussianRBM(RBM):
         if self.variance == "isotropic":
             return self.log_c
         if self.variance == "identity":
-            return torch.zeros(1, device=self.W.device)
+            return torch.zeros(1, device=self.W.device, dtype=self.W.dtype)
         raise ValueError(
             "log_variance() is not defined for variance='full'; use precision_matrix()"
         )
