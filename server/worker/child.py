@@ -176,18 +176,21 @@ class Training:
         )
         try:
             self._loop()
-        except DivergenceError as exc:
-            step = self.trainer.step_count
-            kept = (
-                f"the last good checkpoint (step {self.last_checkpoint}) is kept"
-                if self.last_checkpoint >= 0
-                else "no checkpoint was written before it"
-            )
-            reason = (
-                f"training diverged at step {step}: {exc}; {kept}. Lower optimizer.lr or use "
-                "optimizer.max_spectral_norm"
-            )
-            _report_failure(self.conn, reason, step=step, diverged=True)
+        except (DivergenceError, torch.linalg.LinAlgError) as exc:
+            # LinAlgError: a spectral step met a non-finite gradient before the trainer's own
+            # finiteness check did; for the job it is the same divergence.
+            self._diverged(exc)
+
+    def _diverged(self, exc: Exception) -> None:
+        step = self.trainer.step_count
+        kept = (
+            f"the last good checkpoint (step {self.last_checkpoint}) is kept"
+            if self.last_checkpoint >= 0
+            else "no checkpoint was written before it"
+        )
+        hint = "" if isinstance(exc, DivergenceError) else " Lower optimizer.lr."
+        reason = f"training diverged at step {step}: {exc} ({kept}).{hint}"
+        _report_failure(self.conn, reason, step=step, diverged=True)
 
     def _loop(self) -> None:
         plan = self.plan
