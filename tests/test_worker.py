@@ -366,7 +366,7 @@ def test_sigkilled_worker_job_resumes_on_another_with_each_step_once(
             doomed.send_signal(signal.SIGKILL)
             doomed.wait()
             killed_at = await h.jobs.get(TENANT, job_id)
-            await wait_until(lambda: not is_running(trainers[0]), timeout=5)
+            await wait_until(lambda: not is_running(trainers[0]), timeout=10)
             final = await h.wait_for_state(job_id, JobState.SUCCEEDED)
             # The same job without interruption, to compare the trained models.
             twin_id = await h.submit(spec(steps=total, eval_every=10, checkpoint_every=50))
