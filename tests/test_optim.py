@@ -309,7 +309,6 @@ def test_config_decays_and_bounds_only_w():
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"rank": -1}, "rank"),
         ({"per_parameter": {"W": "lbfgs"}}, "per_parameter"),
-        ({"name": "ssd-preconditioned", "method": "lowrank"}, "method"),
     ],
 )
 def test_config_errors_name_the_field(fields, named):
@@ -347,3 +346,10 @@ def test_needs_dense_gradient_only_without_an_exact_low_rank_step():
     assert SSD([w], lr=0.1).needs_dense_gradient(w, factor_rank=40)  # not thin: dense SVD
     assert SSD([w], lr=0.1, method="svd").needs_dense_gradient(w, factor_rank=20)
     assert SSD([w], lr=0.1, geometry="euclidean").needs_dense_gradient(w, factor_rank=20)
+
+
+def test_lowrank_in_a_preconditioned_config_means_its_exact_equivalent_svd():
+    config = OptimizerConfig("ssd-preconditioned", method="lowrank", per_parameter={"W": "ssd"})
+    groups = {g["name"]: g for g in build_optimizer(Tiny(), config).param_groups}
+    assert groups["W"]["method"] == "lowrank" and groups["W"]["preconditioner"] is None
+    assert groups["b"]["method"] == "svd" and groups["b"]["preconditioner"] == "rmsprop"

@@ -39,7 +39,9 @@ class OptimizerConfig:
     name: str = "ssd"  # sgd | nesterov | ssd | ssd-preconditioned
     lr: float | None = None  # step size, > 0; None: DEFAULT_LR for the name
     momentum: float | None = None  # sgd / nesterov groups; None: 0 for sgd, 0.9 for nesterov
-    method: str = "auto"  # polar method; auto: lowrank for ssd, svd for ssd-preconditioned
+    # polar method; auto: lowrank for ssd, svd for ssd-preconditioned (whose rescaled gradient
+    # has no low-rank factors, so lowrank there means its exact equivalent, svd)
+    method: str = "auto"
     preconditioner: str = "rmsprop"  # ssd-preconditioned: rmsprop | adam
     weight_decay: float = 0.0  # decoupled decay of W, >= 0
     max_spectral_norm: float | None = None  # the paper's R: keep ‖W‖₂ ≤ R; None or 0: unbounded
@@ -101,12 +103,6 @@ class OptimizerConfig:
                     f"OptimizerConfig.per_parameter_lr[{parameter!r}] must be a finite number > 0, "
                     f"got {lr!r}"
                 )
-        names = {self.name, *self.per_parameter.values()}
-        if self.method == "lowrank" and "ssd-preconditioned" in names:
-            raise ValueError(
-                "OptimizerConfig.method: 'lowrank' cannot serve ssd-preconditioned (the rescaled "
-                "gradient is full-rank); use 'auto', 'svd', 'randomized' or 'newton-schulz'"
-            )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (for checkpoints and job specs)."""
@@ -143,7 +139,7 @@ def _group_for(name: str, parameter_name: str, config: OptimizerConfig) -> dict[
     else:
         preconditioned = name == "ssd-preconditioned"
         method = config.method
-        if method == "auto":
+        if method == "auto" or (preconditioned and method == "lowrank"):
             method = "svd" if preconditioned else "lowrank"
         group.update(
             geometry="spectral",
