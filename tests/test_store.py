@@ -320,7 +320,7 @@ def test_release_requeues_for_the_next_attempt(redis_url: str) -> None:
         await queue.ack(entry)
         await FencedJob(redis, lease).release(step=0, message="worker stopping")
         record = await jobs.get("t1", job.id)
-        assert record.state is JobState.QUEUED and record.attempt == 1
+        assert record.state is JobState.QUEUED and record.attempt == 1 and record.worker == "w1"
         assert await leases.lapsed() == [] and await jobs.count_active("t1") == 1
         [(entry, job_id)] = await queue.read("w2", block_ms=100)
         again = await leases.claim(job_id, "w2", lease_ms=10_000)

@@ -104,7 +104,7 @@ return 1
 _RELEASE = (
     _FENCE
     + """
-redis.call('HSET', KEYS[1], 'state', 'QUEUED', 'worker', '')
+redis.call('HSET', KEYS[1], 'state', 'QUEUED')  -- 'worker' keeps the last one that ran it
 redis.call('SMOVE', KEYS[2], KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[2])
 redis.call('XADD', KEYS[5], '*', 'kind', 'state', 'data', ARGV[3], 'time', ARGV[4],
