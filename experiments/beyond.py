@@ -34,12 +34,12 @@ FALLBACK_LR = {"adam": 1e-3, "rmsprop": 1e-3, "pssd-rmsprop": 1e-4, "pssd-adam":
 class Config:
     data: mnist.Config = mnist.FULL
     n_hidden: int = 50
-    steps: int = 1500
+    steps: int = 1000
     eval_every: int = 100
     ais_points: int = 2
-    polar_steps: int = 1000
+    polar_steps: int = 600
     polar_timing_hidden: tuple[int, ...] = (50, 500)
-    polar_timing_steps: int = 50
+    polar_timing_steps: int = 20
     polar_timing_rounds: int = 3
     pcd_k: int = 1
     seed: int = 0

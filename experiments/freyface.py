@@ -36,7 +36,7 @@ class Config:
     n_hidden: int = 200
     cd_k: int = 10
     batch_size: int = 100
-    steps: int = 2000
+    steps: int = 1500
     eval_every: int = 50
     min_variance: float = 1e-3  # GRBM variance floor (pixel variances are about 1e-2)
     seed: int = 0

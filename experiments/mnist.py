@@ -48,16 +48,16 @@ class Config:
     n_hidden: int = 50
     cd_k: int = 10
     batch_size: int = 100
-    steps: int = 3000
+    steps: int = 1500
     eval_every: int = 100
     ais_points: int = 3  # AIS checkpoints per curve
     ais_chains: int = 100
     ais_betas: int = 1000
-    timing_steps: int = 100  # per round, for Table 1
+    timing_steps: int = 50  # per round, for Table 1
     timing_rounds: int = 3
     large_hidden: int = 500
-    large_steps: int = 1000
-    large_eval_every: int = 100
+    large_steps: int = 500
+    large_eval_every: int = 50
     # GRBM variance floor: binarized digits have pixels that never change, whose learned
     # variance would otherwise sink to the library's 1e-4 and make C⁻¹-scaled steps explode.
     min_variance: float = 0.01
@@ -273,7 +273,9 @@ def filters_figure(results: list[RunResult], path: Path) -> Path:
     figure, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3.4), squeeze=False)
     for axis, result in zip(axes[0], results, strict=True):
         weights = result.model.W.detach().T.cpu().numpy()  # (H, V): one filter per row
-        axis.imshow(common.image_grid(weights, IMAGE_SHAPE, columns), cmap="gray")
+        axis.imshow(
+            common.image_grid(weights, IMAGE_SHAPE, columns), cmap="gray", interpolation="nearest"
+        )
         axis.set_title(result.label, fontsize=9)
         axis.axis("off")
     figure.tight_layout()
