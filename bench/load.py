@@ -60,18 +60,22 @@ class LoadConfig:
     subscribers: int = 48
     serving_calls: int = 400
     serving_concurrency: int = 16
-    chaos: bool = True  # SIGKILL one worker mid-run and start a replacement
+    chaos: bool = True  # SIGKILL the worker of a longer job mid-run and start a replacement
+    chaos_steps: int = 20_000
+    chaos_every: int = 1000  # its metric and checkpoint interval
     lease_seconds: float = 2.0
     deadline_s: float = 900.0
 
     @classmethod
     def quick(cls) -> LoadConfig:
         return cls(
-            jobs=6,
-            steps=60,
-            subscribers=12,
-            serving_calls=40,
+            jobs=4,
+            steps=40,
+            subscribers=10,
+            serving_calls=24,
             serving_concurrency=4,
+            chaos_steps=3000,
+            chaos_every=250,
             deadline_s=240.0,
         )
 
@@ -83,8 +87,10 @@ class LoadReport:
     config: dict[str, object]
     wall_s: float = 0.0
     jobs_succeeded: int = 0
+    jobs_total: int = 0
     events_received: int = 0
     latencies_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    cold_serving_ms: float | None = None  # the first serving call (model and torch load)
     recovery_s: float | None = None  # SIGKILL of a worker -> its job running again elsewhere
     cancel_s: float | None = None  # CancelJob -> state CANCELLED
     failures: list[str] = field(default_factory=list)
@@ -228,7 +234,10 @@ class Cluster:
 # --- the load ---------------------------------------------------------------------------------
 
 
-def job_request(config: LoadConfig, seed: int, steps: int | None = None):
+def job_request(
+    config: LoadConfig, seed: int, steps: int | None = None, every: int | None = None
+) -> rbm_pb2.StartTrainingRequest:
+    """A small job on the synthetic dataset (16 visibles, 8 hidden units)."""
     return rbm_pb2.StartTrainingRequest(
         model=rbm_pb2.ModelSpec(n_hidden=8),
         optimizer=rbm_pb2.OptimizerSpec(kind=rbm_pb2.OPTIMIZER_KIND_SSD, lr=0.05),
@@ -236,9 +245,9 @@ def job_request(config: LoadConfig, seed: int, steps: int | None = None):
             batch_size=20,
             steps=steps or config.steps,
             seed=seed,
-            checkpoint_every=config.checkpoint_every,
+            checkpoint_every=every or config.checkpoint_every,
         ),
-        eval=rbm_pb2.EvalSpec(every=config.eval_every, validation_fraction=0.2),
+        eval=rbm_pb2.EvalSpec(every=every or config.eval_every, validation_fraction=0.2),
         dataset=rbm_pb2.DatasetRef(
             builtin=rbm_pb2.BuiltinDataset(
                 name="synthetic",
@@ -260,9 +269,16 @@ class Subscriber(threading.Thread):
     """Follows one job's metric stream to its end, timing the first event and each event's lag
     behind the moment it was written."""
 
-    def __init__(self, stub: rbm_pb2_grpc.RBMServiceStub, job_id: str, timeout: float) -> None:
+    def __init__(
+        self,
+        stub: rbm_pb2_grpc.RBMServiceStub,
+        job_id: str,
+        expected_steps: list[int],
+        timeout: float,
+    ) -> None:
         super().__init__(daemon=True)
         self.stub, self.job_id, self.timeout = stub, job_id, timeout
+        self.expected_steps = expected_steps
         self.events: list[rbm_pb2.MetricEvent] = []
         self.first_event_s: float | None = None
         self.lags_s: list[float] = []
@@ -297,13 +313,26 @@ def wait_for(
         time.sleep(poll_s)
 
 
+def serving_tensor() -> rbm_pb2.Tensor:
+    rng = np.random.default_rng(0)
+    batch = (rng.random((32, N_VISIBLE)) < 0.5).astype("<f4")
+    return rbm_pb2.Tensor(shape=list(batch.shape), data=batch.tobytes())
+
+
+def warm_up(stub: rbm_pb2_grpc.RBMServiceStub, job_id: str, report: LoadReport) -> None:
+    """The first serving call loads the model (and torch, in a fresh server); it is timed on
+    its own, before the load starts, so that the load's figures are the steady state."""
+    cold: list[float] = []
+    request = rbm_pb2.ReconstructRequest(job_id=job_id, input=serving_tensor())
+    timed(cold, lambda: stub.Reconstruct(request, timeout=120))
+    report.cold_serving_ms = round(cold[0] * 1000, 1)
+
+
 def serving_load(
     stub: rbm_pb2_grpc.RBMServiceStub, job_id: str, config: LoadConfig, report: LoadReport
 ) -> tuple[list[float], list[float]]:
     """Reconstruct and SampleHidden calls, alternating, from a thread pool."""
-    rng = np.random.default_rng(0)
-    batch = (rng.random((32, N_VISIBLE)) < 0.5).astype("<f4")
-    tensor = rbm_pb2.Tensor(shape=list(batch.shape), data=batch.tobytes())
+    tensor = serving_tensor()
     reconstruct: list[float] = []
     hidden: list[float] = []
 
@@ -325,15 +354,13 @@ def serving_load(
     return reconstruct, hidden
 
 
-def check_stream(
-    stub: rbm_pb2_grpc.RBMServiceStub, subscriber: Subscriber, config: LoadConfig
-) -> list[str]:
+def check_stream(stub: rbm_pb2_grpc.RBMServiceStub, subscriber: Subscriber) -> list[str]:
     """Problems with one subscriber's events (empty when it saw everything exactly once)."""
     problems = []
     if subscriber.error:
         problems.append(f"stream of {subscriber.job_id} ended with {subscriber.error}")
     steps = [e.metrics.step for e in subscriber.events if e.WhichOneof("event") == "metrics"]
-    expected = list(range(config.eval_every, config.steps + 1, config.eval_every))
+    expected = subscriber.expected_steps
     if steps != expected:
         problems.append(f"stream of {subscriber.job_id}: metric steps {steps} != {expected}")
     states = [e.state.state for e in subscriber.events if e.WhichOneof("event") == "state"]
@@ -347,33 +374,26 @@ def check_stream(
 
 
 def chaos(
-    cluster: Cluster,
-    stub: rbm_pb2_grpc.RBMServiceStub,
-    job_ids: list[str],
-    deadline: Deadline,
+    cluster: Cluster, stub: rbm_pb2_grpc.RBMServiceStub, job_id: str, deadline: Deadline
 ) -> float:
-    """SIGKILL the worker of a running job, start a replacement; seconds until the job runs
-    again under the next attempt."""
+    """SIGKILL the worker of ``job_id`` once it has a checkpoint and is well before its end,
+    start a replacement worker; seconds until the job runs again under the next attempt."""
     while True:
-        jobs = [stub.GetJob(rbm_pb2.GetJobRequest(job_id=j)) for j in job_ids]
-        victims = [
-            j
-            for j in jobs
-            if j.state == rbm_pb2.JOB_STATE_RUNNING
-            and j.worker in cluster.processes
-            and j.checkpoint_step >= 0
-        ]
-        if victims:
+        job = stub.GetJob(rbm_pb2.GetJobRequest(job_id=job_id))
+        if job.state == rbm_pb2.JOB_STATE_RUNNING and job.checkpoint_step > 0:
             break
-        deadline.check("waiting for a job to kill a worker under")
-        time.sleep(0.05)
-    victim = victims[0]
+        if job.state >= rbm_pb2.JOB_STATE_SUCCEEDED:
+            raise AssertionError("the chaos job ended before its worker could be killed")
+        deadline.check("waiting for the chaos job to checkpoint")
+        time.sleep(0.02)
+    if job.step > job.total_steps // 2:
+        raise AssertionError(f"the chaos job trained too fast to kill mid-run: {job.step}")
     killed_at = time.perf_counter()
-    cluster.kill(victim.worker)
-    cluster.start_worker(f"{victim.worker}-replacement")
-    wait_for(stub, victim.id, lambda j: j.attempt > victim.attempt, deadline, 0.02)
+    cluster.kill(job.worker)
+    cluster.start_worker(f"{job.worker}-replacement")
+    wait_for(stub, job_id, lambda j: j.attempt > job.attempt, deadline, 0.02)
     recovery = time.perf_counter() - killed_at
-    logger.info("killed %s under job %s; resumed after %.2f s", victim.worker, victim.id, recovery)
+    logger.info("killed %s under job %s; resumed after %.2f s", job.worker, job_id, recovery)
     return recovery
 
 
@@ -399,6 +419,8 @@ def drive(cluster: Cluster, config: LoadConfig, report: LoadReport, deadline: De
         # A model to serve while the rest trains.
         model_job = stub.StartTraining(job_request(config, seed=0, steps=config.eval_every)).job
         wait_for(stub, model_job.id, lambda j: j.state >= rbm_pb2.JOB_STATE_SUCCEEDED, deadline)
+        warm_up(stub, model_job.id, report)
+        logger.info("model to serve is trained; starting the load")
 
         started = time.perf_counter()
         submit: list[float] = []
@@ -406,20 +428,33 @@ def drive(cluster: Cluster, config: LoadConfig, report: LoadReport, deadline: De
             timed(submit, lambda s=seed: stub.StartTraining(job_request(config, s))).job.id
             for seed in range(1, config.jobs + 1)
         ]
+        every = config.eval_every
+        expected = list(range(every, config.steps + 1, every))
         subscribers = [
-            Subscriber(stub, job_ids[i % len(job_ids)], deadline.left())
+            Subscriber(stub, job_ids[i % len(job_ids)], expected, deadline.left())
             for i in range(config.subscribers)
         ]
-        for subscriber in subscribers:
-            subscriber.start()
         chaos_result: list[float] = []
         chaos_thread = None
         if config.chaos:
-            chaos_thread = threading.Thread(
-                target=lambda: chaos_result.append(chaos(cluster, stub, job_ids, deadline)),
-                daemon=True,
+            chaos_request = job_request(config, 9999, config.chaos_steps, config.chaos_every)
+            chaos_job = stub.StartTraining(chaos_request).job.id
+            job_ids.append(chaos_job)
+            chaos_steps = list(
+                range(config.chaos_every, config.chaos_steps + 1, config.chaos_every)
             )
+            subscribers.append(Subscriber(stub, chaos_job, chaos_steps, deadline.left()))
+
+            def kill_one() -> None:
+                try:
+                    chaos_result.append(chaos(cluster, stub, chaos_job, deadline))
+                except (AssertionError, DeadlineExceeded, grpc.RpcError) as exc:
+                    report.failures.append(f"chaos step: {exc}"[:300])
+
+            chaos_thread = threading.Thread(target=kill_one, daemon=True)
             chaos_thread.start()
+        for subscriber in subscribers:
+            subscriber.start()
         reconstruct, hidden = serving_load(stub, model_job.id, config, report)
         for subscriber in subscribers:
             subscriber.join(deadline.left())
@@ -427,19 +462,20 @@ def drive(cluster: Cluster, config: LoadConfig, report: LoadReport, deadline: De
         if chaos_thread is not None:
             chaos_thread.join(deadline.left())
             report.recovery_s = round(chaos_result[0], 3) if chaos_result else None
-            if report.recovery_s is None:
-                report.failures.append("the chaos step did not complete")
         report.wall_s = round(time.perf_counter() - started, 3)
+        logger.info("load finished in %.1f s; checking the streams", report.wall_s)
 
         finals = [stub.GetJob(rbm_pb2.GetJobRequest(job_id=j)) for j in job_ids]
         report.jobs_succeeded = sum(j.state == rbm_pb2.JOB_STATE_SUCCEEDED for j in finals)
+        report.jobs_total = len(finals)
         for job in finals:
             if job.state != rbm_pb2.JOB_STATE_SUCCEEDED:
                 report.failures.append(f"job {job.id} ended {job.state}: {job.error}")
         for subscriber in subscribers:
-            report.failures.extend(check_stream(stub, subscriber, config))
+            report.failures.extend(check_stream(stub, subscriber))
         report.events_received = sum(len(s.events) for s in subscribers)
         report.cancel_s = round(measure_cancel(stub, config, deadline), 3)
+        logger.info("cancel measured")
         report.latencies_ms = {
             "StartTraining": percentiles(submit),
             "Reconstruct (32x16)": percentiles(reconstruct),
@@ -461,6 +497,7 @@ def run(config: LoadConfig, *, keep_dir: Path | None = None) -> LoadReport:
         cluster = Cluster(directory, config)
         try:
             cluster.start()
+            logger.info("redis, the API server and two workers are up")
             drive(cluster, config, report, deadline)
         except (DeadlineExceeded, AssertionError, RuntimeError, grpc.RpcError) as exc:
             report.failures.append(f"{type(exc).__name__}: {exc}"[:500])
@@ -487,13 +524,15 @@ def print_report(report: LoadReport) -> None:
         f"({config['serving_concurrency']} at a time), chaos={'on' if config['chaos'] else 'off'}"
     )
     print(
-        f"wall {report.wall_s:.1f} s, {report.jobs_succeeded}/{config['jobs']} jobs SUCCEEDED, "
+        f"wall {report.wall_s:.1f} s, {report.jobs_succeeded}/{report.jobs_total} jobs SUCCEEDED, "
         f"{report.events_received} events received"
     )
     print(f"{'latency (ms)':32} {'count':>6} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}")
     for name, values in report.latencies_ms.items():
         cells = " ".join(f"{values.get(k, float('nan')):>9}" for k in ("p50", "p95", "p99", "max"))
         print(f"{name:32} {values.get('count', 0):>6} {cells}")
+    if report.cold_serving_ms is not None:
+        print(f"first serving call (loads the model): {report.cold_serving_ms:.0f} ms")
     if report.recovery_s is not None:
         print(
             f"worker SIGKILL -> job running again on another worker: {report.recovery_s:.2f} s "

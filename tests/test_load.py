@@ -1,0 +1,23 @@
+"""The quick variant of the load test (bench/load.py): queued jobs across two worker processes,
+concurrent metric subscribers and serving calls, one worker SIGKILLed mid-job, and a cancel.
+It asserts what the run checked (every job SUCCEEDED, each subscriber saw every step exactly
+once and the same events as a replay, every serving call succeeded); its latencies are only
+reported, by `python -m bench.load`."""
+
+from __future__ import annotations
+
+from bench.load import LoadConfig, run
+
+
+def test_quick_load_loses_no_job_and_no_event() -> None:
+    config = LoadConfig.quick()
+    report = run(config)
+    assert report.ok, report.failures
+    assert report.jobs_total == config.jobs + 1  # and the job whose worker was killed
+    assert report.jobs_succeeded == report.jobs_total
+    per_job_events = config.steps // config.eval_every + 3  # metrics, QUEUED, RUNNING, end
+    assert report.events_received >= config.subscribers * per_job_events
+    assert report.recovery_s is not None and report.cancel_s is not None
+    served = report.latencies_ms["Reconstruct (32x16)"]["count"]
+    served += report.latencies_ms["SampleHidden (32x16)"]["count"]
+    assert served == config.serving_calls
