@@ -233,8 +233,8 @@ def measure_group(
     )
     cases = []
     for variant in group:
-        peak = peak_tensor_mib(lambda b=builders[variant.name]: b()(plan.memory_steps), device)
-        case = _case(variant, n_hidden, cd_k, timings, peak, steps[variant.name])
+        memory = measure_memory(builders[variant.name], plan.memory_steps, device)
+        case = _case(variant, n_hidden, cd_k, timings, memory, steps[variant.name])
         if runners[variant.name].restarts:
             case.notes.append(
                 f"{variant.name} 784x{n_hidden} CD-{cd_k}: rebuilt "
@@ -242,6 +242,22 @@ def measure_group(
             )
         cases.append(case)
     return cases
+
+
+def measure_memory(
+    build: Callable[[], Callable[[int], object]], steps: int, device: torch.device
+) -> dict[str, float]:
+    """Peak tensor memory of setting a variant up (construction and first step, when buffers are
+    allocated) and of `steps` further steps (the steady working set), in MiB."""
+    built: list[Callable[[int], object]] = []
+
+    def set_up() -> None:
+        built.append(build())
+        built[0](1)
+
+    setup = peak_tensor_mib(set_up, device)
+    step = peak_tensor_mib(lambda: built[0](steps), device)
+    return {"setup_mib": setup, "step_mib": step}
 
 
 def _reference_of(variant: Variant) -> str:
@@ -264,7 +280,12 @@ def _ratios(variant: Variant, timings: dict[str, Timing]) -> dict[str, float | N
 
 
 def _case(
-    variant: Variant, n_hidden: int, cd_k: int, timings: dict[str, Timing], peak: float, steps: int
+    variant: Variant,
+    n_hidden: int,
+    cd_k: int,
+    timings: dict[str, Timing],
+    memory: dict[str, float],
+    steps: int,
 ) -> Case:
     timing = timings[variant.name]
     return Case(
@@ -280,7 +301,7 @@ def _case(
             "ms_per_iter": timing.median_ms,
             "min_ms": timing.min_ms,
             "rounds": len(timing.samples_s),
-            "peak_mib": peak,
+            **memory,
         },
         ratios=_ratios(variant, timings),
     )

@@ -8,8 +8,8 @@ service (gRPC server + worker) as a separate process on port 0 (`bench.service_h
 3. drives Reconstruct (batch 1) from 16 concurrent clients, each on its own connection: req/s;
 4. opens 100 StreamMetrics subscriptions to a running job: lag from an event's write to Redis
    (its `time`) to its arrival at each subscriber;
-5. trains the same job spec twice — alone, then under the 16-client serving load — and compares
-   the training throughput the worker reports (samples/s of training time);
+5. trains the same job spec alone and under the 16-client serving load (idle-loaded-loaded-idle)
+   and compares the training throughput the worker reports (samples/s of training time);
 6. samples the resident memory of the server process (and its training child) idle and busy.
 
 Everything runs on one machine: load generator, server, worker and training share its cores,
@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,7 @@ class Plan:
     stream_eval_every: int
     throughput_steps: int
     throughput_eval_every: int
+    throughput_order: tuple[str, ...]  # training phases, "idle" or "loaded"
     mnist_images: int  # the jobs' dataset: the first N MNIST images (10% held out)
 
     @classmethod
@@ -74,8 +76,9 @@ class Plan:
             load_seconds=8.0,
             stream_steps=600,
             stream_eval_every=20,
-            throughput_steps=600,
+            throughput_steps=300,
             throughput_eval_every=100,
+            throughput_order=("idle", "loaded", "loaded", "idle"),
             mnist_images=10000,
         )
 
@@ -89,6 +92,7 @@ class Plan:
             stream_eval_every=20,
             throughput_steps=20,
             throughput_eval_every=20,
+            throughput_order=("idle", "loaded"),
             mnist_images=1000,
         )
 
@@ -476,12 +480,14 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
                        "eval_every": plan.stream_eval_every}, lag))  # fmt: skip
 
     logger.info("service: training throughput, idle then under serving load")
-    idle_rate = training_throughput(stub, plan, "throughput-idle")
-    loaded_rate, busy = _train_under_load(server, stub, served.id, plan)
+    rates, busy = _throughput_phases(server, stub, served.id, plan)
+    idle_rate = statistics.mean(rates["idle"])
+    loaded_rate = statistics.mean(rates["loaded"])
     slowdown = 1.0 - loaded_rate / idle_rate
     cases.append(Case("service", "training throughput",
                       {**config, "cd_k": 1, "batch": 100, "steps": plan.throughput_steps,
-                       "load": f"{CLIENTS} clients Reconstruct batch 1"},
+                       "load": f"{CLIENTS} clients Reconstruct batch 1",
+                       "order": "-".join(plan.throughput_order)},
                       {"idle_samples_per_s": idle_rate, "loaded_samples_per_s": loaded_rate,
                        "loaded_requests_per_s": busy["requests_per_s"]},
                       {"throughput_lost": slowdown})
@@ -493,32 +499,42 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
     return cases, _targets(latencies, load, lag, slowdown)
 
 
-def _train_under_load(server: ServerProcess, stub, served_id: str, plan: Plan):
-    """Run the throughput job while 16 clients keep Reconstruct busy for its whole length."""
-    request = training_request(
-        n_hidden=SERVED_HIDDEN,
-        steps=plan.throughput_steps,
-        eval_every=plan.throughput_eval_every,
-        name="throughput-loaded",
-        images=plan.mnist_images,
-    )
-    outcome: dict = {}
-    stop = threading.Event()
+def _throughput_phases(server: ServerProcess, stub, served_id: str, plan: Plan):
+    """Train the throughput job once per phase of `plan.throughput_order` (idle or loaded).
 
-    def load() -> None:
-        outcome.update(concurrent_load(server.target, served_id, stop=stop))
+    The order idle-loaded-loaded-idle cancels a load from elsewhere that drifts linearly in
+    time. Under load, 16 clients keep Reconstruct busy for the whole job.
+    """
+    rates: dict[str, list[float]] = {"idle": [], "loaded": []}
+    busy: dict = {"server_mib": [], "child_mib": [], "requests_per_s": []}
+    for index, phase in enumerate(plan.throughput_order):
+        name = f"throughput-{phase}-{index}"
+        if phase == "idle":
+            with MemorySampler(server) as memory:
+                rates["idle"].append(training_throughput(stub, plan, name))
+            busy["child_mib"] += memory.child_mib
+            continue
+        stop = threading.Event()
+        load: dict = {}
 
-    with MemorySampler(server) as memory:
-        loader = threading.Thread(target=load, daemon=True)
-        loader.start()
-        time.sleep(0.5)  # the load is running before the job starts
-        job = stub.StartTraining(request, timeout=30).job
-        finished = wait_for_job(stub, job.id)
-        stop.set()
-        loader.join()
-    outcome["server_mib"] = memory.server_mib
-    outcome["child_mib"] = max(memory.child_mib, default=None)
-    return float(finished.latest_metrics.samples_per_second), outcome
+        def drive(stop: threading.Event = stop, load: dict = load) -> None:
+            load.update(concurrent_load(server.target, served_id, stop=stop))
+
+        with MemorySampler(server) as memory:
+            loader = threading.Thread(target=drive, daemon=True)
+            loader.start()
+            time.sleep(0.5)  # the load is running before the job starts
+            rates["loaded"].append(training_throughput(stub, plan, name))
+            stop.set()
+            loader.join()
+        busy["server_mib"] += memory.server_mib
+        busy["child_mib"] += memory.child_mib
+        busy["requests_per_s"].append(load["requests_per_s"])
+    return rates, {
+        "server_mib": busy["server_mib"],
+        "child_mib": max(busy["child_mib"], default=None),
+        "requests_per_s": statistics.mean(busy["requests_per_s"]),
+    }
 
 
 def _targets(latencies, load, lag, slowdown) -> list[Target]:
