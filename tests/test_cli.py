@@ -339,15 +339,6 @@ def test_cli_end_to_end(service, tmp_path: Path, capsys, monkeypatch) -> None:
     names = sorted(Path(p).name for p in out.split())
     assert names == ["filters.png", "metrics.png", "reconstructions.png", "weights_histogram.png"]
 
-    # A job cancelled while it runs: `watch` ends with the cancelled exit code.
-    code, out, _ = run_cli(capsys, "train", "--dataset-id", dataset["id"], "--steps", "100000")
-    long_job = out.strip()
-    code, out, _ = run_cli(capsys, "cancel", long_job)
-    assert code == ExitCode.OK and out.startswith(f"{long_job} ")
-    code, _, err = run_cli(capsys, "watch", long_job)
-    assert code == ExitCode.JOB_CANCELLED
-    assert err.splitlines()[-1].startswith(f"job {long_job} cancelled")
-
     # The console script itself, as a user's shell runs it.
     result = subprocess.run(
         [str(Path(sys.executable).parent / "ssdrbm"), "jobs", "--json", "--state", "succeeded"],
@@ -453,7 +444,9 @@ def test_tls_and_token_from_options_and_environment(
         client.get_job(job.id)
 
 
-def test_ctrl_c_while_watching_exits_130_and_leaves_the_job_running(service_factory) -> None:
+def test_ctrl_c_while_watching_exits_130_and_leaves_the_job_running(
+    service_factory, capsys
+) -> None:
     running = service_factory(run_worker=False)  # the job stays queued: watch would never end
     with Client(running.target) as client:
         job = client.start_training(n_hidden=4, steps=10)
@@ -477,3 +470,11 @@ def test_ctrl_c_while_watching_exits_130_and_leaves_the_job_running(service_fact
     )
     with Client(running.target) as client:
         assert client.get_job(job.id).state is JobState.QUEUED
+
+    # Cancelled for real, the job ends, and watching it exits with the cancelled code.
+    code = main(["--target", running.target, "cancel", job.id])
+    assert code == ExitCode.OK
+    assert capsys.readouterr().out == f"{job.id} cancelled\n"
+    code = main(["--target", running.target, "watch", job.id])
+    assert code == ExitCode.JOB_CANCELLED
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"job {job.id} cancelled at step 0")

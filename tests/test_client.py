@@ -334,6 +334,10 @@ def test_sdk_end_to_end_with_the_metric_stream_cut_mid_flight(service, tmp_path:
         repeat = client.start_training(dataset_id=dataset_id, request_id="r-1", **small_job())
         assert repeat.id == job.id  # idempotent: what makes retrying StartTraining safe
 
+        # A second job, cancelled while it waits behind the first (the worker runs one at a time).
+        other = client.start_training(dataset_id=dataset_id, **small_job(steps=100_000))
+        client.cancel(other.id)
+
         proxy = DroppingProxy(service.port, budget=700, cuts=3)
         try:
             with Client(f"127.0.0.1:{proxy.port}") as through_proxy:
@@ -354,9 +358,6 @@ def test_sdk_end_to_end_with_the_metric_stream_cut_mid_flight(service, tmp_path:
         tokens = [e.resume_token for e in events]
         assert list(client.stream_metrics(job.id, after=tokens[1])) == events[2:]
 
-        # A second job, cancelled, so that listing has two pages of one.
-        other = client.start_training(dataset_id=dataset_id, **small_job(steps=100_000))
-        client.cancel(other.id)
         assert client.wait(other.id, timeout=JOB_TIMEOUT_S).state is JobState.CANCELLED
         assert [j.id for j in client.list_jobs(page_size=1)] == [other.id, job.id]
         assert [j.id for j in client.list_jobs("succeeded")] == [job.id]
