@@ -21,10 +21,10 @@ import grpc
 import numpy as np
 
 from ssdrbm import export, reconnect, serving
-from ssdrbm.client import DEFAULT_PAGE_SIZE, DEFAULT_RECONNECT_S
+from ssdrbm.client import DEFAULT_PAGE_SIZE
 from ssdrbm.connection import TLS, Connection
 from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, UploadedDataset, load_array, upload_messages
-from ssdrbm.errors import ResourceExhausted, from_rpc_error
+from ssdrbm.errors import ResourceExhausted, Unavailable, from_rpc_error
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, acall_with_retry, is_retryable
@@ -50,7 +50,7 @@ class AsyncClient:
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-        reconnect_s: float = DEFAULT_RECONNECT_S,
+        reconnect_s: float = reconnect.DEFAULT_RECONNECT_S,
     ) -> None:
         self.connection = Connection.resolve(target, token=token, tls=tls, timeout=timeout)
         self.retry = retry or RetryPolicy()
@@ -162,7 +162,7 @@ class AsyncClient:
                 return
             delay = backoff.next_delay()
             if delay is None:
-                return
+                raise Unavailable(reconnect.STREAM_KEEPS_CLOSING.format(job_id), target=self.target)
             await asyncio.sleep(delay)
 
     async def wait(

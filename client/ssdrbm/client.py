@@ -21,7 +21,7 @@ import numpy as np
 from ssdrbm import export, reconnect, serving
 from ssdrbm.connection import TLS, Connection
 from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, UploadedDataset, load_array, upload_messages
-from ssdrbm.errors import ResourceExhausted, SSDRBMError, from_rpc_error
+from ssdrbm.errors import ResourceExhausted, SSDRBMError, Unavailable, from_rpc_error
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, call_with_retry, is_retryable
@@ -32,7 +32,6 @@ from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 logger = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 50
-DEFAULT_RECONNECT_S = 60.0  # how long a metric stream keeps trying to reconnect
 
 
 class Client:
@@ -60,7 +59,7 @@ class Client:
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-        reconnect_s: float = DEFAULT_RECONNECT_S,
+        reconnect_s: float = reconnect.DEFAULT_RECONNECT_S,
     ) -> None:
         self.connection = Connection.resolve(target, token=token, tls=tls, timeout=timeout)
         self.retry = retry or RetryPolicy()
@@ -198,7 +197,7 @@ class Client:
                 return
             # The server closed the stream before the job ended (e.g. it is draining): resume.
             if not backoff.wait():
-                return
+                raise Unavailable(reconnect.STREAM_KEEPS_CLOSING.format(job_id), target=self.target)
 
     def wait(
         self,

@@ -9,6 +9,9 @@ import time
 
 from ssdrbm.retry import RetryPolicy
 
+DEFAULT_RECONNECT_S = 60.0  # how long a metric stream keeps trying to reconnect
+STREAM_KEEPS_CLOSING = "the metric stream of job {} kept closing before the job ended"
+
 
 def deadline_after(timeout: float | None) -> float | None:
     """A ``time.monotonic()`` deadline ``timeout`` seconds from now (None: no deadline)."""
