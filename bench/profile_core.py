@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prof, seconds = profile_step(args.model, args.optimizer, args.hidden, args.k, args.steps)
     print(
         f"{args.model} {args.optimizer} 784x{args.hidden} CD-{args.k}: "

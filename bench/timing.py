@@ -11,6 +11,7 @@ import contextlib
 import gc
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -191,4 +192,23 @@ def environment() -> dict[str, object]:
     }
     with contextlib.suppress(OSError):  # not every platform has a load average
         info["load_average_1m"] = os.getloadavg()[0]
+    info.update(_source_version())
     return info
+
+
+def _source_version() -> dict[str, object]:
+    """The commit measured, and whether the measured packages differ from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
+    try:
+        return {
+            "commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted_changes": bool(git("status", "--porcelain", "ssdcore", "server")),
+        }
+    except (OSError, subprocess.SubprocessError):
+        return {}
