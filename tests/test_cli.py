@@ -55,6 +55,7 @@ def test_exit_codes_are_documented_where_users_look() -> None:
         (errors.Unavailable("connection refused"), ExitCode.UNAVAILABLE, "10.0.0.1:5"),
         (errors.DeadlineExceeded("slow"), ExitCode.UNAVAILABLE, "--timeout"),
         (errors.NotFound("no such job"), ExitCode.NOT_FOUND, "job j-1 not found"),
+        (errors.NotFound("dataset 'd' not found; upload it"), ExitCode.NOT_FOUND, "ssdrbm upload"),
         (errors.InvalidArgument("lr: must be > 0"), ExitCode.USAGE, "lr: must be > 0"),
         (errors.Unauthenticated("missing token"), ExitCode.UNAUTHENTICATED, "--token"),
         (errors.PermissionDenied("nope"), ExitCode.UNAUTHENTICATED, "not allowed"),
@@ -355,7 +356,7 @@ def test_cli_errors_name_the_job_and_the_field(service, capsys) -> None:
     target = ["--target", service.target]
     code, out, err = run_cli(capsys, *target, "get", "no-such-job")
     assert code == ExitCode.NOT_FOUND and out == ""
-    assert ERROR_LINE.match(err.strip()) and "job no-such-job not found" in err
+    assert ERROR_LINE.match(err.strip()) and "job 'no-such-job' not found —" in err
     assert "ssdrbm jobs" in err
 
     code, _, err = run_cli(capsys, *target, "train", "--lr", "-1")

@@ -95,8 +95,7 @@ def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Fail
             ExitCode.UNAVAILABLE,
         )
     if isinstance(error, errors.NotFound):
-        what = f"job {context.job_id} not found ({details})" if context.job_id else details
-        return Failure(what, f"list your jobs with '{PROGRAM} jobs'", ExitCode.NOT_FOUND)
+        return _describe_not_found(details, context)
     if isinstance(error, errors.InvalidArgument):
         return Failure(
             f"invalid argument: {details}",
@@ -131,6 +130,19 @@ def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Fail
         "try again; if it persists, check the server's log",
         ExitCode.ERROR,
     )
+
+
+def _describe_not_found(details: str, context: Context) -> Failure:
+    # The service says "<what> not found; <hint for API users>": keep the first part, and give
+    # the hint in terms of commands.
+    what = details.split(";")[0].strip()
+    if what.startswith("dataset"):
+        todo = f"upload the data with '{PROGRAM} upload FILE' and pass the id to --dataset-id"
+    else:
+        todo = f"list your jobs with '{PROGRAM} jobs'"
+        if context.job_id and context.job_id not in what:
+            what = f"job {context.job_id} not found ({what})"
+    return Failure(what, todo, ExitCode.NOT_FOUND)
 
 
 def _connection_problem(details: str) -> str:
