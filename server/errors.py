@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import redis.exceptions
+from google.protobuf.message import DecodeError
 
 from server.handlers import SERVICE_PREFIX, iterate_responses, wrap_handler
 
@@ -113,6 +114,52 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
     await context.abort(code, message)
 
 
+class _Undecodable:
+    """Stands in for a request whose bytes do not parse as its message type, so that the
+    handler wrapper can answer INVALID_ARGUMENT instead of gRPC's generic UNKNOWN."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+    def error(self) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            "request",
+            f"the bytes received are not a valid {self.type_name} message; send it serialized "
+            "by a protobuf library from protos/ssdrbm/v1",
+        )
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    message_type = getattr(deserializer, "__self__", None)
+    type_name = getattr(getattr(message_type, "DESCRIPTOR", None), "full_name", "request")
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError:
+            return _Undecodable(type_name)
+
+    return deserialize
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise request.error()
+        yield request
+
+
+def _checked(request_or_iterator: Any) -> Any:
+    """The request, or its stream wrapped, refusing parts that did not parse."""
+    if isinstance(request_or_iterator, _Undecodable):
+        raise request_or_iterator.error()
+    if hasattr(request_or_iterator, "__aiter__"):
+        return _checked_stream(request_or_iterator)
+    return request_or_iterator
+
+
 def _is_passthrough(exc: BaseException) -> bool:
     # An explicit context.abort() already carries its status; cancellation must propagate.
     return isinstance(exc, grpc.aio.AbortError)
@@ -134,7 +181,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def mapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    return await behavior(request_or_iterator, context)
+                    return await behavior(_checked(request_or_iterator), context)
                 except Exception as exc:
                     if _is_passthrough(exc):
                         raise
@@ -147,7 +194,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 request_or_iterator: Any, context: grpc.aio.ServicerContext
             ) -> AsyncIterator[Any]:
                 try:
-                    async for response in iterate_responses(behavior, request_or_iterator, context):
+                    request = _checked(request_or_iterator)
+                    async for response in iterate_responses(behavior, request, context):
                         yield response
                 except Exception as exc:
                     if _is_passthrough(exc):
@@ -156,4 +204,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return mapped
 
-        return wrap_handler(handler, wrap_unary, wrap_stream)
+        if handler is None:
+            return None
+        return wrap_handler(
+            handler, wrap_unary, wrap_stream, _tolerant(handler.request_deserializer)
+        )

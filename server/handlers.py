@@ -22,14 +22,18 @@ SERVICE_PREFIX = "/ssdrbm.v1.RBMService/"
 
 
 def wrap_handler(
-    handler: grpc.RpcMethodHandler | None, wrap_unary: Wrapper, wrap_stream: Wrapper
+    handler: grpc.RpcMethodHandler | None,
+    wrap_unary: Wrapper,
+    wrap_stream: Wrapper,
+    request_deserializer: Callable[[bytes], Any] | None = None,
 ) -> grpc.RpcMethodHandler | None:
     """A copy of ``handler`` whose behaviour is wrapped: ``wrap_unary`` for unary responses,
-    ``wrap_stream`` (which must return an async generator function) for streaming ones."""
+    ``wrap_stream`` (which must return an async generator function) for streaming ones;
+    ``request_deserializer``, when given, replaces the handler's."""
     if handler is None:
         return None
     serializers = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": request_deserializer or handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary is not None:
