@@ -511,7 +511,49 @@ UPLOAD_CASES = {
     ),
 }
 
-CATALOGUE = START_CASES | JOB_CASES | SERVING_CASES | UPLOAD_CASES
+
+def raw(method: str, kind: str, *payloads: bytes) -> Callable[[Env], Any]:
+    """Call ``method`` with raw bytes as the request (or as each part of a request stream)."""
+
+    def call(env: Env) -> Any:
+        channel = env.running.channel()
+        path = f"/ssdrbm.v1.RBMService/{method}"
+        if kind == "stream-request":
+            return channel.stream_unary(path)(iter(payloads))
+        if kind == "stream-response":
+            return channel.unary_stream(path)(payloads[0])
+        return channel.unary_unary(path)(payloads[0])
+
+    return call
+
+
+CORRUPT = b"\xff\xff\xff\xff"  # a field number 0 and a truncated varint: not a message
+valid_header = pb.UploadDatasetRequest(header=header(shape=[1, 4])).SerializeToString()
+WIRE_CASES = {
+    "GetJob corrupt bytes": (raw("GetJob", "unary", CORRUPT), INVALID, "ssdrbm.v1.GetJobRequest"),
+    "StartTraining corrupt bytes": (
+        raw("StartTraining", "unary", CORRUPT),
+        INVALID,
+        "ssdrbm.v1.StartTrainingRequest",
+    ),
+    "StreamMetrics corrupt bytes": (
+        raw("StreamMetrics", "stream-response", CORRUPT),
+        INVALID,
+        "ssdrbm.v1.StreamMetricsRequest",
+    ),
+    "UploadDataset corrupt part": (
+        raw("UploadDataset", "stream-request", valid_header, CORRUPT),
+        INVALID,
+        "ssdrbm.v1.UploadDatasetRequest",
+    ),
+    "GetJob string field with invalid UTF-8": (
+        raw("GetJob", "unary", b"\x0a\x02\xc3\x28"),
+        INVALID,
+        "request",
+    ),
+}
+
+CATALOGUE = START_CASES | JOB_CASES | SERVING_CASES | UPLOAD_CASES | WIRE_CASES
 
 
 @pytest.mark.parametrize("case", CATALOGUE.keys())
@@ -720,3 +762,27 @@ def test_fuzzed_uploads(
     parts = [pb.UploadDatasetRequest(chunk=chunk) for chunk in chunks]
     parts.insert(0 if header_first else len(parts), pb.UploadDatasetRequest(header=head))
     assert_foreseen(*outcome(lambda: env.stub.UploadDataset(iter(parts))))
+
+
+RPC_KINDS = {
+    "StartTraining": "unary",
+    "GetJob": "unary",
+    "ListJobs": "unary",
+    "CancelJob": "unary",
+    "Reconstruct": "unary",
+    "SampleHidden": "unary",
+    "StreamMetrics": "stream-response",
+    "ExportModel": "stream-response",
+    "UploadDataset": "stream-request",
+}
+
+
+@FUZZ
+@given(
+    method=st.sampled_from(sorted(RPC_KINDS)),
+    payloads=st.lists(st.binary(max_size=64), min_size=1, max_size=3),
+)
+def test_fuzzed_wire_bytes(env: Env, method: str, payloads: list[bytes]) -> None:
+    """Arbitrary bytes as the serialized request: parsed or refused, never an internal error."""
+    code, details = outcome(lambda: raw(method, RPC_KINDS[method], *payloads)(env))
+    assert_foreseen(code, details)
