@@ -289,7 +289,8 @@ def test_cli_end_to_end(service, tmp_path: Path, capsys, monkeypatch) -> None:
     dataset = json.loads(out)
     assert dataset["shape"] == [120, 16]
 
-    train = ["train", "--data", x_path, "--hidden", "8", "--steps", "60"]  # uploads, then trains
+    # --data uploads, then trains; a Gaussian model so that its learned variances get plotted
+    train = ["train", "--data", x_path, "--model", "gaussian", "--hidden", "8", "--steps", "60"]
     train += ["--batch-size", "40", "--eval-every", "20", "--name", "cli-job", "--watch"]
     code, out, err = run_cli(capsys, *train)
     assert code == ExitCode.OK, err
@@ -332,13 +333,22 @@ def test_cli_end_to_end(service, tmp_path: Path, capsys, monkeypatch) -> None:
     code, out, _ = run_cli(capsys, "export", job_id, "--output", str(tmp_path / "model"))
     assert code == ExitCode.OK
     assert sorted(Path(p).name for p in out.split()) == ["config.json", "model.safetensors"]
+    exported = ExportedModel.load(tmp_path / "model")  # read with numpy alone
+    assert exported.kind == "gaussian" and "log_var" in exported.parameters
+    np.testing.assert_allclose(exported.hidden_probs(x), h, atol=1e-5)  # p(h|v) = σ(vᵀC⁻¹W + a)
 
     code, out, err = run_cli(
         capsys, "plot", job_id, "--output", str(tmp_path / "fig"), "--input", x_path
     )
     assert code == ExitCode.OK, err
     names = sorted(Path(p).name for p in out.split())
-    assert names == ["filters.png", "metrics.png", "reconstructions.png", "weights_histogram.png"]
+    assert names == [
+        "filters.png",
+        "metrics.png",
+        "reconstructions.png",
+        "variances.png",
+        "weights_histogram.png",
+    ]
 
     # The console script itself, as a user's shell runs it.
     result = subprocess.run(

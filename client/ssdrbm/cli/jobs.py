@@ -220,7 +220,10 @@ def run_get(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm get JOB``."""
     with client_from_args(args) as client:
         job = client.get_job(args.job)
-    print_json(job) if args.json else print(job_details(job))
+    if args.json:
+        print_json(job)
+    else:
+        print(job_details(job))
     return ExitCode.OK
 
 
