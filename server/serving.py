@@ -149,11 +149,21 @@ class ModelServer:
                 checkpoint = await self.checkpoints.get(job.id, checkpoint_step)
             return await self._load(checkpoint)
 
-        return await self.cache.get((job.id, step), load)
+        # Latest and named checkpoints are cached apart: the latest may have fallen back to an
+        # older checkpoint (the newest failed its sha256 check), which a named step must not get.
+        key = (job.id if checkpoint_step else f"{job.id}:latest", step)
+        return await self.cache.get(key, load)
 
     async def _load(self, checkpoint: Checkpoint) -> LoadedModel:
         loop = asyncio.get_running_loop()
-        model = await loop.run_in_executor(self.pool, load_model, checkpoint.data)
+        try:
+            model = await loop.run_in_executor(self.pool, load_model, checkpoint.data)
+        except ValueError as exc:  # intact bytes (sha256 matched) that are no model of ours
+            logger.error("checkpoint at step %d is unreadable: %s", checkpoint.step, exc)
+            raise FailedPreconditionError(
+                f"the checkpoint at step {checkpoint.step} cannot be read as a model ({exc}); "
+                "use another checkpoint_step"
+            ) from exc
         logger.info("loaded model at step %d (%s)", checkpoint.step, checkpoint.sha256[:12])
         return LoadedModel(model, checkpoint.step, int(model.n_visible), int(model.n_hidden))
 
