@@ -218,4 +218,6 @@ def write_outputs(directory: Path, config: Config, curves: dict[str, list[RunRes
     )
     for key, results in curves.items():
         common.write_table(common.summary_rows(results), directory, f"{key}_summary")
-    common.write_curves([r for results in curves.values() for r in results], directory, "curves")
+    # the twins share their labels with the n_h = 25 runs, so they get a file of their own
+    common.write_curves([*curves["brbm"], *curves["grbm"]], directory, "curves")
+    common.write_curves([*curves["brbm_ll"], *curves["grbm_ll"]], directory, "curves_ll")
