@@ -318,10 +318,14 @@ class DroppingProxy:
         self._listener.close()
 
 
-def test_sdk_end_to_end_with_the_metric_stream_cut_mid_flight(service, tmp_path: Path) -> None:
+def test_sdk_end_to_end_with_the_metric_stream_cut_mid_flight(
+    service_factory, tmp_path: Path
+) -> None:
     """One job through every SDK call; its live metric stream goes through a proxy that cuts the
     connection three times, and must still arrive complete, in order, without repeats."""
-    x = binary_data()
+    # A small tensor limit: the client must shrink its batches when the service refuses them.
+    service = service_factory(max_tensor_elements=1000)
+    x = binary_data()  # 300 × 16 = 4800 elements
     with Client(service.target) as client:
         dataset_id = client.upload_dataset(x, name="bits")
         again = client.upload_dataset_details(x)  # content-addressed: same bytes, same id
