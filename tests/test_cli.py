@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import save as safetensors_save
-from ssdrbm import Client, RetryPolicy, errors
+from ssdrbm import Client, errors
 from ssdrbm.cli import main
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import Context, describe
@@ -76,14 +76,14 @@ def test_each_failure_is_one_line_naming_what_to_do(error, code, says) -> None:
 
 def test_unreachable_service_exits_3_with_the_address_and_no_traceback(capsys) -> None:
     target = f"127.0.0.1:{free_port()}"
-    code = main(["--target", target, "get", "some-job"])
+    code = main(["--target", target, "--wait", "0", "get", "some-job"])
     out, err = capsys.readouterr()
     assert code == ExitCode.UNAVAILABLE
     assert out == ""
     assert err.count("\n") == 1 and ERROR_LINE.match(err.strip())
     assert f"cannot reach the ssdrbm service at {target}" in err and "Traceback" not in err
 
-    code = main(["get", "some-job", "--target", target, "--debug"])  # options after the verb too
+    code = main(["get", "some-job", "--target", target, "--wait", "0.5", "--debug"])  # after too
     err = capsys.readouterr().err
     assert code == ExitCode.UNAVAILABLE
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("ssdrbm: error:")
@@ -92,6 +92,7 @@ def test_unreachable_service_exits_3_with_the_address_and_no_traceback(capsys) -
 def test_target_and_token_come_from_the_environment(monkeypatch, capsys) -> None:
     target = f"127.0.0.1:{free_port()}"
     monkeypatch.setenv("SSDRBM_TARGET", target)
+    monkeypatch.setenv("SSDRBM_WAIT", "0")
     assert main(["jobs"]) == ExitCode.UNAVAILABLE
     assert target in capsys.readouterr().err
 
@@ -380,7 +381,7 @@ def test_cli_errors_name_the_job_and_the_field(service, capsys) -> None:
     assert code == ExitCode.ERROR and "/nonexistent/x.npy" in err and ERROR_LINE.match(err.strip())
 
 
-def test_serve_runs_the_service_until_sigterm(redis_url: str) -> None:
+def test_serve_runs_the_service_until_sigterm(redis_url: str, capsys) -> None:
     port = free_port()
     env = {
         **os.environ,
@@ -396,11 +397,13 @@ def test_serve_runs_the_service_until_sigterm(redis_url: str) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    startup = RetryPolicy(attempts=60, initial_backoff_s=0.2, max_backoff_s=0.5)
+    target = ["--target", f"127.0.0.1:{port}"]
     try:
-        with Client(f"127.0.0.1:{port}", retry=startup) as client:
-            job = client.start_training(n_hidden=4, steps=10)
-            assert client.get_job(job.id).state is JobState.QUEUED  # no worker in this process
+        # As in the quick start: the next command waits for the service to come up.
+        code, out, err = run_cli(capsys, *target, "--wait", "60", "train", "--hidden", "4")
+        assert code == ExitCode.OK, err
+        code, out, _ = run_cli(capsys, *target, "get", out.strip(), "--json")
+        assert json.loads(out)["state"] == "queued"  # no worker in this process
     finally:
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
@@ -434,7 +437,7 @@ def test_tls_and_token_from_options_and_environment(
     )
     target = ["--target", running.target]
 
-    code, _, err = run_cli(capsys, *target, "--token", "s3cret", "jobs")  # plaintext to TLS
+    code, _, err = run_cli(capsys, *target, "--wait", "0", "--token", "s3cret", "jobs")  # no TLS
     assert code == ExitCode.UNAVAILABLE and running.target in err
 
     code, _, err = run_cli(capsys, *target, "--tls-ca", str(cert), "jobs")  # no token

@@ -235,6 +235,14 @@ def test_exported_model_hidden_probs_by_hand() -> None:
 # --- connection failures (no server needed) -----------------------------------------------------
 
 
+def test_retry_policy_backs_off_within_its_budget() -> None:
+    plain = list(RetryPolicy(attempts=4, initial_backoff_s=0.1, jitter=0.0).delays())
+    assert plain == pytest.approx([0.1, 0.2, 0.4])
+    waiting = list(RetryPolicy.waiting(5.0).delays())
+    assert sum(waiting) == pytest.approx(5.0) and max(waiting) <= 1.2  # 1 s cap, 20% jitter
+    assert list(RetryPolicy.waiting(0).delays()) == []
+
+
 def test_unreachable_service_is_retried_then_reported_with_its_address() -> None:
     port = free_port()
     policy = RetryPolicy(attempts=3, initial_backoff_s=0.01)

@@ -25,7 +25,7 @@ for info in pkgutil.walk_packages(ssdrbm.__path__, "ssdrbm."):
     if not info.name.endswith("__main__"):
         __import__(info.name)
 from ssdrbm.cli import main
-assert main(["--target", "127.0.0.1:1", "--timeout", "2", "jobs"]) == 3  # a real command path
+assert main(["--target", "127.0.0.1:1", "--wait", "0", "jobs"]) == 3  # a real command path
 assert main(["serve"]) == 1  # says to install ssdrbm-server
 heavy = sorted(m for m in ("torch", "redis", "server", "ssdcore", "matplotlib") if m in sys.modules)
 assert not heavy, heavy

@@ -8,10 +8,11 @@ calls that are idempotent. Every other code is the server's answer and is return
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,16 +34,28 @@ class RetryPolicy:
     max_backoff_s: float = 2.0
     multiplier: float = 2.0
     jitter: float = 0.2  # each delay is scaled by a random factor in [1 - jitter, 1 + jitter]
+    max_wait_s: float | None = None  # stop once the sleeps add up to this much
 
-    def delays(self) -> list[float]:
+    @classmethod
+    def waiting(cls, seconds: float) -> RetryPolicy:
+        """Keep retrying for about ``seconds`` (0: a single attempt), e.g. for a starting server."""
+        if seconds <= 0:
+            return NO_RETRY
+        return cls(attempts=1_000_000, max_backoff_s=1.0, max_wait_s=seconds)
+
+    def delays(self) -> Iterator[float]:
         """The sleeps between attempts (one fewer than ``attempts``), jitter included."""
-        result = []
-        delay = self.initial_backoff_s
+        delay, total = self.initial_backoff_s, 0.0
         for _ in range(max(self.attempts - 1, 0)):
             factor = 1.0 + random.uniform(-self.jitter, self.jitter)
-            result.append(min(delay, self.max_backoff_s) * factor)
+            sleep = min(delay, self.max_backoff_s) * factor
+            if self.max_wait_s is not None:
+                if total >= self.max_wait_s:
+                    return
+                sleep = min(sleep, self.max_wait_s - total)
+            total += sleep
+            yield sleep
             delay *= self.multiplier
-        return result
 
 
 NO_RETRY = RetryPolicy(attempts=1)
@@ -57,7 +70,7 @@ def call_with_retry(
     call: Callable[[], T], policy: RetryPolicy, sleep: Callable[[float], None] = time.sleep
 ) -> T:
     """Run ``call``; on UNAVAILABLE sleep per ``policy`` and try again; re-raise the last error."""
-    for delay in [*policy.delays(), None]:
+    for delay in itertools.chain(policy.delays(), [None]):
         try:
             return call()
         except grpc.RpcError as error:
@@ -70,7 +83,7 @@ def call_with_retry(
 
 async def acall_with_retry(call: Callable[[], Awaitable[T]], policy: RetryPolicy) -> T:
     """The asyncio flavour of :func:`call_with_retry`."""
-    for delay in [*policy.delays(), None]:
+    for delay in itertools.chain(policy.delays(), [None]):
         try:
             return await call()
         except grpc.RpcError as error:

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ssdrbm.client import Client
 from ssdrbm.connection import TLS, Connection, tls_from_env
+from ssdrbm.retry import RetryPolicy
+
+ENV_WAIT = "SSDRBM_WAIT"
+# Commands typed right after `ssdrbm serve &` find the service still starting; a mistyped
+# address is reported after this long.
+DEFAULT_WAIT_S = 10.0
 
 # dest, flag, argparse keywords; every default comes from the environment (see ssdrbm.connection)
 _CONNECTION_OPTIONS: list[tuple[str, str, dict]] = [
@@ -16,6 +23,7 @@ _CONNECTION_OPTIONS: list[tuple[str, str, dict]] = [
     ("tls_cert", "--tls-cert", {"metavar": "PEM", "help": "mTLS client cert [$SSDRBM_TLS_CERT]"}),
     ("tls_key", "--tls-key", {"metavar": "PEM", "help": "mTLS client key [$SSDRBM_TLS_KEY]"}),
     ("timeout", "--timeout", {"type": float, "metavar": "S", "help": "deadline per call [30]"}),
+    ("wait", "--wait", {"type": float, "metavar": "S", "help": "retry if unreachable [10]"}),
     ("debug", "--debug", {"action": "store_true", "help": "show tracebacks"}),
 ]
 
@@ -54,9 +62,13 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
 def client_from_args(args: argparse.Namespace) -> Client:
     """A :class:`~ssdrbm.Client` configured from the command line and the environment."""
     connection = connection_from_args(args)
+    wait = option(args, "wait")
+    if wait is None:
+        wait = float(os.environ.get(ENV_WAIT) or DEFAULT_WAIT_S)
     return Client(
         connection.target,
         token=connection.token,
         tls=connection.tls if connection.tls is not None else False,
         timeout=connection.timeout,
+        retry=RetryPolicy.waiting(wait),
     )
