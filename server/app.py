@@ -52,6 +52,7 @@ class Service:
         redis: aioredis.Redis | None = None,
         metrics: ServiceMetrics | None = None,
     ) -> None:
+        settings.check()  # also when built in code rather than by Settings.from_env
         self.settings = settings
         self._owns_redis = redis is None
         self.redis = redis if redis is not None else connect(settings.redis_url)
