@@ -139,9 +139,14 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(
     )
 
 
-def test_half_configured_tls_is_refused_by_the_configuration(pki: Pki) -> None:
+def test_half_configured_tls_is_refused_by_the_configuration(
+    pki: Pki, service_factory: Callable[..., RunningService]
+) -> None:
     with pytest.raises(ConfigError, match="SSDRBM_TLS_KEY_FILE"):
         Settings.from_env({"SSDRBM_TLS_CERT_FILE": str(pki.server_cert)})
+    with pytest.raises(RuntimeError) as failure:
+        service_factory(run_worker=False, tls_cert_file=str(pki.server_cert))
+    assert "SSDRBM_TLS_KEY_FILE" in str(failure.value.__cause__)
 
 
 def test_redis_password_in_the_url(
