@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from server.keys import Keys
-from tests.fixtures.jobs import rpc_error, tiny_request
+from tests.fixtures.jobs import float_tensor, rpc_error, tiny_request
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.service import RunningService
 
@@ -115,6 +115,23 @@ def test_redis_crash_and_restart_loses_nothing_acknowledged(
         "StartTraining": lambda: stub.StartTraining(tiny_request()),
         "StreamMetrics": lambda: stub.StreamMetrics(rbm_pb2.StreamMetricsRequest(job_id=job.id)),
         "CancelJob": lambda: stub.CancelJob(rbm_pb2.CancelJobRequest(job_id=job.id)),
+        "Reconstruct": lambda: stub.Reconstruct(
+            rbm_pb2.ReconstructRequest(job_id=job.id, input=float_tensor(2, 16))
+        ),
+        "SampleHidden": lambda: stub.SampleHidden(
+            rbm_pb2.SampleHiddenRequest(job_id=job.id, input=float_tensor(2, 16))
+        ),
+        "ExportModel": lambda: stub.ExportModel(rbm_pb2.ExportModelRequest(job_id=job.id)),
+        "UploadDataset": lambda: stub.UploadDataset(
+            iter(
+                [
+                    rbm_pb2.UploadDatasetRequest(
+                        header=rbm_pb2.DatasetHeader(shape=[1, 16], dtype=rbm_pb2.DTYPE_FLOAT32)
+                    ),
+                    rbm_pb2.UploadDatasetRequest(chunk=float_tensor(1, 16).data),
+                ]
+            )
+        ),
     }
     for name, call in calls.items():
         error = rpc_error(call)
