@@ -63,6 +63,7 @@ class _Workspace:
         gaussian = isinstance(model, GaussianRBM)
         self.visible_precision = torch.empty(n_rows, V, **f32) if gaussian else None
         self.centered = torch.empty(n_rows, V, **f32) if gaussian else None
+        self.weight_product = torch.empty(V, H, **f32) if gaussian else None
 
 
 class CDEstimator:
@@ -184,8 +185,9 @@ class CDEstimator:
             return
         precision = torch.exp(-model.log_variance().detach())
         squared_moment = torch.mv(centered.square_().t(), ws.weights)  # Σ_n w_n (v_n - b)²
-        # rowsum(W ⊙ ∂L/∂W) as one fused row-wise dot product
-        grad = (0.5 * precision) * squared_moment - torch.linalg.vecdot(weight, grad_w, dim=1)
+        assert ws.weight_product is not None
+        torch.mul(weight, grad_w, out=ws.weight_product)
+        grad = (0.5 * precision) * squared_moment - ws.weight_product.sum(dim=1)  # (V,)
         if model.variance == "diagonal":
             _grad_buffer(model.log_var).copy_(grad)
         else:
