@@ -158,8 +158,10 @@ class Cluster:
         log.close()
 
     def _env(self, **extra: str) -> dict[str, str]:
+        # The caller's own SSDRBM_* settings do not leak in: the run is the same everywhere.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("SSDRBM_")}
         return {
-            **os.environ,
+            **inherited,
             "SSDRBM_REDIS_URL": self.redis_url,
             "SSDRBM_LEASE_SECONDS": str(self.config.lease_seconds),
             "SSDRBM_TORCH_THREADS": "1",
