@@ -21,6 +21,8 @@ from server import catalog
 from server.catalog import DatasetShape
 from server.config import Settings
 from server.errors import InvalidArgumentError
+from ssdcore.data import split_sizes
+from ssdcore.training import steps_per_epoch
 
 pb = rbm_pb2
 
@@ -99,20 +101,16 @@ def apply_dataset(
             f"FULL needs a {dataset.n_visible}×{dataset.n_visible} precision matrix; this server "
             f"allows it up to {settings.max_full_variance_visibles} visible units — use DIAGONAL",
         )
-    n_valid = int(dataset.n_examples * spec.eval.validation_fraction)
-    n_train = dataset.n_examples - n_valid
-    if n_train < 1 or n_valid < 1:
-        raise InvalidArgumentError(
-            "eval.validation_fraction",
-            f"{spec.eval.validation_fraction} of {dataset.n_examples} examples leaves "
-            f"{n_train} for training and {n_valid} for validation; both need at least one",
-        )
+    try:
+        n_train, _ = split_sizes(dataset.n_examples, spec.eval.validation_fraction)
+    except ValueError as error:
+        raise InvalidArgumentError("eval.validation_fraction", str(error)) from None
     if training.batch_size > n_train:
         raise InvalidArgumentError(
             "training.batch_size",
             f"{training.batch_size} is larger than the {n_train} training examples; lower it",
         )
-    total_steps = training.steps or training.epochs * math.ceil(n_train / training.batch_size)
+    total_steps = training.steps or training.epochs * steps_per_epoch(n_train, training.batch_size)
     if total_steps > settings.max_total_steps:
         raise InvalidArgumentError(
             "training.epochs" if training.epochs else "training.steps",

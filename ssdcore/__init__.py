@@ -25,7 +25,7 @@ from ssdcore.models import RBM, BernoulliRBM, GaussianRBM, model_from_config
 # isort: split
 from ssdcore import optim
 from ssdcore.optim import OptimizerConfig, build_optimizer
-from ssdcore.training import Trainer, fit
+from ssdcore.training import Trainer, fit, steps_per_epoch
 
 # --- end optimizers and training ---
 
@@ -54,5 +54,6 @@ __all__ = [
     "pseudo_log_likelihood",
     "reconstruction_error",
     "spectral_norm",
+    "steps_per_epoch",
     "synthetic_rbm_data",
 ]

@@ -66,6 +66,12 @@ def check_data(data: Tensor, n_visible: int, name: str) -> None:
         )
 
 
+def steps_per_epoch(n_train: int, batch_size: int) -> int:
+    """Steps in one epoch of `n_train` examples: whole batches only, as the Trainer drops an
+    epoch's last partial batch."""
+    return max(1, n_train // batch_size)
+
+
 class Trainer:
     """Trains ``model`` on ``train_data`` with CD-k / PCD-k and an optimizer from a config.
 

@@ -12,6 +12,7 @@ from ssdrbm.v1 import rbm_pb2
 
 from server.worker.defaults import PlanDefaults
 from ssdcore.optim import OptimizerConfig
+from ssdcore.training import steps_per_epoch
 
 OPTIMIZER_NAMES = {
     rbm_pb2.OPTIMIZER_KIND_UNSPECIFIED: "ssd",
@@ -68,7 +69,7 @@ class TrainingPlan:
         trainer drops an epoch's last partial batch)."""
         if self.steps > 0:
             return self.steps
-        return self.epochs * max(1, n_train // self.batch_size)
+        return self.epochs * steps_per_epoch(n_train, self.batch_size)
 
     def model_config(self, n_visible: int) -> dict[str, object]:
         """The model's config as `ssdcore.model_from_config` takes it."""

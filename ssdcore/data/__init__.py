@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ssdcore.data.arrays import as_data_tensor, check_finite, split
+from ssdcore.data.arrays import as_data_tensor, check_finite, split, split_sizes
 from ssdcore.data.freyface import load_frey_face
 from ssdcore.data.mnist import load_mnist
 from ssdcore.data.paths import DATA_DIR_ENV, default_data_dir
@@ -19,6 +19,7 @@ __all__ = [
     "load_mnist",
     "preprocess",
     "split",
+    "split_sizes",
     "synthetic_rbm_data",
     "synthetic_rbm_model",
 ]

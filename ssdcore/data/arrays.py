@@ -47,6 +47,20 @@ def as_data_tensor(x: Any, name: str = "data") -> torch.Tensor:
     return tensor.contiguous()
 
 
+def split_sizes(n: int, valid_fraction: float) -> tuple[int, int]:
+    """(n_train, n_valid) that `split` gives for `n` examples: round(valid_fraction · n) rows
+    validate; both parts keep at least one row."""
+    if not 0.0 < valid_fraction < 1.0:
+        raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction}")
+    n_valid = round(valid_fraction * n)
+    if n_valid < 1 or n_valid >= n:
+        raise ValueError(
+            f"valid_fraction={valid_fraction} leaves an empty part of {n} examples; "
+            "use more data or a fraction nearer 0.5"
+        )
+    return n - n_valid, n_valid
+
+
 def split(
     x: torch.Tensor, valid_fraction: float, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,15 +68,8 @@ def split(
 
     The validation part has round(valid_fraction · N) rows; both parts keep at least one row.
     """
-    if not 0.0 < valid_fraction < 1.0:
-        raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction}")
     n = x.shape[0]
-    n_valid = round(valid_fraction * n)
-    if n_valid < 1 or n_valid >= n:
-        raise ValueError(
-            f"valid_fraction={valid_fraction} leaves an empty part of {n} examples; "
-            "use more data or a fraction nearer 0.5"
-        )
+    _, n_valid = split_sizes(n, valid_fraction)
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(n, generator=generator).to(x.device)
     return x[order[n_valid:]], x[order[:n_valid]]
