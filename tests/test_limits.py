@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -135,3 +136,40 @@ def test_concurrent_stream_limit(service_factory: Callable[..., RunningService])
             time.sleep(0.05)
     replacement.cancel()
     open_streams[1].cancel()
+
+
+def test_limits_hold_under_concurrent_requests(
+    service_factory: Callable[..., RunningService],
+) -> None:
+    """Twenty StartTraining and twenty StreamMetrics calls at once: exactly the limit of each
+    gets through (the checks are atomic), the rest are RESOURCE_EXHAUSTED."""
+    running = service_factory(run_worker=False, max_jobs_per_tenant=5, max_streams=3)
+    stub = running.stub()
+
+    def start(_: int) -> grpc.StatusCode:
+        try:
+            stub.StartTraining(tiny_request())
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    with ThreadPoolExecutor(20) as pool:
+        codes = list(pool.map(start, range(20)))
+    assert codes.count(grpc.StatusCode.OK) == 5 and codes.count(EXHAUSTED) == 15
+
+    [job, *_] = stub.ListJobs(rbm_pb2.ListJobsRequest()).jobs
+    follow = rbm_pb2.StreamMetricsRequest(job_id=job.id)
+    streams = [stub.StreamMetrics(follow) for _ in range(20)]
+
+    def first(stream) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+        try:
+            next(stream)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    with ThreadPoolExecutor(20) as pool:
+        codes = list(pool.map(first, streams))
+    assert codes.count(grpc.StatusCode.OK) == 3 and codes.count(EXHAUSTED) == 17
+    for stream in streams:
+        stream.cancel()
