@@ -1,6 +1,7 @@
 """Crashes seen from a client: a Redis crash and restart (AOF) while a job trains and a client
-follows its metrics, and a stalled worker whose lease lapsed coming back after another worker
-took its job over (fencing by attempt).
+follows its metrics, a stalled worker whose lease lapsed coming back after another worker
+took its job over (fencing by attempt), and a job that ends at the instant its follower turns
+from replay to live.
 
 Worker SIGKILL takeover and SIGTERM release are proven in tests/test_worker.py
 (``test_sigkilled_worker_job_resumes_on_another_with_each_step_once`` and
@@ -10,6 +11,7 @@ Redis restart in tests/test_store.py. These tests add the view through the gRPC 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -27,9 +29,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from server.keys import Keys
+from server.servicer import RBMServicer, Stores
+from server.store import (
+    CheckpointStore,
+    DatasetStore,
+    EventStore,
+    FencedJob,
+    JobRecord,
+    JobState,
+    JobStore,
+    LeaseStore,
+    connect,
+)
 from tests.fixtures.jobs import float_tensor, rpc_error, tiny_request
 from tests.fixtures.redis import RedisServer
-from tests.fixtures.service import RunningService
+from tests.fixtures.service import RunningService, make_settings
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 90.0  # a bound for a loaded 2-core machine, not a speed check
@@ -284,3 +298,46 @@ def test_stalled_worker_cannot_overwrite_the_job_after_a_takeover(
     assert slow.poll() is None
     slow.send_signal(signal.SIGTERM)
     assert slow.wait(WAIT_S) == 0
+
+
+# --- a job that ends at the worst moment ----------------------------------------------------
+
+
+def test_a_job_ending_between_replay_and_live_follow_loses_no_event(redis_url: str) -> None:
+    """The follower has replayed the stream and is about to follow it live when the job
+    publishes its last metrics and ends: those events and the terminal state still reach it.
+    (Found by the load test: the stream used to close without them.)"""
+
+    async def main() -> list[rbm_pb2.MetricEvent]:
+        redis_client = connect(redis_url)
+        stores = Stores(
+            jobs=JobStore(redis_client),
+            events=EventStore(redis_client),
+            checkpoints=CheckpointStore(redis_client),
+            datasets=DatasetStore(redis_client),
+        )
+        spec = tiny_request(steps=20).SerializeToString()
+        job, _ = await stores.jobs.submit("t", spec, name="", total_steps=20, request_id=None)
+        lease = await LeaseStore(redis_client).claim(job.id, "w", lease_ms=60_000)
+        assert lease is not None
+        worker = FencedJob(redis_client, lease)
+        await worker.publish_metrics(10, rbm_pb2.Metrics(step=10).SerializeToString())
+
+        class EndsRightAfterTheReplay(RBMServicer):
+            async def _has_ended(self, record: JobRecord) -> bool:
+                if (await stores.jobs.get("t", record.id)).state is JobState.RUNNING:
+                    await worker.publish_metrics(20, rbm_pb2.Metrics(step=20).SerializeToString())
+                    await worker.finish(JobState.SUCCEEDED, step=20)
+                return await super()._has_ended(record)
+
+        settings = make_settings(redis_url, run_worker=False)
+        servicer = EndsRightAfterTheReplay(settings, stores, models=None)  # type: ignore[arg-type]
+        try:
+            current = await stores.jobs.get("t", job.id)
+            return [e async for e in servicer._events(current, "", history_only=False)]
+        finally:
+            await redis_client.aclose()
+
+    events = asyncio.run(main())
+    assert metric_steps(events) == [10, 20]
+    assert final_state(events) == rbm_pb2.JOB_STATE_SUCCEEDED
