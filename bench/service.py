@@ -299,6 +299,16 @@ async def _concurrent_load(
     return latencies
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used so far (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def concurrent_load(
     target: str,
     job_id: str,
@@ -306,8 +316,15 @@ def concurrent_load(
     seconds: float | None = None,
     stop: threading.Event | None = None,
     clients: int = CLIENTS,
+    server_pid: int | None = None,
 ) -> dict[str, float]:
-    """Reconstruct at batch 1 from `clients` concurrent clients for `seconds` or until `stop`."""
+    """Reconstruct at batch 1 from `clients` concurrent clients for `seconds` or until `stop`.
+
+    With `server_pid`, also the CPU time per request of the server process and of this (the
+    load-generating) process: which side the machine's cores are spent on.
+    """
+    server_cpu = cpu_seconds(server_pid) if server_pid else None
+    client_cpu = time.process_time()
     start = time.perf_counter()
     if seconds is not None:
         deadline = start + seconds
@@ -317,12 +334,18 @@ def concurrent_load(
         done = stop.is_set
     latencies = asyncio.run(_concurrent_load(target, job_id, clients, done))
     elapsed = time.perf_counter() - start
-    return {
+    result = {
         "requests_per_s": len(latencies) / elapsed,
         "p50_ms": 1000 * percentile(latencies, 0.5),
         "p99_ms": 1000 * percentile(latencies, 0.99),
         "requests": len(latencies),
     }
+    if server_cpu is not None and latencies:
+        server_used = (cpu_seconds(server_pid) or server_cpu) - server_cpu
+        result["server_cpu_ms_per_request"] = 1000 * server_used / len(latencies)
+        client_used = time.process_time() - client_cpu
+        result["client_cpu_ms_per_request"] = 1000 * client_used / len(latencies)
+    return result
 
 
 def _event_seconds(event: pb.MetricEvent) -> float:
@@ -468,7 +491,9 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
 
     logger.info("service: %d concurrent clients", CLIENTS)
     with MemorySampler(server) as serving_memory:
-        load = concurrent_load(server.target, served.id, seconds=plan.load_seconds)
+        load = concurrent_load(
+            server.target, served.id, seconds=plan.load_seconds, server_pid=server.pid
+        )
     cases.append(Case("service", f"Reconstruct {CLIENTS} clients",
                       {**config, "batch": 1, "clients": CLIENTS,
                        "seconds": plan.load_seconds}, load))  # fmt: skip
@@ -481,6 +506,10 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
 
     logger.info("service: training throughput, idle then under serving load")
     rates, busy = _throughput_phases(server, stub, served.id, plan)
+    phases = ", ".join(
+        f"{phase} {value:.0f}"
+        for phase, value in zip(plan.throughput_order, busy["rates"], strict=True)
+    )
     idle_rate = statistics.mean(rates["idle"])
     loaded_rate = statistics.mean(rates["loaded"])
     slowdown = 1.0 - loaded_rate / idle_rate
@@ -490,7 +519,8 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
                        "order": "-".join(plan.throughput_order)},
                       {"idle_samples_per_s": idle_rate, "loaded_samples_per_s": loaded_rate,
                        "loaded_requests_per_s": busy["requests_per_s"]},
-                      {"throughput_lost": slowdown})
+                      {"throughput_lost": slowdown},
+                      [f"training samples/s per phase, in order: {phases}"])
                  )  # fmt: skip
     busy_rss = max(serving_memory.server_mib + busy["server_mib"], default=None)
     cases.append(Case("service", "server memory", {"process": "gRPC server + worker"},
@@ -506,13 +536,14 @@ def _throughput_phases(server: ServerProcess, stub, served_id: str, plan: Plan):
     time. Under load, 16 clients keep Reconstruct busy for the whole job.
     """
     rates: dict[str, list[float]] = {"idle": [], "loaded": []}
-    busy: dict = {"server_mib": [], "child_mib": [], "requests_per_s": []}
+    busy: dict = {"server_mib": [], "child_mib": [], "requests_per_s": [], "rates": []}
     for index, phase in enumerate(plan.throughput_order):
         name = f"throughput-{phase}-{index}"
         if phase == "idle":
             with MemorySampler(server) as memory:
                 rates["idle"].append(training_throughput(stub, plan, name))
             busy["child_mib"] += memory.child_mib
+            busy["rates"].append(rates["idle"][-1])
             continue
         stop = threading.Event()
         load: dict = {}
@@ -530,10 +561,12 @@ def _throughput_phases(server: ServerProcess, stub, served_id: str, plan: Plan):
         busy["server_mib"] += memory.server_mib
         busy["child_mib"] += memory.child_mib
         busy["requests_per_s"].append(load["requests_per_s"])
+        busy["rates"].append(rates["loaded"][-1])
     return rates, {
         "server_mib": busy["server_mib"],
         "child_mib": max(busy["child_mib"], default=None),
         "requests_per_s": statistics.mean(busy["requests_per_s"]),
+        "rates": busy["rates"],
     }
 
 
