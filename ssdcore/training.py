@@ -174,7 +174,12 @@ class Trainer:
         try:
             for _ in range(n):
                 self.estimator.estimate(self._next_batch())
-                self.optimizer.step()
+                try:
+                    self.optimizer.step()
+                except torch.linalg.LinAlgError as error:
+                    # A non-finite gradient makes the spectral step's factorization fail
+                    # before the parameters can show it: the same divergence, seen earlier.
+                    self._diverged(f"the optimizer step failed ({error})", self.step_count + 1)
                 self.model.constrain_()
                 self.step_count += 1
                 if self.step_count % self.check_every == 0:
@@ -195,14 +200,21 @@ class Trainer:
             self._last_good_step = self.step_count
             return
         bad = [name for name, p in self._named_parameters if not bool(torch.isfinite(p).all())]
-        for parameter, good in zip(parameters, self._last_good, strict=True):
+        what = f"parameters {bad or '(overflowing sum)'} became NaN or Inf"
+        self._diverged(what, self.step_count)
+
+    @torch.no_grad()
+    def _diverged(self, what: str, failed_step: int) -> None:
+        """Restore the last good parameters and raise DivergenceError saying `what` happened."""
+        for parameter, good in zip(
+            (p for _, p in self._named_parameters), self._last_good, strict=True
+        ):
             parameter.copy_(good)
-        failed_step = self.step_count
         self.step_count = self._last_good_step
         raise DivergenceError(
-            f"parameters {bad or '(overflowing sum)'} became NaN or Inf by step {failed_step}; "
-            f"the model was restored to step {self._last_good_step}. Lower the learning rate "
-            f"(lr={self.optimizer_config.lr}) or bound ‖W‖₂ with max_spectral_norm"
+            f"{what} by step {failed_step}; the model was restored to step "
+            f"{self._last_good_step}. Lower the learning rate (lr={self.optimizer_config.lr}) "
+            "or bound ‖W‖₂ with max_spectral_norm"
         )
 
     # --- evaluation -----------------------------------------------------------------------

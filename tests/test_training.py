@@ -241,3 +241,19 @@ def test_demo_prints_a_summary_table(capsys):
     assert "recon before" in out and "test LL" in out
     rows = [line for line in out.splitlines() if line.strip().startswith(("SSD", "SGD"))]
     assert len(rows) == 2 and all(" 20 " in row for row in rows)
+
+
+@pytest.mark.parametrize("method", ["svd", "lowrank", "randomized", "newton-schulz"])
+def test_a_spectral_step_on_a_poisoned_gradient_is_divergence(synthetic, method):
+    # The factorization inside the spectral step can fail on a non-finite gradient before the
+    # parameters show it; the trainer reports that as divergence too, and restores the model.
+    trainer = make_trainer(synthetic, OptimizerConfig("ssd", lr=0.01, method=method))
+    trainer.train_steps(2)
+    good = [p.detach().clone() for p in trainer.model.parameters()]
+    with torch.no_grad():
+        trainer.model.W[0, 0] = math.inf
+    with pytest.raises(DivergenceError, match="restored to step 2"):
+        trainer.train_steps(1)
+    assert trainer.step_count == 2
+    for restored, expected in zip(trainer.model.parameters(), good, strict=True):
+        assert torch.equal(restored.detach(), expected)

@@ -176,9 +176,7 @@ class Training:
         )
         try:
             self._loop()
-        except (DivergenceError, torch.linalg.LinAlgError) as exc:
-            # LinAlgError: a spectral step met a non-finite gradient before the trainer's own
-            # finiteness check did; for the job it is the same divergence.
+        except DivergenceError as exc:
             self._diverged(exc)
 
     def _diverged(self, exc: Exception) -> None:
