@@ -12,7 +12,7 @@ from pathlib import Path
 
 from experiments import common
 
-EXPERIMENTS = ("tuning", "simulation", "mnist", "freyface", "beyond")
+EXPERIMENTS = ("tuning", "simulation", "mnist", "freyface", "beyond", "grbm")
 
 
 def main(argv: list[str] | None = None) -> int:

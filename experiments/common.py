@@ -16,7 +16,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -500,6 +500,3 @@ def image_grid(images: np.ndarray, shape: tuple[int, int], columns: int) -> np.n
             r * (height + 1) : r * (height + 1) + height, c * (width + 1) : c * (width + 1) + width
         ] = tile
     return grid
-
-
-ExperimentFunction = Callable[[Path, bool], dict[str, Any]]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import beyond, common, freyface, mnist, simulation, tuning
+from experiments import beyond, common, freyface, grbm, mnist, simulation, tuning
 from experiments.__main__ import main
 
 
@@ -107,6 +107,14 @@ def test_beyond_quick(tmp_path: Path) -> None:
     assert accuracy["lowrank"]["direction rel. error"] < 1e-3
     assert accuracy["lowrank"]["nuclear norm rel. error"] < 1e-4
     _pngs_written(tmp_path / "beyond", ["adaptive.png", "polar_methods.png", "pcd_vs_cd.png"])
+
+
+def test_grbm_quick(tmp_path: Path) -> None:
+    summary = grbm.run(tmp_path, quick=True)
+    assert [r["run"] for r in summary["mnist"]] == ["GRBM SGD", "GRBM Nesterov", "GRBM SSD"]
+    assert [r["run"] for r in summary["freyface"]] == ["GRBM Nesterov", "GRBM SSD"]
+    _finite_recon(summary["mnist"] + summary["freyface"])
+    _pngs_written(tmp_path / "grbm", ["mnist_grbm.png", "mnist_variances.png", "freyface_grbm.png"])
 
 
 def test_tuning_quick_leaves_chosen_step_sizes_alone(tmp_path: Path) -> None:
