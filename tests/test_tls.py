@@ -84,21 +84,25 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-def secure_stub(
-    running: RunningService,
-    *,
-    ca: Path,
-    cert: Path | None = None,
-    key: Path | None = None,
-) -> rbm_pb2_grpc.RBMServiceStub:
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=ca.read_bytes(),
-        private_key=key.read_bytes() if key else None,
-        certificate_chain=cert.read_bytes() if cert else None,
-    )
-    channel = grpc.secure_channel(running.target, credentials)
-    running._channels.append(channel)  # closed with the service
-    return rbm_pb2_grpc.RBMServiceStub(channel)
+@pytest.fixture
+def secure_stub() -> Iterator[Callable[..., rbm_pb2_grpc.RBMServiceStub]]:
+    """``make(running, ca=..., cert=None, key=None)``: a stub on a TLS channel (closed after)."""
+    channels: list[grpc.Channel] = []
+
+    def make(
+        running: RunningService, *, ca: Path, cert: Path | None = None, key: Path | None = None
+    ) -> rbm_pb2_grpc.RBMServiceStub:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca.read_bytes(),
+            private_key=key.read_bytes() if key else None,
+            certificate_chain=cert.read_bytes() if cert else None,
+        )
+        channels.append(grpc.secure_channel(running.target, credentials))
+        return rbm_pb2_grpc.RBMServiceStub(channels[-1])
+
+    yield make
+    for channel in channels:
+        channel.close()
 
 
 def reaches_the_service(stub: rbm_pb2_grpc.RBMServiceStub) -> bool:
@@ -112,7 +116,11 @@ def reaches_the_service(stub: rbm_pb2_grpc.RBMServiceStub) -> bool:
     return False
 
 
-def test_server_tls(pki: Pki, service_factory: Callable[..., RunningService]) -> None:
+def test_server_tls(
+    pki: Pki,
+    service_factory: Callable[..., RunningService],
+    secure_stub: Callable[..., rbm_pb2_grpc.RBMServiceStub],
+) -> None:
     running = service_factory(
         run_worker=False, tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key)
     )
@@ -122,7 +130,9 @@ def test_server_tls(pki: Pki, service_factory: Callable[..., RunningService]) ->
 
 
 def test_mutual_tls_requires_a_client_certificate_from_the_ca(
-    pki: Pki, service_factory: Callable[..., RunningService]
+    pki: Pki,
+    service_factory: Callable[..., RunningService],
+    secure_stub: Callable[..., rbm_pb2_grpc.RBMServiceStub],
 ) -> None:
     running = service_factory(
         run_worker=False,
