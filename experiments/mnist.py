@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -305,24 +306,46 @@ def variance_figure(results: list[RunResult], path: Path) -> Path:
     return common.save_figure(figure, path)
 
 
+def curve_figures(directory: Path, curves: Sequence[Any]) -> None:
+    """Fig. 3d and the AIS figure, from anything with `label` and `series` (runs, or curves
+    loaded back from `curves.json` by `common.load_curves`). BRBM and GRBM get separate panels,
+    the GRBM's on a log scale: its errors span several decades."""
+    brbm = [c for c in curves if c.label.startswith("BRBM ")]
+    grbm = [c for c in curves if c.label.startswith("GRBM ")]
+    figure, axes = plt.subplots(1, 3, figsize=(12.6, 3.4))
+    common.plot_metric(
+        axes[0], brbm, "train_recon", title="(d) MNIST BRBM train", ylabel="reconstruction error"
+    )
+    common.plot_metric(
+        axes[1], brbm, "test_recon", title="(d) MNIST BRBM test", ylabel="reconstruction error"
+    )
+    common.plot_metric(
+        axes[2],
+        grbm,
+        "test_recon",
+        title="(d) MNIST GRBM test (log scale)",
+        ylabel="reconstruction error",
+        log_y=True,
+    )
+    figure.tight_layout()
+    common.save_figure(figure, directory / "fig3d_recon.png")
+    figure, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    common.plot_metric(
+        axes[0], brbm, "test_ll", title="BRBM AIS test log-likelihood", ylabel="nats per example"
+    )
+    common.plot_metric(
+        axes[1], grbm, "test_ll", title="GRBM AIS test log-density", ylabel="nats per example"
+    )
+    figure.tight_layout()
+    common.save_figure(figure, directory / "ais_ll.png")
+
+
 def write_outputs(
     directory: Path, results: list[RunResult], large: list[RunResult], timing: list[dict[str, Any]]
 ) -> None:
     brbm = [r for r in results if r.label.startswith("BRBM")]
     grbm = [r for r in results if r.label.startswith("GRBM")]
-    common.curve_figure(
-        results,
-        [
-            ("train_recon", "(d) MNIST train", "reconstruction error"),
-            ("test_recon", "(d) MNIST test", "reconstruction error"),
-        ],
-        directory / "fig3d_recon.png",
-    )
-    common.curve_figure(
-        results,
-        [("test_ll", "AIS test log-likelihood", "nats per example")],
-        directory / "ais_ll.png",
-    )
+    curve_figures(directory, results)
     filters_figure(brbm, directory / "fig3e_filters_brbm.png")
     filters_figure(grbm, directory / "fig3e_filters_grbm.png")
     histogram_figure(results, directory / "w_histograms.png")
