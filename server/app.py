@@ -29,6 +29,7 @@ from server.config import Settings
 from server.errors import ErrorMappingInterceptor
 from server.keys import Keys
 from server.metrics import LatencyInterceptor, ServiceMetrics, refresh_job_gauges
+from server.readiness import follow_redis
 from server.servicer import RBMServicer, Stores
 from server.serving import ModelServer
 from server.store import CheckpointStore, DatasetStore, EventStore, JobStore, connect
@@ -91,6 +92,7 @@ class Service:
         )
         self.port = self._bind(settings)
         self._refresh: asyncio.Task[None] | None = None
+        self._readiness: asyncio.Task[None] | None = None
 
     def _bind(self, settings: Settings) -> int:
         address = settings.listen_address
@@ -121,6 +123,7 @@ class Service:
                 self.running_samples_per_second,
             )
         )
+        self._readiness = asyncio.create_task(follow_redis(self.redis, self.health, SERVICE_NAME))
         logger.info("gRPC server listening on port %d", self.port)
         return self.port
 
@@ -129,8 +132,9 @@ class Service:
         grace = self.settings.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         self.servicer.begin_shutdown()
-        if self._refresh is not None:
-            self._refresh.cancel()
+        for task in (self._refresh, self._readiness):
+            if task is not None:
+                task.cancel()
         await self.server.stop(grace)
         self.models.close()
         if self._owns_redis:

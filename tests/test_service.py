@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -518,13 +519,30 @@ def test_redis_unreachable_is_unavailable_and_the_server_recovers(redis_factory,
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     health = health_pb2_grpc.HealthStub(running.channel())
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == (
-        health_pb2.HealthCheckResponse.SERVING
-    )
+    # Alive (the overall entry) but not ready: the service's own entry follows Redis.
+    assert service_health(health, "") == health_pb2.HealthCheckResponse.SERVING
+    assert wait_for_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     redis.start()  # same port and append-only file: the job is still there
+    assert wait_for_health(health, health_pb2.HealthCheckResponse.SERVING)
     again = stub.GetJob(pb.GetJobRequest(job_id=job.id), timeout=30)
     assert again.id == job.id and again.state == pb.JOB_STATE_QUEUED
     assert len(stub.ListJobs(pb.ListJobsRequest(), timeout=30).jobs) == 1
+
+
+def service_health(health, name: str) -> int:
+    from grpc_health.v1 import health_pb2
+
+    return health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+
+
+def wait_for_health(health, status: int, timeout_s: float = 15.0) -> bool:
+    """Whether the service's health entry reaches ``status`` within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if service_health(health, "ssdrbm.v1.RBMService") == status:
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def test_diverging_job_fails_with_its_reason(module_service: RunningService) -> None:
