@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssdcore.models.base import RBM, check_visible
+from ssdcore.models.base import RBM, GibbsKernel, check_visible
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.sampling import GibbsChain, RandomSource, seed_from
 
@@ -141,10 +141,10 @@ class CDEstimator:
                 self.chains = torch.empty_like(hidden_model)
             self.source.bernoulli_(hidden_model, out=self.chains)
 
-        self._write_gradients(ws)
+        self._write_gradients(ws, kernel)
         return CDStats(visible_data, hidden_data, visible_model, hidden_model)
 
-    def _write_gradients(self, ws: _Workspace) -> None:
+    def _write_gradients(self, ws: _Workspace, kernel: GibbsKernel) -> None:
         model = self.model
         right = torch.mul(ws.hidden_probs, ws.weights.unsqueeze(1), out=ws.right)
         if isinstance(model, GaussianRBM) and model.variance != "identity":
@@ -154,8 +154,7 @@ class CDEstimator:
                     ws.visible, model.precision.detach(), out=ws.visible_precision
                 )
             else:
-                precision = torch.exp(-model.log_variance().detach())
-                weighted_visible = torch.mul(ws.visible, precision, out=ws.visible_precision)
+                weighted_visible = torch.mul(ws.visible, kernel.precision, out=ws.visible_precision)
         else:
             weighted_visible = ws.visible  # C = I
         left = weighted_visible.t()  # (V, 2B)
@@ -168,10 +167,10 @@ class CDEstimator:
         torch.sum(right, dim=0, out=_grad_buffer(model.a))
         torch.mv(weighted_visible.t(), ws.weights, out=_grad_buffer(model.b))
         if needs_variance:
-            self._write_variance_gradient(model, ws, grad_w)
+            self._write_variance_gradient(model, ws, kernel, grad_w)
 
     def _write_variance_gradient(
-        self, model: GaussianRBM, ws: _Workspace, grad_w: torch.Tensor
+        self, model: GaussianRBM, ws: _Workspace, kernel: GibbsKernel, grad_w: torch.Tensor
     ) -> None:
         assert ws.centered is not None
         centered = torch.sub(ws.visible, model.b.detach(), out=ws.centered)  # (2B, V)
@@ -183,11 +182,11 @@ class CDEstimator:
             grad = moment @ weight.t() - 0.5 * quadratic
             _grad_buffer(model.precision).copy_(0.5 * (grad + grad.t()))
             return
-        precision = torch.exp(-model.log_variance().detach())
+        assert ws.weight_product is not None and kernel.precision is not None
         squared_moment = torch.mv(centered.square_().t(), ws.weights)  # Σ_n w_n (v_n - b)²
-        assert ws.weight_product is not None
         torch.mul(weight, grad_w, out=ws.weight_product)
-        grad = (0.5 * precision) * squared_moment - ws.weight_product.sum(dim=1)  # (V,)
+        rowsum = ws.weight_product.sum(dim=1)  # (V,)
+        grad = squared_moment.mul_(kernel.precision).mul_(0.5).sub_(rowsum)  # (V,)
         if model.variance == "diagonal":
             _grad_buffer(model.log_var).copy_(grad)
         else:

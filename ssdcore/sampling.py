@@ -29,6 +29,15 @@ _RAW_WORDS_PER_SFC64_STATE = 4
 _MAX_SCRATCH_BUFFERS = 16
 
 
+@dataclass(frozen=True)
+class _Scratch:
+    """Buffers for Bernoulli draws of one shape: uniforms (flat and shaped) and thresholds."""
+
+    flat: torch.Tensor
+    uniform: torch.Tensor
+    threshold: torch.Tensor
+
+
 class RandomSource:
     """Seeded Bernoulli and Gaussian draws into preallocated tensors on one device.
 
@@ -38,7 +47,7 @@ class RandomSource:
 
     def __init__(self, device: torch.device | str, seed: int):
         self.device = torch.device(device)
-        self._scratch: dict[tuple[str, int], torch.Tensor] = {}
+        self._scratch: dict[tuple[torch.Size, torch.dtype], _Scratch] = {}
         self._offset = torch.tensor(-_TWO_POW_16 / 2, device=self.device, dtype=torch.float32)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
@@ -48,33 +57,34 @@ class RandomSource:
 
     def bernoulli_(self, probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Write 0/1 draws with P(1) = probs into `out` (same shape; may alias `probs`)."""
+        scratch = self._scratch_for(probs)
         if self._bits is None:
-            uniform = self._buffer("uniform", probs.numel(), probs.dtype).view(probs.shape)
-            uniform.uniform_(generator=self._generator)
-            return torch.lt(uniform, probs, out=out)
-        n = probs.numel()
+            scratch.uniform.uniform_(generator=self._generator)
+            return torch.lt(scratch.uniform, probs, out=out)
+        n = scratch.flat.numel()
         words = self._bits.random_raw((n + 3) // 4)
-        u16 = torch.from_numpy(words.view(np.int16)[:n]).view(probs.shape)
-        uniform = self._buffer("uniform", n, probs.dtype).view(probs.shape)
-        uniform.copy_(u16)  # integers k in [-32768, 32767], converted without a temporary
+        # integers k in [-32768, 32767], converted to float without a temporary
+        scratch.flat.copy_(torch.from_numpy(words.view(np.int16)[:n]))
         # k < 65536·p - 32768  ⇔  (k + 32768) / 65536 < p, a 16-bit uniform on [0, 1) below p
-        threshold = self._buffer("threshold", n, probs.dtype).view(probs.shape)
-        torch.add(self._offset, probs, alpha=_TWO_POW_16, out=threshold)
-        return torch.lt(uniform, threshold, out=out)
+        torch.add(self._offset, probs, alpha=_TWO_POW_16, out=scratch.threshold)
+        return torch.lt(scratch.uniform, scratch.threshold, out=out)
 
     def normal_(self, out: torch.Tensor) -> torch.Tensor:
         """Fill `out` with independent standard normal draws."""
         return out.normal_(generator=self._generator)
 
-    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        key = (name, numel)
-        buffer = self._scratch.get(key)
-        if buffer is None or buffer.dtype != dtype:
+    def _scratch_for(self, probs: torch.Tensor) -> _Scratch:
+        # Views are made once per shape: even a view costs microseconds per call.
+        key = (probs.shape, probs.dtype)
+        scratch = self._scratch.get(key)
+        if scratch is None:
             if len(self._scratch) >= _MAX_SCRATCH_BUFFERS:  # shapes changed: start afresh
                 self._scratch.clear()
-            buffer = torch.empty(numel, dtype=dtype, device=self.device)
-            self._scratch[key] = buffer
-        return buffer
+            flat = torch.empty(probs.numel(), dtype=probs.dtype, device=self.device)
+            threshold = torch.empty(probs.shape, dtype=probs.dtype, device=self.device)
+            scratch = _Scratch(flat, flat.view(probs.shape), threshold)
+            self._scratch[key] = scratch
+        return scratch
 
     # --- state ----------------------------------------------------------------------------
 
@@ -178,7 +188,7 @@ class GibbsChain:
 
     def sample_visible_(self, kernel: GibbsKernel, hidden: torch.Tensor, out: torch.Tensor) -> None:
         """out ← a draw of v ~ p(v | hidden)."""
-        torch.addmm(kernel.visible_bias, hidden, kernel.weight.t(), out=out)
+        torch.addmm(kernel.visible_bias, hidden, kernel.weight_t, out=out)
         if not kernel.gaussian:
             self.source.bernoulli_(out.sigmoid_(), out=out)
             return

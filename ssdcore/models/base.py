@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -30,6 +31,12 @@ class GibbsKernel:
     gaussian: bool
     noise_scale: torch.Tensor | None = None  # (V,) or (1,): standard deviations
     noise_transform: torch.Tensor | None = None  # (V, V): eps @ noise_transform ~ N(0, C)
+    precision: torch.Tensor | None = None  # (V,) or (1,): diagonal of C⁻¹ (diagonal forms)
+
+    @cached_property
+    def weight_t(self) -> torch.Tensor:
+        """Wᵀ (H, V) as a view, made once per kernel rather than once per sweep."""
+        return self.weight.t()
 
 
 def check_visible(v: torch.Tensor, n_visible: int, name: str = "v") -> None:

@@ -169,14 +169,16 @@ class GaussianRBM(RBM):
 
     def gibbs_kernel(self) -> GibbsKernel:
         weight = self.W.detach()
+        precision = scale = transform = None
         if self.variance == "full":
             hidden_weight = self.precision.detach() @ weight
+            scale, transform = self._noise_factors()
         elif self.variance == "identity":
             hidden_weight = weight
         else:
-            precision = torch.exp(-self.log_variance().detach())
+            scale = torch.exp(0.5 * self.log_variance().detach())  # standard deviations
+            precision = scale.pow(-2)
             hidden_weight = torch.mul(weight, precision.unsqueeze(1), out=self._kernel_buffer())
-        scale, transform = self._noise_factors()
         return GibbsKernel(
             hidden_weight=hidden_weight,
             hidden_bias=self.a.detach(),
@@ -185,6 +187,7 @@ class GaussianRBM(RBM):
             gaussian=True,
             noise_scale=scale,
             noise_transform=transform,
+            precision=precision,
         )
 
     # --- constraints and configuration ------------------------------------------------------
