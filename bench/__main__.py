@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from bench.report import Case, Report, Target, write
+from bench.report import Case, Report, Target, read_json_lines, write
 from bench.timing import environment, set_threads
 
 logger = logging.getLogger("bench")
@@ -54,6 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="CPU threads for every implementation (default: each library's own default)",
     )
     parser.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="print the tables of a saved run (from --save-json) instead of measuring",
+    )
+    parser.add_argument(
         "--save-json", metavar="PATH", help="also write the JSON lines to PATH (with the table)"
     )
     return parser.parse_args(argv)
@@ -86,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    if args.from_json:
+        with open(args.from_json) as saved:
+            write(read_json_lines(saved), sys.stdout, as_json=args.json)
+        return 0
     if args.threads is not None:
         if args.threads < 1:
             print("python -m bench: --threads must be at least 1", file=sys.stderr)

@@ -19,7 +19,7 @@ import torch
 from bench import data as bench_data
 from bench.reference import ReferenceConfig, ReferenceLoop
 from bench.report import Case, Target
-from bench.timing import Timing, interleaved_rounds, paired_ratio, peak_tensor_mib
+from bench.timing import TensorMemory, Timing, interleaved_rounds, paired_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -231,10 +231,10 @@ def measure_group(
         device=device,
         units_per_call=steps,
     )
+    memory = measure_memory(builders, plan.memory_steps, device)
     cases = []
     for variant in group:
-        memory = measure_memory(builders[variant.name], plan.memory_steps, device)
-        case = _case(variant, n_hidden, cd_k, timings, memory, steps[variant.name])
+        case = _case(variant, n_hidden, cd_k, timings, memory[variant.name], steps[variant.name])
         if runners[variant.name].restarts:
             case.notes.append(
                 f"{variant.name} 784x{n_hidden} CD-{cd_k}: rebuilt "
@@ -245,19 +245,25 @@ def measure_group(
 
 
 def measure_memory(
-    build: Callable[[], Callable[[int], object]], steps: int, device: torch.device
-) -> dict[str, float]:
-    """Peak tensor memory of setting a variant up (construction and first step, when buffers are
-    allocated) and of `steps` further steps (the steady working set), in MiB."""
-    built: list[Callable[[int], object]] = []
-
-    def set_up() -> None:
-        built.append(build())
-        built[0](1)
-
-    setup = peak_tensor_mib(set_up, device)
-    step = peak_tensor_mib(lambda: built[0](steps), device)
-    return {"setup_mib": setup, "step_mib": step}
+    builders: dict[str, Callable[[], Callable[[int], object]]], steps: int, device: torch.device
+) -> dict[str, dict[str, float]]:
+    """Per variant, the peak tensor memory of setting it up (construction and first step, when
+    buffers are allocated) and of `steps` further steps (the steady working set), in MiB."""
+    result: dict[str, dict[str, float]] = {}
+    with TensorMemory(device) as memory:
+        for name, build in builders.items():
+            with memory.phase(f"{name}:setup"):
+                run = build()
+                run(1)
+            with memory.phase(f"{name}:step"):
+                run(steps)
+            del run
+    for name in builders:
+        result[name] = {
+            "setup_mib": memory.peaks[f"{name}:setup"],
+            "step_mib": memory.peaks[f"{name}:step"],
+        }
+    return result
 
 
 def _reference_of(variant: Variant) -> str:

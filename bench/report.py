@@ -92,6 +92,26 @@ class Report:
         return [json.dumps(record, sort_keys=False) for record in records]
 
 
+def read_json_lines(lines: Iterable[str]) -> Report:
+    """Rebuild a Report from its JSON lines (as written by `write(..., as_json=True)`)."""
+    report = Report(environment={})
+    for line in lines:
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        kind = record.pop("kind")
+        if kind == "environment":
+            report.environment = record
+        elif kind == "case":
+            report.cases.append(Case(**record))
+        elif kind == "target":
+            record.pop("met")
+            report.targets.append(Target(**record))
+        else:
+            raise ValueError(f"unknown record kind {kind!r} in benchmark results")
+    return report
+
+
 def _clean_number(value: Number) -> Number:
     # JSON has no NaN or Infinity; an unmeasurable figure is null.
     if value is None:

@@ -13,7 +13,7 @@ import os
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -136,31 +136,83 @@ def peak_rss_mib(pid: int | str = "self") -> float | None:
     return None if kib is None else kib / 1024.0
 
 
-def peak_tensor_mib(fn: Callable[[], object], device: torch.device) -> float:
-    """Peak of tensor memory allocated while `fn` runs, above the level at its start, in MiB.
+class TensorMemory:
+    """Peaks of tensor memory of named phases, in MiB above each phase's starting level.
 
-    CPU: replays torch's own allocation and free records (the profiler's memory events) in time
-    order, so the figure is exact and independent of what the C allocator keeps cached. CUDA:
-    torch's peak-allocated counter.
+    Use as a context manager and wrap each phase in `with memory.phase(name):`; `peaks` holds the
+    results after exit. CPU: one torch.profiler session records torch's own allocation and free
+    events, replayed afterwards in time order, so the figures are exact and independent of what
+    the C allocator keeps cached (one session for many phases: starting a profiler costs about a
+    second). CUDA: torch's peak-allocated counter, reset per phase.
     """
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda event: event.start_ns())
+
+    _PREFIX = "bench-memory-phase-"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peaks: dict[str, float] = {}
+        self._names: list[str] = []
+        self._profiler: torch.profiler.profile | None = None
+
+    def __enter__(self) -> TensorMemory:
+        gc.collect()
+        if self.device.type != "cuda":
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            self._profiler = torch.profiler.profile(activities=activities, profile_memory=True)
+            self._profiler.__enter__()
+        return self
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Measure the peak of the block under `name`."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+            self.peaks[name] = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20
+            return
+        self._names.append(name)
+        with torch.profiler.record_function(f"{self._PREFIX}{len(self._names) - 1}"):
+            yield
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._profiler is None:
+            return
+        self._profiler.__exit__(*exc_info)
+        events = self._profiler.profiler.kineto_results.events()
+        windows = {}
+        for event in events:
+            if event.name().startswith(self._PREFIX):
+                index = int(event.name()[len(self._PREFIX) :])
+                windows[self._names[index]] = (event.start_ns(), event.end_ns())
+        memory = sorted(
+            ((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"),
+            key=lambda item: item[0],
+        )
+        for name, (start, end) in windows.items():
+            self.peaks[name] = _window_peak(memory, start, end) / 2**20
+
+
+def _window_peak(memory: list[tuple[int, int]], start: int, end: int) -> int:
+    """Highest level of allocated bytes within [start, end], above the level at `start`."""
     level = peak = 0
-    for event in events:
-        level += event.nbytes()
+    for time_ns, nbytes in memory:
+        if time_ns < start:
+            continue
+        if time_ns > end:
+            break
+        level += nbytes
         peak = max(peak, level)
-    return peak / 2**20
+    return peak
+
+
+def peak_tensor_mib(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak of tensor memory allocated while `fn` runs, above the level at its start, in MiB."""
+    with TensorMemory(device) as memory, memory.phase("call"):
+        fn()
+    return memory.peaks["call"]
 
 
 def set_threads(threads: int) -> None:

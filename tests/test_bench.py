@@ -1,6 +1,6 @@
 """The benchmark suite: its JSON output shape on a quick run, and the correctness of its parts.
 
-Budget: under 60 s on a 2-core machine (one `python -m bench all --quick --json` run, which starts
+Budget: under 60 s on an idle 2-core machine (one `python -m bench all --quick` run, which starts
 its own redis-server and gRPC server, plus small in-process checks). No timing is asserted: speed
 is what the benchmark reports, not what a test decides.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bench.reference import ReferenceConfig, ReferenceLoop, ReferenceRBM, cd_chain, spectral_step
-from bench.report import Case, Report, Target, render_text
+from bench.report import Case, Report, Target, read_json_lines, render_text
 from bench.timing import interleaved_rounds, peak_tensor_mib, percentile
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -27,9 +27,13 @@ QUICK_RUN_TIMEOUT_S = 240  # a guard against a hang, far above the ~40 s a quick
 
 @pytest.fixture(scope="module")
 def quick_records() -> list[dict]:
-    """Every JSON record of one `python -m bench all --quick --json` run."""
+    """Every JSON record of one `python -m bench all --quick --json --threads 1` run.
+
+    One thread: on a busy shared machine, torch's spinning OpenMP threads can make a run several
+    times slower, and this test checks the output's shape, not speed.
+    """
     completed = subprocess.run(
-        [sys.executable, "-m", "bench", "all", "--quick", "--json"],
+        [sys.executable, "-m", "bench", "all", "--quick", "--json", "--threads", "1"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -51,6 +55,7 @@ def test_quick_run_starts_with_the_environment(quick_records):
     environment = quick_records[0]
     assert environment["kind"] == "environment"
     assert environment["quick"] is True
+    assert environment["torch_threads"] == 1
     assert environment["failed_suites"] == []
     assert {"torch", "torch_threads", "device", "time_utc"} <= environment.keys()
     assert {r["kind"] for r in quick_records} == {"environment", "case", "target"}
@@ -215,3 +220,4 @@ def test_report_renders_missed_and_unmeasured_targets():
     records = [json.loads(line) for line in report.json_lines()]
     assert records[1]["ratios"]["ratio"] is None  # NaN is not valid JSON
     assert [r["met"] for r in records[2:]] == [False, None]
+    assert render_text(read_json_lines(report.json_lines())) == text
