@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import torch
 
 import ssdcore
@@ -26,6 +28,7 @@ from ssdcore.optim import OptimizerConfig, polar
 logger = logging.getLogger(__name__)
 
 NAME = "beyond"
+LL_FLOOR = -1000.0  # nats per example; the adaptive figure leaves runs below it off its scale
 POLAR_METHODS = ("svd", "lowrank", "randomized", "newton-schulz")
 FALLBACK_LR = {"adam": 1e-3, "rmsprop": 1e-3, "pssd-rmsprop": 1e-4, "pssd-adam": 1e-4}
 
@@ -151,7 +154,10 @@ def polar_accuracy(config: Config, train: torch.Tensor) -> list[dict[str, Any]]:
         gradient = model.W.grad.detach().clone()
         factors = model.W.grad_factors
         u, s, vh = torch.linalg.svd(gradient.double(), full_matrices=False)
-        rank = int((s > s[0] * 1e-6).sum())
+        # Singular values below float32 rounding of G count as zero, as in ssdcore.optim.polar:
+        # the reference direction spans G's numerical range only (rank ≤ 2B).
+        tolerance = s[0] * max(gradient.shape) * torch.finfo(torch.float32).eps
+        rank = int((s > tolerance).sum())
         exact = (u[:, :rank] @ vh[:rank]).float()
         nuclear = float(s.sum())
         for method in POLAR_METHODS:
@@ -165,6 +171,7 @@ def polar_accuracy(config: Config, train: torch.Tensor) -> list[dict[str, Any]]:
                 {
                     "n_hidden": n_hidden,
                     "method": method,
+                    "rank": rank,
                     "direction rel. error": float((direction - exact).norm() / exact.norm()),
                     "nuclear norm rel. error": abs(float(norm) - nuclear) / nuclear,
                     "ms per polar step": 1000 * statistics.median(seconds),
@@ -260,6 +267,31 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     }
 
 
+def curve_figures(
+    directory: Path, adaptive: Sequence[Any], polar_quality: Sequence[Any], pcd: Sequence[Any]
+) -> None:
+    """The three curve figures, from runs or from curves loaded back by `common.load_curves`."""
+    panels = [
+        ("test_recon", "test reconstruction error", "reconstruction error"),
+        ("test_ll", "AIS test log-likelihood", "nats per example"),
+    ]
+    figure, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    key, title, ylabel = panels[0]
+    common.plot_metric(axes[0], adaptive, key, title=title, ylabel=ylabel)
+    # A run whose likelihood collapses would flatten the others: show the others' range and say
+    # which runs are off the scale.
+    finite = [c for c in adaptive if min(c.series("test_ll")[1] or [0.0]) > LL_FLOOR]
+    off_scale = [c.label for c in adaptive if c not in finite]
+    title = "AIS test log-likelihood"
+    if off_scale:
+        title += f"\n(off scale, below {LL_FLOOR:g}: {', '.join(off_scale)})"
+    common.plot_metric(axes[1], finite, "test_ll", title=title, ylabel=panels[1][2])
+    figure.tight_layout()
+    common.save_figure(figure, directory / "adaptive.png")
+    common.curve_figure(polar_quality, panels, directory / "polar_methods.png")
+    common.curve_figure(pcd, panels, directory / "pcd_vs_cd.png")
+
+
 def write_outputs(
     directory: Path,
     adaptive: list[RunResult],
@@ -268,13 +300,7 @@ def write_outputs(
     accuracy: list[dict[str, Any]],
     timing: list[dict[str, Any]],
 ) -> None:
-    panels = [
-        ("test_recon", "test reconstruction error", "reconstruction error"),
-        ("test_ll", "AIS test log-likelihood", "nats per example"),
-    ]
-    common.curve_figure(adaptive, panels, directory / "adaptive.png")
-    common.curve_figure(polar_quality, panels, directory / "polar_methods.png")
-    common.curve_figure(pcd, panels, directory / "pcd_vs_cd.png")
+    curve_figures(directory, adaptive, polar_quality, pcd)
     common.write_table(common.summary_rows(adaptive), directory, "adaptive_summary")
     common.write_table(common.summary_rows(polar_quality), directory, "polar_quality")
     common.write_table(accuracy, directory, "polar_accuracy")

@@ -8,6 +8,7 @@ real values — so their reconstruction errors are on one scale, as in the paper
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,15 +114,22 @@ def reconstructions_figure(results: list[RunResult], test: torch.Tensor, path: P
     return common.save_figure(figure, path)
 
 
-def write_outputs(directory: Path, results: list[RunResult], test: torch.Tensor) -> None:
+def curve_figures(directory: Path, curves: Sequence[Any]) -> None:
+    """Fig. 4 from runs or from curves loaded back by `common.load_curves`; log scale, since a
+    diverging run would otherwise flatten the others."""
     common.curve_figure(
-        results,
+        curves,
         [
             ("train_recon", "Frey Face train (n_h = 200)", "reconstruction error"),
             ("test_recon", "Frey Face test (n_h = 200)", "reconstruction error"),
         ],
         directory / "fig4_recon.png",
+        log_y=True,
     )
+
+
+def write_outputs(directory: Path, results: list[RunResult], test: torch.Tensor) -> None:
+    curve_figures(directory, results)
     reconstructions_figure(results, test, directory / "reconstructions.png")
     common.write_table(common.summary_rows(results), directory, "summary")
     common.write_curves(results, directory, "curves")
