@@ -276,8 +276,9 @@ def curve_figures(
         ("test_ll", "AIS test log-likelihood", "nats per example"),
     ]
     figure, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    colors = {c.label: {"color": f"C{i}"} for i, c in enumerate(adaptive)}  # same in both panels
     key, title, ylabel = panels[0]
-    common.plot_metric(axes[0], adaptive, key, title=title, ylabel=ylabel)
+    common.plot_metric(axes[0], adaptive, key, title=title, ylabel=ylabel, styles=colors)
     # A run whose likelihood collapses would flatten the others: show the others' range and say
     # which runs are off the scale.
     finite = [c for c in adaptive if min(c.series("test_ll")[1] or [0.0]) > LL_FLOOR]
@@ -285,7 +286,7 @@ def curve_figures(
     title = "AIS test log-likelihood"
     if off_scale:
         title += f"\n(off scale, below {LL_FLOOR:g}: {', '.join(off_scale)})"
-    common.plot_metric(axes[1], finite, "test_ll", title=title, ylabel=panels[1][2])
+    common.plot_metric(axes[1], finite, "test_ll", title=title, ylabel=panels[1][2], styles=colors)
     figure.tight_layout()
     common.save_figure(figure, directory / "adaptive.png")
     common.curve_figure(polar_quality, panels, directory / "polar_methods.png")
