@@ -459,10 +459,12 @@ def plot_metric(
     ylabel: str,
     styles: dict[str, dict[str, Any]] | None = None,
     log_y: bool = False,
+    from_step: int = 0,
 ) -> None:
-    """One line per run of metric `key` against iterations."""
+    """One line per run of metric `key` against iterations (those at or after `from_step`)."""
     for result in results:
-        steps, values = result.series(key)
+        points = [(s, v) for s, v in zip(*result.series(key), strict=True) if s >= from_step]
+        steps, values = [s for s, _ in points], [v for _, v in points]
         if steps:
             style = (styles or {}).get(result.label, {})
             axis.plot(
@@ -484,11 +486,23 @@ def curve_figure(
     *,
     styles: dict[str, dict[str, Any]] | None = None,
     log_y: bool = False,
+    first_steps: dict[str, int] | None = None,
 ) -> Path:
-    """A row of panels (metric key, title, y label), each with one line per run."""
+    """A row of panels (metric key, title, y label), each with one line per run; a metric in
+    `first_steps` is drawn from that step on."""
     figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for axis, (key, title, ylabel) in zip(axes[0], panels, strict=True):
-        plot_metric(axis, results, key, title=title, ylabel=ylabel, styles=styles, log_y=log_y)
+        first = (first_steps or {}).get(key, 0)
+        plot_metric(
+            axis,
+            results,
+            key,
+            title=title,
+            ylabel=ylabel,
+            styles=styles,
+            log_y=log_y,
+            from_step=first,
+        )
     figure.tight_layout()
     return save_figure(figure, path)
 

@@ -18,6 +18,7 @@ but for n_h = 16 (`ll_hidden`), with the exact test log-likelihood along the cur
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,8 +181,12 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     }
 
 
-def write_outputs(directory: Path, config: Config, curves: dict[str, list[RunResult]]) -> None:
+def curve_figures(directory: Path, config: Config, curves: dict[str, Sequence[Any]]) -> None:
+    """The four figures, from runs or from curves loaded back by `common.load_curves`. The
+    likelihood panels start at the first checkpoint after 0: the untrained model's value (−69,
+    −122) would otherwise set the scale."""
     h, h_ll = config.n_hidden, config.ll_hidden
+    after_start = {"test_ll": 1}
     common.curve_figure(
         curves["brbm"],
         [
@@ -207,6 +212,7 @@ def write_outputs(directory: Path, config: Config, curves: dict[str, list[RunRes
         ],
         directory / "brbm_exact_ll.png",
         styles=STYLES,
+        first_steps=after_start,
     )
     common.curve_figure(
         curves["grbm_ll"],
@@ -215,7 +221,12 @@ def write_outputs(directory: Path, config: Config, curves: dict[str, list[RunRes
             ("test_recon", f"GRBM (cI) test, n_h = {h_ll}", "reconstruction error"),
         ],
         directory / "grbm_exact_ll.png",
+        first_steps=after_start,
     )
+
+
+def write_outputs(directory: Path, config: Config, curves: dict[str, list[RunResult]]) -> None:
+    curve_figures(directory, config, curves)
     for key, results in curves.items():
         common.write_table(common.summary_rows(results), directory, f"{key}_summary")
     # the twins share their labels with the n_h = 25 runs, so they get a file of their own

@@ -251,9 +251,17 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
 
 
 def grid_figure(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Validation error against step size, one panel per setting, both axes logarithmic."""
     keys = list(dict.fromkeys(r["setting"] for r in rows))
-    figure, axes = plt.subplots(1, len(keys), figsize=(2.9 * len(keys), 2.8), squeeze=False)
-    for axis, key in zip(axes[0], keys, strict=True):
+    columns = 4
+    panel_rows = -(-len(keys) // columns)
+    figure, grid = plt.subplots(
+        panel_rows, columns, figsize=(3.2 * columns, 2.8 * panel_rows), squeeze=False
+    )
+    axes = list(grid.flatten())
+    for unused in axes[len(keys) :]:
+        unused.axis("off")
+    for axis, key in zip(axes, keys, strict=False):
         for name in dict.fromkeys(r["optimizer"] for r in rows if r["setting"] == key):
             points = [
                 (r["lr"], r["valid_recon"])
@@ -265,9 +273,10 @@ def grid_figure(rows: list[dict[str, Any]], path: Path) -> Path:
             if points:
                 axis.plot(*zip(*points, strict=True), marker="o", label=name)
         axis.set_xscale("log")
+        axis.set_yscale("log")  # diverging step sizes reach errors of 1e12
         axis.set_title(key, fontsize=9)
         axis.set_xlabel("step size")
+        axis.set_ylabel("validation recon. error")
         axis.legend(fontsize=7)
-    axes[0][0].set_ylabel("validation recon. error")
     figure.tight_layout()
     return common.save_figure(figure, path)
