@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 
 import ssdcore
+from ssdcore.data import default_data_dir
 from ssdcore.evaluation import (
     ais_log_partition,
     exact_log_partition,
@@ -84,7 +85,7 @@ def seed_everything(seed: int) -> None:
 
 def data_dir() -> Path:
     """Directory with the real datasets: `SSDRBM_DATA_DIR`, else `../shared/data` of the repo."""
-    return Path(os.environ.get("SSDRBM_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
+    return default_data_dir()
 
 
 def load_step_sizes(path: Path = STEP_SIZES_PATH) -> dict[str, float]:

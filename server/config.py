@@ -16,7 +16,7 @@ from typing import Any
 ENV_PREFIX = "SSDRBM_"
 
 # ../shared/data relative to the repository, the same default ssdcore.data uses.
-_DEFAULT_DATA_DIR = str(Path(__file__).resolve().parent.parent.parent / "shared" / "data")
+DEFAULT_DATA_DIR = str(Path(__file__).resolve().parent.parent.parent / "shared" / "data")
 
 
 class ConfigError(ValueError):
@@ -35,7 +35,7 @@ class Settings:
     # Storage
     redis_url: str = "redis://127.0.0.1:6379/0"  # redis:// or rediss:// (TLS), may hold a password
     redis_prefix: str = "ssdrbm:"  # every key starts with it, so one Redis can host several
-    data_dir: str = _DEFAULT_DATA_DIR  # built-in real datasets (MNIST, Frey Face)
+    data_dir: str = DEFAULT_DATA_DIR  # built-in real datasets (MNIST, Frey Face)
 
     # Limits, each answered with its own RESOURCE_EXHAUSTED message
     max_message_bytes: int = 64 * 1024 * 1024  # one gRPC message, both directions

@@ -22,7 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from server.config import Settings
+from server.config import DEFAULT_DATA_DIR, Settings
 from server.keys import DEFAULT_PREFIX, Keys
 from server.store.connection import connect
 from server.store.leases import Lease, LeaseStore
@@ -33,7 +33,6 @@ from server.worker.runner import REDIS_DOWN, JobRunner, RunnerOptions, StopReque
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 REDIS_RETRY_S = 1.0
 MAX_JOBS_PER_CHILD = 100  # a training process is replaced after this many jobs
 
