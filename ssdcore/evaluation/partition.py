@@ -2,10 +2,20 @@
 
 Bernoulli RBM: summing out the other layer in closed form,
     log Z = logsumexp_h [aᵀh + Σ_i softplus(b + Wh)_i]     (or the same over v with a, b swapped),
-so the cost is O(2^n · (V + H)) for the n units enumerated (the smaller layer, n ≤ 24).
+over the 2^n states of the smaller layer (n ≤ 28). Two things make n = 25 cheap:
+- the enumerated units are split into low and high bits, h = (l, u), so the pre-activation
+  b + W_l l + W_u u is a broadcast of two small tables, not a (2^n × n) @ (n × V) product;
+- Σ_i log(1 + e^x_i) is taken as log Π_i (1 + e^x_i): with tables of e^(b + W_l l) and e^(W_u u),
+  each visible unit costs one multiply and one add, and one log serves a whole group of units.
+  The groups are sized from an upper bound on each unit's softplus so that their products stay
+  inside the dtype's range (a unit that could overflow alone falls back to softplus per unit).
+On one core of a 2-core AVX2 machine, float64, V = 100: n = 18 in 0.05 s, n = 22 in 0.6 s,
+n = 25 in 5 s (the softplus-per-unit sum took 0.5 s at n = 18); every further unit doubles the
+cost (n = 28: ~40 s).
 Gaussian RBM: the visible integral is Gaussian,
     ∫ exp(-E(v, h)) dv = (2π)^(V/2) |C|^(1/2) exp(aᵀh + bᵀC⁻¹Wh + ½ hᵀWᵀC⁻¹Wh),
-so only the hidden states are enumerated (n_hidden ≤ 24), at O(2^H · H) cost.
+so only the hidden states are enumerated (n_hidden ≤ 28), at O(2^H · H) cost (n_hidden = 25:
+about a second).
 """
 
 from __future__ import annotations
@@ -20,8 +30,12 @@ from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.gaussian import GaussianRBM
 
-MAX_ENUMERATED_UNITS = 24
+MAX_ENUMERATED_UNITS = 28
 _CHUNK_BITS = 14  # 16384 states per chunk
+# Bernoulli RBM: 2^9 low states × 2^3 high states per block, an (8 × 512 × V) buffer (3.3 MB in
+# float64 at V = 100): it stays in cache, and was the fastest of the splits measured at n = 22.
+_BERNOULLI_LOW_BITS = 9
+_BERNOULLI_HIGH_CHUNK_BITS = 3
 # Gaussian RBM: 2^12 low states × 2^10 high states per block (32 MB in float64).
 _LOW_BITS = 12
 _HIGH_CHUNK_BITS = 10
@@ -31,8 +45,9 @@ _HIGH_CHUNK_BITS = 10
 def exact_log_partition(model: RBM, *, dtype: torch.dtype = torch.float64) -> float:
     """log Z of `model`, exactly (in `dtype` arithmetic), by enumeration.
 
-    Raises ValueError when the layer to enumerate has more than 24 units; use
-    `ais_log_partition` for larger models.
+    Raises ValueError when the layer to enumerate has more than MAX_ENUMERATED_UNITS (28) units;
+    use `ais_log_partition` for larger models. Cost: see the module docstring (about 5 s for a
+    100 × 25 Bernoulli RBM on one core).
     """
     if isinstance(model, GaussianRBM):
         return _gaussian_log_partition(model, dtype)
@@ -52,11 +67,68 @@ def _bernoulli_log_partition(model: BernoulliRBM, dtype: torch.dtype) -> float:
     if model.n_hidden > model.n_visible:
         # The energy is symmetric in (v, b) ↔ (h, a) with W transposed: enumerate v instead.
         W, b, a = W.t(), a, b
+    group = _product_group_size(W, b)
+    if group == 0:
+        return _softplus_sum_over_states(W, b, a)
+    return _product_sum_over_states(W, b, a, group)
+
+
+def _product_group_size(W: torch.Tensor, b: torch.Tensor) -> int:
+    """How many units' factors (1 + e^x_i) may be multiplied before one log, 0 if none.
+
+    softplus(b_i + Σ_j max(W_ij, 0)) bounds log(1 + e^x_i) over every state, so a group whose
+    bounds add up to at most half the dtype's log-range can neither overflow nor lose a factor to
+    underflow of its (shifted, ≤ 1) high-bit table.
+    """
+    bound = F.softplus(b + W.clamp(min=0).sum(dim=1))
+    limit = 0.5 * math.log(torch.finfo(W.dtype).max)
+    largest = float(bound.max())
+    if largest > limit:
+        return 0
+    return min(W.shape[0], int(limit // largest))
+
+
+def _product_sum_over_states(
+    W: torch.Tensor, b: torch.Tensor, a: torch.Tensor, group: int
+) -> float:
+    """logsumexp over s ∈ {0, 1}^n of aᵀs + Σ_i log(1 + e^(b + Ws)_i), with s = (low, high):
+    e^(b + Ws) = e^(b + W_l·low + c) · e^(W_u·high − c) for c = Σ_j max(W_u, 0), which keeps the
+    high table in (0, 1]. Units are padded to whole groups with factors of exactly 1."""
+    n_other, n_units = W.shape
+    n_low = min(n_units, _BERNOULLI_LOW_BITS)
+    device, dtype = W.device, W.dtype
+    W_low, W_high = W[:, :n_low], W[:, n_low:]
+    shift = W_high.clamp(min=0).sum(dim=1)
+    n_groups = -(-n_other // group)
+    padded = n_groups * group
+
+    low = next(_states(n_low, device, dtype, chunk_bits=n_low))  # (2^low, low)
+    exp_low = torch.zeros(low.shape[0], padded, dtype=dtype, device=device)
+    torch.exp(torch.addmm(b + shift, low, W_low.t()), out=exp_low[:, :n_other])
+    low_terms = low @ a[:n_low]
+    exp_high = torch.ones(1 << _BERNOULLI_HIGH_CHUNK_BITS, padded, dtype=dtype, device=device)
+    factors = torch.empty(exp_high.shape[0], *exp_low.shape, dtype=dtype, device=device)
+
+    partial = []
+    for high in _states(n_units - n_low, device, dtype, chunk_bits=_BERNOULLI_HIGH_CHUNK_BITS):
+        count = high.shape[0]
+        torch.exp(high @ W_high.t() - shift, out=exp_high[:count, :n_other])
+        block = factors[:count]
+        torch.mul(exp_low, exp_high[:count, None, :], out=block)
+        block.add_(1.0)
+        log_terms = block.view(count, -1, n_groups, group).prod(dim=3).log_().sum(dim=2)
+        log_terms += low_terms + (high @ a[n_low:])[:, None]
+        partial.append(torch.logsumexp(log_terms.flatten(), dim=0))
+    return float(torch.logsumexp(torch.stack(partial), dim=0))
+
+
+def _softplus_sum_over_states(W: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> float:
+    """The same sum with one softplus per unit: slower, but safe for any weights."""
 
     def log_terms(h: torch.Tensor) -> torch.Tensor:
         return h @ a + F.softplus(torch.addmm(b, h, W.t())).sum(dim=1)
 
-    return _logsumexp_over_states(W.shape[1], log_terms, W.device, dtype)
+    return _logsumexp_over_states(W.shape[1], log_terms, W.device, W.dtype)
 
 
 def _gaussian_log_partition(model: GaussianRBM, dtype: torch.dtype) -> float:
