@@ -343,7 +343,9 @@ def test_per_parameter_step_sizes_reach_their_groups():
 def test_needs_dense_gradient_only_without_an_exact_low_rank_step():
     w = nn.Parameter(torch.zeros(100, 60))
     assert not SSD([w], lr=0.1).needs_dense_gradient(w, factor_rank=20)
-    assert SSD([w], lr=0.1).needs_dense_gradient(w, factor_rank=40)  # not thin: dense SVD
+    assert not SSD([w], lr=0.1).needs_dense_gradient(w, factor_rank=59)
+    # rank >= min(V, H): the dense gradient's Gram matrix is the smaller eigenproblem
+    assert SSD([w], lr=0.1).needs_dense_gradient(w, factor_rank=60)
     assert SSD([w], lr=0.1, method="svd").needs_dense_gradient(w, factor_rank=20)
     assert SSD([w], lr=0.1, geometry="euclidean").needs_dense_gradient(w, factor_rank=20)
 

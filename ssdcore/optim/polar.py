@@ -67,15 +67,190 @@ def polar_svd(grad: Tensor) -> Polar:
     return Polar(direction, s.sum())
 
 
+def _kept_squares(eigenvalues: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """:func:`_kept` for the eigenvalues λ = σ² of the Gram matrix of a ``dtype`` matrix."""
+    tolerance = (max(shape) * torch.finfo(dtype).eps) ** 2 * eigenvalues.amax()
+    return eigenvalues > tolerance
+
+
+def _inverse_square_root(
+    gram: Tensor, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(S, ‖σ‖₁)`` for a float64 Gram matrix ``GᵀG`` of a ``dtype`` matrix G of ``shape``.
+
+    ``S = Q Λ^{-1/2} Qᵀ`` over the eigenvalues kept by :func:`_kept_squares`, so ``G S`` is G's
+    polar factor over its numerical range. ``‖σ‖₁ = Σ sqrt(λ)`` sums, like :func:`polar_svd`,
+    every singular value, dropped ones included, down to the float64 rounding noise of the Gram
+    matrix (``max(m, n) · eps64 · λ_max``), below which sqrt(λ) would be noise, not a σ.
+    """
+    eigenvalues, vectors = torch.linalg.eigh(gram)
+    kept = _kept_squares(eigenvalues, shape, dtype)
+    noise = max(shape) * torch.finfo(gram.dtype).eps * eigenvalues.amax()
+    nuclear_norm = torch.where(eigenvalues > noise, eigenvalues, 0.0).sqrt().sum()
+    safe = torch.where(kept, eigenvalues, 1.0)
+    inverse_root = torch.where(kept, safe.rsqrt(), 0.0)
+    return (vectors * inverse_root) @ vectors.mT, nuclear_norm
+
+
+def _gram_is_exact_enough(dtype: torch.dtype) -> bool:
+    """Whether float64 Gram matrices resolve every singular value a ``dtype`` matrix keeps.
+
+    An eigenvalue λ = σ² of a Gram matrix formed and decomposed in float64 is accurate to about
+    ``eps64 · λ_max``, so σ has relative error about ``eps64 (σ_max / σ)² / 2``. Singular values
+    are kept down to ``max(m, n) · eps · σ_max``; for float32 (eps ≈ 1.2e-7) and any side up to
+    ~1e4 that error stays below ``eps64 / (1e4 · eps32)² ≈ 1e-10``, far below float32 precision.
+    For float64 matrices squaring the condition number would lose the small singular values, so
+    they take the QR / SVD routes.
+    """
+    return dtype != torch.float64 and torch.finfo(dtype).eps >= torch.finfo(torch.float32).eps
+
+
+def polar_gram_factors(grad: Tensor) -> FactoredPolar:
+    """Exact polar factor of a thin matrix from its small Gram matrix, as ``left @ right``.
+
+    Why: for G of shape (m, n) with n ≪ m (e.g. 784×50), ``GᵀG = Q Λ Qᵀ`` (n×n, float64) gives
+    ``U Vᵀ = G · Q Λ^{-1/2} Qᵀ`` and ``‖σ‖₁ = Σ sqrt(λ)``: one O(m n²) product and an n×n
+    eigendecomposition instead of an SVD of G, and the step fuses into one addmm. The factors
+    are ``(G, S)`` for tall G and ``(S, G)`` for wide G. Float64 inputs use :func:`polar_svd`
+    (see :func:`_gram_is_exact_enough`).
+    """
+    if not _gram_is_exact_enough(grad.dtype):
+        u, s, vh = torch.linalg.svd(grad, full_matrices=False)
+        return FactoredPolar(u * _kept(s, grad.shape), vh, s.sum())
+    wide = grad.shape[0] < grad.shape[1]
+    g64 = grad.to(torch.float64)
+    gram = g64 @ g64.mT if wide else g64.mT @ g64  # (min, min)
+    inverse_root, nuclear_norm = _inverse_square_root(gram, grad.shape, grad.dtype)
+    inverse_root = inverse_root.to(grad.dtype)
+    if wide:
+        return FactoredPolar(inverse_root, grad, nuclear_norm.to(grad.dtype))
+    return FactoredPolar(grad, inverse_root, nuclear_norm.to(grad.dtype))
+
+
+def polar_gram(grad: Tensor) -> Polar:
+    """Exact polar factor of a thin matrix (see :func:`polar_gram_factors`), as a matrix."""
+    factored = polar_gram_factors(grad)
+    return Polar(factored.left @ factored.right, factored.nuclear_norm)
+
+
+# Largest condition number of a factor's float64 Gram matrix whose Cholesky / eigenvector
+# root is trusted: the computed root then reproduces the factor to about eps64 · κ, i.e.
+# better than float32 precision by a safety factor of 16. Worse-conditioned factors (nearly,
+# but not exactly, dependent samples) take the QR route, which does not square κ.
+GRAM_CONDITION_LIMIT = torch.finfo(torch.float32).eps / torch.finfo(torch.float64).eps / 16
+
+
+def _cholesky_root(gram: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(D, D⁻ᵀ)`` with ``gram = D Dᵀ`` (D lower triangular), or None when ill-conditioned."""
+    root, info = torch.linalg.cholesky_ex(gram)
+    if int(info) != 0:
+        return None
+    diagonal = root.diagonal()
+    # (max/min pivot)² is a cheap lower estimate of κ(gram); exactly dependent columns make it
+    # blow up (or the factorization fail), which is what this guard is for.
+    if not bool(diagonal.amax() ** 2 <= GRAM_CONDITION_LIMIT * diagonal.amin() ** 2):
+        return None
+    identity = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    return root, torch.linalg.solve_triangular(root.mT, identity, upper=True)
+
+
+def _eigen_root(gram: Tensor, rows: int) -> tuple[Tensor, Tensor] | None:
+    """``(D, D⁺ᵀ)`` with ``gram = D Dᵀ`` over its numerical range (D is k×r), or None.
+
+    Eigenvalues up to ``max(rows, k) · eps64 · λ_max`` are the rounding noise of exactly
+    dependent columns (duplicate samples) and are dropped, as ``torch.linalg.pinv`` would.
+    Returns None when a kept eigenvalue is still too small to trust (see GRAM_CONDITION_LIMIT).
+    """
+    eigenvalues, vectors = torch.linalg.eigh(gram)
+    largest = eigenvalues.amax()
+    kept = eigenvalues > max(rows, gram.shape[0]) * torch.finfo(gram.dtype).eps * largest
+    if not bool(kept.any()):
+        return None  # a zero factor: the QR route returns the zero direction
+    smallest_kept = eigenvalues[kept].amin()
+    if not bool(largest <= GRAM_CONDITION_LIMIT * smallest_kept):
+        return None
+    vectors, root_values = vectors[:, kept], eigenvalues[kept].sqrt()
+    return vectors * root_values, vectors / root_values
+
+
+def _choose_root(
+    gram_left: Tensor, gram_right: Tensor, shape: tuple[int, int]
+) -> tuple[tuple[Tensor, Tensor], Tensor, bool] | None:
+    """A root of one factor's Gram matrix, the other Gram matrix, and whether the roles swapped.
+
+    Cholesky of R Rᵀ, else of LᵀL (G transposed), else an eigenvector root of R Rᵀ that drops
+    exactly dependent rows; None when even that is too ill-conditioned.
+    """
+    root = _cholesky_root(gram_right)
+    if root is not None:
+        return root, gram_left, False
+    root = _cholesky_root(gram_left)
+    if root is not None:
+        return root, gram_right, True
+    root = _eigen_root(gram_right, shape[1])
+    if root is not None:
+        return root, gram_left, False
+    return None
+
+
+def _mixing_matrix(
+    gram_left: Tensor, gram_right: Tensor, shape: tuple[int, int], dtype: torch.dtype
+) -> tuple[Tensor, Tensor] | None:
+    """``(X, ‖σ‖₁)`` with ``polar(L R) = L X R`` from ``LᵀL`` and ``R Rᵀ`` (float64), or None.
+
+    Derivation: with ``R Rᵀ = D Dᵀ`` the rows of ``Q_R = D⁺ R`` are orthonormal and
+    ``R = D Q_R`` (R's rows lie in D's range), so ``GᵀG = Q_Rᵀ T Q_R`` with
+    ``T = Dᵀ (LᵀL) D``. Hence ``(GᵀG)^{+1/2} = Q_Rᵀ T^{+1/2} Q_R`` and
+    ``polar(G) = G (GᵀG)^{+1/2} = L D T^{+1/2} D⁺ R``; T's eigenvalues are G's σ².
+    With ``T = Q Λ Qᵀ``: ``X = (D Q Λ^{-1/2}) (D⁺ᵀ Q)ᵀ``. The roles of L and R swap by
+    transposing G (``polar(Gᵀ) = polar(G)ᵀ``); see :func:`_choose_root`.
+    """
+    chosen = _choose_root(gram_left, gram_right, shape)
+    if chosen is None:
+        return None
+    (factor, inverse_transposed), gram_other, transposed = chosen  # D, D⁺ᵀ: (k, r)
+    core = factor.mT @ (gram_other @ factor)  # T (r, r)
+    eigenvalues, vectors = torch.linalg.eigh(core)
+    kept = _kept_squares(eigenvalues, shape, dtype)
+    noise = max(shape) * torch.finfo(core.dtype).eps * eigenvalues.amax()
+    nuclear_norm = torch.where(eigenvalues > noise, eigenvalues, 0.0).sqrt().sum()
+    inverse_root = torch.where(kept, torch.where(kept, eigenvalues, 1.0).rsqrt(), 0.0)
+    mixing = ((factor @ vectors) * inverse_root) @ (inverse_transposed @ vectors).mT  # (k, k)
+    return (mixing.mT if transposed else mixing), nuclear_norm
+
+
 def polar_lowrank_factors(left: Tensor, right: Tensor) -> FactoredPolar:
     """Exact polar factor of ``G = left @ right`` without ever forming or decomposing G.
 
-    Why: the CD gradient is ``(Vdᵀ Pd - Vmᵀ Pm) / B``, a product of an (m, 2B) and a (2B, n)
-    factor. Thin QR of both factors, ``left = Ql Rl`` and ``rightᵀ = Qr Rr``, gives
+    Why: the CD gradient is ``(Vdᵀ Pd - Vmᵀ Pm) / B``, a product of an (m, k) and a (k, n)
+    factor with k = 2B. From the two k×k float64 Gram matrices ``LᵀL`` and ``R Rᵀ``, a
+    Cholesky root and one k×k eigendecomposition give a k×k matrix X with
+    ``U Vᵀ = L X R`` (see :func:`_mixing_matrix`); the factors returned are ``(L, X R)``, so
+    the step is the same (m, k)×(k, n) addmm that SGD's gradient costs, plus O((m + n) k²).
+    Rank-deficient factors (duplicate samples) fall back from Cholesky to an eigenvector root
+    that drops their null space; factors too ill-conditioned for float64 Gram matrices, and
+    float64 inputs, take :func:`polar_lowrank_qr`.
+    """
+    dtype = torch.promote_types(left.dtype, right.dtype)
+    if not _gram_is_exact_enough(dtype):
+        return polar_lowrank_qr(left, right)
+    left64, right64 = left.to(torch.float64), right.to(torch.float64)
+    shape = (left.shape[0], right.shape[1])
+    mixed = _mixing_matrix(left64.mT @ left64, right64 @ right64.mT, shape, dtype)
+    if mixed is None:
+        return polar_lowrank_qr(left, right)
+    mixing, nuclear_norm = mixed
+    return FactoredPolar(left, (mixing @ right64).to(dtype), nuclear_norm.to(dtype))
+
+
+def polar_lowrank_qr(left: Tensor, right: Tensor) -> FactoredPolar:
+    """Exact polar factor of ``G = left @ right`` by QR of both factors, for any conditioning.
+
+    Thin QR of both factors, ``left = Ql Rl`` and ``rightᵀ = Qr Rr``, gives
     ``G = Ql (Rl Rrᵀ) Qrᵀ``; the SVD of the small core ``Rl Rrᵀ = Uc Σ Vcᵀ`` is G's SVD with
-    ``U = Ql Uc`` and ``V = Qr Vc``. Cost O((m + n) r²) plus the O(m n r) final product, which
-    callers fuse into the parameter update, instead of the full SVD's O(m n min(m, n)).
-    Householder QR is backward stable, so the result is exact to float precision.
+    ``U = Ql Uc`` and ``V = Qr Vc``. Householder QR is backward stable and never squares the
+    condition number, so this is exact to the working precision whatever the factors; it costs
+    more than :func:`polar_lowrank_factors` (LAPACK QR and SVD are slow per flop).
     """
     q_left, r_left = torch.linalg.qr(left)  # (m, r'), (r', r)
     q_right, r_right = torch.linalg.qr(right.mT)  # (n, r''), (r'', r)

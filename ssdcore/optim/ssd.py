@@ -8,12 +8,15 @@ Matrices take the S∞ step ``W -= lr * ‖σ(G)‖₁ * U Vᵀ``; vectors the l
 
 Low-rank gradients: an estimator may attach ``param.grad_factors = (left, right)`` with
 ``param.grad == left @ right`` (the CD weight gradient has rank ≤ 2B). ``method="lowrank"`` then
-takes the exact step from the factors (see :func:`ssdcore.optim.polar.polar_lowrank_factors`).
+takes the exact step from the factors (see :func:`ssdcore.optim.polar.polar_lowrank_factors`) when
+their rank is below both sides of the matrix, and otherwise from the small Gram matrix of the dense
+gradient (:func:`ssdcore.optim.polar.polar_gram_factors`); either way the update is one addmm.
 The optimizer consumes the factors (sets the attribute to ``None``) every step, so factors can
 never be reused for a later gradient; when ``param.grad`` is also present, a one-vector probe
 ``grad @ x == left @ (right @ x)`` guards against factors that no longer describe it. Missing or
-stale factors fall back to the exact SVD. An estimator may also leave ``param.grad`` as ``None``
-and give only the factors, which saves forming the dense gradient.
+stale factors fall back to the exact Gram route on the dense gradient. An estimator may also
+leave ``param.grad`` as ``None`` and give only the factors, which saves forming the dense
+gradient.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ssdcore.optim.polar import (
+    FactoredPolar,
     Polar,
+    polar_gram,
+    polar_gram_factors,
     polar_lowrank_factors,
     polar_newton_schulz,
     polar_randomized,
@@ -161,7 +167,7 @@ class SSD(Optimizer):
                     and group["preconditioner"] is None
                     and param.ndim == 2
                 )
-                return not (exact_lowrank and 2 * factor_rank < min(param.shape))
+                return not (exact_lowrank and factor_rank < min(param.shape))
         return True
 
     def _spectral_matrix_step(
@@ -175,18 +181,16 @@ class SSD(Optimizer):
         lr, method = group["lr"], group["method"]
         if method == "lowrank":
             if factors is not None and not _factors_pay_off(param, factors):
-                # Both routes are exact; a dense SVD is cheaper when the factors are not thin.
-                polar = polar_svd(_dense(param, factors))
-                param.addcmul_(polar.direction, polar.nuclear_norm, value=-lr)
+                # Both routes are exact; the dense Gram matrix is the smaller eigenproblem here.
+                _apply_factored_(param, polar_gram_factors(_dense(param, factors)), lr)
                 return
             if factors is not None and _factors_describe(param, factors):
-                polar = polar_lowrank_factors(*factors)
-                # W -= lr * ‖σ‖₁ * left @ right, in one addmm without an (m, n) temporary.
-                param.addmm_(polar.left, polar.right.mul_(polar.nuclear_norm), alpha=-lr)
+                _apply_factored_(param, polar_lowrank_factors(*factors), lr)
                 return
             if id(param) not in self._fallback_logged:
                 logger.info(
-                    "parameter of shape %s has no usable grad_factors; lowrank falls back to svd",
+                    "parameter of shape %s has no usable grad_factors; lowrank uses the dense "
+                    "gradient's Gram matrix",
                     tuple(param.shape),
                 )
                 self._fallback_logged.add(id(param))
@@ -211,6 +215,8 @@ class SSD(Optimizer):
             generator = self._sketch_generator(grad.device)
             generator.manual_seed(SKETCH_SEED + state["step"])
             return polar_randomized(grad, min(rank, *grad.shape), generator=generator)
+        if method == "lowrank":
+            return polar_gram(grad)
         return polar_svd(grad)
 
     def _sketch_generator(self, device: torch.device) -> torch.Generator:
@@ -276,12 +282,19 @@ def _take_factors(param: Tensor) -> tuple[Tensor, Tensor] | None:
 
 
 def _factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
-    """Whether QR of the (m, r) and (r, n) factors beats an SVD of the (m, n) matrix.
+    """Whether the factors' r×r eigenproblem is smaller than the dense gradient's Gram matrix.
 
-    QR costs O((m + n) r²), the SVD O(m n min(m, n)); with r ≥ min(m, n) / 2 (small models,
-    large batches) the dense SVD is the cheaper exact route. (Mirrored by needs_dense_gradient.)
+    The factored route costs O((m + n) r²) and an r×r eigendecomposition, the dense one
+    O(m n min(m, n)) and a min(m, n)-sized one; with r ≥ min(m, n) (small models, large
+    batches) the dense Gram matrix is the cheaper exact route. (Mirrored by
+    needs_dense_gradient.)
     """
-    return 2 * factors[0].shape[1] < min(param.shape)
+    return factors[0].shape[1] < min(param.shape)
+
+
+def _apply_factored_(param: Tensor, polar: FactoredPolar, lr: float) -> None:
+    """``W -= lr * ‖σ‖₁ * left @ right`` in one addmm, without an (m, n) temporary."""
+    param.addmm_(polar.left, polar.right, alpha=-lr * float(polar.nuclear_norm))
 
 
 def _factors_describe(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
