@@ -126,11 +126,15 @@ def test_gaussian_exact_log_partition_block_split_matches_direct_sum():
     assert exact_log_partition(model) == pytest.approx(expected, abs=1e-9)
 
 
-@pytest.mark.parametrize("bias", [0.0, 60.0, 400.0])
-def test_exact_log_partition_with_large_biases_equals_brute_force(bias):
-    # Large visible biases shrink the groups of factors multiplied before one log (bias 60: a
-    # few units per group, with padding) or force the softplus-per-unit fallback (bias 400).
-    model = bernoulli_model(7, 5)
+@pytest.mark.parametrize(
+    ("std", "bias"),
+    [(0.8, 60.0), (0.8, -60.0), (0.8, 400.0), (30.0, 0.0), (200.0, 0.0)],
+)
+def test_exact_log_partition_with_extreme_parameters_equals_brute_force(std, bias):
+    # bias ±60 / 400: units that are linear in every state (summed in closed form) or never on;
+    # std 30: pre-activations spanning ~100 nats, so only two factors share a log (padding);
+    # std 200: a span beyond float64's range, so every unit takes its own softplus.
+    model = bernoulli_model(7, 5, std=std)
     with torch.no_grad():
         model.b[::2] += bias
     W, b, a = (p.detach().double() for p in (model.W, model.b, model.a))

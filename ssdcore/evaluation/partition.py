@@ -7,8 +7,11 @@ over the 2^n states of the smaller layer (n ≤ 28). Two things make n = 25 chea
   b + W_l l + W_u u is a broadcast of two small tables, not a (2^n × n) @ (n × V) product;
 - Σ_i log(1 + e^x_i) is taken as log Π_i (1 + e^x_i): with tables of e^(b + W_l l) and e^(W_u u),
   each visible unit costs one multiply and one add, and one log serves a whole group of units.
-  The groups are sized from an upper bound on each unit's softplus so that their products stay
-  inside the dtype's range (a unit that could overflow alone falls back to softplus per unit).
+  Each factor is scaled by e^-max(0, largest x_i), and the groups are sized from the range of
+  each unit's pre-activation over all states, so that no product leaves the dtype's range; a
+  unit above 40 in every state is linear (softplus(x) = x to float64 rounding) and is summed in
+  closed form. Only a unit whose pre-activation spans more than half the dtype's log-range
+  (Σ_j |W_ij| ≳ 350 in float64) falls back to one softplus per unit, about 6× slower.
 On one core of a 2-core AVX2 machine, float64, V = 100: n = 18 in 0.05 s, n = 22 in 0.6 s,
 n = 25 in 5 s (the softplus-per-unit sum took 0.5 s at n = 18); every further unit doubles the
 cost (n = 28: ~40 s).
@@ -36,6 +39,7 @@ _CHUNK_BITS = 14  # 16384 states per chunk
 # float64 at V = 100): it stays in cache, and was the fastest of the splits measured at n = 22.
 _BERNOULLI_LOW_BITS = 9
 _BERNOULLI_HIGH_CHUNK_BITS = 3
+_LINEAR_FROM = 40.0  # a pre-activation above this in every state has softplus(x) = x
 # Gaussian RBM: 2^12 low states × 2^10 high states per block (32 MB in float64).
 _LOW_BITS = 12
 _HIGH_CHUNK_BITS = 10
@@ -67,33 +71,48 @@ def _bernoulli_log_partition(model: BernoulliRBM, dtype: torch.dtype) -> float:
     if model.n_hidden > model.n_visible:
         # The energy is symmetric in (v, b) ↔ (h, a) with W transposed: enumerate v instead.
         W, b, a = W.t(), a, b
-    group = _product_group_size(W, b)
+    highest = b + W.clamp(min=0).sum(dim=1)  # each pre-activation's largest value over states
+    lowest = b + W.clamp(max=0).sum(dim=1)  # and its smallest
+
+    # softplus(x) = x + log1p(e^-x): from x = 40 on the remainder is below e^-40 < 5e-18, under
+    # float64 rounding, so such a unit only adds the linear term b_i + W_i·s.
+    linear = lowest >= _LINEAR_FROM
+    constant = float(b[linear].sum())
+    a = a + W[linear].sum(dim=0)
+    W, b, highest, lowest = (t[~linear] for t in (W, b, highest, lowest))
+    if W.shape[0] == 0:
+        return constant + float(F.softplus(a).sum())
+
+    # Each unit's factor e^-c·(1 + e^x), c = max(highest, 0), has its log in
+    # [max(lowest, 0) − c, log 2]: its width bounds what the unit adds to a product's range.
+    offset = highest.clamp(min=0)
+    width = offset - lowest.clamp(min=0) + math.log(2)
+    order = torch.argsort(width, descending=True)
+    group = _product_group_size(width[order])
     if group == 0:
-        return _softplus_sum_over_states(W, b, a)
-    return _product_sum_over_states(W, b, a, group)
+        return constant + _softplus_sum_over_states(W, b, a)
+    log_z = _product_sum_over_states(W[order], b[order], a, offset[order], group)
+    return constant + float(offset.sum()) + log_z
 
 
-def _product_group_size(W: torch.Tensor, b: torch.Tensor) -> int:
-    """How many units' factors (1 + e^x_i) may be multiplied before one log, 0 if none.
+def _product_group_size(widths: torch.Tensor) -> int:
+    """How many units' factors may be multiplied before one log (widths sorted, largest first).
 
-    softplus(b_i + Σ_j max(W_ij, 0)) bounds log(1 + e^x_i) over every state, so a group whose
-    bounds add up to at most half the dtype's log-range can neither overflow nor lose a factor to
-    underflow of its (shifted, ≤ 1) high-bit table.
+    A group whose widths add up to at most half the dtype's log-range can neither overflow nor
+    underflow; the groups are equal in size, so the first one, of the widest units, sets it.
+    0 when a single unit is too wide: then every unit takes its own softplus.
     """
-    bound = F.softplus(b + W.clamp(min=0).sum(dim=1))
-    limit = 0.5 * math.log(torch.finfo(W.dtype).max)
-    largest = float(bound.max())
-    if largest > limit:
-        return 0
-    return min(W.shape[0], int(limit // largest))
+    limit = 0.5 * math.log(torch.finfo(widths.dtype).max)
+    return int((torch.cumsum(widths, dim=0) <= limit).sum())
 
 
 def _product_sum_over_states(
-    W: torch.Tensor, b: torch.Tensor, a: torch.Tensor, group: int
+    W: torch.Tensor, b: torch.Tensor, a: torch.Tensor, offset: torch.Tensor, group: int
 ) -> float:
-    """logsumexp over s ∈ {0, 1}^n of aᵀs + Σ_i log(1 + e^(b + Ws)_i), with s = (low, high):
-    e^(b + Ws) = e^(b + W_l·low + c) · e^(W_u·high − c) for c = Σ_j max(W_u, 0), which keeps the
-    high table in (0, 1]. Units are padded to whole groups with factors of exactly 1."""
+    """logsumexp over s ∈ {0, 1}^n of aᵀs + Σ_i log(e^-c_i + e^(x_i − c_i)) for x = b + Ws and
+    c = `offset`. With s = (low, high), e^(x − c) = e^(b + W_l·low + d − c) · e^(W_u·high − d),
+    d = Σ_j max(W_u, 0): both tables lie in (0, 1]. Units are padded to whole groups with factors
+    of exactly 1."""
     n_other, n_units = W.shape
     n_low = min(n_units, _BERNOULLI_LOW_BITS)
     device, dtype = W.device, W.dtype
@@ -104,8 +123,10 @@ def _product_sum_over_states(
 
     low = next(_states(n_low, device, dtype, chunk_bits=n_low))  # (2^low, low)
     exp_low = torch.zeros(low.shape[0], padded, dtype=dtype, device=device)
-    torch.exp(torch.addmm(b + shift, low, W_low.t()), out=exp_low[:, :n_other])
+    torch.exp(torch.addmm(b + shift - offset, low, W_low.t()), out=exp_low[:, :n_other])
     low_terms = low @ a[:n_low]
+    exp_offset = torch.ones(padded, dtype=dtype, device=device)
+    torch.exp(-offset, out=exp_offset[:n_other])
     exp_high = torch.ones(1 << _BERNOULLI_HIGH_CHUNK_BITS, padded, dtype=dtype, device=device)
     factors = torch.empty(exp_high.shape[0], *exp_low.shape, dtype=dtype, device=device)
 
@@ -115,7 +136,7 @@ def _product_sum_over_states(
         torch.exp(high @ W_high.t() - shift, out=exp_high[:count, :n_other])
         block = factors[:count]
         torch.mul(exp_low, exp_high[:count, None, :], out=block)
-        block.add_(1.0)
+        block.add_(exp_offset)
         log_terms = block.view(count, -1, n_groups, group).prod(dim=3).log_().sum(dim=2)
         log_terms += low_terms + (high @ a[n_low:])[:, None]
         partial.append(torch.logsumexp(log_terms.flatten(), dim=0))
