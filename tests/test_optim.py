@@ -142,6 +142,44 @@ def test_lowrank_step_on_a_real_cd_gradient_equals_the_svd_step():
     assert torch.allclose(model.W.detach(), before - 1e-3 * svd_step(grad), rtol=RTOL, atol=ATOL)
 
 
+def test_lowrank_with_factors_of_rank_above_a_side_uses_the_dense_gram_route():
+    generator = torch.Generator().manual_seed(6)
+    w = nn.Parameter(torch.randn(30, 6, generator=generator))
+    left, right = torch.randn(30, 8, generator=generator), torch.randn(8, 6, generator=generator)
+    before = w.detach().clone()
+    w.grad, w.grad_factors = left @ right, (left, right)
+    SSD([w], lr=0.01).step()
+    assert torch.allclose(w.detach(), before - 0.01 * svd_step(left @ right), rtol=RTOL, atol=ATOL)
+
+
+def test_factored_lowrank_step_with_decay_and_projection():
+    """Decay scales W before the fused low-rank update; the ‖W‖₂ ≤ R projection runs after it."""
+    generator = torch.Generator().manual_seed(7)
+    w = nn.Parameter(torch.randn(40, 30, generator=generator))
+    left, right = torch.randn(40, 4, generator=generator), torch.randn(4, 30, generator=generator)
+    before = w.detach().clone()
+    w.grad_factors = (left, right)
+    SSD([w], lr=0.01, weight_decay=0.5).step()
+    expected = before * (1 - 0.01 * 0.5) - 0.01 * svd_step(left @ right)
+    assert torch.allclose(w.detach(), expected, rtol=RTOL, atol=1e-5)
+    w.grad_factors = (left, right)
+    SSD([w], lr=0.01, max_spectral_norm=1.0).step()
+    assert torch.linalg.matrix_norm(w.detach(), 2) <= 1.0 * (1 + 1e-5)
+
+
+def test_spectral_step_leaves_the_thread_count_as_it_found_it():
+    """The k×k factorizations run on one thread; the caller's setting comes back afterwards."""
+    torch.set_num_threads(2)
+    generator = torch.Generator().manual_seed(8)
+    w = nn.Parameter(torch.randn(30, 20, generator=generator))
+    w.grad_factors = (
+        torch.randn(30, 4, generator=generator),
+        torch.randn(4, 20, generator=generator),
+    )
+    SSD([w], lr=0.01).step()
+    assert torch.get_num_threads() == 2
+
+
 def test_euclidean_group_takes_an_sgd_step():
     model = Tiny()
     before, grads = snapshot(model), set_grads(model)

@@ -10,10 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssdcore import BernoulliRBM, CDEstimator
+from ssdcore import BernoulliRBM, CDEstimator, GaussianRBM
+from ssdcore.optim import polar
 from ssdcore.optim.polar import (
+    polar_gram,
+    polar_gram_factors,
     polar_lowrank,
     polar_lowrank_factors,
+    polar_lowrank_qr,
     polar_newton_schulz,
     polar_randomized,
     polar_svd,
@@ -184,3 +188,113 @@ def test_svd_drops_numerically_zero_directions():
     left, right = random_matrix(30, 3, seed=14), random_matrix(3, 25, seed=15)
     result = polar_svd(left @ right)
     assert torch.linalg.matrix_rank(result.direction) == 3
+
+
+# --- Gram-matrix routes (float64 Gram matrices of float32 inputs) ------------------------------
+
+
+def assert_exact(result_direction, result_nuclear, grad64: torch.Tensor) -> None:
+    """The float32 tolerances above, against the float64 SVD of ``grad64``."""
+    direction, nuclear = reference(grad64)
+    assert relative(result_direction, direction) < EXACT_DIRECTION_RTOL
+    assert abs(float(result_nuclear) / float(nuclear) - 1) < EXACT_NUCLEAR_RTOL
+
+
+@pytest.mark.parametrize("shape", [(120, 12), (12, 120), (64, 64), (1, 7)])
+def test_gram_matches_float64_svd_on_thin_wide_and_square_matrices(shape):
+    grad = random_matrix(*shape, seed=20)
+    result = polar_gram(grad)
+    assert_exact(result.direction, result.nuclear_norm, grad.double())
+    factored = polar_gram_factors(grad)
+    assert relative(factored.left @ factored.right, result.direction) < 1e-6
+
+
+def test_gram_drops_the_null_space_of_a_rank_deficient_thin_matrix():
+    left, right = random_matrix(120, 5, seed=21), random_matrix(5, 12, seed=22)
+    grad = left @ right  # rank 5 of 12, plus float32 rounding noise the drop tolerance removes
+    result = polar_gram(grad)
+    assert_exact(result.direction, result.nuclear_norm, left.double() @ right.double())
+    assert torch.linalg.matrix_rank(result.direction) == 5
+
+
+def test_gram_on_an_ill_conditioned_matrix_keeps_singular_values_above_the_drop_tolerance():
+    """Squaring κ in float64 still resolves σ down to max(m, n)·eps32·σ_max (here 1e-4·σ_max)."""
+    generator = torch.Generator().manual_seed(23)
+    u = torch.linalg.qr(torch.randn(200, 20, generator=generator, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(20, 20, generator=generator, dtype=torch.float64)).Q
+    grad = ((u * torch.logspace(0, -4, 20, dtype=torch.float64)) @ v.mT).float()
+    result = polar_gram(grad)
+    assert torch.linalg.matrix_rank(result.direction.double(), rtol=1e-3) == 20
+    assert_exact(result.direction, result.nuclear_norm, grad.double())
+
+
+def test_gram_in_float64_takes_the_svd_and_stays_exact():
+    grad = random_matrix(50, 12, seed=24).double()
+    direction, nuclear = reference(grad)
+    result = polar_gram(grad)
+    assert relative(result.direction, direction) < 1e-10
+    assert abs(float(result.nuclear_norm) / float(nuclear) - 1) < 1e-12
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(60, 8, 40), (40, 8, 60)])
+def test_lowrank_float32_factors_match_float64_svd(m, k, n):
+    left, right = random_matrix(m, k, seed=25), random_matrix(k, n, seed=26)
+    factored = polar_lowrank_factors(left, right)
+    assert_exact(
+        factored.left @ factored.right, factored.nuclear_norm, left.double() @ right.double()
+    )
+
+
+def test_lowrank_duplicate_samples_take_the_eigenvector_root_and_stay_exact():
+    """A chain that lands on its data row gives equal columns of L and opposite rows of R."""
+    left = (torch.rand(50, 10, generator=torch.Generator().manual_seed(27)) < 0.3).float()
+    right = random_matrix(10, 30, seed=28)
+    left[:, 7] = left[:, 2]  # the same visible sample twice ...
+    right[7] = -right[2]  # ... with weights -1/B and +1/B: its terms cancel exactly
+    left[:, 9] = left[:, 3]  # a repeated sample whose terms do not cancel
+    grams = left.double().mT @ left.double(), right.double() @ right.double().mT
+    root = polar._choose_root(*grams, (50, 30))
+    assert root is not None and root.inverse_transposed is not None  # no Cholesky: singular
+    factored = polar_lowrank_factors(left, right)
+    grad64 = left.double() @ right.double()
+    assert_exact(factored.left @ factored.right, factored.nuclear_norm, grad64)
+    assert torch.linalg.matrix_rank(factored.left @ factored.right) == torch.linalg.matrix_rank(
+        grad64
+    )
+
+
+def test_lowrank_nearly_dependent_factors_take_the_qr_route_and_stay_exact():
+    """κ far beyond what float64 Gram matrices resolve (but not exactly singular): QR route."""
+    generator = torch.Generator().manual_seed(29)
+    left = torch.randn(50, 6, generator=generator)
+    left[:, 5] = left[:, 4] + 1e-6 * torch.randn(50, generator=generator)
+    right = torch.randn(6, 30, generator=generator)
+    right[5] = right[4] + 1e-6 * torch.randn(30, generator=generator)
+    grams = left.double().mT @ left.double(), right.double() @ right.double().mT
+    assert polar._choose_root(*grams, (50, 30)) is None
+    factored = polar_lowrank_factors(left, right)
+    qr = polar_lowrank_qr(left, right)
+    assert relative(factored.left @ factored.right, qr.left @ qr.right) < 1e-6
+    assert_exact(
+        factored.left @ factored.right, factored.nuclear_norm, left.double() @ right.double()
+    )
+
+
+def test_binary_factor_gram_is_exact_in_float32():
+    binary = (torch.rand(784, 40, generator=torch.Generator().manual_seed(30)) < 0.5).float()
+    assert torch.equal(polar._gram64(binary, columns=True), binary.double().mT @ binary.double())
+    real = random_matrix(784, 40, seed=31)
+    assert torch.equal(polar._gram64(real, columns=True), real.double().mT @ real.double())
+
+
+@pytest.mark.parametrize("variance", ["diagonal", "full"])
+def test_lowrank_matches_svd_on_gaussian_rbm_cd_factors(variance):
+    torch.manual_seed(32)
+    model = GaussianRBM(30, 20, variance=variance)
+    data = torch.rand(6, 30)
+    CDEstimator(model, k=2, seed=32).estimate(data)
+    left, right = model.W.grad_factors
+    factored = polar_lowrank_factors(left, right)
+    assert_exact(
+        factored.left @ factored.right, factored.nuclear_norm, left.double() @ right.double()
+    )

@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ssdcore.optim.threads import one_cpu_thread
+
 # Muon's tuned quintic coefficients (Keller Jordan, "Muon" optimizer): they push every singular
 # value of a normalized matrix into roughly [0.7, 1.2] in few steps, fast also for tiny values.
 MUON_QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -120,7 +122,8 @@ def polar_gram_factors(grad: Tensor) -> FactoredPolar:
     wide = grad.shape[0] < grad.shape[1]
     g64 = grad.to(torch.float64)
     gram = g64 @ g64.mT if wide else g64.mT @ g64  # (min, min)
-    inverse_root, nuclear_norm = _inverse_square_root(gram, grad.shape, grad.dtype)
+    with one_cpu_thread(grad.device):
+        inverse_root, nuclear_norm = _inverse_square_root(gram, grad.shape, grad.dtype)
     inverse_root = inverse_root.to(grad.dtype)
     if wide:
         return FactoredPolar(inverse_root, grad, nuclear_norm.to(grad.dtype))
@@ -140,8 +143,8 @@ def polar_gram(grad: Tensor) -> Polar:
 GRAM_CONDITION_LIMIT = torch.finfo(torch.float32).eps / torch.finfo(torch.float64).eps / 16
 
 
-def _cholesky_root(gram: Tensor) -> tuple[Tensor, Tensor] | None:
-    """``(D, D⁻ᵀ)`` with ``gram = D Dᵀ`` (D lower triangular), or None when ill-conditioned."""
+def _cholesky_root(gram: Tensor) -> Tensor | None:
+    """Lower-triangular D with ``gram = D Dᵀ``, or None when the Gram matrix is ill-conditioned."""
     root, info = torch.linalg.cholesky_ex(gram)
     if int(info) != 0:
         return None
@@ -150,8 +153,7 @@ def _cholesky_root(gram: Tensor) -> tuple[Tensor, Tensor] | None:
     # blow up (or the factorization fail), which is what this guard is for.
     if not bool(diagonal.amax() ** 2 <= GRAM_CONDITION_LIMIT * diagonal.amin() ** 2):
         return None
-    identity = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    return root, torch.linalg.solve_triangular(root.mT, identity, upper=True)
+    return root
 
 
 def _eigen_root(gram: Tensor, rows: int) -> tuple[Tensor, Tensor] | None:
@@ -173,23 +175,33 @@ def _eigen_root(gram: Tensor, rows: int) -> tuple[Tensor, Tensor] | None:
     return vectors * root_values, vectors / root_values
 
 
-def _choose_root(
-    gram_left: Tensor, gram_right: Tensor, shape: tuple[int, int]
-) -> tuple[tuple[Tensor, Tensor], Tensor, bool] | None:
-    """A root of one factor's Gram matrix, the other Gram matrix, and whether the roles swapped.
+class _Root(NamedTuple):
+    """A root D of one factor's Gram matrix (``gram = D Dᵀ``) and how to apply ``D⁺ᵀ``."""
 
-    Cholesky of R Rᵀ, else of LᵀL (G transposed), else an eigenvector root of R Rᵀ that drops
-    exactly dependent rows; None when even that is too ill-conditioned.
-    """
+    factor: Tensor  # D (k, r)
+    inverse_transposed: Tensor | None  # D⁺ᵀ (k, r), or None: D is triangular, solve instead
+    other_gram: Tensor  # the other factor's Gram matrix (k, k)
+    transposed: bool  # the root belongs to L: the mixing matrix is for Gᵀ
+
+    def apply_inverse_transposed(self, matrix: Tensor) -> Tensor:
+        """``D⁺ᵀ @ matrix``."""
+        if self.inverse_transposed is None:
+            return torch.linalg.solve_triangular(self.factor.mT, matrix, upper=True)
+        return self.inverse_transposed @ matrix
+
+
+def _choose_root(gram_left: Tensor, gram_right: Tensor, shape: tuple[int, int]) -> _Root | None:
+    """Cholesky of R Rᵀ, else of LᵀL (G transposed), else an eigenvector root of R Rᵀ that
+    drops exactly dependent rows; None when even that is too ill-conditioned."""
     root = _cholesky_root(gram_right)
     if root is not None:
-        return root, gram_left, False
+        return _Root(root, None, gram_left, False)
     root = _cholesky_root(gram_left)
     if root is not None:
-        return root, gram_right, True
-    root = _eigen_root(gram_right, shape[1])
-    if root is not None:
-        return root, gram_left, False
+        return _Root(root, None, gram_right, True)
+    eigen = _eigen_root(gram_right, shape[1])
+    if eigen is not None:
+        return _Root(eigen[0], eigen[1], gram_left, False)
     return None
 
 
@@ -205,18 +217,39 @@ def _mixing_matrix(
     With ``T = Q Λ Qᵀ``: ``X = (D Q Λ^{-1/2}) (D⁺ᵀ Q)ᵀ``. The roles of L and R swap by
     transposing G (``polar(Gᵀ) = polar(G)ᵀ``); see :func:`_choose_root`.
     """
-    chosen = _choose_root(gram_left, gram_right, shape)
-    if chosen is None:
+    root = _choose_root(gram_left, gram_right, shape)
+    if root is None:
         return None
-    (factor, inverse_transposed), gram_other, transposed = chosen  # D, D⁺ᵀ: (k, r)
-    core = factor.mT @ (gram_other @ factor)  # T (r, r)
+    core = root.factor.mT @ (root.other_gram @ root.factor)  # T (r, r)
     eigenvalues, vectors = torch.linalg.eigh(core)
     kept = _kept_squares(eigenvalues, shape, dtype)
     noise = max(shape) * torch.finfo(core.dtype).eps * eigenvalues.amax()
     nuclear_norm = torch.where(eigenvalues > noise, eigenvalues, 0.0).sqrt().sum()
     inverse_root = torch.where(kept, torch.where(kept, eigenvalues, 1.0).rsqrt(), 0.0)
-    mixing = ((factor @ vectors) * inverse_root) @ (inverse_transposed @ vectors).mT  # (k, k)
-    return (mixing.mT if transposed else mixing), nuclear_norm
+    left_half = (root.factor @ vectors) * inverse_root  # D Q Λ^{-1/2}
+    mixing = left_half @ root.apply_inverse_transposed(vectors).mT  # (k, k)
+    return (mixing.mT if root.transposed else mixing), nuclear_norm
+
+
+# float32 sums of integer products are exact while every partial sum stays below 2**24.
+_FLOAT32_EXACT_INTEGER = 2.0**24
+
+
+def _gram64(factor: Tensor, columns: bool) -> Tensor:
+    """``factorᵀ factor`` (columns) or ``factor factorᵀ`` (rows) in float64.
+
+    A 0/1 factor (the Bernoulli RBM's visible samples) has a Gram matrix of small integers,
+    which a float32 product computes exactly, at twice float64's speed: integer entries and
+    a largest squared column norm below 2**24 bound every partial sum (Cauchy–Schwarz). CPU
+    only, where float32 products are true float32 (no TF32).
+    """
+    cpu_float32 = factor.device.type == "cpu" and factor.dtype == torch.float32
+    if cpu_float32 and torch.equal(factor, factor.round()):
+        gram = factor.mT @ factor if columns else factor @ factor.mT
+        if bool(gram.diagonal().amax() < _FLOAT32_EXACT_INTEGER):
+            return gram.to(torch.float64)
+    factor64 = factor.to(torch.float64)
+    return factor64.mT @ factor64 if columns else factor64 @ factor64.mT
 
 
 def polar_lowrank_factors(left: Tensor, right: Tensor) -> FactoredPolar:
@@ -225,22 +258,29 @@ def polar_lowrank_factors(left: Tensor, right: Tensor) -> FactoredPolar:
     Why: the CD gradient is ``(Vdᵀ Pd - Vmᵀ Pm) / B``, a product of an (m, k) and a (k, n)
     factor with k = 2B. From the two k×k float64 Gram matrices ``LᵀL`` and ``R Rᵀ``, a
     Cholesky root and one k×k eigendecomposition give a k×k matrix X with
-    ``U Vᵀ = L X R`` (see :func:`_mixing_matrix`); the factors returned are ``(L, X R)``, so
-    the step is the same (m, k)×(k, n) addmm that SGD's gradient costs, plus O((m + n) k²).
-    Rank-deficient factors (duplicate samples) fall back from Cholesky to an eigenvector root
-    that drops their null space; factors too ill-conditioned for float64 Gram matrices, and
-    float64 inputs, take :func:`polar_lowrank_qr`.
+    ``U Vᵀ = L X R`` (see :func:`_mixing_matrix`); X is multiplied into the shorter factor,
+    so the step is the same (m, k)×(k, n) addmm that SGD's gradient costs, plus O((m + n) k²)
+    products and two k×k factorizations (run on one CPU thread, see
+    :mod:`ssdcore.optim.threads`). Rank-deficient factors (duplicate samples) fall back from
+    Cholesky to an eigenvector root that drops their null space; factors too ill-conditioned
+    for float64 Gram matrices, and float64 inputs, take :func:`polar_lowrank_qr`.
     """
     dtype = torch.promote_types(left.dtype, right.dtype)
     if not _gram_is_exact_enough(dtype):
         return polar_lowrank_qr(left, right)
-    left64, right64 = left.to(torch.float64), right.to(torch.float64)
     shape = (left.shape[0], right.shape[1])
-    mixed = _mixing_matrix(left64.mT @ left64, right64 @ right64.mT, shape, dtype)
+    gram_left, gram_right = _gram64(left, columns=True), _gram64(right, columns=False)
+    with one_cpu_thread(left.device):
+        mixed = _mixing_matrix(gram_left, gram_right, shape, dtype)
     if mixed is None:
         return polar_lowrank_qr(left, right)
     mixing, nuclear_norm = mixed
-    return FactoredPolar(left, (mixing @ right64).to(dtype), nuclear_norm.to(dtype))
+    # Rounding X to the working precision costs ~eps · κ(G) in the smallest directions, as an
+    # SVD of the working-precision G would; the float64 path measured ~2e-7 vs ~5e-6 relative.
+    mixing = mixing.to(dtype)
+    if shape[0] < shape[1]:
+        return FactoredPolar(left @ mixing, right, nuclear_norm.to(dtype))
+    return FactoredPolar(left, mixing @ right, nuclear_norm.to(dtype))
 
 
 def polar_lowrank_qr(left: Tensor, right: Tensor) -> FactoredPolar:
@@ -252,10 +292,11 @@ def polar_lowrank_qr(left: Tensor, right: Tensor) -> FactoredPolar:
     condition number, so this is exact to the working precision whatever the factors; it costs
     more than :func:`polar_lowrank_factors` (LAPACK QR and SVD are slow per flop).
     """
-    q_left, r_left = torch.linalg.qr(left)  # (m, r'), (r', r)
-    q_right, r_right = torch.linalg.qr(right.mT)  # (n, r''), (r'', r)
-    core = r_left @ r_right.mT  # (r', r'') with G = q_left @ core @ q_rightᵀ
-    uc, s, vhc = torch.linalg.svd(core, full_matrices=False)
+    with one_cpu_thread(left.device):
+        q_left, r_left = torch.linalg.qr(left)  # (m, r'), (r', r)
+        q_right, r_right = torch.linalg.qr(right.mT)  # (n, r''), (r'', r)
+        core = r_left @ r_right.mT  # (r', r'') with G = q_left @ core @ q_rightᵀ
+        uc, s, vhc = torch.linalg.svd(core, full_matrices=False)
     rotation = (uc * _kept(s, (left.shape[0], right.shape[1]))) @ vhc  # (r', r'')
     # Multiply the rotation into the cheaper side before handing the two factors back.
     if q_left.shape[0] >= q_right.shape[0]:
