@@ -235,6 +235,14 @@ def _mixing_matrix(
 _FLOAT32_EXACT_INTEGER = 2.0**24
 
 
+def _is_integer_valued(factor: Tensor) -> bool:
+    """Whether every entry is an integer; one row decides cheaply for real-valued factors."""
+    first_row = factor[:1]
+    if not torch.equal(first_row, first_row.round()):
+        return False
+    return torch.equal(factor, factor.round())
+
+
 def _gram64(factor: Tensor, columns: bool) -> Tensor:
     """``factorᵀ factor`` (columns) or ``factor factorᵀ`` (rows) in float64.
 
@@ -244,7 +252,7 @@ def _gram64(factor: Tensor, columns: bool) -> Tensor:
     only, where float32 products are true float32 (no TF32).
     """
     cpu_float32 = factor.device.type == "cpu" and factor.dtype == torch.float32
-    if cpu_float32 and torch.equal(factor, factor.round()):
+    if cpu_float32 and _is_integer_valued(factor):
         gram = factor.mT @ factor if columns else factor @ factor.mT
         if bool(gram.diagonal().amax() < _FLOAT32_EXACT_INTEGER):
             return gram.to(torch.float64)
