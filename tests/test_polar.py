@@ -298,3 +298,18 @@ def test_lowrank_matches_svd_on_gaussian_rbm_cd_factors(variance):
     assert_exact(
         factored.left @ factored.right, factored.nuclear_norm, left.double() @ right.double()
     )
+
+
+@pytest.mark.parametrize("route", ["lowrank", "gram"])
+def test_non_finite_gradients_are_never_turned_into_a_zero_step(route):
+    """NaN must reach the parameters (or raise LinAlgError), so training detects divergence."""
+    left = torch.full((30, 4), float("nan"))
+    right = torch.ones(4, 20)
+    try:
+        if route == "lowrank":
+            result = polar_lowrank_factors(left, right)
+        else:
+            result = polar_gram_factors(left)
+    except torch.linalg.LinAlgError:
+        return
+    assert not torch.isfinite(result.nuclear_norm)

@@ -75,6 +75,16 @@ def _kept_squares(eigenvalues: Tensor, shape: tuple[int, ...], dtype: torch.dtyp
     return eigenvalues > tolerance
 
 
+def _nuclear_norm(eigenvalues: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Σ sqrt(λ) over the eigenvalues of a float64 Gram matrix above its rounding noise.
+
+    A non-finite eigenvalue (a gradient with NaN or Inf) makes the result non-finite, so that
+    the step spreads it to the parameters and divergence is detected, not hidden as a zero step.
+    """
+    noise = max(shape) * torch.finfo(eigenvalues.dtype).eps * eigenvalues.amax()
+    return torch.where(eigenvalues <= noise, 0.0, eigenvalues).sqrt().sum()
+
+
 def _inverse_square_root(
     gram: Tensor, shape: tuple[int, ...], dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
@@ -87,8 +97,7 @@ def _inverse_square_root(
     """
     eigenvalues, vectors = torch.linalg.eigh(gram)
     kept = _kept_squares(eigenvalues, shape, dtype)
-    noise = max(shape) * torch.finfo(gram.dtype).eps * eigenvalues.amax()
-    nuclear_norm = torch.where(eigenvalues > noise, eigenvalues, 0.0).sqrt().sum()
+    nuclear_norm = _nuclear_norm(eigenvalues, shape)
     safe = torch.where(kept, eigenvalues, 1.0)
     inverse_root = torch.where(kept, safe.rsqrt(), 0.0)
     return (vectors * inverse_root) @ vectors.mT, nuclear_norm
@@ -223,8 +232,7 @@ def _mixing_matrix(
     core = root.factor.mT @ (root.other_gram @ root.factor)  # T (r, r)
     eigenvalues, vectors = torch.linalg.eigh(core)
     kept = _kept_squares(eigenvalues, shape, dtype)
-    noise = max(shape) * torch.finfo(core.dtype).eps * eigenvalues.amax()
-    nuclear_norm = torch.where(eigenvalues > noise, eigenvalues, 0.0).sqrt().sum()
+    nuclear_norm = _nuclear_norm(eigenvalues, shape)
     inverse_root = torch.where(kept, torch.where(kept, eigenvalues, 1.0).rsqrt(), 0.0)
     left_half = (root.factor @ vectors) * inverse_root  # D Q Λ^{-1/2}
     mixing = left_half @ root.apply_inverse_transposed(vectors).mT  # (k, k)
