@@ -69,7 +69,8 @@ class SSD(Optimizer):
         params: parameters or parameter groups (dicts may override any keyword below).
         lr: step size, > 0.
         method: how matrices get ``U Vᵀ`` and ``‖σ(G)‖₁``: ``"lowrank"`` (exact, from
-            ``grad_factors``; falls back to ``"svd"`` without them), ``"svd"``,
+            ``grad_factors``, or from the dense gradient's small Gram matrix when the factors'
+            rank is not below both sides or there are none), ``"svd"``,
             ``"randomized"`` or ``"newton-schulz"``.
         geometry: ``"spectral"`` (the SSD step) or ``"euclidean"`` (a plain SGD step).
         momentum, nesterov: SGD momentum, for ``geometry="euclidean"`` groups only (a momentum
