@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import torch
 
 from experiments import common
@@ -196,17 +197,40 @@ def curve_figures(directory: Path, config: Config, curves: dict[str, Sequence[An
         ],
         directory / "fig3c_grbm_recon.png",
     )
-    common.curve_figure(
+    likelihood_figure(
         curves["brbm"],
-        [("test_ll", f"BRBM exact test log-likelihood, n_h = {h}", "nats per example")],
+        f"BRBM exact test log-likelihood, n_h = {h}",
         directory / "brbm_exact_ll.png",
+        zoom=(-40.0, -37.5),
         styles=STYLES,
     )
-    common.curve_figure(
+    likelihood_figure(
         curves["grbm"],
-        [("test_ll", f"GRBM (cI) exact test log-density, n_h = {h}", "nats per example")],
+        f"GRBM (cI) exact test log-density, n_h = {h}",
         directory / "grbm_exact_ll.png",
+        zoom=(-45.0, -33.0),
     )
+
+
+def likelihood_figure(
+    curves: Sequence[Any],
+    title: str,
+    path: Path,
+    *,
+    zoom: tuple[float, float],
+    styles: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """The exact test log-likelihood twice: on its full range, where the runs that lose
+    likelihood set the scale, and on the `zoom` range, where the others differ by tenths."""
+    figure, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    for axis, suffix in zip(axes, ("", " (zoom)"), strict=True):
+        common.plot_metric(
+            axis, curves, "test_ll", title=title + suffix, ylabel="nats per example", styles=styles
+        )
+    axes[1].set_ylim(*zoom)
+    axes[1].get_legend().remove()
+    figure.tight_layout()
+    return common.save_figure(figure, path)
 
 
 def write_outputs(directory: Path, config: Config, curves: dict[str, list[RunResult]]) -> None:
