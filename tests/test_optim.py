@@ -277,8 +277,9 @@ def test_preconditioned_step_matches_its_formula(preconditioner):
     optimizer.step()
     for name in ("W", "b"):
         g = grads[name].double()
-        # First step: bias-corrected moments are g (Adam) and g², so D = |g| + eps.
-        scale = (g.abs() + 1e-8).rsqrt()
+        # First step: bias-corrected moments are g (Adam) and g², so
+        # D = max(|g|, damping · mean |g|) + eps, with the default damping 0.1.
+        scale = (g.abs().clamp_min(0.1 * g.abs().mean()) + 1e-8).rsqrt()
         y = g * scale
         sharp = svd_step(y).double() if name == "W" else y.abs().sum() * y.sign()
         expected = before[name].double() - 0.01 * scale * sharp
@@ -393,3 +394,29 @@ def test_lowrank_in_a_preconditioned_config_means_its_exact_equivalent_svd():
     groups = {g["name"]: g for g in build_optimizer(Tiny(), config).param_groups}
     assert groups["W"]["method"] == "lowrank" and groups["W"]["preconditioner"] is None
     assert groups["b"]["method"] == "svd" and groups["b"]["preconditioner"] == "rmsprop"
+
+
+@pytest.mark.parametrize("preconditioner", ["rmsprop", "adam"])
+def test_preconditioning_damping_bounds_the_step_of_a_rarely_active_coordinate(preconditioner):
+    # The l∞ step moves every coordinate by the same norm times D^{-1/2}: a coordinate whose
+    # gradient is almost zero (a pixel that is never on) would otherwise get D ≈ eps.
+    def step_sizes(damping: float) -> torch.Tensor:
+        param = torch.nn.Parameter(torch.zeros(10))
+        optimizer = PreconditionedSSD(
+            [param], lr=1e-3, preconditioner=preconditioner, damping=damping
+        )
+        param.grad = torch.ones(10)
+        param.grad[0] = 1e-6
+        optimizer.step()
+        return param.detach().abs()
+
+    damped = step_sizes(0.1)
+    # D_0 is floored at 0.1 · mean(D) = 0.1 · 0.9 (nine coordinates at 1, one near 0).
+    assert damped[0] / damped[1:].median() == pytest.approx((0.1 * 0.9) ** -0.5, rel=1e-4)
+    undamped = step_sizes(0.0)
+    assert undamped[0] / undamped[1:].median() > 100  # what the floor prevents
+
+
+def test_damping_outside_zero_to_one_is_refused():
+    with pytest.raises(ValueError, match="damping"):
+        PreconditionedSSD([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, damping=2.0)

@@ -8,7 +8,8 @@ rescaled gradient ``D^{-1/2} ⊙ G``, hence
 
     Δ = -lr * D^{-1/2} ⊙ (‖σ(D^{-1/2} ⊙ G)‖₁ · U Vᵀ),   U Σ Vᵀ = svd(D^{-1/2} ⊙ G)
 
-and likewise ``D^{-1/2} ⊙ (‖D^{-1/2} ⊙ g‖₁ sign(g))`` for vectors. With ``"adam"`` the gradient
+and likewise ``D^{-1/2} ⊙ (‖D^{-1/2} ⊙ g‖₁ sign(g))`` for vectors. ``D`` is floored at
+``damping`` times its mean (see ``damping`` below). With ``"adam"`` the gradient
 is first replaced by its bias-corrected running mean (momentum before the geometry, as in Adam).
 The rescaled gradient is full-rank, so ``method="lowrank"`` is refused; ``"svd"`` is the default.
 """
@@ -34,6 +35,9 @@ class PreconditionedSSD(SSD):
         method: polar method for matrices: ``"svd"``, ``"randomized"`` or ``"newton-schulz"``.
         betas: decay of the first moment (Adam only) and of the second moment.
         eps: added to ``sqrt(v̂)`` before the square-root scaling.
+        damping: relative floor: ``sqrt(v̂)`` is raised to at least ``damping`` times its mean
+            over the parameter, so rarely active coordinates cannot take steps more than
+            ``damping^{-1/2}`` times larger than the rest (0 turns the floor off).
         **kwargs: the remaining :class:`~ssdcore.optim.SSD` settings.
     """
 
@@ -46,6 +50,7 @@ class PreconditionedSSD(SSD):
         method: str = "svd",
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        damping: float = 0.1,
         **kwargs: Any,
     ) -> None:
         if preconditioner not in ("rmsprop", "adam"):
@@ -59,5 +64,6 @@ class PreconditionedSSD(SSD):
             preconditioner=preconditioner,
             betas=betas,
             eps=eps,
+            damping=damping,
             **kwargs,
         )

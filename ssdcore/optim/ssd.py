@@ -96,6 +96,7 @@ class SSD(Optimizer):
         preconditioner: str | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        damping: float = 0.1,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -109,6 +110,7 @@ class SSD(Optimizer):
             "preconditioner": preconditioner,
             "betas": betas,
             "eps": eps,
+            "damping": damping,
         }
         _check_group(defaults)
         super().__init__(params, defaults)
@@ -250,8 +252,15 @@ class SSD(Optimizer):
                 first = state["exp_avg"] = torch.zeros_like(param)
             first.lerp_(grad, 1 - beta1)
             grad = first / (1 - beta1**step)
-        # D = sqrt(v̂) + eps; the step is D^{-1/2} ⊙ #(D^{-1/2} ⊙ g), with # the S∞ / l∞ step.
-        scale = (second / (1 - beta2**step)).sqrt_().add_(group["eps"]).rsqrt_()
+        # D = max(sqrt(v̂), damping·mean sqrt(v̂)) + eps; the step is D^{-1/2} ⊙ #(D^{-1/2} ⊙ g),
+        # with # the S∞ / l∞ step. The relative floor matters: # moves every coordinate by the
+        # same norm, so without it a coordinate whose gradient is almost always zero (a pixel that
+        # is never on) gets D ≈ eps and a step D^{-1/2} times larger than the rest — its bias ran
+        # off to thousands on MNIST. The floor caps that ratio at damping^{-1/2}.
+        root = (second / (1 - beta2**step)).sqrt_()
+        if group["damping"] > 0:
+            root.clamp_min_(group["damping"] * float(root.mean()))
+        scale = root.add_(group["eps"]).rsqrt_()
         scaled_grad = grad * scale
         if param.ndim == 2:
             polar = self._polar(scaled_grad, group["method"], None, state, group)
@@ -353,5 +362,7 @@ def _check_group(group: dict[str, Any]) -> None:
     beta1, beta2 = group["betas"]
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
         raise ValueError(f"Invalid betas: {group['betas']!r} (each must be in [0, 1))")
+    if not 0 <= group["damping"] <= 1:
+        raise ValueError(f"Invalid damping value: {group['damping']!r} (must be in [0, 1])")
     if not group["eps"] > 0:
         raise ValueError(f"Invalid eps value: {group['eps']!r} (must be > 0)")
