@@ -24,7 +24,7 @@ import grpc
 
 from server.config import ConfigError, Settings
 from server.errors import UnauthenticatedError
-from server.handlers import SERVICE_PREFIX, iterate_responses, wrap_handler
+from server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             )
         else:
             logger.info("bearer-token authentication on, %d token(s)", len(self.table))
+        self._handlers = WrappedHandlers(self._authenticated)
 
     def resolve(self, metadata: Any) -> str:
         """The tenant for a call's metadata, or UnauthenticatedError."""
@@ -165,12 +166,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if not handler_call_details.method.startswith(SERVICE_PREFIX):
             return handler
-        metadata = handler_call_details.invocation_metadata
+        return self._handlers.wrapped(handler_call_details.method, handler)
+
+    def _authenticated(
+        self, method: str, handler: grpc.RpcMethodHandler | None
+    ) -> grpc.RpcMethodHandler | None:
+        """``handler`` run with the caller's tenant resolved from the call's own metadata."""
         resolve = self.resolve
 
         def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                _tenant.set(resolve(metadata))
+                _tenant.set(resolve(context.invocation_metadata()))
                 return await behavior(request, context)
 
             return authenticated
@@ -179,7 +185,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             async def authenticated(
                 request: Any, context: grpc.aio.ServicerContext
             ) -> AsyncIterator[Any]:
-                _tenant.set(resolve(metadata))
+                _tenant.set(resolve(context.invocation_metadata()))
                 async for response in iterate_responses(behavior, request, context):
                     yield response
 

@@ -16,7 +16,7 @@ import grpc
 import redis.exceptions
 from google.protobuf.message import DecodeError
 
-from server.handlers import SERVICE_PREFIX, iterate_responses, wrap_handler
+from server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,9 @@ def _is_passthrough(exc: BaseException) -> bool:
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Maps domain and Redis errors raised by any handler to their gRPC status (the one place)."""
 
+    def __init__(self) -> None:
+        self._handlers = WrappedHandlers(_mapped)
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -177,35 +180,38 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if not method.startswith(SERVICE_PREFIX):
             return handler  # health and reflection raise nothing of ours
+        return self._handlers.wrapped(method, handler)
 
-        def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-            async def mapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    return await behavior(_checked(request_or_iterator), context)
-                except Exception as exc:
-                    if _is_passthrough(exc):
-                        raise
-                    await _abort_for(exc, context, method)
 
-            return mapped
+def _mapped(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+    """``handler`` with its errors mapped to statuses and undecodable requests refused."""
 
-        def wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
-            async def mapped(
-                request_or_iterator: Any, context: grpc.aio.ServicerContext
-            ) -> AsyncIterator[Any]:
-                try:
-                    request = _checked(request_or_iterator)
-                    async for response in iterate_responses(behavior, request, context):
-                        yield response
-                except Exception as exc:
-                    if _is_passthrough(exc):
-                        raise
-                    await _abort_for(exc, context, method)
+    def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def mapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(_checked(request_or_iterator), context)
+            except Exception as exc:
+                if _is_passthrough(exc):
+                    raise
+                await _abort_for(exc, context, method)
 
-            return mapped
+        return mapped
 
-        if handler is None:
-            return None
-        return wrap_handler(
-            handler, wrap_unary, wrap_stream, _tolerant(handler.request_deserializer)
-        )
+    def wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+        async def mapped(
+            request_or_iterator: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            try:
+                request = _checked(request_or_iterator)
+                async for response in iterate_responses(behavior, request, context):
+                    yield response
+            except Exception as exc:
+                if _is_passthrough(exc):
+                    raise
+                await _abort_for(exc, context, method)
+
+        return mapped
+
+    if handler is None:
+        return None
+    return wrap_handler(handler, wrap_unary, wrap_stream, _tolerant(handler.request_deserializer))

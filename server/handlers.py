@@ -58,3 +58,31 @@ async def iterate_responses(
         return
     async for response in result:
         yield response
+
+
+class WrappedHandlers:
+    """Each method's wrapped handler, built once and reused for every later call.
+
+    An interceptor's wrapping depends only on the method and the handler it wraps, never on
+    the call (per-call data such as metadata comes from the context), so building closures
+    and a new handler tuple for every call was pure per-request overhead. A handler that
+    differs from the one cached (a server rebuilt in tests) is wrapped afresh.
+    """
+
+    def __init__(
+        self, build: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler | None]
+    ) -> None:
+        self._build = build
+        self._entries: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler | None]] = {}
+
+    def wrapped(
+        self, method: str, handler: grpc.RpcMethodHandler | None
+    ) -> grpc.RpcMethodHandler | None:
+        """``handler`` of ``method`` wrapped by ``build``; unknown methods are not kept."""
+        if handler is None:
+            return self._build(method, handler)  # type: ignore[arg-type]
+        entry = self._entries.get(method)
+        if entry is None or entry[0] is not handler:
+            entry = (handler, self._build(method, handler))
+            self._entries[method] = entry
+        return entry[1]

@@ -17,7 +17,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from server.errors import status_for
-from server.handlers import SERVICE_PREFIX, iterate_responses, wrap_handler
+from server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
 from server.store.records import JobState
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class LatencyInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.histogram = metrics.rpc_latency
+        self._handlers = WrappedHandlers(self._timed)
 
     async def intercept_service(
         self,
@@ -118,12 +119,22 @@ class LatencyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if not handler_call_details.method.startswith(SERVICE_PREFIX):
             return handler  # health checks and reflection are not service traffic
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        return self._handlers.wrapped(handler_call_details.method, handler)
+
+    def _timed(
+        self, full_method: str, handler: grpc.RpcMethodHandler | None
+    ) -> grpc.RpcMethodHandler | None:
+        method = full_method.rsplit("/", 1)[-1]
         histogram = self.histogram
+        by_code: dict[str, Any] = {}  # the labelled series, looked up once per status code
 
         def observe(started: float, exc: BaseException | None, context: Any) -> None:
+            elapsed = time.perf_counter() - started
             code = _code_of(exc, context)
-            histogram.labels(method=method, code=code).observe(time.perf_counter() - started)
+            series = by_code.get(code)
+            if series is None:
+                series = by_code[code] = histogram.labels(method=method, code=code)
+            series.observe(elapsed)
 
         def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -23,6 +23,7 @@ from server.auth import current_tenant
 from server.config import Settings
 from server.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from server.metrics import ServiceMetrics
+from server.recent_jobs import RecentJobs
 from server.serving import ModelServer
 from server.store.checkpoints import CheckpointStore
 from server.store.datasets import DatasetStore
@@ -70,11 +71,13 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         stores: Stores,
         models: ModelServer,
         metrics: ServiceMetrics | None = None,
+        recent_jobs: RecentJobs | None = None,
     ) -> None:
         self.settings = settings
         self.stores = stores
         self.models = models
         self.metrics = metrics
+        self.recent_jobs = recent_jobs if recent_jobs is not None else RecentJobs()
         self._open_streams = 0
         self._draining = False
 
@@ -226,7 +229,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def Reconstruct(
         self, request: pb.ReconstructRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReconstructResponse:
-        job = await self._job(request.job_id)
+        job = await self._serving_job(request.job_id)
         v = self._input(request.input)
         loaded = await self.models.model_for(job, request.checkpoint_step)
         out = await self.models.reconstruct(
@@ -237,7 +240,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def SampleHidden(
         self, request: pb.SampleHiddenRequest, context: grpc.aio.ServicerContext
     ) -> pb.SampleHiddenResponse:
-        job = await self._job(request.job_id)
+        job = await self._serving_job(request.job_id)
         mode = validation.enum_value(pb.HiddenMode, request.mode, "mode")
         v = self._input(request.input)
         loaded = await self.models.model_for(job, request.checkpoint_step)
@@ -245,6 +248,17 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             loaded, v, sample=mode == pb.HIDDEN_MODE_SAMPLE, seed=request.seed
         )
         return pb.SampleHiddenResponse(output=array_to_tensor(out), checkpoint_step=loaded.step)
+
+    async def _serving_job(self, job_id: str) -> JobRecord:
+        """The job for a serving call: a record read in the last moment (see RecentJobs) or a
+        fresh read, which also decides NOT_FOUND and FAILED_PRECONDITION."""
+        _check_id(job_id, "job_id")
+        tenant = current_tenant()
+        record = self.recent_jobs.get(tenant, job_id)
+        if record is None:
+            record = await self.stores.jobs.get(tenant, job_id)
+            self.recent_jobs.put(tenant, record)
+        return record
 
     def _input(self, tensor: pb.Tensor) -> np.ndarray:
         return tensor_to_array(
