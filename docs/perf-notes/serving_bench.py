@@ -3,31 +3,73 @@
 The same measurements as ``python -m bench service`` (its own helpers: redis-server on a free
 port, the service as a separate process, sequential calls, 16 concurrent clients), without the
 StreamMetrics and training-throughput phases, so before/after runs can alternate quickly. The
-served model is 784x500, trained for 20 steps (its size, not its quality, sets the cost).
+served model is 784x500, trained for 20 steps (its size, not its quality, sets the cost). Like
+the benchmark, the requests are seeded (seed 1); one more 16-client case sends unseeded
+(seed 0) requests, which the server may join into one batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))
 
-import grpc  # noqa: E402
-from ssdrbm.v1 import rbm_pb2_grpc  # noqa: E402
+import grpc
+from ssdrbm.v1 import rbm_pb2 as pb
+from ssdrbm.v1 import rbm_pb2_grpc
 
-from bench.service import (  # noqa: E402
+from bench.service import (
     concurrent_load,
+    cpu_seconds,
     redis_server,
     sequential_latency,
     service_process,
+    tensor,
     training_request,
     wait_for_job,
 )
-from bench.timing import percentile  # noqa: E402
+from bench.timing import percentile
+
+
+async def _unseeded(target: str, job_id: str, clients: int, seconds: float) -> list[float]:
+    request = pb.ReconstructRequest(job_id=job_id, input=tensor(1), k=1, seed=0)
+    channels = [
+        grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(clients)
+    ]
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def client(stub: rbm_pb2_grpc.RBMServiceStub) -> None:
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            await stub.Reconstruct(request, timeout=30)
+            latencies.append(time.perf_counter() - start)
+
+    stubs = [rbm_pb2_grpc.RBMServiceStub(channel) for channel in channels]
+    await asyncio.gather(*(stub.Reconstruct(request, timeout=30) for stub in stubs))
+    await asyncio.gather(*(client(stub) for stub in stubs))
+    await asyncio.gather(*(channel.close() for channel in channels))
+    return latencies
+
+
+def unseeded_load(target: str, job_id: str, pid: int, seconds: float) -> dict[str, float]:
+    """16 clients sending unseeded batch-1 Reconstruct requests; server CPU per request."""
+    server_cpu, started = cpu_seconds(pid), time.perf_counter()
+    latencies = asyncio.run(_unseeded(target, job_id, 16, seconds))
+    elapsed = time.perf_counter() - started
+    return {
+        "requests_per_s": len(latencies) / elapsed,
+        "p50_ms": 1000 * percentile(latencies, 0.5),
+        "p99_ms": 1000 * percentile(latencies, 0.99),
+        "server_cpu_ms_per_request": 1000 * (cpu_seconds(pid) - server_cpu) / len(latencies),
+    }
 
 
 def main() -> int:
@@ -60,6 +102,11 @@ def main() -> int:
                 )
                 print(json.dumps({"label": args.label, "repeat": repeat,
                                   "case": "Reconstruct 16 clients",
+                                  **{k: round(v, 3) for k, v in load.items()}}),
+                      flush=True)  # fmt: skip
+                load = unseeded_load(server.target, job.id, server.pid, args.seconds)
+                print(json.dumps({"label": args.label, "repeat": repeat,
+                                  "case": "Reconstruct 16 clients, unseeded",
                                   **{k: round(v, 3) for k, v in load.items()}}),
                       flush=True)  # fmt: skip
             channel.close()
