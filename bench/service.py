@@ -50,6 +50,7 @@ SERVED_HIDDEN = 500
 CLIENTS = 16
 SUBSCRIBERS = 100
 START_TIMEOUT_S = 60.0
+MAX_STREAM_RECONNECTS = 20  # per subscriber
 JOB_TIMEOUT_S = 300.0
 TERMINAL = {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED}
 
@@ -352,28 +353,40 @@ def _event_seconds(event: pb.MetricEvent) -> float:
     return event.time.seconds + event.time.nanos * 1e-9
 
 
-async def _stream_lag(target: str, job_id: str, subscribers: int) -> tuple[list[float], int]:
+async def _stream_lag(target: str, job_id: str, subscribers: int) -> tuple[list[float], int, int]:
     lags: list[float] = []
-    events = 0
+    counts = {"events": 0, "reconnects": 0}
     channel = grpc.aio.insecure_channel(target)
     stub = rbm_pb2_grpc.RBMServiceStub(channel)
     subscribed_at = time.time()
-    calls = [stub.StreamMetrics(pb.StreamMetricsRequest(job_id=job_id)) for _ in range(subscribers)]
 
-    async def follow(call) -> None:
-        nonlocal events
-        async for event in call:
-            arrived = time.time()
-            events += 1
-            # Events written before the subscriptions opened are history, not live lag.
-            if _event_seconds(event) >= subscribed_at:
-                lags.append(arrived - _event_seconds(event))
+    async def follow() -> None:
+        # As any client should: after UNAVAILABLE, reconnect and resume after the last token.
+        after = ""
+        for _ in range(MAX_STREAM_RECONNECTS + 1):
+            call = stub.StreamMetrics(pb.StreamMetricsRequest(job_id=job_id, after=after))
+            try:
+                async for event in call:
+                    arrived = time.time()
+                    counts["events"] += 1
+                    after = event.resume_token
+                    # Events written before the subscriptions opened are history, not live lag.
+                    if _event_seconds(event) >= subscribed_at:
+                        lags.append(arrived - _event_seconds(event))
+                return
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                counts["reconnects"] += 1
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"StreamMetrics stayed UNAVAILABLE after {MAX_STREAM_RECONNECTS} tries")
 
     try:
-        await asyncio.wait_for(asyncio.gather(*(follow(call) for call in calls)), JOB_TIMEOUT_S)
+        followers = [follow() for _ in range(subscribers)]
+        await asyncio.wait_for(asyncio.gather(*followers), JOB_TIMEOUT_S)
     finally:
         await channel.close()
-    return lags, events
+    return lags, counts["events"], counts["reconnects"]
 
 
 def stream_lag(
@@ -392,7 +405,7 @@ def stream_lag(
         images=plan.mnist_images,
     )
     job = stub.StartTraining(request, timeout=30).job
-    lags, events = asyncio.run(_stream_lag(target, job.id, subscribers))
+    lags, events, reconnects = asyncio.run(_stream_lag(target, job.id, subscribers))
     wait_for_job(stub, job.id)
     if not lags:
         raise RuntimeError("no live StreamMetrics event arrived")
@@ -402,6 +415,7 @@ def stream_lag(
         "max_ms": 1000 * max(lags),
         "live_events": len(lags),
         "events": events,
+        "reconnects": reconnects,
     }
 
 
@@ -459,6 +473,11 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
             channel = grpc.insecure_channel(server.target)
             try:
                 return _measure(server, rbm_pb2_grpc.RBMServiceStub(channel), plan)
+            except Exception:
+                # The server's own log says why; it goes away with the temporary directory.
+                tail = server.log_path.read_text(errors="replace")[-4000:]
+                logger.error("service case failed; the server's log ends with:\n%s", tail)
+                raise
             finally:
                 channel.close()
 
