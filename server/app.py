@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
+from server.allocator import keep_freed_memory
 from server.auth import AuthInterceptor
 from server.config import Settings
 from server.errors import ErrorMappingInterceptor
@@ -182,6 +183,7 @@ async def serve(
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+    keep_freed_memory()  # large request buffers are reused, not faulted in again each time
     service, _port = await create_server(settings)
     if settings.metrics_port:
         metrics_port = service.metrics.start_http(settings.metrics_port, settings.metrics_address)
