@@ -34,7 +34,7 @@ from bench.service import (
     training_request,
     wait_for_job,
 )
-from bench.timing import percentile
+from bench.timing import percentile, rss_mib
 
 
 async def _unseeded(target: str, job_id: str, clients: int, seconds: float) -> list[float]:
@@ -105,6 +105,7 @@ def main() -> int:
                                   **{k: round(v, 3) for k, v in load.items()}}),
                       flush=True)  # fmt: skip
                 load = unseeded_load(server.target, job.id, server.pid, args.seconds)
+                load["server_rss_mib"] = rss_mib(server.pid)
                 print(json.dumps({"label": args.label, "repeat": repeat,
                                   "case": "Reconstruct 16 clients, unseeded",
                                   **{k: round(v, 3) for k, v in load.items()}}),
