@@ -3,9 +3,9 @@
 A batch-256 request carries 800 kB in and 800 kB out, and its torch intermediates are of the
 same size. With glibc's defaults, freed blocks of that size go back to the kernel (the heap top
 is trimmed, or the block was a mapping of its own), so the next request faults every page of
-its buffers in again: about 2 ms of a batch-256 Reconstruct was page faults. Raising the
-mapping and trim thresholds keeps such blocks in the heap for reuse, at the cost of holding up
-to ``TRIM_THRESHOLD_BYTES`` of freed memory.
+its buffers in again: building and serializing one batch-256 response took 2.0 ms, 0.2 ms with
+the blocks kept. Raising the mapping and trim thresholds keeps such blocks in the heap for
+reuse, at the cost of holding up to ``TRIM_THRESHOLD_BYTES`` of freed memory.
 """
 
 from __future__ import annotations
