@@ -155,6 +155,16 @@ def _check_model(model: rbm_pb2.ModelSpec) -> None:
         raise InvalidArgumentError(
             "model.variance", "applies to Gaussian models only; leave it unset for Bernoulli"
         )
+    # The model's variances live in [min_variance, 1e4]; 1 is far above any useful floor.
+    if not 0 <= _finite(model.min_variance, "model.min_variance") < 1:
+        raise InvalidArgumentError(
+            "model.min_variance",
+            f"must be in [0, 1) (0 = the default 1e-4), got {model.min_variance}",
+        )
+    if model.min_variance and model.kind != pb.MODEL_KIND_GAUSSIAN:
+        raise InvalidArgumentError(
+            "model.min_variance", "applies to Gaussian models only; leave it unset for Bernoulli"
+        )
     if model.n_hidden < 1:
         raise InvalidArgumentError("model.n_hidden", "is required and must be at least 1")
     if model.n_hidden > MAX_HIDDEN:
@@ -203,6 +213,14 @@ def _check_optimizer(optimizer: rbm_pb2.OptimizerSpec, model: rbm_pb2.ModelSpec)
             )
         if enum_value(pb.OptimizerKind, kind, field) == pb.OPTIMIZER_KIND_UNSPECIFIED:
             raise InvalidArgumentError(field, "name an optimizer kind (SGD, NESTEROV, SSD, ...)")
+    for name, lr in optimizer.per_parameter_lr.items():
+        field = f"optimizer.per_parameter_lr[{name}]"
+        if name not in allowed:
+            raise InvalidArgumentError(
+                field, f"unknown parameter {name!r}; this model has {list(allowed)}"
+            )
+        if not _finite(lr, field) > 0:
+            raise InvalidArgumentError(field, f"must be > 0, got {lr}")
     kinds = {optimizer.kind, *optimizer.per_parameter.values()}
     if kinds & set(SSD_KINDS) and optimizer.method == pb.POLAR_METHOD_UNSPECIFIED:
         optimizer.method = pb.POLAR_METHOD_LOWRANK

@@ -229,6 +229,36 @@ START_CASES = {
         INVALID,
         "optimizer.per_parameter[W]",
     ),
+    "per-parameter step size zero": (
+        start(**{"optimizer.per_parameter_lr": {"W": 0.0}}),
+        INVALID,
+        "optimizer.per_parameter_lr[W]",
+    ),
+    "per-parameter step size NaN": (
+        start(**{"optimizer.per_parameter_lr": {"b": math.nan}}),
+        INVALID,
+        "optimizer.per_parameter_lr[b]",
+    ),
+    "per-parameter step size unknown name": (
+        start(**{"optimizer.per_parameter_lr": {"Ω": 0.1}}),
+        INVALID,
+        "optimizer.per_parameter_lr[Ω]",
+    ),
+    "variance floor on bernoulli": (
+        start(**{"model.min_variance": 0.01}),
+        INVALID,
+        "model.min_variance",
+    ),
+    "variance floor negative": (
+        start(**{"model.min_variance": -1.0}),
+        INVALID,
+        "model.min_variance",
+    ),
+    "variance floor Inf": (
+        start(**{"model.min_variance": math.inf}),
+        INVALID,
+        "model.min_variance",
+    ),
     "cd_k zero": (start(**{"training.cd_k": 0}), INVALID, "training.cd_k"),
     "cd_k huge": (start(**{"training.cd_k": U32}), INVALID, "training.cd_k"),
     "batch larger than the data": (

@@ -108,6 +108,8 @@ def test_bad_command_lines_exit_2(capsys) -> None:
     assert ERROR_LINE.match(err.strip()) and "n_hidden" in err
     assert main(["train", "--option", "oops"]) == ExitCode.USAGE
     assert "--option expects KEY=VALUE" in capsys.readouterr().err
+    assert main(["train", "--per-parameter-lr", "W=quick"]) == ExitCode.USAGE
+    assert "--per-parameter-lr W= expects a number" in capsys.readouterr().err
     assert main(["plot", "j", "--output", "d", "--image-shape", "big"]) == ExitCode.USAGE
 
 

@@ -126,6 +126,8 @@ def test_training_request_defaults_and_names() -> None:
         optimizer="sgd",
         method="newton_schulz",
         per_parameter={"W": "ssd"},
+        per_parameter_lr={"W": 1e-3},
+        min_variance=0.01,
         cd_k=10,
         epochs=3,
         dataset_id="abc",
@@ -135,6 +137,8 @@ def test_training_request_defaults_and_names() -> None:
     assert hybrid.model.variance == rbm_pb2.VARIANCE_KIND_ISOTROPIC
     assert hybrid.optimizer.method == rbm_pb2.POLAR_METHOD_NEWTON_SCHULZ
     assert dict(hybrid.optimizer.per_parameter) == {"W": rbm_pb2.OPTIMIZER_KIND_SSD}
+    assert dict(hybrid.optimizer.per_parameter_lr) == {"W": pytest.approx(1e-3)}
+    assert hybrid.model.min_variance == pytest.approx(0.01)
     assert hybrid.training.cd_k == 10 and hybrid.training.epochs == 3
     assert hybrid.training.steps == 0
     assert hybrid.dataset.dataset_id == "abc"

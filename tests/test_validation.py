@@ -195,6 +195,30 @@ def test_per_parameter_hybrid_is_checked_against_the_model() -> None:
     assert field_of(req) == "optimizer.per_parameter[b]"
 
 
+def test_per_parameter_step_sizes_are_checked() -> None:
+    req = request()
+    req.optimizer.kind = pb.OPTIMIZER_KIND_SGD
+    req.optimizer.per_parameter["W"] = pb.OPTIMIZER_KIND_SSD
+    req.optimizer.per_parameter_lr["W"] = 1e-3
+    assert validate(req).spec.optimizer.per_parameter_lr["W"] == pytest.approx(1e-3)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        req.optimizer.per_parameter_lr["W"] = bad
+        assert field_of(req) == "optimizer.per_parameter_lr[W]"
+    req.optimizer.per_parameter_lr["W"] = 1e-3
+    req.optimizer.per_parameter_lr["log_var"] = 1e-3  # Bernoulli has no log_var
+    assert field_of(req) == "optimizer.per_parameter_lr[log_var]"
+
+
+def test_min_variance_is_for_gaussian_models_within_its_range() -> None:
+    req = request(model=pb.ModelSpec(kind=pb.MODEL_KIND_GAUSSIAN, n_hidden=8, min_variance=0.01))
+    assert validate(req).spec.model.min_variance == pytest.approx(0.01)
+    for bad in (-0.1, 1.0, math.nan):
+        req.model.min_variance = bad
+        assert field_of(req) == "model.min_variance"
+    bernoulli = request(model=pb.ModelSpec(n_hidden=8, min_variance=0.01))
+    assert field_of(bernoulli) == "model.min_variance"
+
+
 def test_full_variance_is_refused_for_wide_data_only() -> None:
     req = request(model=pb.ModelSpec(kind=pb.MODEL_KIND_GAUSSIAN, n_hidden=4))
     req.model.variance = pb.VARIANCE_KIND_FULL

@@ -462,6 +462,11 @@ def test_spec_maps_to_optimizer_config_and_plan() -> None:
         "n_hidden": 5,
         "variance": "isotropic",
     }
+    request.model.min_variance = 0.01
+    request.optimizer.per_parameter_lr["W"] = 1e-3
+    plan = plan_from_request(request)
+    assert plan.model_config(12)["min_variance"] == 0.01
+    assert plan.optimizer.per_parameter_lr == {"W": 1e-3}
     request.training.cd_k = 3
     request.optimizer.kind = rbm_pb2.OPTIMIZER_KIND_NESTEROV
     request.optimizer.momentum = 0.5

@@ -108,16 +108,17 @@ class Client:
 
         Keyword arguments mirror ``StartTrainingRequest`` (defaults in brackets):
         ``model`` ["bernoulli"] or "gaussian"; ``variance`` (Gaussian: "identity", "isotropic",
-        ["diagonal"], "full"); ``n_hidden`` [64]; ``optimizer`` ["ssd"], "sgd", "nesterov",
-        "ssd-preconditioned"; ``method`` ["lowrank"], "svd", "randomized", "newton-schulz";
-        ``preconditioner`` ("rmsprop", "adam"); ``lr`` [0.01]; ``momentum``; ``weight_decay``;
-        ``max_spectral_norm``; ``rank``; ``per_parameter`` ({"W": "ssd"} for hybrids); ``cd_k``
-        [1]; ``persistent`` [False]; ``batch_size`` [100]; ``steps`` [1000] or ``epochs``;
-        ``seed`` [0]; ``checkpoint_every``; ``eval_every``; ``ais``; ``ais_chains``; ``ais_betas``;
-        ``validation_fraction``; ``dataset`` ["synthetic"], "mnist", "freyface" with
-        ``dataset_options``, or ``dataset_id`` from :meth:`upload_dataset`; ``preprocess``
-        ("none", "binarize", "scale", "standardize"); ``request_id`` (generated when missing);
-        ``name``. Zeros mean "the server's default".
+        ["diagonal"], "full"); ``min_variance`` (Gaussian variance floor [1e-4]); ``n_hidden``
+        [64]; ``optimizer`` ["ssd"], "sgd", "nesterov", "ssd-preconditioned"; ``method``
+        ["lowrank"], "svd", "randomized", "newton-schulz"; ``preconditioner`` ("rmsprop",
+        "adam"); ``lr`` [0.01]; ``momentum``; ``weight_decay``; ``max_spectral_norm``; ``rank``;
+        ``per_parameter`` ({"W": "ssd"} for hybrids); ``per_parameter_lr`` ({"W": 1e-3}: one
+        parameter's step size); ``cd_k`` [1]; ``persistent`` [False]; ``batch_size`` [100];
+        ``steps`` [1000] or ``epochs``; ``seed`` [0]; ``checkpoint_every``; ``eval_every``;
+        ``ais``; ``ais_chains``; ``ais_betas``; ``validation_fraction``; ``dataset``
+        ["synthetic"], "mnist", "freyface" with ``dataset_options``, or ``dataset_id`` from
+        :meth:`upload_dataset`; ``preprocess`` ("none", "binarize", "scale", "standardize");
+        ``request_id`` (generated when missing); ``name``. Zeros mean "the server's default".
         """
         request = training_request(**kwargs)
         # The request_id makes a repeat return the original job, so retrying cannot duplicate it.

@@ -63,6 +63,7 @@ def training_request(
     *,
     model: str = "bernoulli",
     variance: str | None = None,
+    min_variance: float = 0.0,
     n_hidden: int = 64,
     optimizer: str = "ssd",
     method: str | None = "lowrank",
@@ -73,6 +74,7 @@ def training_request(
     max_spectral_norm: float = 0.0,
     rank: int = 0,
     per_parameter: Mapping[str, str] | None = None,
+    per_parameter_lr: Mapping[str, float] | None = None,
     cd_k: int | None = None,
     persistent: bool = False,
     batch_size: int = 100,
@@ -131,6 +133,7 @@ def training_request(
             kind=choose("model", model, MODELS),
             variance=choose("variance", variance, VARIANCES),
             n_hidden=n_hidden,
+            min_variance=min_variance,
         ),
         optimizer=rbm_pb2.OptimizerSpec(
             kind=choose("optimizer", optimizer, OPTIMIZERS),
@@ -142,6 +145,7 @@ def training_request(
             max_spectral_norm=max_spectral_norm,
             rank=rank,
             per_parameter=per_parameter_kinds,
+            per_parameter_lr={str(k): float(v) for k, v in (per_parameter_lr or {}).items()},
         ),
         training=rbm_pb2.TrainingSpec(
             cd_k=cd_k,  # None leaves it unset: the server's default of 1

@@ -49,6 +49,7 @@ class TrainingPlan:
 
     model_kind: str  # "bernoulli" | "gaussian"
     variance: str  # Gaussian only
+    min_variance: float  # Gaussian only; 0 = the model's default floor
     n_hidden: int
     optimizer: OptimizerConfig
     batch_size: int
@@ -80,6 +81,8 @@ class TrainingPlan:
         }
         if self.model_kind == "gaussian":
             config["variance"] = self.variance
+            if self.min_variance > 0:
+                config["min_variance"] = self.min_variance
         return config
 
 
@@ -96,6 +99,7 @@ def optimizer_config(spec: rbm_pb2.OptimizerSpec) -> OptimizerConfig:
         max_spectral_norm=spec.max_spectral_norm or None,
         rank=spec.rank,
         per_parameter={name: OPTIMIZER_NAMES[kind] for name, kind in spec.per_parameter.items()},
+        per_parameter_lr=dict(spec.per_parameter_lr),
     )
 
 
@@ -109,6 +113,7 @@ def plan_from_request(
     return TrainingPlan(
         model_kind="gaussian" if gaussian else "bernoulli",
         variance=VARIANCES[request.model.variance],
+        min_variance=request.model.min_variance,
         n_hidden=request.model.n_hidden,
         optimizer=optimizer_config(request.optimizer),
         batch_size=training.batch_size or defaults.batch_size,

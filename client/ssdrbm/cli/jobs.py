@@ -59,6 +59,9 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="bernoulli", choices=list(spec.MODELS))
     model.add_argument("--variance", choices=list(spec.VARIANCES), help="Gaussian models")
+    model.add_argument(
+        "--min-variance", type=float, default=0.0, help="Gaussian: variance floor [1e-4]"
+    )
     model.add_argument("--hidden", "--n-hidden", dest="n_hidden", type=int, default=64)
     opt = parser.add_argument_group("optimizer")
     opt.add_argument("--optimizer", default="ssd", choices=list(spec.OPTIMIZERS))
@@ -75,6 +78,13 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=OPTIMIZER",
         help="hybrid override, e.g. W=ssd (repeatable)",
+    )
+    opt.add_argument(
+        "--per-parameter-lr",
+        action="append",
+        default=[],
+        metavar="NAME=LR",
+        help="step size of one parameter, e.g. W=0.001 (repeatable)",
     )
     train = parser.add_argument_group("training")
     train.add_argument("--cd-k", type=int, help="Gibbs steps per gradient [1]")
@@ -118,11 +128,22 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
     return result
 
 
+def _step_sizes(values: list[str]) -> dict[str, float]:
+    result = {}
+    for key, value in _pairs(values, "--per-parameter-lr").items():
+        try:
+            result[key] = float(value)
+        except ValueError:
+            raise UsageError(f"--per-parameter-lr {key}= expects a number, got {value!r}") from None
+    return result
+
+
 def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The :meth:`Client.start_training` arguments given on the command line."""
     return {
         "model": args.model,
         "variance": args.variance,
+        "min_variance": args.min_variance,
         "n_hidden": args.n_hidden,
         "optimizer": args.optimizer,
         "method": args.method,
@@ -133,6 +154,7 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_spectral_norm": args.max_spectral_norm,
         "rank": args.rank,
         "per_parameter": _pairs(args.per_parameter, "--per-parameter"),
+        "per_parameter_lr": _step_sizes(args.per_parameter_lr),
         "cd_k": args.cd_k,
         "persistent": args.persistent,
         "batch_size": args.batch_size,

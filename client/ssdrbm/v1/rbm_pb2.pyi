@@ -125,17 +125,19 @@ DTYPE_FLOAT64: DType
 DTYPE_UINT8: DType
 
 class ModelSpec(_message.Message):
-    __slots__ = ("kind", "variance", "n_hidden")
+    __slots__ = ("kind", "variance", "n_hidden", "min_variance")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VARIANCE_FIELD_NUMBER: _ClassVar[int]
     N_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    MIN_VARIANCE_FIELD_NUMBER: _ClassVar[int]
     kind: ModelKind
     variance: VarianceKind
     n_hidden: int
-    def __init__(self, kind: _Optional[_Union[ModelKind, str]] = ..., variance: _Optional[_Union[VarianceKind, str]] = ..., n_hidden: _Optional[int] = ...) -> None: ...
+    min_variance: float
+    def __init__(self, kind: _Optional[_Union[ModelKind, str]] = ..., variance: _Optional[_Union[VarianceKind, str]] = ..., n_hidden: _Optional[int] = ..., min_variance: _Optional[float] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("kind", "lr", "momentum", "method", "preconditioner", "weight_decay", "max_spectral_norm", "rank", "per_parameter")
+    __slots__ = ("kind", "lr", "momentum", "method", "preconditioner", "weight_decay", "max_spectral_norm", "rank", "per_parameter", "per_parameter_lr")
     class PerParameterEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,13 @@ class OptimizerSpec(_message.Message):
         key: str
         value: OptimizerKind
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[OptimizerKind, str]] = ...) -> None: ...
+    class PerParameterLrEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     KIND_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +161,7 @@ class OptimizerSpec(_message.Message):
     MAX_SPECTRAL_NORM_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PER_PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    PER_PARAMETER_LR_FIELD_NUMBER: _ClassVar[int]
     kind: OptimizerKind
     lr: float
     momentum: float
@@ -161,7 +171,8 @@ class OptimizerSpec(_message.Message):
     max_spectral_norm: float
     rank: int
     per_parameter: _containers.ScalarMap[str, OptimizerKind]
-    def __init__(self, kind: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., preconditioner: _Optional[_Union[Preconditioner, str]] = ..., weight_decay: _Optional[float] = ..., max_spectral_norm: _Optional[float] = ..., rank: _Optional[int] = ..., per_parameter: _Optional[_Mapping[str, OptimizerKind]] = ...) -> None: ...
+    per_parameter_lr: _containers.ScalarMap[str, float]
+    def __init__(self, kind: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., preconditioner: _Optional[_Union[Preconditioner, str]] = ..., weight_decay: _Optional[float] = ..., max_spectral_norm: _Optional[float] = ..., rank: _Optional[int] = ..., per_parameter: _Optional[_Mapping[str, OptimizerKind]] = ..., per_parameter_lr: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
     __slots__ = ("cd_k", "persistent", "batch_size", "steps", "epochs", "seed", "checkpoint_every")
