@@ -496,6 +496,9 @@ def test_builtin_datasets_resolve_with_their_natural_preprocessing() -> None:
             seed=0,
         )
 
+    # Options are read as the server validated them: limit 0 (the default it fills in) is all.
+    all_mnist = load(builtin("mnist", limit="0"))
+    assert all_mnist.train.shape[0] + all_mnist.valid.shape[0] == 10_000
     mnist = load(builtin("mnist", limit="200"))
     assert mnist.train.shape == (180, 784) and mnist.valid.shape == (20, 784)
     assert set(torch.unique(mnist.train).tolist()) == {0.0, 1.0}  # binarized for a BRBM
@@ -524,7 +527,7 @@ def test_builtin_datasets_resolve_with_their_natural_preprocessing() -> None:
         (builtin("imagenet"), "synthetic"),
         (builtin("mnist", size="3"), "limit"),
         (builtin("synthetic", n_visible="many"), "integer"),
-        (builtin("mnist", limit="0"), "positive"),
+        (builtin("mnist", limit="-1"), "between"),
     ]:
         with pytest.raises(DatasetError, match=fix):
             load(ref)

@@ -15,17 +15,12 @@ import numpy as np
 import torch
 from ssdrbm.v1 import rbm_pb2
 
+from server import catalog
+from server.errors import InvalidArgumentError
 from ssdcore import data as ssdata
 
 logger = logging.getLogger(__name__)
 
-SYNTHETIC_OPTIONS = ("n_visible", "n_hidden", "n_samples", "seed")
-IMAGE_OPTIONS = ("limit",)
-BUILTIN_OPTIONS = {
-    "synthetic": SYNTHETIC_OPTIONS,
-    "mnist": IMAGE_OPTIONS,
-    "freyface": IMAGE_OPTIONS,
-}
 FREYFACE_FILE = "frey_rawface.mat"
 # numpy dtypes of the upload formats, explicitly little-endian.
 UPLOAD_DTYPES = {"float32": "<f4", "float64": "<f8", "uint8": "u1"}
@@ -62,43 +57,24 @@ class SplitData:
         return int(self.train.shape[1])
 
 
-def _int_option(name: str, options: dict[str, str], key: str, default: int | None) -> int | None:
-    raw = options.get(key)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise DatasetError(
-            f"dataset option {key!r} of {name!r} must be an integer, not {raw!r}"
-        ) from None
-    if value < (0 if key == "seed" else 1):
-        raise DatasetError(f"dataset option {key!r} of {name!r} must be positive, not {value}")
-    return value
-
-
 def load_builtin(builtin: rbm_pb2.BuiltinDataset, data_dir: Path) -> torch.Tensor:
-    """Examples (N, V) of a built-in dataset, before preprocessing."""
+    """Examples (N, V) of a built-in dataset, before preprocessing.
+
+    Options are parsed by the same catalog that validated the request, so a spec the server
+    accepted (defaults filled in, e.g. limit 0 = every example) is read the same way here.
+    """
     name = builtin.name
-    if name not in BUILTIN_OPTIONS:
-        raise DatasetError(
-            f"unknown built-in dataset {name!r}; use one of {sorted(BUILTIN_OPTIONS)}"
-        )
-    options = dict(builtin.options)
-    unknown = sorted(set(options) - set(BUILTIN_OPTIONS[name]))
-    if unknown:
-        raise DatasetError(
-            f"unknown options {unknown} for dataset {name!r}; "
-            f"it takes {list(BUILTIN_OPTIONS[name])}"
-        )
+    try:
+        options = catalog.parse_options(name, builtin.options, "dataset.builtin")
+    except InvalidArgumentError as error:
+        raise DatasetError(error.message) from None
     if name == "synthetic":
-        kwargs = {key: _int_option(name, options, key, None) for key in SYNTHETIC_OPTIONS}
-        return ssdata.synthetic_rbm_data(**{k: v for k, v in kwargs.items() if v is not None})
+        return ssdata.synthetic_rbm_data(**options)
     if name == "mnist":
         examples = ssdata.load_mnist(data_dir / "mnist")
     else:
         examples = ssdata.load_frey_face(data_dir / "freyface" / FREYFACE_FILE)
-    limit = _int_option(name, options, "limit", None)
+    limit = options["limit"]
     return examples[:limit] if limit else examples
 
 
