@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
+from ssdcore.data import default_data_dir, load_mnist, preprocess
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def data_directory() -> Path:
-    """`SSDRBM_DATA_DIR` when set, else `../shared/data` next to the repository."""
-    configured = os.environ.get("SSDRBM_DATA_DIR")
-    return Path(configured) if configured else REPO_ROOT.parent / "shared" / "data"
 
 
 def mnist(mode: str, *, limit: int | None = None) -> torch.Tensor:
@@ -21,11 +16,7 @@ def mnist(mode: str, *, limit: int | None = None) -> torch.Tensor:
 
     `limit` keeps the first N images, so every implementation sees exactly the same data.
     """
-    from ssdcore.data import load_mnist, preprocess
-
-    images = load_mnist(data_directory() / "mnist")
-    if isinstance(images, tuple):  # (images, labels) when the loader also returns labels
-        images = images[0]
+    images = load_mnist(default_data_dir() / "mnist")
     images = images.reshape(images.shape[0], -1)
     if limit is not None:
         images = images[:limit]

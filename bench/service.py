@@ -39,9 +39,10 @@ import numpy as np
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
-from bench.data import REPO_ROOT, data_directory
+from bench.data import REPO_ROOT
 from bench.report import Case, Target
 from bench.timing import percentile, rss_mib
+from ssdcore.data import default_data_dir
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ def service_process(redis_url: str, directory: Path) -> Iterator[ServerProcess]:
     env = {
         **os.environ,
         "SSDRBM_REDIS_URL": redis_url,
-        "SSDRBM_DATA_DIR": str(data_directory()),
+        "SSDRBM_DATA_DIR": str(default_data_dir()),
         "SSDRBM_AUTH_MODE": "none",
         "SSDRBM_LOG_LEVEL": "WARNING",
         "SSDRBM_STREAM_BLOCK_MS": "1000",
