@@ -39,6 +39,10 @@ PROJECT_OPTIMIZERS: dict[str, dict[str, object]] = {
     "ssd-newton-schulz": {"name": "ssd", "lr": SSD_LR, "method": "newton-schulz"},
 }
 REFERENCE_OPTIMIZERS = {"sgd": SGD_LR, "nesterov": SGD_LR, "ssd": SSD_LR}
+# On a GPU the project's step is replayed as a CUDA graph where it can be; these variants also
+# run with `cuda_graph=False`, so the graph's own effect is measured in the same rounds.
+EAGER_SUFFIX = "-eager"
+GPU_EAGER_VARIANTS = ("sgd", "ssd-newton-schulz")
 DEFAULT_POLAR = "ssd-lowrank"
 # Data preprocessing per model: binary pixels for the Bernoulli RBM, [0, 1] for the Gaussian.
 DATA_MODES = {"bernoulli": "binarize", "gaussian": "scale"}
@@ -112,11 +116,18 @@ def build_project(
     else:
         model = ssdcore.GaussianRBM(n_visible, n_hidden, variance="diagonal")
     model = model.to(data.device)
-    optimizer = OptimizerConfig(**PROJECT_OPTIMIZERS[variant.optimizer])
+    eager = variant.optimizer.endswith(EAGER_SUFFIX)
+    optimizer = OptimizerConfig(**PROJECT_OPTIMIZERS[variant.optimizer.removesuffix(EAGER_SUFFIX)])
     if not hasattr(ssdcore, "Trainer"):
         return _estimator_loop(model, optimizer, data, cd_k=cd_k, seed=seed)
     trainer = ssdcore.Trainer(
-        model, data, optimizer=optimizer, batch_size=BATCH_SIZE, cd_k=cd_k, seed=seed
+        model,
+        data,
+        optimizer=optimizer,
+        batch_size=BATCH_SIZE,
+        cd_k=cd_k,
+        seed=seed,
+        cuda_graph=False if eager else None,
     )
     return trainer.train_steps
 
@@ -187,11 +198,15 @@ class Runner:
             self._run = self._build()
 
 
-def variants() -> list[Variant]:
+def variants(device: torch.device) -> list[Variant]:
     """Every variant measured at one size and CD-k, in a stable order."""
     result = []
     for model in MODELS:
         result += [Variant("project", model, name) for name in PROJECT_OPTIMIZERS]
+        if device.type == "cuda":
+            result += [
+                Variant("project", model, name + EAGER_SUFFIX) for name in GPU_EAGER_VARIANTS
+            ]
         result += [Variant("reference", model, name) for name in REFERENCE_OPTIMIZERS]
     return result
 
@@ -216,7 +231,7 @@ def measure_group(
 ) -> list[Case]:
     """Time all variants at one size and CD-k in shared rounds; one Case per variant."""
     device = next(iter(datasets.values())).device
-    group = variants()
+    group = variants(device)
     builders = {v.name: _builder(v, datasets[v.model], n_hidden, cd_k) for v in group}
     runners = {name: Runner(build) for name, build in builders.items()}
     for runner in runners.values():
@@ -267,7 +282,8 @@ def measure_memory(
 
 
 def _reference_of(variant: Variant) -> str:
-    family = "ssd" if variant.optimizer.startswith("ssd") else variant.optimizer
+    optimizer = variant.optimizer.removesuffix(EAGER_SUFFIX)
+    family = "ssd" if optimizer.startswith("ssd") else optimizer
     return f"reference/{variant.model}/{family}"
 
 
@@ -277,8 +293,13 @@ def _ratios(variant: Variant, timings: dict[str, Timing]) -> dict[str, float | N
     ratios: dict[str, float | None] = {}
     if variant.impl == "project":
         ratios["x_faster_than_reference"] = paired_ratio(timings[_reference_of(variant)], own)
+    eager = variant.optimizer.endswith(EAGER_SUFFIX)
+    if eager:
+        graphed = f"{variant.impl}/{variant.model}/{variant.optimizer.removesuffix(EAGER_SUFFIX)}"
+        ratios["x_slower_than_graph"] = paired_ratio(own, timings[graphed])
     if variant.optimizer.startswith("ssd"):
-        ratios["ssd_over_sgd"] = paired_ratio(own, timings[f"{variant.impl}/{variant.model}/sgd"])
+        sgd = f"{variant.impl}/{variant.model}/sgd{EAGER_SUFFIX if eager else ''}"
+        ratios["ssd_over_sgd"] = paired_ratio(own, timings[sgd])
     if variant.model == "gaussian":
         brbm = timings[f"{variant.impl}/bernoulli/{variant.optimizer}"]
         ratios["grbm_over_brbm"] = paired_ratio(own, brbm)
@@ -388,17 +409,19 @@ def targets(cases: list[Case], device: torch.device) -> list[Target]:
     for target in result:
         if target.measured is None and not target.why:
             target.why = "configuration not part of this run (--quick measures 784x50 CD-1 only)"
-    h100 = _find(cases, f"project/bernoulli/{DEFAULT_POLAR}", "784x500", 10)
     on_gpu = device.type == "cuda"
-    result.append(
-        Target(
-            "core",
-            "H100: CD-10 784x500 batch 100, ms per iteration",
-            h100.metrics["ms_per_iter"] if (h100 and on_gpu) else None,
-            1.0,
-            "<=",
-            " ms",
-            "" if on_gpu else "no GPU in this environment; not measured",
+    gpu = torch.cuda.get_device_name(device) if on_gpu else "GPU"
+    for optimizer in ("sgd", "ssd-newton-schulz", DEFAULT_POLAR):
+        case = _find(cases, f"project/bernoulli/{optimizer}", "784x500", 10)
+        result.append(
+            Target(
+                "core",
+                f"{gpu}: CD-10 784x500 batch 100 {optimizer}, ms per iteration",
+                case.metrics["ms_per_iter"] if (case and on_gpu) else None,
+                1.0,
+                "<=",
+                " ms",
+                "" if on_gpu else "no GPU in this environment; not measured",
+            )
         )
-    )
     return result

@@ -53,6 +53,11 @@ class RandomSource:
         self._generator.manual_seed(seed)
         self._bits = np.random.SFC64(seed) if self.device.type == "cpu" else None
 
+    @property
+    def generator(self) -> torch.Generator:
+        """The torch generator behind the draws (a CUDA graph registers it to replay draws)."""
+        return self._generator
+
     # --- draws ----------------------------------------------------------------------------
 
     def bernoulli_(self, probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -183,8 +188,11 @@ class GibbsChain:
         self.hidden = torch.empty(n_chains, n_hidden, device=device, dtype=torch.float32)
         self.noise = torch.empty(n_chains, n_visible, device=device, dtype=torch.float32)
         self.hidden_noise: torch.Tensor | None = None
-        # Integrate the Gaussian visible layer out of intermediate sweeps where that is cheaper.
-        self.collapse = True
+        # Integrate the Gaussian visible layer out of intermediate sweeps where that is cheaper:
+        # on the CPU. On a GPU the plain sweep's larger products cost less than the Cholesky
+        # factorization and host synchronization the collapsed one needs (and a sync would keep
+        # the step out of a CUDA graph).
+        self.collapse = torch.device(device).type == "cpu"
 
     def sample_visible_(self, kernel: GibbsKernel, hidden: torch.Tensor, out: torch.Tensor) -> None:
         """out ← a draw of v ~ p(v | hidden)."""

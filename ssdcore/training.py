@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ssdcore.cuda_graph import GraphedStep
 from ssdcore.errors import DivergenceError
 from ssdcore.evaluation import (
     ais_log_partition,
@@ -37,6 +38,7 @@ from ssdcore.evaluation import log_likelihood as mean_log_likelihood
 from ssdcore.gradients import CDEstimator
 from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
+from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,11 @@ class Trainer:
         seed: seeds the shuffling and the estimator's random draws.
         valid_data: optional (M, V) held-out data for the validation metrics.
         check_every: steps between divergence checks (1 = every step).
+        cuda_graph: replay each step as one CUDA graph (see :mod:`ssdcore.cuda_graph`). None
+            (default) uses one on a CUDA device whenever the step allows it: a Bernoulli or a
+            Gaussian RBM without full covariance, with SGD/Nesterov, or SSD whose matrices take
+            the Newton–Schulz step, and no ‖W‖₂ bound. True insists (ValueError if it cannot);
+            False never uses one.
     """
 
     def __init__(
@@ -101,6 +108,7 @@ class Trainer:
         seed: int = 0,
         valid_data: Tensor | None = None,
         check_every: int = 1,
+        cuda_graph: bool | None = None,
     ) -> None:
         if isinstance(optimizer, str):
             optimizer = OptimizerConfig(name=optimizer)
@@ -148,6 +156,8 @@ class Trainer:
         self._named_parameters = list(model.named_parameters())
         self._last_good = [p.detach().clone() for _, p in self._named_parameters]
         self._last_good_step = 0
+        self.cuda_graph = self._resolve_cuda_graph(cuda_graph)
+        self._graphed_step: GraphedStep | None = None
 
     # --- data order -----------------------------------------------------------------------
 
@@ -167,6 +177,57 @@ class Trainer:
 
     # --- training -------------------------------------------------------------------------
 
+    # --- CUDA graphs ------------------------------------------------------------------------
+
+    def _cuda_graph_obstacle(self) -> str | None:
+        """Why this trainer's step cannot be captured as a CUDA graph, or None if it can."""
+        if self.device.type != "cuda":
+            return f"the model is on {self.device}, not a CUDA device"
+        if isinstance(self.model, GaussianRBM) and self.model.variance == "full":
+            return "the full-covariance projection decides on the host (eigenvalue clipping)"
+        capturable = getattr(self.optimizer, "capturable", None)
+        if capturable is None or not capturable():
+            return (
+                f"optimizer {self.optimizer_config.name!r} with these settings synchronizes "
+                "with the host (use SGD/Nesterov, or SSD with method='newton-schulz', and no "
+                "max_spectral_norm)"
+            )
+        return None
+
+    def _resolve_cuda_graph(self, requested: bool | None) -> bool:
+        if requested is False:
+            return False
+        obstacle = self._cuda_graph_obstacle()
+        if requested and obstacle:
+            raise ValueError(f"cuda_graph=True but the step cannot be captured: {obstacle}")
+        return obstacle is None
+
+    def _step(self) -> None:
+        """One estimate-and-update on ``self._batch``: the unit a CUDA graph captures."""
+        self.estimator.estimate(self._batch)
+        self.optimizer.step()
+        self.model.constrain_()
+
+    def _run_step(self) -> None:
+        if self.cuda_graph:
+            if self._graphed_step is None:
+                self._graphed_step = GraphedStep(
+                    self._step, [self.estimator.source.generator], self.device
+                )
+            self._graphed_step()
+            return
+        try:
+            self._step()
+        except torch.linalg.LinAlgError as error:
+            # A non-finite gradient makes the spectral step's factorization fail before the
+            # parameters can show it: the same divergence, seen earlier.
+            self._diverged(f"the optimizer step failed ({error})", self.step_count + 1)
+
+    @property
+    def graph_replays(self) -> int:
+        """Steps replayed from the current CUDA graph (0 when none is in use)."""
+        return 0 if self._graphed_step is None else self._graphed_step.replays
+
     def train_steps(self, n: int) -> None:
         """Run ``n`` optimizer steps; raises DivergenceError when parameters become non-finite."""
         if not (isinstance(n, int) and n >= 0):
@@ -174,14 +235,8 @@ class Trainer:
         started = time.perf_counter()
         try:
             for _ in range(n):
-                self.estimator.estimate(self._next_batch())
-                try:
-                    self.optimizer.step()
-                except torch.linalg.LinAlgError as error:
-                    # A non-finite gradient makes the spectral step's factorization fail
-                    # before the parameters can show it: the same divergence, seen earlier.
-                    self._diverged(f"the optimizer step failed ({error})", self.step_count + 1)
-                self.model.constrain_()
+                self._next_batch()  # into self._batch, the buffer a captured step reads
+                self._run_step()
                 self.step_count += 1
                 if self.step_count % self.check_every == 0:
                     self._check_finite()
@@ -221,6 +276,7 @@ class Trainer:
         ):
             parameter.copy_(good)
         self.step_count = self._last_good_step
+        self._graphed_step = None
         raise DivergenceError(
             f"{what} by step {failed_step}; the model was restored to step "
             f"{self._last_good_step}. Lower the learning rate (lr={self.optimizer_config.lr}) "
@@ -316,6 +372,9 @@ class Trainer:
         self.generator.set_state(state["generator"].cpu())
         self.estimator.load_state_dict(state["estimator"])
         self.optimizer.load_state_dict(state["optimizer"])
+        # Loading replaced the optimizer's buffers and the chains with new tensors, which a
+        # captured graph would not see: capture again from the restored state.
+        self._graphed_step = None
         self._last_good = [p.detach().clone() for _, p in self._named_parameters]
         self._last_good_step = self.step_count
 

@@ -110,7 +110,7 @@ def cuda_data(n: int = 600, n_visible: int = 20, seed: int = 0) -> torch.Tensor:
     "optimizer",
     [
         OptimizerConfig("sgd", lr=0.05),
-        OptimizerConfig("ssd", lr=1e-2),
+        OptimizerConfig("ssd", lr=1e-2, method="lowrank"),
         OptimizerConfig("ssd", lr=1e-2, method="newton-schulz"),
         OptimizerConfig("ssd-preconditioned", lr=1e-2, preconditioner="adam"),
     ],
@@ -175,3 +175,84 @@ def test_a_cuda_model_checkpoint_loads_on_the_cpu_unchanged():
     ):
         assert q.device.type == "cpu"
         assert torch.equal(p.cpu(), q), name
+
+
+GRAPH_CASES = {
+    "sgd": (OptimizerConfig("sgd", lr=0.05), {}),
+    "nesterov-pcd": (OptimizerConfig("nesterov", lr=0.05), {"persistent": True}),
+    "ssd-newton-schulz": (OptimizerConfig("ssd", lr=1e-2, method="newton-schulz"), {}),
+    "hybrid": (
+        OptimizerConfig("sgd", lr=0.05, method="newton-schulz", per_parameter={"W": "ssd"}),
+        {},
+    ),
+    "gaussian-diagonal": (
+        OptimizerConfig("ssd", lr=1e-3, method="newton-schulz"),
+        {"variance": "diagonal"},
+    ),
+}
+
+
+def graph_trainer(name: str, data: torch.Tensor, cuda_graph: bool | None) -> Trainer:
+    config, options = GRAPH_CASES[name]
+    options = dict(options)
+    variance = options.pop("variance", None)
+    torch.manual_seed(0)
+    if variance is None:
+        model = BernoulliRBM(data.shape[1], 8)
+    else:
+        model = GaussianRBM(data.shape[1], 8, variance=variance)
+    model = model.to(CUDA)
+    return Trainer(
+        model,
+        data,
+        optimizer=config,
+        batch_size=50,
+        cd_k=3,
+        seed=2,
+        cuda_graph=cuda_graph,
+        **options,
+    )
+
+
+@pytest.mark.parametrize("name", list(GRAPH_CASES))
+def test_a_cuda_graph_step_repeats_the_eager_step(name):
+    data = cuda_data()
+    graphed = graph_trainer(name, data, cuda_graph=True)
+    eager = graph_trainer(name, data, cuda_graph=False)
+    for trainer in (graphed, eager):
+        trainer.train_steps(25)  # crosses epoch boundaries (12 batches per epoch)
+    assert graphed.graph_replays > 0 and eager.graph_replays == 0
+    # Same kernels and the same random offsets: equal up to the odd reordered float32 sum.
+    for (name_, p), (_, q) in zip(
+        graphed.model.named_parameters(), eager.model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name_)
+    # a resume re-captures from the restored state and goes on exactly
+    resumed = trainer_from_bytes(trainer_to_bytes(graphed), data, device=CUDA)
+    graphed.train_steps(10)
+    resumed.train_steps(10)
+    assert resumed.graph_replays > 0
+    for (name_, p), (_, q) in zip(
+        graphed.model.named_parameters(), resumed.model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name_)
+
+
+def test_steps_that_sync_with_the_host_run_without_a_graph():
+    data = cuda_data()
+    model = BernoulliRBM(data.shape[1], 8).to(CUDA)
+    exact = OptimizerConfig("ssd", lr=1e-2, method="lowrank")
+    lowrank = Trainer(model, data, optimizer=exact, batch_size=50)
+    assert lowrank.cuda_graph is False
+    lowrank.train_steps(5)
+    assert lowrank.graph_replays == 0
+    with pytest.raises(ValueError, match="cannot be captured"):
+        Trainer(model, data, optimizer=exact, cuda_graph=True)
+
+
+def test_the_automatic_polar_method_on_cuda_is_newton_schulz_in_a_graph():
+    data = cuda_data()
+    model = BernoulliRBM(data.shape[1], 8).to(CUDA)
+    trainer = Trainer(model, data, optimizer="ssd", batch_size=50)
+    assert {group["method"] for group in trainer.optimizer.param_groups} == {"newton-schulz"}
+    assert trainer.cuda_graph is True

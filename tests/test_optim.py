@@ -420,3 +420,24 @@ def test_preconditioning_damping_bounds_the_step_of_a_rarely_active_coordinate(p
 def test_damping_outside_zero_to_one_is_refused():
     with pytest.raises(ValueError, match="damping"):
         PreconditionedSSD([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, damping=2.0)
+
+
+@pytest.mark.parametrize(
+    ("config", "capturable"),
+    [
+        (OptimizerConfig("sgd", lr=0.05), True),
+        (OptimizerConfig("nesterov", lr=0.05), True),
+        (OptimizerConfig("ssd", method="newton-schulz"), True),
+        (OptimizerConfig("sgd", lr=0.05, method="newton-schulz", per_parameter={"W": "ssd"}), True),
+        (OptimizerConfig("ssd"), False),  # exact methods check ranks on the host
+        (OptimizerConfig("ssd", method="randomized"), False),
+        (OptimizerConfig("ssd", method="newton-schulz", max_spectral_norm=3.0), False),
+        (OptimizerConfig("sgd", lr=0.05, max_spectral_norm=3.0), False),
+        (
+            OptimizerConfig("ssd-preconditioned", method="newton-schulz", preconditioner="adam"),
+            False,
+        ),
+    ],
+)
+def test_optimizers_say_whether_a_cuda_graph_can_capture_their_step(config, capturable):
+    assert build_optimizer(BernoulliRBM(6, 3), config).capturable() is capturable

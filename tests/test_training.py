@@ -257,3 +257,11 @@ def test_a_spectral_step_on_a_poisoned_gradient_is_divergence(synthetic, method)
     assert trainer.step_count == 2
     for restored, expected in zip(trainer.model.parameters(), good, strict=True):
         assert torch.equal(restored.detach(), expected)
+
+
+def test_cuda_graph_is_refused_where_the_step_cannot_be_captured(synthetic):
+    train, _ = synthetic
+    model = BernoulliRBM(N_VISIBLE, N_HIDDEN)
+    assert Trainer(model, train, optimizer="sgd").cuda_graph is False  # CPU: eager steps
+    with pytest.raises(ValueError, match=r"cuda_graph=True .* not a CUDA device"):
+        Trainer(model, train, optimizer="sgd", cuda_graph=True)

@@ -152,6 +152,13 @@ class SGD(Optimizer):
                 finish_update_(param, group)
         return loss
 
+    def capturable(self) -> bool:
+        """Whether :meth:`step` can be captured in a CUDA graph (see :mod:`ssdcore.cuda_graph`).
+
+        The ‖W‖₂ projection decides on the host whether to take an SVD, which needs a sync.
+        """
+        return all(group["max_spectral_norm"] is None for group in self.param_groups)
+
 
 def dense_gradient(param: Tensor) -> Tensor | None:
     """``param.grad``, or the product of its low-rank factors when only those were given.

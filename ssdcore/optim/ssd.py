@@ -135,7 +135,8 @@ class SSD(Optimizer):
                     continue
                 check_parameter(param)
                 state = self.state[param]
-                state["step"] = state.get("step", 0) + 1
+                if _counts_steps(group):
+                    state["step"] = state.get("step", 0) + 1
                 decay_(param, group)
                 if group["geometry"] == "euclidean":
                     grad = param.grad if param.grad is not None else factors[0] @ factors[1]
@@ -155,6 +156,16 @@ class SSD(Optimizer):
                     self._linf_step_(param, param.grad, group["lr"])
                 finish_update_(param, group)
         return loss
+
+    def capturable(self) -> bool:
+        """Whether :meth:`step` can be captured in a CUDA graph (see :mod:`ssdcore.cuda_graph`).
+
+        Only the Newton–Schulz polar step is made of tensor operations alone: the exact
+        methods check ranks and conditioning on the host, the randomized one reseeds its sketch
+        from a step counter, the preconditioners keep bias-correction counts in Python, and the
+        ‖W‖₂ projection decides on the host whether to take an SVD.
+        """
+        return all(_group_capturable(group) for group in self.param_groups)
 
     def needs_dense_gradient(self, param: Tensor, factor_rank: int) -> bool:
         """Whether :meth:`step` reads ``param.grad`` when given factors of rank ``factor_rank``.
@@ -268,6 +279,22 @@ class SSD(Optimizer):
         else:
             norm = torch.linalg.vector_norm(scaled_grad, 1)
             param.addcmul_(scaled_grad.sign_().mul_(scale), norm, value=-group["lr"])
+
+
+def _counts_steps(group: dict[str, Any]) -> bool:
+    """Whether the group's step reads a step counter (sketch seeds, bias corrections); others
+    keep none, so that a step replayed from a CUDA graph leaves no stale count behind."""
+    return group["method"] == "randomized" or group["preconditioner"] is not None
+
+
+def _group_capturable(group: dict[str, Any]) -> bool:
+    """See :meth:`SSD.capturable`."""
+    if group["max_spectral_norm"] is not None or group["preconditioner"] is not None:
+        return False
+    if group["geometry"] == "euclidean":
+        return True
+    matrices = any(param.ndim == 2 for param in group["params"])
+    return not matrices or group["method"] == "newton-schulz"
 
 
 def _take_factors(param: Tensor) -> tuple[Tensor, Tensor] | None:
