@@ -19,6 +19,7 @@ from ssdcore.optim.polar import (
     polar_lowrank_factors,
     polar_lowrank_qr,
     polar_newton_schulz,
+    polar_newton_schulz_factors,
     polar_randomized,
     polar_svd,
 )
@@ -313,3 +314,34 @@ def test_non_finite_gradients_are_never_turned_into_a_zero_step(route):
     except torch.linalg.LinAlgError:
         return
     assert not torch.isfinite(result.nuclear_norm)
+
+
+@pytest.mark.parametrize(("rows", "rank", "cols"), [(50, 8, 30), (30, 8, 50), (64, 16, 40)])
+def test_factored_newton_schulz_is_the_dense_iteration(rows, rank, cols):
+    """Same polynomial of the same singular values: equal to the dense iteration up to float32
+    rounding, and as close to the float64 polar factor as the dense one."""
+    left = random_matrix(rows, rank, seed=11)
+    right = random_matrix(rank, cols, seed=12)
+    dense = polar_newton_schulz(left @ right)
+    factored = polar_newton_schulz_factors(left, right)
+    result = factored.left @ factored.right
+    assert relative(result, dense.direction) < 1e-4
+    assert abs(float(factored.nuclear_norm) / float(dense.nuclear_norm) - 1) < 1e-5
+    direction, nuclear = reference(left.double() @ right.double())
+    assert relative(result, direction) < NS_DIRECTION_RTOL
+    assert abs(float(factored.nuclear_norm) / float(nuclear) - 1) < NS_NUCLEAR_RTOL
+
+
+def test_factored_newton_schulz_on_a_real_cd_gradient():
+    """CD gradients have tiny singular values, whose slow directions round differently in the
+    two forms; weighted by G itself (as for the dense iteration above) both agree closely."""
+    grad, left, right = cd_gradient(60, 40, 8, seed=13)  # rank 16 < 40
+    dense = polar_newton_schulz(grad)
+    factored = polar_newton_schulz_factors(left, right)
+    result = factored.left @ factored.right
+    assert relative(result, dense.direction) < NS_DIRECTION_RTOL
+    assert abs(float(factored.nuclear_norm) / float(dense.nuclear_norm) - 1) < 1e-5
+    direction, nuclear = reference(left.double() @ right.double())
+    assert abs(float(factored.nuclear_norm) / float(nuclear) - 1) < NS_NUCLEAR_RTOL
+    weighted_error = float((grad * (result - direction.float())).sum())
+    assert abs(weighted_error) < NS_NUCLEAR_RTOL * float(nuclear)

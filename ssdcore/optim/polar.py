@@ -388,6 +388,34 @@ def polar_randomized(
     return Polar(direction, (grad * direction).sum())
 
 
+def _newton_schulz_coefficients(fast_steps: int, polish_steps: int) -> list[tuple[float, ...]]:
+    return [MUON_QUINTIC] * fast_steps + [CONVERGENT_QUINTIC] * polish_steps
+
+
+def polar_newton_schulz_factors(
+    left: Tensor, right: Tensor, *, fast_steps: int = 5, polish_steps: int = 3
+) -> FactoredPolar:
+    """:func:`polar_newton_schulz` of ``G = left @ right``, iterated in the r×r factor space.
+
+    Why: the CD weight gradient has rank r = 2B (200 at batch 100), below both sides of a
+    784×500 W. Every Newton–Schulz iterate keeps the form ``X = L Y R``: with ``Q = LᵀL`` and
+    ``P = R Rᵀ`` (r×r), ``X XᵀX = L (Z Y) R`` for ``Z = Y P Yᵀ Q``, so the quintic step
+    ``X ← aX + bX XᵀX + cX(XᵀX)²`` becomes ``Y ← (aI + bZ + cZ²) Y``. The same polynomial of
+    the same singular values as the dense iteration, at r×r instead of n×n per product: about
+    10× cheaper at 784×500 on the CPU, and a handful of tiny kernels on a GPU. Starts from
+    ``Y = I / ‖G‖_F`` (``‖G‖_F² = ⟨Q, P⟩``); ``‖σ‖₁ ≈ ⟨G, X⟩ = ⟨Q Y, P⟩``.
+    """
+    q = left.mT @ left  # (r, r)
+    p = right @ right.mT  # (r, r)
+    frobenius = (q * p).sum().sqrt().clamp_min(torch.finfo(left.dtype).tiny)
+    y = torch.eye(q.shape[0], dtype=left.dtype, device=left.device) / frobenius
+    for a, b, c in _newton_schulz_coefficients(fast_steps, polish_steps):
+        z = (y @ p) @ y.mT @ q
+        y = torch.addmm(y, torch.addmm(z, z, z, beta=b, alpha=c), y, beta=a)
+    nuclear_norm = ((q @ y) * p).sum()
+    return FactoredPolar(left, y @ right, nuclear_norm)
+
+
 def polar_newton_schulz(grad: Tensor, *, fast_steps: int = 5, polish_steps: int = 3) -> Polar:
     """Approximate polar factor by quintic Newton–Schulz iteration (as in the Muon optimizer).
 
@@ -402,7 +430,7 @@ def polar_newton_schulz(grad: Tensor, *, fast_steps: int = 5, polish_steps: int 
     transposed = grad.shape[0] > grad.shape[1]
     x = grad.mT if transposed else grad  # (small, large): the Gram matrix A is small
     x = x / x.norm().clamp_min(torch.finfo(grad.dtype).tiny)
-    for a, b, c in [MUON_QUINTIC] * fast_steps + [CONVERGENT_QUINTIC] * polish_steps:
+    for a, b, c in _newton_schulz_coefficients(fast_steps, polish_steps):
         gram = x @ x.mT
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     direction = x.mT if transposed else x

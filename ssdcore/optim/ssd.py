@@ -11,6 +11,8 @@ Low-rank gradients: an estimator may attach ``param.grad_factors = (left, right)
 takes the exact step from the factors (see :func:`ssdcore.optim.polar.polar_lowrank_factors`) when
 their rank is below both sides of the matrix, and otherwise from the small Gram matrix of the dense
 gradient (:func:`ssdcore.optim.polar.polar_gram_factors`); either way the update is one addmm.
+``method="newton-schulz"`` likewise iterates in the factors' r×r space
+(:func:`ssdcore.optim.polar.polar_newton_schulz_factors`) when it is given factors only.
 The optimizer consumes the factors (sets the attribute to ``None``) every step, so factors can
 never be reused for a later gradient; when ``param.grad`` is also present, a one-vector probe
 ``grad @ x == left @ (right @ x)`` guards against factors that no longer describe it. Missing or
@@ -36,6 +38,7 @@ from ssdcore.optim.polar import (
     polar_gram_factors,
     polar_lowrank_factors,
     polar_newton_schulz,
+    polar_newton_schulz_factors,
     polar_randomized,
     polar_svd,
 )
@@ -50,6 +53,9 @@ from ssdcore.optim.sgd import (
 logger = logging.getLogger(__name__)
 
 METHODS = ("svd", "lowrank", "randomized", "newton-schulz")
+# Methods that take the step from the gradient's low-rank factors when those are thinner than
+# the matrix; their producer may then skip the dense gradient.
+FACTORED_METHODS = ("lowrank", "newton-schulz")
 GEOMETRIES = ("spectral", "euclidean")
 PRECONDITIONERS = (None, "rmsprop", "adam")
 # Randomized sketch rank when none is given: enough for the leading part of a CD gradient;
@@ -175,13 +181,13 @@ class SSD(Optimizer):
         """
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
-                exact_lowrank = (
+                factored = (
                     group["geometry"] == "spectral"
-                    and group["method"] == "lowrank"
+                    and group["method"] in FACTORED_METHODS
                     and group["preconditioner"] is None
                     and param.ndim == 2
                 )
-                return not (exact_lowrank and factor_rank < min(param.shape))
+                return not (factored and factor_rank < min(param.shape))
         return True
 
     def _spectral_matrix_step(
@@ -193,6 +199,9 @@ class SSD(Optimizer):
     ) -> None:
         """S∞ step for a matrix, fusing the low-rank product into the update when possible."""
         lr, method = group["lr"], group["method"]
+        if method == "newton-schulz" and factors is not None and _only_factors(param, factors):
+            _apply_factored_(param, polar_newton_schulz_factors(*factors), lr)
+            return
         if method == "lowrank":
             if factors is not None and not _factors_pay_off(param, factors):
                 # Both routes are exact; the dense Gram matrix is the smaller eigenproblem here.
@@ -329,9 +338,19 @@ def _factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
     return factors[0].shape[1] < min(param.shape)
 
 
+def _only_factors(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
+    """Whether thin factors are all there is: no dense gradient to check them against (which
+    would need a host sync), and factor space is smaller than the matrix."""
+    return param.grad is None and _factors_pay_off(param, factors)
+
+
 def _apply_factored_(param: Tensor, polar: FactoredPolar, lr: float) -> None:
-    """``W -= lr * ‖σ‖₁ * left @ right`` in one addmm, without an (m, n) temporary."""
-    param.addmm_(polar.left, polar.right, alpha=-lr * float(polar.nuclear_norm))
+    """``W -= lr * ‖σ‖₁ * left @ right`` in one addmm, without an (m, n) temporary.
+
+    The norm scales the small right factor on the device rather than passing through a Python
+    float, which would wait for the GPU and keep the step out of a CUDA graph.
+    """
+    param.addmm_(polar.left, polar.right * polar.nuclear_norm, alpha=-lr)
 
 
 def _factors_describe(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
