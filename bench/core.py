@@ -43,7 +43,8 @@ REFERENCE_OPTIMIZERS = {"sgd": SGD_LR, "nesterov": SGD_LR, "ssd": SSD_LR}
 # run with `cuda_graph=False`, so the graph's own effect is measured in the same rounds.
 EAGER_SUFFIX = "-eager"
 GPU_EAGER_VARIANTS = ("sgd", "ssd-newton-schulz")
-DEFAULT_POLAR = "ssd-lowrank"
+# The polar method `method="auto"` picks: exact low-rank on the CPU, Newton–Schulz on CUDA.
+DEFAULT_POLAR = {"cpu": "ssd-lowrank", "cuda": "ssd-newton-schulz"}
 # Data preprocessing per model: binary pixels for the Bernoulli RBM, [0, 1] for the Gaussian.
 DATA_MODES = {"bernoulli": "binarize", "gaussian": "scale"}
 
@@ -368,6 +369,7 @@ def _find(cases: list[Case], name: str, size: str, cd_k: int) -> Case | None:
 def targets(cases: list[Case], device: torch.device) -> list[Target]:
     """The core goals, judged on the ratios measured in this run (None where not measured)."""
     result = []
+    polar = DEFAULT_POLAR[device.type]
     for model in MODELS:
         sgd = _find(cases, f"project/{model}/sgd", "784x50", 10)
         result.append(
@@ -382,11 +384,11 @@ def targets(cases: list[Case], device: torch.device) -> list[Target]:
         )
     for size, limit in (("784x500", 1.05), ("784x50", 1.10)):
         for model in MODELS:
-            ssd = _find(cases, f"project/{model}/{DEFAULT_POLAR}", size, 10)
+            ssd = _find(cases, f"project/{model}/{polar}", size, 10)
             result.append(
                 Target(
                     "core",
-                    f"{model} CD-10 {size}: SSD ({DEFAULT_POLAR}) / SGD time",
+                    f"{model} CD-10 {size}: SSD ({polar}) / SGD time",
                     ssd.ratios["ssd_over_sgd"] if ssd else None,
                     limit,
                     "<=",
@@ -394,7 +396,7 @@ def targets(cases: list[Case], device: torch.device) -> list[Target]:
                 )
             )
     for size in ("784x50", "784x500"):
-        for optimizer in ("sgd", DEFAULT_POLAR):
+        for optimizer in ("sgd", polar):
             grbm = _find(cases, f"project/gaussian/{optimizer}", size, 10)
             result.append(
                 Target(
@@ -411,7 +413,7 @@ def targets(cases: list[Case], device: torch.device) -> list[Target]:
             target.why = "configuration not part of this run (--quick measures 784x50 CD-1 only)"
     on_gpu = device.type == "cuda"
     gpu = torch.cuda.get_device_name(device) if on_gpu else "GPU"
-    for optimizer in ("sgd", "ssd-newton-schulz", DEFAULT_POLAR):
+    for optimizer in ("sgd", "ssd-newton-schulz", "ssd-lowrank"):
         case = _find(cases, f"project/bernoulli/{optimizer}", "784x500", 10)
         result.append(
             Target(
