@@ -22,7 +22,8 @@ OPTIMIZER_NAMES = {
     rbm_pb2.OPTIMIZER_KIND_SSD_PRECONDITIONED: "ssd-preconditioned",
 }
 POLAR_METHODS = {
-    # "auto" is lowrank for SSD and svd where lowrank cannot serve (preconditioned SSD).
+    # "auto" is resolved by ssdcore on the worker's device: on the CPU lowrank for SSD and svd
+    # where lowrank cannot serve (preconditioned SSD); on CUDA newton-schulz.
     rbm_pb2.POLAR_METHOD_UNSPECIFIED: "auto",
     rbm_pb2.POLAR_METHOD_SVD: "svd",
     rbm_pb2.POLAR_METHOD_LOWRANK: "lowrank",
