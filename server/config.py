@@ -62,6 +62,9 @@ class Settings:
     # Shutdown and streaming
     shutdown_grace_s: float = 10.0  # in-flight RPCs get this long after SIGTERM
     stream_block_ms: int = 1000  # XREAD BLOCK per poll when following a metric stream
+    # Events queued for one live StreamMetrics subscriber; one further behind stops sharing the
+    # job's follower and reads Redis itself from its last token (bounds memory per slow client)
+    stream_buffer_events: int = 1024
 
     # Worker in the same process (`python -m server`); set SSDRBM_RUN_WORKER=0 for API-only nodes
     run_worker: bool = True
@@ -106,6 +109,7 @@ class Settings:
             "max_dataset_bytes",
             "max_jobs_per_tenant",
             "max_streams",
+            "stream_buffer_events",
             "max_string_length",
             "default_batch_size",
             "default_eval_every",

@@ -12,6 +12,7 @@ import logging
 import math
 import re
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -22,6 +23,7 @@ from server import convert, validation
 from server.auth import current_tenant
 from server.config import Settings
 from server.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from server.event_fanout import EventFanout, Source
 from server.metrics import ServiceMetrics
 from server.recent_jobs import RecentJobs
 from server.serving import ModelServer
@@ -80,6 +82,10 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self.recent_jobs = recent_jobs if recent_jobs is not None else RecentJobs()
         self._open_streams = 0
         self._draining = False
+        self.fanout = EventFanout(
+            Source(self._read, self._has_ended, settings.stream_block_ms),
+            buffer_events=settings.stream_buffer_events,
+        )
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -154,15 +160,19 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             )
         self._stream_opened(+1)
         try:
-            async for event in self._events(job, request.after, request.history_only):
-                yield event
+            # aclosing: a cancelled call leaves its job's follower at once, not at collection.
+            async with aclosing(self._events(job, request.after, request.history_only)) as events:
+                async for event in events:
+                    yield event
         finally:
             self._stream_opened(-1)
 
     def begin_shutdown(self) -> None:
-        """End live metric streams at their next poll (UNAVAILABLE, resumable elsewhere), so
-        a graceful shutdown is not held up by followers that would never finish on their own."""
+        """End live metric streams now (UNAVAILABLE, resumable elsewhere), so a graceful
+        shutdown is not held up by followers that would never finish on their own: shared
+        followers stop at once, a stream reading Redis by itself at its next poll."""
         self._draining = True
+        self.fanout.close()
 
     def _stream_opened(self, delta: int) -> None:
         self._open_streams += delta
@@ -191,25 +201,41 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             for event in await self._read(job.id, after, block_ms=None):
                 yield event
             return
-        # Follow live: XREAD BLOCK wakes up as soon as the worker appends an event.
-        while True:
-            if self._draining:
-                raise UnavailableError(
-                    "this server is shutting down; reconnect and pass the last resume_token "
-                    f"as `after` ({after or 'empty'}) to continue without a gap"
-                )
-            batch = await self._read(job.id, after, block_ms=self.settings.stream_block_ms)
-            for event in batch:
+        async with aclosing(self._follow(job, after)) as live:
+            async for event in live:
                 yield event
-                if convert.is_terminal_event(event):
-                    return
-            if batch:
-                after = batch[-1].resume_token
-            elif await self._has_ended(job):
-                # The terminal event is behind the caller's token; flush what came meanwhile.
-                for event in await self._read(job.id, after, block_ms=None):
+
+    async def _follow(self, job: JobRecord, after: str) -> AsyncIterator[pb.MetricEvent]:
+        """Follow live from ``after``: through the job's shared follower once this stream has
+        caught up with it, reading Redis by itself while behind it."""
+        reader = self.fanout.reader(job, self._poll_alone)
+        try:
+            while True:
+                if self._draining:
+                    raise UnavailableError(
+                        "this server is shutting down; reconnect and pass the last "
+                        f"resume_token as `after` ({after or 'empty'}) to continue without a gap"
+                    )
+                batch, ended = await reader.next_batch(after)
+                for event in batch:
                     yield event
-                return
+                    after = event.resume_token
+                    if convert.is_terminal_event(event):
+                        return
+                if ended:
+                    return
+        finally:
+            reader.close()
+
+    async def _poll_alone(self, job: JobRecord, after: str) -> tuple[list[pb.MetricEvent], bool]:
+        """One blocking read by this stream itself: (events, whether the stream has ended)."""
+        batch = await self._read(job.id, after, block_ms=self.settings.stream_block_ms)
+        if batch:
+            return batch, False
+        if await self._has_ended(job):
+            # The terminal event is behind the caller's token; flush what came meanwhile.
+            return await self._read(job.id, after, block_ms=None), True
+        return [], False
 
     async def _read(self, job_id: str, after: str, *, block_ms: int | None) -> list[pb.MetricEvent]:
         entries = await self.stores.events.read(

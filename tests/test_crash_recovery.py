@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +40,7 @@ from server.store import (
     LeaseStore,
     connect,
 )
-from tests.fixtures.jobs import float_tensor, rpc_error, tiny_request
+from tests.fixtures.jobs import Follower, float_tensor, rpc_error, tiny_request
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.service import RunningService, make_settings
 
@@ -58,29 +57,6 @@ def training_request(
     request.eval.every = every
     request.training.checkpoint_every = checkpoint_every
     return request
-
-
-class Follower:
-    """Follows a job's StreamMetrics in a thread, keeping every event and how the call ended."""
-
-    def __init__(self, stub: rbm_pb2_grpc.RBMServiceStub, job_id: str, after: str = "") -> None:
-        self.events: list[rbm_pb2.MetricEvent] = []
-        self.error: grpc.RpcError | None = None
-        request = rbm_pb2.StreamMetricsRequest(job_id=job_id, after=after)
-        self._call = stub.StreamMetrics(request)
-        self._thread = threading.Thread(target=self._follow, daemon=True)
-        self._thread.start()
-
-    def _follow(self) -> None:
-        try:
-            for event in self._call:
-                self.events.append(event)
-        except grpc.RpcError as exc:
-            self.error = exc
-
-    def join(self, timeout: float = WAIT_S) -> None:
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), "the metric stream did not end"
 
 
 def wait_for_job(

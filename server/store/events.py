@@ -66,6 +66,15 @@ def check_token(after: str) -> str:
     return after
 
 
+def token_order(token: str) -> tuple[int, int]:
+    """Sort key of a checked resume token: stream ids order by time, then sequence; "" (the
+    beginning) sorts first."""
+    if not token:
+        return (0, 0)
+    millis, sequence = token.split("-", 1)
+    return int(millis), int(sequence)
+
+
 class EventStore:
     """Reads a job's event stream (replay from a token, or follow it live)."""
 
