@@ -160,17 +160,20 @@ class CDEstimator:
         left = weighted_visible.t()  # (V, 2B)
         model.W.grad_factors = (left, right)
         needs_variance = isinstance(model, GaussianRBM) and model.variance != "identity"
-        if self.dense_weight_grad or needs_variance:
-            grad_w = torch.mm(left, right, out=_grad_buffer(model.W))
+        # The full precision's gradient reads ∂L/∂W itself; the others need only its row sums
+        # against W, which the factors give at the same cost as the dense product.
+        dense = self.dense_weight_grad or (needs_variance and model.variance == "full")
+        if dense:
+            torch.mm(left, right, out=_grad_buffer(model.W))
         else:
             model.W.grad = None
         torch.sum(right, dim=0, out=_grad_buffer(model.a))
         torch.mv(weighted_visible.t(), ws.weights, out=_grad_buffer(model.b))
         if needs_variance:
-            self._write_variance_gradient(model, ws, kernel, grad_w)
+            self._write_variance_gradient(model, ws, kernel)
 
     def _write_variance_gradient(
-        self, model: GaussianRBM, ws: _Workspace, kernel: GibbsKernel, grad_w: torch.Tensor
+        self, model: GaussianRBM, ws: _Workspace, kernel: GibbsKernel
     ) -> None:
         assert ws.centered is not None
         centered = torch.sub(ws.visible, model.b.detach(), out=ws.centered)  # (2B, V)
@@ -184,8 +187,7 @@ class CDEstimator:
             return
         assert ws.weight_product is not None and kernel.precision is not None
         squared_moment = torch.mv(centered.square_().t(), ws.weights)  # Σ_n w_n (v_n - b)²
-        torch.mul(weight, grad_w, out=ws.weight_product)
-        rowsum = ws.weight_product.sum(dim=1)  # (V,)
+        rowsum = _weighted_row_sums(weight, model.W.grad, model.W.grad_factors, ws)  # (V,)
         grad = squared_moment.mul_(kernel.precision).mul_(0.5).sub_(rowsum)  # (V,)
         if model.variance == "diagonal":
             _grad_buffer(model.log_var).copy_(grad)
@@ -228,6 +230,21 @@ class CDEstimator:
             expected = f"(n, {self.model.n_hidden})"
             raise ValueError(f"saved chains have shape {tuple(chains.shape)}; expected {expected}")
         self.chains = chains.to(device=self.model.W.device, dtype=torch.float32).clone()
+
+
+def _weighted_row_sums(
+    weight: torch.Tensor,
+    grad: torch.Tensor | None,
+    factors: tuple[torch.Tensor, torch.Tensor],
+    ws: _Workspace,
+) -> torch.Tensor:
+    """``rowsum(W ⊙ ∂L/∂W)`` (V,), from the dense gradient when there is one, else from its
+    factors: with ∂L/∂W = left @ right, ``Σ_j W_ij (left right)_ij = Σ_n left_in (W rightᵀ)_in``."""
+    if grad is not None:
+        assert ws.weight_product is not None
+        return torch.mul(weight, grad, out=ws.weight_product).sum(dim=1)
+    left, right = factors
+    return (weight @ right.t()).mul_(left).sum(dim=1)
 
 
 def _grad_buffer(parameter: torch.Tensor) -> torch.Tensor:
