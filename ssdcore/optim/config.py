@@ -44,7 +44,7 @@ class OptimizerConfig:
     # rescaled gradient has no low-rank factors, so lowrank there means its exact equivalent,
     # svd); on a CUDA device newton-schulz for both, since GPU eigen- and singular-value solvers
     # are slow at these sizes and need host syncs (measured on an H100 at 784x500 CD-10:
-    # lowrank 4.7 ms, newton-schulz 1.0 ms per iteration; see docs/PERFORMANCE.md)
+    # lowrank 4.1 ms, newton-schulz 0.88 ms per iteration; see docs/PERFORMANCE.md)
     method: str = "auto"
     preconditioner: str = "rmsprop"  # ssd-preconditioned: rmsprop | adam
     weight_decay: float = 0.0  # decoupled decay of W, >= 0
