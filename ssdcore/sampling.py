@@ -17,12 +17,16 @@ training loop, where the draws dominate the cost.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ssdcore.models.base import GibbsKernel
+
+logger = logging.getLogger(__name__)
 
 _TWO_POW_16 = 65536.0
 _RAW_WORDS_PER_SFC64_STATE = 4
@@ -78,6 +82,11 @@ class RandomSource:
         """Fill `out` with independent standard normal draws."""
         return out.normal_(generator=self._generator)
 
+    def _reseed(self, seed: int) -> None:
+        self._generator.manual_seed(seed)
+        if self._bits is not None:
+            self._bits = np.random.SFC64(seed)
+
     def _scratch_for(self, probs: torch.Tensor) -> _Scratch:
         # Views are made once per shape: even a view costs microseconds per call.
         key = (probs.shape, probs.dtype)
@@ -105,16 +114,30 @@ class RandomSource:
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore a state from `state_dict()` of a source on the same kind of device."""
+        """Restore a state from `state_dict()`.
+
+        A state saved on the other kind of device (CPU vs CUDA: different generators) cannot
+        continue the same stream; the source then reseeds from a hash of the saved state, so a
+        run moved between a CPU and a GPU worker goes on deterministically, statistically the
+        same but not bit for bit.
+        """
         if "generator" not in state:
             raise ValueError(
                 "random state lacks 'generator'; pass RandomSource.state_dict() output"
             )
+        saved_on_cpu = "sfc64" in state
+        if saved_on_cpu != (self._bits is not None):
+            self._reseed(seed_from_state(state["generator"]))
+            logger.warning(
+                "random state saved on a %s device, restored on %s: the draws continue from a "
+                "seed derived from it, not the same stream",
+                "CPU" if saved_on_cpu else "CUDA",
+                self.device,
+            )
+            return
         self._generator.set_state(state["generator"].cpu())
         if self._bits is None:
             return
-        if "sfc64" not in state:
-            raise ValueError("random state lacks 'sfc64'; it was saved on a CUDA device")
         packed = state["sfc64"].cpu().numpy().astype(np.int64).view(np.uint64)
         if packed.shape != (_RAW_WORDS_PER_SFC64_STATE + 2,):
             raise ValueError(f"random state 'sfc64' has shape {packed.shape}; expected (6,)")
@@ -124,6 +147,23 @@ class RandomSource:
             "has_uint32": int(packed[4]),
             "uinteger": int(packed[5]),
         }
+
+
+def seed_from_state(state: torch.Tensor) -> int:
+    """A 63-bit seed from a saved generator state's bytes (sha256): same state, same seed."""
+    digest = hashlib.sha256(state.cpu().numpy().tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def restore_generator(generator: torch.Generator, state: torch.Tensor) -> bool:
+    """Set ``generator`` to a saved state; False (and reseeded from it, see
+    :func:`seed_from_state`) when the state belongs to another kind of generator, e.g. a CUDA
+    generator's state restored on the CPU."""
+    if state.numel() != generator.get_state().numel():
+        generator.manual_seed(seed_from_state(state))
+        return False
+    generator.set_state(state.cpu())
+    return True
 
 
 def seed_from(generator: torch.Generator | None) -> int:

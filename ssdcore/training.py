@@ -40,6 +40,7 @@ from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer
+from ssdcore.sampling import restore_generator
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +370,12 @@ class Trainer:
         self._position = int(state["position"])
         self.wall_time_s = float(state["wall_time_s"])
         self._permutation = permutation.to(self.device, torch.int64)
-        self.generator.set_state(state["generator"].cpu())
+        if not restore_generator(self.generator, state["generator"]):
+            logger.warning(
+                "data-order generator saved on another kind of device than %s: the order "
+                "continues from a seed derived from it",
+                self.device,
+            )
         self.estimator.load_state_dict(state["estimator"])
         self.optimizer.load_state_dict(state["optimizer"])
         # Loading replaced the optimizer's buffers and the chains with new tensors, which a

@@ -136,3 +136,29 @@ def test_resuming_with_other_settings_or_data_is_refused(data):
         load_trainer_state(bigger, blob)
     with pytest.raises(ValueError, match="same data"):
         trainer_from_bytes(blob, data[:200])
+
+
+def cuda_saved(state: dict) -> dict:
+    """A trainer state as a CUDA run saves it: 16-byte Philox generator states, no SFC64 words."""
+    philox = torch.tensor([7, 0, 0, 0, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8)
+    moved = dict(state, generator=philox.clone())
+    moved["estimator"] = {"rng.generator": philox.clone()}
+    return moved
+
+
+def test_a_state_saved_on_another_kind_of_device_resumes_deterministically(data, caplog):
+    """CPU and CUDA generators cannot continue each other's streams: the resume reseeds from
+    the saved states, with a warning, the same way every time, and training goes on."""
+    trainer = make(data, "ssd-lowrank")
+    trainer.train_steps(6)
+    moved = cuda_saved(trainer.state_dict())
+    resumed = []
+    for _ in range(2):
+        other = make(data, "ssd-lowrank")
+        with caplog.at_level("WARNING"):
+            other.load_state_dict(moved)
+        other.train_steps(4)
+        resumed.append(other)
+    assert "saved on a CUDA device" in caplog.text
+    assert resumed[0].step_count == 10
+    assert_same_parameters(resumed[0], resumed[1])

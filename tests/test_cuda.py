@@ -256,3 +256,21 @@ def test_the_automatic_polar_method_on_cuda_is_newton_schulz_in_a_graph():
     trainer = Trainer(model, data, optimizer="ssd", batch_size=50)
     assert {group["method"] for group in trainer.optimizer.param_groups} == {"newton-schulz"}
     assert trainer.cuda_graph is True
+
+
+def test_a_cpu_checkpoint_resumes_on_cuda_and_back(caplog):
+    """A job moved between a CPU and a GPU worker: the generators reseed from the saved
+    states (different kinds of generator), the parameters, chains and data order carry over."""
+    data = cuda_data().cpu()
+    torch.manual_seed(0)
+    cpu = Trainer(BernoulliRBM(data.shape[1], 8), data, optimizer="sgd", batch_size=50, cd_k=2)
+    cpu.train_steps(10)
+    with caplog.at_level("WARNING"):
+        on_gpu = trainer_from_bytes(trainer_to_bytes(cpu), data.to(CUDA), device=CUDA)
+    assert "saved on a CPU device" in caplog.text
+    torch.testing.assert_close(on_gpu.model.W.cpu(), cpu.model.W, rtol=0, atol=0)
+    on_gpu.train_steps(10)
+    back = trainer_from_bytes(trainer_to_bytes(on_gpu), data)
+    assert back.step_count == 20
+    back.train_steps(5)
+    assert bool(torch.isfinite(back.model.W).all())
