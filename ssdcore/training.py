@@ -11,6 +11,10 @@ check the whole model — and keeps a copy of the parameters that passed. When a
 model is put back to the last parameters that passed and :class:`~ssdcore.DivergenceError` is
 raised; the optimizer state and chains are not rolled back, so treat the run as ended and use
 the restored model (or the last checkpoint) from there.
+
+On a CUDA device each step (estimate, optimizer step, constraints) is replayed as one CUDA
+graph when it can be captured (:mod:`ssdcore.cuda_graph`); the data batch is gathered into a
+fixed buffer before each replay, and the divergence check stays outside the graph.
 """
 
 from __future__ import annotations
@@ -176,8 +180,6 @@ class Trainer:
         self._position += self.batch_size
         return torch.index_select(self.train_data, 0, index, out=self._batch)
 
-    # --- training -------------------------------------------------------------------------
-
     # --- CUDA graphs ------------------------------------------------------------------------
 
     def _cuda_graph_obstacle(self) -> str | None:
@@ -228,6 +230,8 @@ class Trainer:
     def graph_replays(self) -> int:
         """Steps replayed from the current CUDA graph (0 when none is in use)."""
         return 0 if self._graphed_step is None else self._graphed_step.replays
+
+    # --- training -------------------------------------------------------------------------
 
     def train_steps(self, n: int) -> None:
         """Run ``n`` optimizer steps; raises DivergenceError when parameters become non-finite."""
