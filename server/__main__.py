@@ -14,6 +14,7 @@ import sys
 
 from server.app import serve
 from server.config import ConfigError, Settings
+from server.cpus import pin_this_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    pin_this_process(settings.serving_cpu_set, "serving")  # before gRPC starts its threads
     try:
         asyncio.run(serve(settings))
     except RuntimeError:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from server.cpus import beyond_host, parse_cpu_list
+
 ENV_PREFIX = "SSDRBM_"
 
 # ../shared/data relative to the repository, the same default ssdcore.data uses.
@@ -68,6 +70,10 @@ class Settings:
 
     # Worker in the same process (`python -m server`); set SSDRBM_RUN_WORKER=0 for API-only nodes
     run_worker: bool = True
+    # CPU lists (`0-3,8`) that keep serving and training off each other's cores on a shared
+    # host (server/cpus.py); empty: no pinning
+    serving_cpus: str = ""
+    training_cpus: str = ""
     worker_id: str = ""  # empty: derived from host name and process id
     lease_seconds: float = 10.0  # a dead worker's job is taken over this long after it died
     checkpoint_keep: int = 3  # checkpoints kept per job: the newest and older ones to fall back on
@@ -122,6 +128,16 @@ class Settings:
                 raise ConfigError(f"SSDRBM_{name.upper()} must be at least 1")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("set both SSDRBM_TLS_CERT_FILE and SSDRBM_TLS_KEY_FILE, or neither")
+        for name in ("serving_cpus", "training_cpus"):
+            _check_cpu_list(name, getattr(self, name))
+
+    @property
+    def serving_cpu_set(self) -> frozenset[int]:
+        return parse_cpu_list(self.serving_cpus)
+
+    @property
+    def training_cpu_set(self) -> frozenset[int]:
+        return parse_cpu_list(self.training_cpus)
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (tests use it to lower limits)."""
@@ -156,3 +172,17 @@ def _parse(name: str, type_name: Any, raw: str) -> Any:
 def field_names() -> list[str]:
     """Names of all settings (documentation and tests)."""
     return [f.name for f in dataclasses.fields(Settings)]
+
+
+def _check_cpu_list(name: str, text: str) -> None:
+    variable = f"{ENV_PREFIX}{name.upper()}"
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError as exc:
+        raise ConfigError(f"{variable}: {exc}") from None
+    missing = beyond_host(cpus)
+    if missing:
+        raise ConfigError(
+            f"{variable} names CPUs {missing} but this host has {os.cpu_count()} "
+            f"(0-{(os.cpu_count() or 1) - 1})"
+        )

@@ -14,6 +14,7 @@ import os
 import threading
 from multiprocessing.connection import Connection
 
+from server.cpus import pin_this_process
 from server.worker import protocol
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,15 @@ logger = logging.getLogger(__name__)
 CHILD_JOIN_TIMEOUT_S = 10.0
 
 
-def run_child(conn: Connection, parent_pid: int, log_level: str) -> None:
-    """Spawn target: runs in the child, where importing torch is wanted."""
+def run_child(
+    conn: Connection, parent_pid: int, log_level: str, cpus: frozenset[int] = frozenset()
+) -> None:
+    """Spawn target: runs in the child, where importing torch is wanted.
+
+    Pins the process to ``cpus`` (SSDRBM_TRAINING_CPUS) first, so that the thread pools torch
+    starts on import and first use inherit the mask.
+    """
+    pin_this_process(cpus, "training")
     from server.worker.child import child_main
 
     child_main(conn, parent_pid, log_level)
@@ -36,12 +44,12 @@ class ChildProcess:
     and reuses it for the next job when the last one ended normally.
     """
 
-    def __init__(self, log_level: str) -> None:
+    def __init__(self, log_level: str, cpus: frozenset[int] = frozenset()) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child_conn = context.Pipe(duplex=True)
         self.process = context.Process(
             target=run_child,
-            args=(child_conn, os.getpid(), log_level),
+            args=(child_conn, os.getpid(), log_level, cpus),
             name="ssdrbm-train",
             daemon=True,
         )

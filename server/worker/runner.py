@@ -54,8 +54,13 @@ class RunnerOptions:
     checkpoint_keep: int = DEFAULT_KEEP
     stop_timeout_s: float = 60.0  # a graceful stop waits this long for the final checkpoint
     torch_threads: int = 0  # 0: torch's default
+    training_cpus: frozenset[int] = frozenset()  # pin the training process (server/cpus.py)
     log_level: str = "INFO"
     plan_defaults: PlanDefaults = field(default_factory=PlanDefaults)
+
+    def spawn_child(self) -> ChildProcess:
+        """A new training process with these options (log level, CPU pinning)."""
+        return ChildProcess(self.log_level, self.training_cpus)
 
 
 @dataclass
@@ -133,7 +138,7 @@ class JobRunner:
             await self._finish(JobState.FAILED, error=exc.message)
             return JobState.FAILED.value
         if self.child is None or not self.child.process.is_alive():
-            self.child = ChildProcess(self.options.log_level)
+            self.child = self.options.spawn_child()
         self._child_idle = False
         self.child.send(start)
         return await self._supervise(self.child)

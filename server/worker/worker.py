@@ -58,6 +58,7 @@ class Worker:
         stop_timeout_seconds: float = 60.0,
         plan_defaults: PlanDefaults | None = None,
         torch_threads: int = 0,
+        training_cpus: frozenset[int] = frozenset(),
         prefix: str = DEFAULT_PREFIX,
         log_level: str = "INFO",
     ) -> None:
@@ -77,6 +78,7 @@ class Worker:
             checkpoint_keep=checkpoint_keep,
             stop_timeout_s=stop_timeout_seconds,
             torch_threads=torch_threads,
+            training_cpus=training_cpus,
             log_level=log_level,
             plan_defaults=plan_defaults or PlanDefaults(),
         )
@@ -96,6 +98,7 @@ class Worker:
             "lease_seconds": settings.lease_seconds,
             "checkpoint_keep": settings.checkpoint_keep,
             "torch_threads": settings.torch_threads,
+            "training_cpus": settings.training_cpu_set,
             "prefix": settings.redis_prefix,
             "log_level": settings.log_level,
             "plan_defaults": PlanDefaults(
@@ -118,7 +121,7 @@ class Worker:
         client = connect(self.redis_url)
         queue = JobQueue(client, keys=self.keys)
         leases = LeaseStore(client, keys=self.keys)
-        self._spare = ChildProcess(self.options.log_level)
+        self._spare = self.options.spawn_child()
         logger.info("worker %s started (data in %s)", self.worker_id, self.options.data_dir)
         check_pending = True
         try:
@@ -161,7 +164,7 @@ class Worker:
             self._spare.close()
             self._spare = None
         if self._spare is None and not self._stop.event.is_set():
-            self._spare = ChildProcess(self.options.log_level)  # ready for the next job
+            self._spare = self.options.spawn_child()  # ready for the next job
 
     async def _next_lease(
         self, queue: JobQueue, leases: LeaseStore, check_pending: bool

@@ -1,0 +1,66 @@
+"""CPU sets that keep training and serving off each other's cores on a shared host.
+
+`SSDRBM_SERVING_CPUS` pins the API server process, `SSDRBM_TRAINING_CPUS` every worker's
+training process, both in the Linux CPU-list syntax (`0-3,8`). Empty (the default) pins
+nothing. Why: a training step is one long run of matrix products, a serving call is latency
+bound; on the same cores the scheduler slices both, so a burst of serving load slows training
+and a training step delays replies. Disjoint sets trade that contention for a fixed split of
+the machine, the usual way to share a host between batch and latency-bound work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+logger = logging.getLogger(__name__)
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """CPU numbers of a list such as ``"0-3,8"``; empty text is the empty set (no pinning).
+
+    Raises ValueError, naming the part that is wrong, for anything else.
+    """
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or part.endswith("-"):
+            raise ValueError(f"{part!r} is not a CPU number or range (write e.g. 0-3,8)")
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise ValueError(f"range {part!r} runs backwards (write {high}-{low})")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+def beyond_host(cpus: Iterable[int]) -> list[int]:
+    """The CPUs of ``cpus`` past this host's count (the host's CPUs are 0 … count - 1).
+
+    Checked against the count, not this process's own mask: a server pinned to its serving
+    CPUs still starts training processes on the others.
+    """
+    count = os.cpu_count() or 1
+    return sorted(cpu for cpu in cpus if cpu >= count)
+
+
+def pin_this_process(cpus: Iterable[int], what: str) -> None:
+    """Restrict this process to ``cpus`` (no-op for an empty set).
+
+    Call it before the process starts threads: Linux applies the mask to the calling thread,
+    and threads started later inherit it (torch's and gRPC's pools among them).
+    """
+    chosen = frozenset(cpus)
+    if not chosen:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        logger.warning("%s CPUs %s requested, but this platform cannot pin processes", what, chosen)
+        return
+    try:
+        os.sched_setaffinity(0, chosen)
+    except OSError as exc:  # e.g. CPUs outside this container's cpuset: run, but say so
+        logger.error("%s process could not be pinned to CPUs %s: %s", what, sorted(chosen), exc)
+        return
+    logger.info("%s process %d pinned to CPUs %s", what, os.getpid(), sorted(chosen))
