@@ -102,6 +102,9 @@ class Plan:
 # --- processes --------------------------------------------------------------------------------
 
 
+SERVICE_CONFIG = {"model": f"{N_VISIBLE}x{SERVED_HIDDEN}", "transport": "loopback, plaintext"}
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -164,7 +167,9 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def service_process(redis_url: str, directory: Path) -> Iterator[ServerProcess]:
+def service_process(
+    redis_url: str, directory: Path, extra_env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
     """Start `python -m bench.service_host` against `redis_url`; stop it with SIGTERM."""
     env = {
         **os.environ,
@@ -174,6 +179,7 @@ def service_process(redis_url: str, directory: Path) -> Iterator[ServerProcess]:
         "SSDRBM_LOG_LEVEL": "WARNING",
         "SSDRBM_STREAM_BLOCK_MS": "1000",
         "SSDRBM_MAX_JOBS_PER_TENANT": "64",
+        **(extra_env or {}),
     }
     log_path = directory / "server.log"
     with open(log_path, "wb") as log:
@@ -466,26 +472,64 @@ class MemorySampler:
 
 
 def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
-    """Start Redis and the service, measure, stop both; return the cases and the targets."""
+    """Start Redis and the service, measure, stop both; return the cases and the targets.
+
+    Where the host has two CPUs or more, the training-throughput phases run again against a
+    second service whose serving and training are pinned to disjoint CPU halves
+    (SSDRBM_SERVING_CPUS, SSDRBM_TRAINING_CPUS), the load generator on the serving half.
+    """
     plan = Plan.quick() if quick else Plan.full()
     with tempfile.TemporaryDirectory(prefix="ssdrbm-bench-") as scratch:
         directory = Path(scratch)
-        with redis_server(directory) as redis_url, service_process(redis_url, directory) as server:
-            channel = grpc.insecure_channel(server.target)
-            try:
-                return _measure(server, rbm_pb2_grpc.RBMServiceStub(channel), plan)
-            except Exception:
-                # The server's own log says why; it goes away with the temporary directory.
-                tail = server.log_path.read_text(errors="replace")[-4000:]
-                logger.error("service case failed; the server's log ends with:\n%s", tail)
-                raise
-            finally:
-                channel.close()
+        with redis_server(directory) as redis_url:
+            with service_process(redis_url, directory) as server:
+                cases, targets = _measure_with_log(
+                    server, lambda stub: _measure(server, stub, plan)
+                )
+            halves = cpu_halves()
+            if halves is None:
+                return cases, targets
+            pinned_directory = directory / "pinned"
+            pinned_directory.mkdir()
+            env = {"SSDRBM_SERVING_CPUS": _cpu_list(halves[0]),
+                   "SSDRBM_TRAINING_CPUS": _cpu_list(halves[1])}  # fmt: skip
+            with service_process(redis_url, pinned_directory, env) as server:
+                case, target = _measure_with_log(
+                    server, lambda stub: _measure_pinned(server, stub, plan, halves)
+                )
+            return [*cases, case], [*targets, target]
 
 
-def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[Target]]:
-    config = {"model": f"{N_VISIBLE}x{SERVED_HIDDEN}", "transport": "loopback, plaintext"}
-    logger.info("service: training the served model")
+def cpu_halves() -> tuple[frozenset[int], frozenset[int]] | None:
+    """This process's CPUs split into a serving and a training half; None with fewer than 2."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return frozenset(cpus[:half]), frozenset(cpus[half:])
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(str(cpu) for cpu in sorted(cpus))
+
+
+def _measure_with_log(server: ServerProcess, measure: Callable[[object], object]):
+    channel = grpc.insecure_channel(server.target)
+    try:
+        return measure(rbm_pb2_grpc.RBMServiceStub(channel))
+    except Exception:
+        # The server's own log says why; it goes away with the temporary directory.
+        tail = server.log_path.read_text(errors="replace")[-4000:]
+        logger.error("service case failed; the server's log ends with:\n%s", tail)
+        raise
+    finally:
+        channel.close()
+
+
+def _train_served(stub, plan: Plan) -> pb.Job:
+    """The 784x500 model every serving call uses, trained for `plan.serve_train_steps`."""
     served = stub.StartTraining(
         training_request(n_hidden=SERVED_HIDDEN, steps=plan.serve_train_steps,
                          eval_every=plan.serve_train_steps, name="served",
@@ -493,6 +537,33 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
         timeout=30,
     ).job  # fmt: skip
     wait_for_job(stub, served.id)
+    return served
+
+
+def _measure_pinned(
+    server: ServerProcess, stub, plan: Plan, halves: tuple[frozenset[int], frozenset[int]]
+) -> tuple[Case, Target]:
+    serving, training = halves
+    logger.info("service: training throughput with serving on CPUs %s, training on %s",
+                sorted(serving), sorted(training))  # fmt: skip
+    served = _train_served(stub, plan)
+    case, slowdown = _throughput_case(
+        server, stub, served.id, plan, name="training throughput, pinned", load_cpus=serving,
+        config={"serving_cpus": _cpu_list(serving), "training_cpus": _cpu_list(training),
+                "load_generator_cpus": _cpu_list(serving)},
+    )  # fmt: skip
+    target = Target(
+        "service",
+        "training throughput lost under serving load, serving and training on separate CPUs",
+        slowdown, 0.20, "<=",
+    )  # fmt: skip
+    return case, target
+
+
+def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[Target]]:
+    config = SERVICE_CONFIG
+    logger.info("service: training the served model")
+    served = _train_served(stub, plan)
     cases: list[Case] = []
     latencies: dict[tuple[str, int], dict[str, float]] = {}
     for rpc in ("Reconstruct", "SampleHidden"):
@@ -525,23 +596,11 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
                        "eval_every": plan.stream_eval_every}, lag))  # fmt: skip
 
     logger.info("service: training throughput, idle then under serving load")
-    rates, busy = _throughput_phases(server, stub, served.id, plan)
-    phases = ", ".join(
-        f"{phase} {value:.0f}"
-        for phase, value in zip(plan.throughput_order, busy["rates"], strict=True)
+    busy: dict = {}
+    throughput, slowdown = _throughput_case(
+        server, stub, served.id, plan, name="training throughput", busy=busy
     )
-    idle_rate = statistics.mean(rates["idle"])
-    loaded_rate = statistics.mean(rates["loaded"])
-    slowdown = 1.0 - loaded_rate / idle_rate
-    cases.append(Case("service", "training throughput",
-                      {**config, "cd_k": 1, "batch": 100, "steps": plan.throughput_steps,
-                       "load": f"{CLIENTS} clients Reconstruct batch 1",
-                       "order": "-".join(plan.throughput_order)},
-                      {"idle_samples_per_s": idle_rate, "loaded_samples_per_s": loaded_rate,
-                       "loaded_requests_per_s": busy["requests_per_s"]},
-                      {"throughput_lost": slowdown},
-                      [f"training samples/s per phase, in order: {phases}"])
-                 )  # fmt: skip
+    cases.append(throughput)
     busy_rss = max(serving_memory.server_mib + busy["server_mib"], default=None)
     cases.append(Case("service", "server memory", {"process": "gRPC server + worker"},
                       {"idle_rss_mib": idle_rss, "busy_rss_mib": busy_rss,
@@ -549,7 +608,45 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
     return cases, _targets(latencies, load, lag, slowdown)
 
 
-def _throughput_phases(server: ServerProcess, stub, served_id: str, plan: Plan):
+def _throughput_case(
+    server: ServerProcess,
+    stub,
+    served_id: str,
+    plan: Plan,
+    *,
+    name: str,
+    load_cpus: frozenset[int] = frozenset(),
+    config: dict[str, object] | None = None,
+    busy: dict | None = None,
+) -> tuple[Case, float]:
+    """Training samples/s idle and under load as one Case, and the fraction lost to the load.
+
+    `busy` (if given) receives the phases' memory and load figures for the memory case.
+    """
+    rates, phases_busy = _throughput_phases(server, stub, served_id, plan, load_cpus)
+    if busy is not None:
+        busy.update(phases_busy)
+    phases = ", ".join(
+        f"{phase} {value:.0f}"
+        for phase, value in zip(plan.throughput_order, phases_busy["rates"], strict=True)
+    )
+    idle_rate = statistics.mean(rates["idle"])
+    loaded_rate = statistics.mean(rates["loaded"])
+    slowdown = 1.0 - loaded_rate / idle_rate
+    case = Case("service", name,
+                {**SERVICE_CONFIG, "cd_k": 1, "batch": 100, "steps": plan.throughput_steps,
+                 "load": f"{CLIENTS} clients Reconstruct batch 1",
+                 "order": "-".join(plan.throughput_order), **(config or {})},
+                {"idle_samples_per_s": idle_rate, "loaded_samples_per_s": loaded_rate,
+                 "loaded_requests_per_s": phases_busy["requests_per_s"]},
+                {"throughput_lost": slowdown},
+                [f"{name}: samples/s per phase, in order: {phases}"])  # fmt: skip
+    return case, slowdown
+
+
+def _throughput_phases(
+    server: ServerProcess, stub, served_id: str, plan: Plan, load_cpus: frozenset[int]
+):
     """Train the throughput job once per phase of `plan.throughput_order` (idle or loaded).
 
     The order idle-loaded-loaded-idle cancels a load from elsewhere that drifts linearly in
@@ -569,6 +666,8 @@ def _throughput_phases(server: ServerProcess, stub, served_id: str, plan: Plan):
         load: dict = {}
 
         def drive(stop: threading.Event = stop, load: dict = load) -> None:
+            if load_cpus:  # Linux pins the calling thread: the load generator's event loop
+                os.sched_setaffinity(0, load_cpus)
             load.update(concurrent_load(server.target, served_id, stop=stop))
 
         with MemorySampler(server) as memory:

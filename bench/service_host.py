@@ -14,6 +14,7 @@ import sys
 
 from server.app import Service, serve
 from server.config import Settings
+from server.cpus import pin_this_process
 
 READY_PREFIX = "PORT "
 
@@ -21,6 +22,7 @@ READY_PREFIX = "PORT "
 def main() -> int:
     settings = Settings.from_env(listen_address="127.0.0.1:0", metrics_port=0)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr)
+    pin_this_process(settings.serving_cpu_set, "serving")  # as `python -m server` does
 
     def announce(service: Service) -> None:
         sys.stdout.write(f"{READY_PREFIX}{service.port}\n")

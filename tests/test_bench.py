@@ -7,6 +7,8 @@ is what the benchmark reports, not what a test decides.
 
 from __future__ import annotations
 
+import os
+
 import json
 import math
 import subprocess
@@ -112,6 +114,11 @@ def test_service_cases_report_latency_throughput_and_memory(quick_records):
     memory = cases["server memory"]["metrics"]
     assert _is_positive_number(memory["idle_rss_mib"])
     assert _is_positive_number(memory["busy_rss_mib"])
+    pinned = cases.get("training throughput, pinned")
+    if len(os.sched_getaffinity(0)) >= 2:  # the pinned variant needs two CPUs to split
+        assert pinned["config"]["serving_cpus"] != pinned["config"]["training_cpus"]
+        assert _is_positive_number(pinned["metrics"]["loaded_samples_per_s"])
+        assert "throughput_lost" in pinned["ratios"]
 
 
 def test_targets_state_goal_measurement_and_verdict(quick_records):
