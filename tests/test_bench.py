@@ -7,10 +7,9 @@ is what the benchmark reports, not what a test decides.
 
 from __future__ import annotations
 
-import os
-
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
