@@ -10,6 +10,7 @@ the machine, the usual way to share a host between batch and latency-bound work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable
@@ -46,11 +47,20 @@ def beyond_host(cpus: Iterable[int]) -> list[int]:
     return sorted(cpu for cpu in cpus if cpu >= count)
 
 
-def pin_this_process(cpus: Iterable[int], what: str) -> None:
-    """Restrict this process to ``cpus`` (no-op for an empty set).
+def _thread_ids() -> list[int]:
+    """This process's threads (Linux), or just "the calling thread" where /proc is missing."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
-    Call it before the process starts threads: Linux applies the mask to the calling thread,
-    and threads started later inherit it (torch's and gRPC's pools among them).
+
+def pin_this_process(cpus: Iterable[int], what: str) -> None:
+    """Restrict this process, every thread it has now, to ``cpus`` (no-op for an empty set).
+
+    Linux applies a mask per thread: threads started later inherit the mask of the thread
+    that starts them, but threads that exist already (numpy's BLAS pool starts at import)
+    must each be set, which is done here.
     """
     chosen = frozenset(cpus)
     if not chosen:
@@ -59,7 +69,9 @@ def pin_this_process(cpus: Iterable[int], what: str) -> None:
         logger.warning("%s CPUs %s requested, but this platform cannot pin processes", what, chosen)
         return
     try:
-        os.sched_setaffinity(0, chosen)
+        for thread in _thread_ids():
+            with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+                os.sched_setaffinity(thread, chosen)
     except OSError as exc:  # e.g. CPUs outside this container's cpuset: run, but say so
         logger.error("%s process could not be pinned to CPUs %s: %s", what, sorted(chosen), exc)
         return
