@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +11,7 @@ from server.config import ConfigError, Settings
 from server.cpus import parse_cpu_list
 from server.healthcheck import check
 from tests.fixtures.redis import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 60.0
+from tests.fixtures.server_process import python_m_server, stop_gracefully, wait_until
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity"), reason="needs Linux CPU affinity"
@@ -88,42 +82,21 @@ def test_python_m_server_pins_serving_and_its_training_process(redis_url: str) -
     cpus = sorted(os.sched_getaffinity(0))
     serving, training = str(cpus[0]), str(cpus[-1])  # disjoint where there are two CPUs
     port = free_port()
-    env = {
-        **os.environ,
-        "SSDRBM_REDIS_URL": redis_url,
-        "SSDRBM_LISTEN_ADDRESS": f"127.0.0.1:{port}",
-        "SSDRBM_METRICS_PORT": "0",
-        "SSDRBM_SHUTDOWN_GRACE_S": "1",
-        "SSDRBM_SERVING_CPUS": serving,
-        "SSDRBM_TRAINING_CPUS": training,
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (check(f"127.0.0.1:{port}", timeout_s=1.0) and training_child(process.pid)):
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "the server and its training process did not start"
-            time.sleep(0.2)
+    with python_m_server(
+        redis_url, port, metrics_port="0", serving_cpus=serving, training_cpus=training
+    ) as process:
+        wait_until(
+            process,
+            lambda: check(f"127.0.0.1:{port}", timeout_s=1.0) and training_child(process.pid),
+            "the server and its training process starting",
+        )
         threads = [int(t) for t in os.listdir(f"/proc/{process.pid}/task")]
         assert len(threads) > 1  # gRPC's and asyncio's threads, all under the serving mask
         assert {allowed_cpus(process.pid, t) for t in threads} == {serving}
         (child,) = training_child(process.pid)
         # The child pins itself first thing, a moment after it starts.
-        while allowed_cpus(child) != training and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(process, lambda: allowed_cpus(child) == training, "the training process pinning")
         assert allowed_cpus(child) == training
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        output = stop_gracefully(process)
     assert process.returncode == 0, output
     assert f"serving process {process.pid} pinned to CPUs [{serving}]" in output

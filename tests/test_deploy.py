@@ -8,17 +8,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.request
 from importlib.util import find_spec
-from pathlib import Path
 
 import grpc
 import pytest
@@ -27,9 +23,7 @@ from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from server.healthcheck import check
 from tests.fixtures.redis import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 60.0
+from tests.fixtures.server_process import ROOT, python_m_server, stop_gracefully, wait_until
 
 
 def compose() -> dict:
@@ -105,29 +99,14 @@ def test_dockerfile_pins_the_same_torch_and_runs_the_server() -> None:
 
 def test_python_m_server_serves_and_stops_gracefully_on_sigterm(redis_url: str) -> None:
     port, metrics_port = free_port(), free_port()
-    env = {
-        **os.environ,
-        "SSDRBM_REDIS_URL": redis_url,
-        "SSDRBM_LISTEN_ADDRESS": f"127.0.0.1:{port}",
-        "SSDRBM_METRICS_PORT": str(metrics_port),
-        "SSDRBM_METRICS_ADDRESS": "127.0.0.1",
-        "SSDRBM_RUN_WORKER": "0",
-        "SSDRBM_SHUTDOWN_GRACE_S": "1",
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not check(f"127.0.0.1:{port}", timeout_s=1.0):
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.2)
+    with python_m_server(
+        redis_url,
+        port,
+        metrics_port=str(metrics_port),
+        metrics_address="127.0.0.1",
+        run_worker="0",
+    ) as process:
+        wait_until(process, lambda: check(f"127.0.0.1:{port}", timeout_s=1.0), "the server serving")
         healthcheck = subprocess.run(
             [sys.executable, "-m", "server.healthcheck", f"127.0.0.1:{port}"], cwd=ROOT, timeout=30
         )
@@ -145,12 +124,7 @@ def test_python_m_server_serves_and_stops_gracefully_on_sigterm(redis_url: str) 
         )
         assert 'ssdrbm_jobs{state="QUEUED"}' in exposition
         assert "ssdrbm_training_samples_per_second" in exposition
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        output = stop_gracefully(process)
     assert process.returncode == 0, output
     assert "AUTHENTICATION IS OFF" in output  # the no-auth mode is announced loudly
     assert "shutting down" in output and "gRPC server stopped" in output
