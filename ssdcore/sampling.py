@@ -82,11 +82,6 @@ class RandomSource:
         """Fill `out` with independent standard normal draws."""
         return out.normal_(generator=self._generator)
 
-    def _reseed(self, seed: int) -> None:
-        self._generator.manual_seed(seed)
-        if self._bits is not None:
-            self._bits = np.random.SFC64(seed)
-
     def _scratch_for(self, probs: torch.Tensor) -> _Scratch:
         # Views are made once per shape: even a view costs microseconds per call.
         key = (probs.shape, probs.dtype)
@@ -125,19 +120,20 @@ class RandomSource:
             raise ValueError(
                 "random state lacks 'generator'; pass RandomSource.state_dict() output"
             )
-        saved_on_cpu = "sfc64" in state
-        if saved_on_cpu != (self._bits is not None):
-            self._reseed(seed_from_state(state["generator"]))
+        if not restore_generator(self._generator, state["generator"]):
+            if self._bits is not None:
+                self._bits = np.random.SFC64(seed_from_state(state["generator"]))
             logger.warning(
                 "random state saved on a %s device, restored on %s: the draws continue from a "
                 "seed derived from it, not the same stream",
-                "CPU" if saved_on_cpu else "CUDA",
+                "CPU" if "sfc64" in state else "CUDA",
                 self.device,
             )
             return
-        self._generator.set_state(state["generator"].cpu())
         if self._bits is None:
             return
+        if "sfc64" not in state:
+            raise ValueError("random state lacks 'sfc64'; pass RandomSource.state_dict() output")
         packed = state["sfc64"].cpu().numpy().astype(np.int64).view(np.uint64)
         if packed.shape != (_RAW_WORDS_PER_SFC64_STATE + 2,):
             raise ValueError(f"random state 'sfc64' has shape {packed.shape}; expected (6,)")
