@@ -182,7 +182,7 @@ def _check_cpu_list(name: str, text: str) -> None:
         raise ConfigError(f"{variable}: {exc}") from None
     missing = beyond_host(cpus)
     if missing:
+        count = os.cpu_count() or 1
         raise ConfigError(
-            f"{variable} names CPUs {missing} but this host has {os.cpu_count()} "
-            f"(0-{(os.cpu_count() or 1) - 1})"
+            f"{variable} names CPUs {missing} but this host has {count} (0-{count - 1})"
         )
