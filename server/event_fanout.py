@@ -19,8 +19,6 @@ import enum
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 from ssdrbm.v1 import rbm_pb2
 
@@ -33,27 +31,9 @@ logger = logging.getLogger(__name__)
 TASK_PREFIX = "event-follower:"
 
 
-class ReadEvents(Protocol):
-    """Reads a job's events after a token, oldest first; ``block_ms`` None returns at once."""
-
-    def __call__(
-        self, job_id: str, after: str, *, block_ms: int | None
-    ) -> Awaitable[list[rbm_pb2.MetricEvent]]: ...
-
-
-# Whether the job has reached a terminal state (its stream will not grow any more).
-HasEnded = Callable[[JobRecord], Awaitable[bool]]
-# One blocking read by a stream itself, after a token: (events, whether the stream has ended).
-PollAlone = Callable[[JobRecord, str], Awaitable[tuple[list[rbm_pb2.MetricEvent], bool]]]
-
-
-@dataclass(frozen=True)
-class Source:
-    """How followers read: the event reader, the end check, and how long one read blocks."""
-
-    read: ReadEvents
-    has_ended: HasEnded
-    block_ms: int
+# One blocking read of a job's events after a token (the stream's own poll, which followers
+# share): (events, whether the stream has ended), the events flushed when it has.
+Poll = Callable[[JobRecord, str], Awaitable[tuple[list[rbm_pb2.MetricEvent], bool]]]
 
 
 class Ending(enum.Enum):
@@ -127,11 +107,11 @@ class JobFollower:
     """The single XREAD BLOCK loop of one job, feeding its attached subscriptions."""
 
     def __init__(
-        self, job: JobRecord, after: str, source: Source, on_stop: Callable[[JobFollower], None]
+        self, job: JobRecord, after: str, poll: Poll, on_stop: Callable[[JobFollower], None]
     ) -> None:
         self.job = job
         self.position = after  # token of the newest event handed out; the next read starts here
-        self._source = source
+        self._poll = poll
         self._on_stop = on_stop
         self._subscriptions: set[Subscription] = set()
         self._stopped = False
@@ -175,15 +155,9 @@ class JobFollower:
             self.stop(Ending.FAILED, exc)
 
     async def _step(self) -> None:
-        read = self._source.read
-        batch = await read(self.job.id, self.position, block_ms=self._source.block_ms)
-        if batch:
-            self._deliver(batch)
-            if any(convert.is_terminal_event(event) for event in batch):
-                self.stop(Ending.FINISHED)
-        elif await self._source.has_ended(self.job):
-            # Ended without a terminal event after our position: flush what came meanwhile.
-            self._deliver(await read(self.job.id, self.position, block_ms=None))
+        batch, ended = await self._poll(self.job, self.position)
+        self._deliver(batch)
+        if ended or any(convert.is_terminal_event(event) for event in batch):
             self.stop(Ending.FINISHED)
 
     def _deliver(self, batch: list[rbm_pb2.MetricEvent]) -> None:
@@ -197,8 +171,8 @@ class JobFollower:
 class EventFanout:
     """The live followers of one server process, one per job with live subscribers."""
 
-    def __init__(self, source: Source, *, buffer_events: int) -> None:
-        self._source = source
+    def __init__(self, poll: Poll, *, buffer_events: int) -> None:
+        self.poll = poll
         self._buffer_events = buffer_events
         self._followers: dict[str, JobFollower] = {}
         self._closed = False
@@ -211,15 +185,15 @@ class EventFanout:
             return None
         follower = self._followers.get(job.id)
         if follower is None:
-            follower = JobFollower(job, after, self._source, self._forget)
+            follower = JobFollower(job, after, self.poll, self._forget)
             self._followers[job.id] = follower
         elif token_order(after) < token_order(follower.position):
             return None
         return follower.add(after, self._buffer_events)
 
-    def reader(self, job: JobRecord, poll_alone: PollAlone) -> LiveReader:
+    def reader(self, job: JobRecord) -> LiveReader:
         """A live reader of ``job`` for one stream; close it when the stream ends."""
-        return LiveReader(self, job, poll_alone)
+        return LiveReader(self, job)
 
     def close(self) -> None:
         """Shutdown: end every follower now; its subscribers see ``Ending.DRAINING``."""
@@ -241,12 +215,11 @@ class EventFanout:
 
 class LiveReader:
     """One stream's live events: from its job's follower while caught up with it, from reads
-    of its own (``poll_alone``) while behind it."""
+    of its own (the fanout's ``poll``) while behind it."""
 
-    def __init__(self, fanout: EventFanout, job: JobRecord, poll_alone: PollAlone) -> None:
+    def __init__(self, fanout: EventFanout, job: JobRecord) -> None:
         self._fanout = fanout
         self._job = job
-        self._poll_alone = poll_alone
         self._subscription: Subscription | None = None
         self._behind = False
 
@@ -259,7 +232,7 @@ class LiveReader:
             # Read once by ourselves before attaching again: a follower started at a token far
             # behind would only overflow this stream's queue again at its first read.
             self._behind = False
-            return await self._poll_alone(self._job, after)
+            return await self._fanout.poll(self._job, after)
         batch = await self._subscription.next_batch()
         if batch:
             return batch, False

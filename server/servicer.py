@@ -23,7 +23,7 @@ from server import convert, validation
 from server.auth import current_tenant
 from server.config import Settings
 from server.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
-from server.event_fanout import EventFanout, Source
+from server.event_fanout import EventFanout
 from server.metrics import ServiceMetrics
 from server.recent_jobs import RecentJobs
 from server.serving import ModelServer
@@ -82,10 +82,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self.recent_jobs = recent_jobs if recent_jobs is not None else RecentJobs()
         self._open_streams = 0
         self._draining = False
-        self.fanout = EventFanout(
-            Source(self._read, self._has_ended, settings.stream_block_ms),
-            buffer_events=settings.stream_buffer_events,
-        )
+        self.fanout = EventFanout(self._poll, buffer_events=settings.stream_buffer_events)
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -208,7 +205,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def _follow(self, job: JobRecord, after: str) -> AsyncIterator[pb.MetricEvent]:
         """Follow live from ``after``: through the job's shared follower once this stream has
         caught up with it, reading Redis by itself while behind it."""
-        reader = self.fanout.reader(job, self._poll_alone)
+        reader = self.fanout.reader(job)
         try:
             while True:
                 if self._draining:
@@ -227,8 +224,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         finally:
             reader.close()
 
-    async def _poll_alone(self, job: JobRecord, after: str) -> tuple[list[pb.MetricEvent], bool]:
-        """One blocking read by this stream itself: (events, whether the stream has ended)."""
+    async def _poll(self, job: JobRecord, after: str) -> tuple[list[pb.MetricEvent], bool]:
+        """One blocking read of the job's events, by a stream or by the job's shared follower:
+        (events, whether the stream has ended)."""
         batch = await self._read(job.id, after, block_ms=self.settings.stream_block_ms)
         if batch:
             return batch, False
