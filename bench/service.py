@@ -547,7 +547,7 @@ def _measure_pinned(
     logger.info("service: training throughput with serving on CPUs %s, training on %s",
                 sorted(serving), sorted(training))  # fmt: skip
     served = _train_served(stub, plan)
-    case, slowdown = _throughput_case(
+    case, slowdown, _ = _throughput_case(
         server, stub, served.id, plan, name="training throughput, pinned", load_cpus=serving,
         config={"serving_cpus": _cpu_list(serving), "training_cpus": _cpu_list(training),
                 "load_generator_cpus": _cpu_list(serving)},
@@ -596,9 +596,8 @@ def _measure(server: ServerProcess, stub, plan: Plan) -> tuple[list[Case], list[
                        "eval_every": plan.stream_eval_every}, lag))  # fmt: skip
 
     logger.info("service: training throughput, idle then under serving load")
-    busy: dict = {}
-    throughput, slowdown = _throughput_case(
-        server, stub, served.id, plan, name="training throughput", busy=busy
+    throughput, slowdown, busy = _throughput_case(
+        server, stub, served.id, plan, name="training throughput"
     )
     cases.append(throughput)
     busy_rss = max(serving_memory.server_mib + busy["server_mib"], default=None)
@@ -617,15 +616,10 @@ def _throughput_case(
     name: str,
     load_cpus: frozenset[int] = frozenset(),
     config: dict[str, object] | None = None,
-    busy: dict | None = None,
-) -> tuple[Case, float]:
-    """Training samples/s idle and under load as one Case, and the fraction lost to the load.
-
-    `busy` (if given) receives the phases' memory and load figures for the memory case.
-    """
+) -> tuple[Case, float, dict]:
+    """Training samples/s idle and under load as one Case, the fraction lost to the load, and
+    the phases' memory and load figures (for the memory case)."""
     rates, phases_busy = _throughput_phases(server, stub, served_id, plan, load_cpus)
-    if busy is not None:
-        busy.update(phases_busy)
     phases = ", ".join(
         f"{phase} {value:.0f}"
         for phase, value in zip(plan.throughput_order, phases_busy["rates"], strict=True)
@@ -641,7 +635,7 @@ def _throughput_case(
                  "loaded_requests_per_s": phases_busy["requests_per_s"]},
                 {"throughput_lost": slowdown},
                 [f"{name}: samples/s per phase, in order: {phases}"])  # fmt: skip
-    return case, slowdown
+    return case, slowdown, phases_busy
 
 
 def _throughput_phases(
