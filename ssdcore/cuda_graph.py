@@ -50,10 +50,6 @@ class GraphedStep:
         self._eager_steps = 0
         self.replays = 0
 
-    @property
-    def captured(self) -> bool:
-        return self._graph is not None
-
     def __call__(self) -> None:
         if self._graph is None:
             self._warm_up_or_capture()
