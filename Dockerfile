@@ -5,9 +5,9 @@
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #
-# `python -m server` runs the gRPC server with a worker (SSDRBM_RUN_WORKER=0 for API only);
-# `python -m server.worker` runs a worker alone. Configuration: SSDRBM_* environment variables
-# (server/config.py). Real datasets are read from SSDRBM_DATA_DIR (mount them at /data).
+# `python -m ssdrbm_server` runs the gRPC server with a worker (SSDRBM_RUN_WORKER=0 for API only);
+# `python -m ssdrbm_server.worker` runs a worker alone. Configuration: SSDRBM_* environment variables
+# (ssdrbm_server/config.py). Real datasets are read from SSDRBM_DATA_DIR (mount them at /data).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
@@ -40,7 +40,7 @@ RUN python -m pip install -q "torch==${TORCH_VERSION}" --index-url "${TORCH_INDE
 COPY client/ client/
 COPY pyproject.toml README.md ./
 COPY ssdcore/ ssdcore/
-COPY server/ server/
+COPY ssdrbm_server/ ssdrbm_server/
 # As scripts/install: the client package on its own, then the service and core that depend on it.
 RUN python -m pip install -q ./client ./
 
@@ -49,7 +49,7 @@ USER ssdrbm
 
 EXPOSE 50051 9108
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-m", "server.healthcheck", "127.0.0.1:50051"]
+    CMD ["python", "-m", "ssdrbm_server.healthcheck", "127.0.0.1:50051"]
 # SIGTERM starts the graceful shutdown (health NOT_SERVING, worker checkpoints, drain, stop).
 STOPSIGNAL SIGTERM
-CMD ["python", "-m", "server"]
+CMD ["python", "-m", "ssdrbm_server"]

@@ -1,7 +1,7 @@
 """`python -m bench.load`: a bounded load test of the whole service on loopback.
 
-It starts its own redis-server (AOF on), the API server (`python -m server --no-worker`) and two
-workers (`python -m server.worker`), all bound to 127.0.0.1, then at once:
+It starts its own redis-server (AOF on), the API server (`python -m ssdrbm_server --no-worker`)
+and two workers (`python -m ssdrbm_server.worker`), all bound to 127.0.0.1, then at once:
 
 - submits many small training jobs (queued, shared by the two workers);
 - follows them with dozens of concurrent StreamMetrics subscribers;
@@ -182,7 +182,7 @@ class Cluster:
         )  # fmt: skip
         self._spawn(
             "api",
-            [sys.executable, "-m", "server", "--no-worker", "--listen",
+            [sys.executable, "-m", "ssdrbm_server", "--no-worker", "--listen",
              f"127.0.0.1:{self.api_port}"],
             self._env(),
         )  # fmt: skip
@@ -193,7 +193,7 @@ class Cluster:
     def start_worker(self, worker_id: str) -> None:
         self._spawn(
             worker_id,
-            [sys.executable, "-m", "server.worker"],
+            [sys.executable, "-m", "ssdrbm_server.worker"],
             self._env(SSDRBM_WORKER_ID=worker_id),
         )
 

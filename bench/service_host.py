@@ -12,9 +12,9 @@ import asyncio
 import logging
 import sys
 
-from server.app import Service, serve
-from server.config import Settings
-from server.cpus import pin_this_process
+from ssdrbm_server.app import Service, serve
+from ssdrbm_server.config import Settings
+from ssdrbm_server.cpus import pin_this_process
 
 READY_PREFIX = "PORT "
 
@@ -22,7 +22,7 @@ READY_PREFIX = "PORT "
 def main() -> int:
     settings = Settings.from_env(listen_address="127.0.0.1:0", metrics_port=0)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr)
-    pin_this_process(settings.serving_cpu_set, "serving")  # as `python -m server` does
+    pin_this_process(settings.serving_cpu_set, "serving")  # as `python -m ssdrbm_server` does
 
     def announce(service: Service) -> None:
         sys.stdout.write(f"{READY_PREFIX}{service.port}\n")

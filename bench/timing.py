@@ -260,7 +260,7 @@ def _source_version() -> dict[str, object]:
     try:
         return {
             "commit": git("rev-parse", "--short", "HEAD"),
-            "uncommitted_changes": bool(git("status", "--porcelain", "ssdcore", "server")),
+            "uncommitted_changes": bool(git("status", "--porcelain", "ssdcore", "ssdrbm_server")),
         }
     except (OSError, subprocess.SubprocessError):
         return {}

@@ -1,4 +1,5 @@
-"""The serving process keeps freed large blocks in glibc's heap for reuse (server/allocator.py)."""
+"""The serving process keeps freed large blocks in glibc's heap for reuse
+(ssdrbm_server/allocator.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import ctypes.util
 
 import pytest
 
-from server.allocator import keep_freed_memory
+from ssdrbm_server.allocator import keep_freed_memory
 
 BLOCK = 8 * 1024 * 1024  # larger than glibc's default mapping threshold, under ours
 

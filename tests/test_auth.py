@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
-from server.auth import TokenTable, parse_inline_tokens, parse_token_file
-from server.config import ConfigError, Settings
+from ssdrbm_server.auth import TokenTable, parse_inline_tokens, parse_token_file
+from ssdrbm_server.config import ConfigError, Settings
 from tests.fixtures.jobs import finish_with_checkpoint, float_tensor, rpc_error, tiny_request
 from tests.fixtures.service import RunningService
 
@@ -211,9 +211,9 @@ def test_token_file_errors_name_the_line(tmp_path: Path) -> None:
 def test_no_auth_development_mode_is_logged_loudly(
     service_factory: Callable[..., RunningService], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="server.auth")
+    caplog.set_level(logging.WARNING, logger="ssdrbm_server.auth")
     running = service_factory(run_worker=False, auth_mode="none")
-    warnings = [r for r in caplog.records if r.name == "server.auth"]
+    warnings = [r for r in caplog.records if r.name == "ssdrbm_server.auth"]
     assert any(
         r.levelno >= logging.WARNING and "AUTHENTICATION IS OFF" in r.getMessage() for r in warnings
     )

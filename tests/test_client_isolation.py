@@ -15,7 +15,7 @@ import importlib.abc, pkgutil, sys
 class Absent(importlib.abc.MetaPathFinder):
     # As in an environment where only the client is installed.
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "redis", "server", "ssdcore"}:
+        if name.split(".")[0] in {"torch", "redis", "ssdrbm_server", "ssdcore"}:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 sys.meta_path.insert(0, Absent())
@@ -27,7 +27,8 @@ for info in pkgutil.walk_packages(ssdrbm.__path__, "ssdrbm."):
 from ssdrbm.cli import main
 assert main(["--target", "127.0.0.1:1", "--wait", "0", "jobs"]) == 3  # a real command path
 assert main(["serve"]) == 1  # says to install ssdrbm-server
-heavy = sorted(m for m in ("torch", "redis", "server", "ssdcore", "matplotlib") if m in sys.modules)
+HEAVY = ("torch", "redis", "ssdrbm_server", "ssdcore", "matplotlib")
+heavy = sorted(m for m in HEAVY if m in sys.modules)
 assert not heavy, heavy
 print("ok")
 """

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ConfigError, Settings
-from server.cpus import parse_cpu_list
-from server.healthcheck import check
+from ssdrbm_server.config import ConfigError, Settings
+from ssdrbm_server.cpus import parse_cpu_list
+from ssdrbm_server.healthcheck import check
 from tests.fixtures.redis import free_port
 from tests.fixtures.server_process import python_m_server, stop_gracefully, wait_until
 

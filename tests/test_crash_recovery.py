@@ -27,9 +27,9 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
-from server.keys import Keys
-from server.servicer import RBMServicer, Stores
-from server.store import (
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.servicer import RBMServicer, Stores
+from ssdrbm_server.store import (
     CheckpointStore,
     DatasetStore,
     EventStore,
@@ -165,7 +165,11 @@ def start_worker(redis_url: str, worker_id: str, log: Path) -> subprocess.Popen[
     }
     with log.open("wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "server.worker"], cwd=REPO, env=env, stdout=out, stderr=out
+            [sys.executable, "-m", "ssdrbm_server.worker"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=out,
         )
 
 

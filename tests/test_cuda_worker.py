@@ -1,7 +1,7 @@
 """The worker's training process on a CUDA device: a job over its pipe, as the worker runs it.
 
 Skipped without a CUDA device. No Redis is involved: the test plays the worker's side of the
-pipe protocol (server/worker/protocol.py), so it runs wherever the CUDA tests run.
+pipe protocol (ssdrbm_server/worker/protocol.py), so it runs wherever the CUDA tests run.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 from ssdrbm.v1 import rbm_pb2
 
-from server.worker import protocol
-from server.worker.child import train_one
-from server.worker.defaults import PlanDefaults
 from ssdcore.checkpoint import model_from_bytes
+from ssdrbm_server.worker import protocol
+from ssdrbm_server.worker.child import train_one
+from ssdrbm_server.worker.defaults import PlanDefaults
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

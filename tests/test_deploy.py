@@ -2,8 +2,9 @@
 
 - docker-compose.yml: Redis with AOF and a health check, the gRPC port published, workers.
 - Dockerfile: installs the same packages as scripts/install, torch at the pinned version.
-- ``python -m server``: starts, reports SERVING to ``python -m server.healthcheck``, serves
-  Prometheus metrics, and on SIGTERM shuts down gracefully with exit code 0.
+- ``python -m ssdrbm_server``: starts, reports SERVING to
+  ``python -m ssdrbm_server.healthcheck``, serves Prometheus metrics, and on SIGTERM shuts down
+  gracefully with exit code 0.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 import yaml
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
-from server.healthcheck import check
+from ssdrbm_server.healthcheck import check
 from tests.fixtures.redis import free_port
 from tests.fixtures.server_process import ROOT, python_m_server, stop_gracefully, wait_until
 
@@ -62,18 +63,18 @@ def test_compose_publishes_grpc_and_checks_its_health() -> None:
     services = compose()["services"]
     api = services["ssdrbm"]
     assert "50051:50051" in api["ports"]
-    assert api["command"] == ["python", "-m", "server"]
-    assert "server.healthcheck" in api["healthcheck"]["test"]
+    assert api["command"] == ["python", "-m", "ssdrbm_server"]
+    assert "ssdrbm_server.healthcheck" in api["healthcheck"]["test"]
     assert api["depends_on"]["redis"]["condition"] == "service_healthy"
     worker = services["worker"]
-    assert worker["command"] == ["python", "-m", "server.worker"]
+    assert worker["command"] == ["python", "-m", "ssdrbm_server.worker"]
     assert worker["deploy"]["replicas"] >= 1
     for service in (api, worker):
         assert service["environment"]["SSDRBM_REDIS_URL"] == "redis://redis:6379/0"
 
 
 def test_compose_commands_name_modules_that_exist() -> None:
-    for module in ("server", "server.healthcheck", "server.worker"):
+    for module in ("ssdrbm_server", "ssdrbm_server.healthcheck", "ssdrbm_server.worker"):
         assert find_spec(module) is not None, module
 
 
@@ -82,7 +83,7 @@ def test_dockerfile_installs_what_scripts_install_installs() -> None:
     docker = dockerfile()
     assert pip_targets(docker) == pip_targets(install) == {"./client", "."}
     # Every folder the installed packages need is copied into the image.
-    for folder in ("client/", "ssdcore/", "server/"):
+    for folder in ("client/", "ssdcore/", "ssdrbm_server/"):
         assert re.search(rf"^COPY {folder} ", docker, re.MULTILINE), folder
 
 
@@ -93,8 +94,10 @@ def test_dockerfile_pins_the_same_torch_and_runs_the_server() -> None:
     version = re.search(r"^ARG TORCH_VERSION=(\S+)", docker, re.MULTILINE).group(1)
     assert pinned == f"torch=={version}"
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11", docker, re.MULTILINE)
-    assert re.search(r'^CMD \["python", "-m", "server"\]', docker, re.MULTILINE)
-    assert "server.healthcheck" in re.search(r"^HEALTHCHECK .*", docker, re.MULTILINE).group(0)
+    assert re.search(r'^CMD \["python", "-m", "ssdrbm_server"\]', docker, re.MULTILINE)
+    assert "ssdrbm_server.healthcheck" in re.search(r"^HEALTHCHECK .*", docker, re.MULTILINE).group(
+        0
+    )
 
 
 def test_python_m_server_serves_and_stops_gracefully_on_sigterm(redis_url: str) -> None:
@@ -108,7 +111,9 @@ def test_python_m_server_serves_and_stops_gracefully_on_sigterm(redis_url: str) 
     ) as process:
         wait_until(process, lambda: check(f"127.0.0.1:{port}", timeout_s=1.0), "the server serving")
         healthcheck = subprocess.run(
-            [sys.executable, "-m", "server.healthcheck", f"127.0.0.1:{port}"], cwd=ROOT, timeout=30
+            [sys.executable, "-m", "ssdrbm_server.healthcheck", f"127.0.0.1:{port}"],
+            cwd=ROOT,
+            timeout=30,
         )
         assert healthcheck.returncode == 0
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

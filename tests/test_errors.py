@@ -15,8 +15,8 @@ import grpc
 import pytest
 import redis.exceptions
 
-from server import errors
-from server.errors import ErrorMappingInterceptor, status_for
+from ssdrbm_server import errors
+from ssdrbm_server.errors import ErrorMappingInterceptor, status_for
 
 SERVICE = "ssdrbm.v1.RBMService"  # the interceptor only handles this service's methods
 
@@ -112,7 +112,7 @@ def test_unary_errors_map_to_their_status(
     channel: grpc.Channel, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with (
-        caplog.at_level(logging.ERROR, logger="server.errors"),
+        caplog.at_level(logging.ERROR, logger="ssdrbm_server.errors"),
         pytest.raises(grpc.RpcError) as caught,
     ):
         call_unary(channel, name)

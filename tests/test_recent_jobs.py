@@ -12,9 +12,9 @@ import pytest
 import redis
 from ssdrbm.v1 import rbm_pb2
 
-from server.keys import Keys
-from server.recent_jobs import JOB_RECORD_TTL_S, RecentJobs
-from server.store.records import JobRecord, JobState
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.recent_jobs import JOB_RECORD_TTL_S, RecentJobs
+from ssdrbm_server.store.records import JobRecord, JobState
 from tests.fixtures.jobs import finish_with_checkpoint, float_tensor, rpc_error, tiny_request
 from tests.fixtures.service import RunningService
 

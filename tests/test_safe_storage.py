@@ -12,8 +12,8 @@ import grpc
 import redis
 from ssdrbm.v1 import rbm_pb2
 
-from server.keys import Keys
-from server.store.checkpoints import sha256_hex
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.store.checkpoints import sha256_hex
 from tests.fixtures.jobs import finish_with_checkpoint, float_tensor, rpc_error, tiny_request
 from tests.fixtures.service import RunningService
 

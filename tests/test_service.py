@@ -22,7 +22,7 @@ from safetensors.numpy import load as load_safetensors
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
-from server.store.records import JobState
+from ssdrbm_server.store.records import JobState
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.service import RunningService, make_settings
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from ssdrbm.v1 import rbm_pb2
 
-from server import serving
+from ssdrbm_server import serving
 from tests.fixtures.jobs import finish_with_checkpoint, tiny_request
 from tests.fixtures.service import RunningService
 

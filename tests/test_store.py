@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from ssdrbm.v1 import rbm_pb2
 
-from server.errors import (
+from ssdrbm_server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
 )
-from server.keys import Keys
-from server.store import (
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.store import (
     CheckpointStore,
     CorruptCheckpointError,
     DatasetStore,

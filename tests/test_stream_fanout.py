@@ -1,4 +1,4 @@
-"""Live StreamMetrics subscribers of one job share one follower (server/event_fanout.py).
+"""Live StreamMetrics subscribers of one job share one follower (ssdrbm_server/event_fanout.py).
 
 Real redis-server, real gRPC server on port 0, synchronous loopback clients in threads. Events
 are appended by a stand-in writer in MULTI bursts (one XREAD reply then holds the whole burst),
@@ -21,10 +21,10 @@ import redis
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
-from server.errors import REDIS_UNAVAILABLE_MESSAGE
-from server.event_fanout import TASK_PREFIX
-from server.keys import Keys
-from server.store.events import metrics_event_fields
+from ssdrbm_server.errors import REDIS_UNAVAILABLE_MESSAGE
+from ssdrbm_server.event_fanout import TASK_PREFIX
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.store.events import metrics_event_fields
 from tests.fixtures.jobs import Follower, tiny_request
 from tests.fixtures.service import RunningService
 
@@ -187,7 +187,7 @@ def test_joins_mid_stream_and_bursts_leave_no_gap_or_repeat(queued, caplog) -> N
     writer.burst(300)  # more than one replay batch before anyone subscribes
     rng = random.Random(7)
     subscribers: list[Subscriber] = []
-    with caplog.at_level(logging.DEBUG, logger="server.event_fanout"):
+    with caplog.at_level(logging.DEBUG, logger="ssdrbm_server.event_fanout"):
         for round_ in range(40):
             writer.burst(rng.randint(1, 10))
             if round_ % 3 == 0:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from ssdrbm.v1 import rbm_pb2
 
-from server.errors import InvalidArgumentError, ResourceExhaustedError
-from server.tensors import array_to_tensor, tensor_to_array
+from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError
+from ssdrbm_server.tensors import array_to_tensor, tensor_to_array
 
 LIMIT = 1000
 

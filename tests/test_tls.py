@@ -15,7 +15,7 @@ import pytest
 import redis
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
-from server.config import ConfigError, Settings
+from ssdrbm_server.config import ConfigError, Settings
 from tests.fixtures.jobs import rpc_error, tiny_request
 from tests.fixtures.redis import REDIS_SERVER, RedisServer, free_port
 from tests.fixtures.service import RunningService

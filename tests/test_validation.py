@@ -7,10 +7,10 @@ import math
 import pytest
 from ssdrbm.v1 import rbm_pb2 as pb
 
-from server.catalog import DatasetShape
-from server.config import Settings
-from server.errors import FailedPreconditionError, InvalidArgumentError
-from server.validation import (
+from ssdrbm_server.catalog import DatasetShape
+from ssdrbm_server.config import Settings
+from ssdrbm_server.errors import FailedPreconditionError, InvalidArgumentError
+from ssdrbm_server.validation import (
     apply_dataset,
     builtin_dataset_shape,
     check_request,

@@ -25,8 +25,10 @@ import pytest
 import torch
 from ssdrbm.v1 import rbm_pb2
 
-from server.keys import Keys
-from server.store import (
+from ssdcore.checkpoint import model_from_bytes
+from ssdcore.optim import OptimizerConfig
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.store import (
     CheckpointStore,
     DatasetStore,
     EventStore,
@@ -35,11 +37,9 @@ from server.store import (
     JobStore,
     connect,
 )
-from server.worker import Worker
-from server.worker.datasets import DatasetError, Uploaded, prepare
-from server.worker.spec import PlanDefaults, plan_from_request
-from ssdcore.checkpoint import model_from_bytes
-from ssdcore.optim import OptimizerConfig
+from ssdrbm_server.worker import Worker
+from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
+from ssdrbm_server.worker.spec import PlanDefaults, plan_from_request
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def test_divergence_fails_the_job_and_keeps_the_last_good_checkpoint(redis_url: 
 
 
 def start_worker_process(redis_url: str, worker_id: str) -> subprocess.Popen[bytes]:
-    """`python -m server.worker` with short leases, as a separate process."""
+    """`python -m ssdrbm_server.worker` with short leases, as a separate process."""
     env = {
         **os.environ,
         "SSDRBM_REDIS_URL": redis_url,
@@ -300,7 +300,7 @@ def start_worker_process(redis_url: str, worker_id: str) -> subprocess.Popen[byt
         "SSDRBM_TORCH_THREADS": "1",
         "SSDRBM_LOG_LEVEL": "WARNING",
     }
-    return subprocess.Popen([sys.executable, "-m", "server.worker"], cwd=REPO, env=env)
+    return subprocess.Popen([sys.executable, "-m", "ssdrbm_server.worker"], cwd=REPO, env=env)
 
 
 def training_processes_of(pid: int) -> list[int]:

@@ -2,7 +2,8 @@
 
 They need the server package (``ssdrbm-server``: torch, Redis), imported only here and only when
 one of these commands runs, so the client stays light. ``ssdrbm serve ARGS`` is exactly
-``python -m server ARGS``, and ``ssdrbm worker ARGS`` is ``python -m server.worker ARGS``.
+``python -m ssdrbm_server ARGS``, and ``ssdrbm worker ARGS`` is
+``python -m ssdrbm_server.worker ARGS``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import sys
 from ssdrbm.cli.funnel import ServerNotInstalled
 
 # The package run as ``python -m`` for each command.
-ENTRY_POINTS = {"serve": "server", "worker": "server.worker"}
-_SERVER_DEPENDENCIES = ("server", "ssdcore", "torch", "redis")
+ENTRY_POINTS = {"serve": "ssdrbm_server", "worker": "ssdrbm_server.worker"}
+_SERVER_DEPENDENCIES = ("ssdrbm_server", "ssdcore", "torch", "redis")
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:

@@ -1,0 +1,53 @@
+"""``python -m ssdrbm_server``: run the gRPC service (and, by default, a worker) from the
+SSDRBM_* settings.
+
+Options on the command line override the environment:
+  --no-worker     serve the API only (workers run elsewhere: ``python -m ssdrbm_server.worker``)
+  --listen ADDR   host:port to listen on (SSDRBM_LISTEN_ADDRESS)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from ssdrbm_server.app import serve
+from ssdrbm_server.config import ConfigError, Settings
+from ssdrbm_server.cpus import pin_this_process
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, configure logging, and serve until SIGTERM/SIGINT; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ssdrbm_server", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--no-worker", action="store_true", help="do not run a worker here")
+    parser.add_argument("--listen", help="host:port to listen on")
+    args = parser.parse_args(argv)
+    overrides: dict[str, object] = {}
+    if args.no_worker:
+        overrides["run_worker"] = False
+    if args.listen:
+        overrides["listen_address"] = args.listen
+    try:
+        settings = Settings.from_env(**overrides)
+    except ConfigError as exc:
+        print(f"ssdrbm server: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    pin_this_process(settings.serving_cpu_set, "serving")  # before gRPC starts its threads
+    try:
+        asyncio.run(serve(settings))
+    except RuntimeError:
+        logging.getLogger("ssdrbm_server").exception("the service stopped with an error")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

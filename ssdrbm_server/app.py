@@ -1,0 +1,234 @@
+"""Assembling and running the service: the gRPC server, its worker, metrics and shutdown.
+
+``Service`` wires the stores, serving, interceptors, health and reflection into one
+``grpc.aio`` server; ``create_server`` builds and starts one (port 0 in tests); ``serve`` runs
+the whole process — gRPC server plus, by default, a worker — until SIGTERM/SIGINT, then shuts
+down gracefully: health NOT_SERVING, the worker checkpoints and releases its job, in-flight
+RPCs get ``shutdown_grace_s`` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+
+from ssdrbm_server.allocator import keep_freed_memory
+from ssdrbm_server.auth import AuthInterceptor
+from ssdrbm_server.config import Settings
+from ssdrbm_server.errors import ErrorMappingInterceptor
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.metrics import LatencyInterceptor, ServiceMetrics, refresh_job_gauges
+from ssdrbm_server.readiness import follow_redis
+from ssdrbm_server.servicer import RBMServicer, Stores
+from ssdrbm_server.serving import ModelServer
+from ssdrbm_server.store import CheckpointStore, DatasetStore, EventStore, JobStore, connect
+from ssdrbm_server.store.records import JobState
+
+if TYPE_CHECKING:
+    from ssdrbm_server.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = rbm_pb2.DESCRIPTOR.services_by_name["RBMService"].full_name
+
+
+class Service:
+    """One configured gRPC server with its Redis client, stores, model server and health."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        redis: aioredis.Redis | None = None,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
+        settings.check()  # also when built in code rather than by Settings.from_env
+        self.settings = settings
+        self._owns_redis = redis is None
+        self.redis = redis if redis is not None else connect(settings.redis_url)
+        self.keys = Keys(settings.redis_prefix)
+        self.stores = Stores(
+            jobs=JobStore(self.redis, keys=self.keys),
+            events=EventStore(self.redis, keys=self.keys),
+            checkpoints=CheckpointStore(self.redis, keys=self.keys),
+            datasets=DatasetStore(self.redis, keys=self.keys),
+        )
+        self.metrics = metrics or ServiceMetrics()
+        self.models = ModelServer(
+            self.stores.checkpoints,
+            threads=settings.serving_threads,
+            cache_size=settings.model_cache_size,
+        )
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(
+            # The first interceptor is the outermost: latency sees the final status, errors are
+            # mapped before it, and authentication runs closest to the handler.
+            interceptors=[
+                LatencyInterceptor(self.metrics),
+                ErrorMappingInterceptor(),
+                AuthInterceptor(settings),
+            ],
+            options=[
+                ("grpc.max_receive_message_length", settings.max_message_bytes),
+                ("grpc.max_send_message_length", settings.max_message_bytes),
+            ],
+        )
+        self.servicer = RBMServicer(settings, self.stores, self.models, self.metrics)
+        rbm_pb2_grpc.add_RBMServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.port = self._bind(settings)
+        self._refresh: asyncio.Task[None] | None = None
+        self._readiness: asyncio.Task[None] | None = None
+
+    def _bind(self, settings: Settings) -> int:
+        address = settings.listen_address
+        if settings.tls_cert_file:
+            credentials = grpc.ssl_server_credentials(
+                [(_read(settings.tls_key_file), _read(settings.tls_cert_file))],
+                root_certificates=(
+                    _read(settings.tls_client_ca_file) if settings.tls_client_ca_file else None
+                ),
+                require_client_auth=bool(settings.tls_client_ca_file),
+            )
+            port = self.server.add_secure_port(address, credentials)
+        else:
+            port = self.server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        return port
+
+    async def start(self) -> int:
+        """Start serving; returns the bound port."""
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._refresh = asyncio.create_task(
+            refresh_job_gauges(
+                self.metrics,
+                self.stores.jobs.count_by_state,
+                self.running_samples_per_second,
+            )
+        )
+        self._readiness = asyncio.create_task(follow_redis(self.redis, self.health, SERVICE_NAME))
+        logger.info("gRPC server listening on port %d", self.port)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Health NOT_SERVING, let in-flight RPCs finish for ``grace`` seconds, then release all."""
+        grace = self.settings.shutdown_grace_s if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        self.servicer.begin_shutdown()
+        for task in (self._refresh, self._readiness):
+            if task is not None:
+                task.cancel()
+        await self.server.stop(grace)
+        self.models.close()
+        if self._owns_redis:
+            await self.redis.aclose()
+        logger.info("gRPC server stopped")
+
+    async def running_samples_per_second(self) -> float:
+        """Training throughput summed over RUNNING jobs, from their latest metric events."""
+        job_ids = await self.redis.smembers(self.keys.jobs_in_state(JobState.RUNNING.value))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id.decode()), "latest_metrics")
+            replies = await pipe.execute()
+        total = 0.0
+        for raw in replies:
+            if raw:
+                total += rbm_pb2.Metrics.FromString(raw).samples_per_second
+        return total
+
+
+async def create_server(
+    settings: Settings, *, redis: aioredis.Redis | None = None
+) -> tuple[Service, int]:
+    """Build and start a service on ``settings.listen_address`` (port 0 picks a free one)."""
+    service = Service(settings, redis=redis)
+    port = await service.start()
+    return service, port
+
+
+def default_worker_id() -> str:
+    """``<host>-<pid>``: unique per process, readable in job records."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+async def serve(
+    settings: Settings,
+    *,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[Service], None] | None = None,
+) -> None:
+    """Run the gRPC server (and a worker unless ``settings.run_worker`` is off) until ``stop``
+    is set — by default, until SIGTERM or SIGINT."""
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+    keep_freed_memory()  # large request buffers are reused, not faulted in again each time
+    service, _port = await create_server(settings)
+    if settings.metrics_port:
+        metrics_port = service.metrics.start_http(settings.metrics_port, settings.metrics_address)
+        logger.info(
+            "Prometheus metrics on http://%s:%d/metrics", settings.metrics_address, metrics_port
+        )
+    worker, worker_task = None, None
+    if settings.run_worker:
+        worker, worker_task = _start_worker(settings)
+    if on_ready is not None:
+        on_ready(service)
+    waiters = [asyncio.ensure_future(stop.wait())]
+    if worker_task is not None:
+        waiters.append(worker_task)
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    worker_failed = worker_task is not None and worker_task.done() and not stop.is_set()
+    if worker_failed:
+        logger.error("the worker stopped unexpectedly; shutting the process down")
+    logger.info("shutting down (grace %.1f s)", settings.shutdown_grace_s)
+    stopping = [service.stop()]
+    if worker is not None:
+        stopping.append(_stop_worker(worker, worker_task))
+    await asyncio.gather(*stopping, return_exceptions=True)
+    waiters[0].cancel()
+    service.metrics.stop_http()
+    if worker_failed:
+        # A process without its worker would accept jobs it never runs: fail loudly instead.
+        assert worker_task is not None
+        error = worker_task.exception() if not worker_task.cancelled() else None
+        raise RuntimeError("the in-process worker stopped unexpectedly") from error
+
+
+def _start_worker(settings: Settings) -> tuple[Worker, asyncio.Task[None]]:
+    from ssdrbm_server.worker import Worker  # the worker pulls in training; only when it runs here
+
+    worker = Worker.from_settings(settings, worker_id=settings.worker_id or default_worker_id())
+    logger.info("worker %s runs in this process", worker.worker_id)
+    return worker, asyncio.create_task(worker.run())
+
+
+async def _stop_worker(worker: Worker, task: asyncio.Task[None] | None) -> None:
+    await worker.stop(graceful=True)
+    if task is not None:
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()

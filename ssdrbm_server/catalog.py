@@ -1,0 +1,134 @@
+"""The built-in datasets a job may name, with their options, widths and example counts.
+
+Validation needs a dataset's width (n_visible) and size (examples, for epochs → steps) before
+the job is queued, without loading it. Real datasets are read from the server's data directory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ssdrbm_server.errors import FailedPreconditionError, InvalidArgumentError
+
+FREY_FACE_EXAMPLES = 1965
+FREY_FACE_WIDTH = 20 * 28
+MNIST_WIDTH = 28 * 28
+MNIST_IMAGE_FILES = ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte")
+IDX3_MAGIC = 2051
+
+
+@dataclass(frozen=True)
+class IntOption:
+    """An integer option of a built-in dataset, as the string map carries it."""
+
+    default: int
+    low: int
+    high: int
+
+
+SYNTHETIC_OPTIONS = {
+    "n_visible": IntOption(100, 1, 4096),
+    "n_hidden": IntOption(25, 1, 4096),
+    "n_samples": IntOption(5000, 2, 1_000_000),
+    "seed": IntOption(0, 0, 2**32 - 1),
+}
+LIMIT_OPTION = {"limit": IntOption(0, 0, 10_000_000)}  # 0 = all examples
+
+OPTIONS = {"synthetic": SYNTHETIC_OPTIONS, "mnist": LIMIT_OPTION, "freyface": LIMIT_OPTION}
+IMAGE_DATASETS = frozenset({"mnist", "freyface"})
+
+
+@dataclass(frozen=True)
+class DatasetShape:
+    """What validation needs to know about a dataset before training: width and size."""
+
+    n_visible: int
+    n_examples: int
+
+
+def builtin_names() -> list[str]:
+    """Names of the built-in datasets."""
+    return sorted(OPTIONS)
+
+
+def parse_options(name: str, options: Mapping[str, str], field: str) -> dict[str, int]:
+    """Options of built-in dataset ``name`` with defaults filled; unknown or bad ones refused."""
+    if name not in OPTIONS:
+        raise InvalidArgumentError(
+            f"{field}.name", f"unknown dataset {name!r}; choose one of {builtin_names()}"
+        )
+    known = OPTIONS[name]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise InvalidArgumentError(
+            f"{field}.options",
+            f"unknown option(s) {unknown} for {name!r}; allowed: {sorted(known)}",
+        )
+    parsed: dict[str, int] = {}
+    for key, spec in known.items():
+        raw = options.get(key)
+        if raw is None:
+            parsed[key] = spec.default
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{field}.options[{key}]", f"must be an integer, got {raw!r}"
+            ) from None
+        if not spec.low <= value <= spec.high:
+            raise InvalidArgumentError(
+                f"{field}.options[{key}]",
+                f"must be between {spec.low} and {spec.high}, got {value}",
+            )
+        parsed[key] = value
+    return parsed
+
+
+def builtin_shape(name: str, options: Mapping[str, int], data_dir: str) -> DatasetShape:
+    """Width and example count of a built-in dataset, given its parsed options."""
+    if name == "synthetic":
+        return DatasetShape(options["n_visible"], options["n_samples"])
+    if name == "mnist":
+        count = _mnist_count(Path(data_dir) / "mnist")
+        width = MNIST_WIDTH
+    else:
+        path = Path(data_dir) / "freyface" / "frey_rawface.mat"
+        if not path.is_file():
+            raise FailedPreconditionError(
+                f"dataset 'freyface' is not installed on this server (missing {path}); "
+                "set SSDRBM_DATA_DIR or upload the data with UploadDataset"
+            )
+        count, width = FREY_FACE_EXAMPLES, FREY_FACE_WIDTH
+    limit = options.get("limit", 0)
+    if limit:
+        count = min(count, limit)
+    return DatasetShape(width, count)
+
+
+def _mnist_count(directory: Path) -> int:
+    total = 0
+    for stem in MNIST_IMAGE_FILES:
+        for path in (directory / stem, directory / f"{stem}.gz"):
+            if path.is_file():
+                total += _idx3_count(path)
+                break
+    if total == 0:
+        raise FailedPreconditionError(
+            f"dataset 'mnist' is not installed on this server (no IDX image files in {directory}); "
+            "set SSDRBM_DATA_DIR or upload the data with UploadDataset"
+        )
+    return total
+
+
+def _idx3_count(path: Path) -> int:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        magic, count = struct.unpack(">ii", handle.read(8))
+    if magic != IDX3_MAGIC:
+        raise FailedPreconditionError(f"{path} is not an IDX image file (magic {magic})")
+    return count

@@ -1,0 +1,189 @@
+"""Service configuration: one ``Settings`` dataclass read from ``SSDRBM_*`` environment variables.
+
+Every tunable of the server and its worker lives here, with the reason for its default, so that
+deployment (Docker, compose, the demo script) only ever sets environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ssdrbm_server.cpus import beyond_host, parse_cpu_list
+
+ENV_PREFIX = "SSDRBM_"
+
+# ../shared/data relative to the repository, the same default ssdcore.data uses.
+DEFAULT_DATA_DIR = str(Path(__file__).resolve().parent.parent.parent / "shared" / "data")
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the server and its in-process worker need; see ``from_env``."""
+
+    # Network
+    listen_address: str = "0.0.0.0:50051"  # host:port for gRPC; port 0 picks a free port
+    metrics_port: int = 9108  # Prometheus /metrics over HTTP; 0 disables the endpoint
+    metrics_address: str = "0.0.0.0"
+
+    # Storage
+    redis_url: str = "redis://127.0.0.1:6379/0"  # redis:// or rediss:// (TLS), may hold a password
+    redis_prefix: str = "ssdrbm:"  # every key starts with it, so one Redis can host several
+    data_dir: str = DEFAULT_DATA_DIR  # built-in real datasets (MNIST, Frey Face)
+
+    # Limits, each answered with its own RESOURCE_EXHAUSTED message
+    max_message_bytes: int = 64 * 1024 * 1024  # one gRPC message, both directions
+    max_tensor_elements: int = 16 * 1024 * 1024  # elements of one Reconstruct/SampleHidden input
+    max_dataset_bytes: int = 512 * 1024 * 1024  # one uploaded dataset
+    max_jobs_per_tenant: int = 16  # QUEUED + RUNNING jobs of one tenant
+    max_streams: int = 1000  # concurrent StreamMetrics calls of the whole server
+    max_string_length: int = 256  # names, ids and option values in requests
+
+    # Training defaults filled into a job's spec when the request leaves them at zero
+    default_batch_size: int = 100
+    default_eval_every: int = 100  # steps between metric events
+    default_checkpoint_every: int = 500  # steps between checkpoints
+    default_validation_fraction: float = 0.1
+    default_ais_chains: int = 100
+    default_ais_betas: int = 1000
+    max_total_steps: int = 10_000_000  # refuse jobs that would never end
+    max_full_variance_visibles: int = 256  # a full precision matrix is V×V and O(V³) per step
+
+    # Serving
+    serving_threads: int = 4  # thread pool for Reconstruct / SampleHidden (torch frees the GIL)
+    model_cache_size: int = 32  # models kept in memory, keyed by job id and checkpoint step
+
+    # Shutdown and streaming
+    shutdown_grace_s: float = 10.0  # in-flight RPCs get this long after SIGTERM
+    stream_block_ms: int = 1000  # XREAD BLOCK per poll when following a metric stream
+    # Events queued for one live StreamMetrics subscriber; one further behind stops sharing the
+    # job's follower and reads Redis itself from its last token (bounds memory per slow client)
+    stream_buffer_events: int = 1024
+
+    # Worker in the same process (`python -m ssdrbm_server`); SSDRBM_RUN_WORKER=0 for API-only
+    # nodes
+    run_worker: bool = True
+    # CPU lists (`0-3,8`) that keep serving and training off each other's cores on a shared
+    # host (ssdrbm_server/cpus.py); empty: no pinning
+    serving_cpus: str = ""
+    training_cpus: str = ""
+    worker_id: str = ""  # empty: derived from host name and process id
+    lease_seconds: float = 10.0  # a dead worker's job is taken over this long after it died
+    checkpoint_keep: int = 3  # checkpoints kept per job: the newest and older ones to fall back on
+    torch_threads: int = 0  # CPU threads of each training process; 0: torch's default
+
+    # Authentication: "none" (development, tenant "default") or "token" (bearer tokens)
+    auth_mode: str = "none"
+    auth_tokens_file: str = ""  # lines "token tenant" (or JSON {"token": "tenant"})
+    auth_tokens: str = ""  # inline "token1=tenant1,token2=tenant2", for tests and small setups
+
+    # TLS for the gRPC listener; empty = plaintext
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # set to require client certificates (mTLS)
+
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``SSDRBM_<FIELD>`` variables (upper case), then keyword overrides."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse(f.name, f.type, raw)
+        values.update(overrides)
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Raise ConfigError for values that would only fail later and less clearly."""
+        if self.auth_mode not in ("none", "token"):
+            raise ConfigError(f"SSDRBM_AUTH_MODE must be 'none' or 'token', not {self.auth_mode!r}")
+        positive = [
+            "max_message_bytes",
+            "max_tensor_elements",
+            "max_dataset_bytes",
+            "max_jobs_per_tenant",
+            "max_streams",
+            "stream_buffer_events",
+            "max_string_length",
+            "default_batch_size",
+            "default_eval_every",
+            "default_checkpoint_every",
+            "serving_threads",
+            "model_cache_size",
+        ]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"SSDRBM_{name.upper()} must be at least 1")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("set both SSDRBM_TLS_CERT_FILE and SSDRBM_TLS_KEY_FILE, or neither")
+        for name in ("serving_cpus", "training_cpus"):
+            _check_cpu_list(name, getattr(self, name))
+
+    @property
+    def serving_cpu_set(self) -> frozenset[int]:
+        return parse_cpu_list(self.serving_cpus)
+
+    @property
+    def training_cpu_set(self) -> frozenset[int]:
+        return parse_cpu_list(self.training_cpus)
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with some fields changed (tests use it to lower limits)."""
+        return dataclasses.replace(self, **changes)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse(name: str, type_name: Any, raw: str) -> Any:
+    # With `from __future__ import annotations`, dataclass field types are strings.
+    kind = type_name if isinstance(type_name, str) else type_name.__name__
+    env_name = ENV_PREFIX + name.upper()
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{env_name} must be a {kind}, not {raw!r}") from None
+    if kind == "bool":
+        lowered = raw.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+        raise ConfigError(f"{env_name} must be true or false, not {raw!r}")
+    return raw
+
+
+def field_names() -> list[str]:
+    """Names of all settings (documentation and tests)."""
+    return [f.name for f in dataclasses.fields(Settings)]
+
+
+def _check_cpu_list(name: str, text: str) -> None:
+    variable = f"{ENV_PREFIX}{name.upper()}"
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError as exc:
+        raise ConfigError(f"{variable}: {exc}") from None
+    missing = beyond_host(cpus)
+    if missing:
+        count = os.cpu_count() or 1
+        raise ConfigError(
+            f"{variable} names CPUs {missing} but this host has {count} (0-{count - 1})"
+        )

@@ -1,0 +1,77 @@
+"""Store records → wire messages (Job, MetricEvent, JobState)."""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from ssdrbm.v1 import rbm_pb2
+
+from ssdrbm_server.store.records import JobRecord, JobState
+
+_STATE_TO_PROTO = {state: rbm_pb2.JobState.Value(f"JOB_STATE_{state.value}") for state in JobState}
+_PROTO_TO_STATE = {number: state for state, number in _STATE_TO_PROTO.items()}
+TERMINAL_PROTO_STATES = frozenset(
+    number for state, number in _STATE_TO_PROTO.items() if state.is_terminal
+)
+
+
+def state_to_proto(state: JobState) -> int:
+    """The wire enum number of a job state."""
+    return _STATE_TO_PROTO[state]
+
+
+def state_from_proto(number: int) -> JobState | None:
+    """The job state of a wire enum number; None for JOB_STATE_UNSPECIFIED (no filter)."""
+    return _PROTO_TO_STATE.get(number)
+
+
+def _timestamp(seconds: float | None) -> Timestamp | None:
+    if seconds is None:
+        return None
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def job_to_proto(record: JobRecord) -> rbm_pb2.Job:
+    """The wire Job for a stored record."""
+    job = rbm_pb2.Job(
+        id=record.id,
+        name=record.name,
+        state=state_to_proto(record.state),
+        step=record.step,
+        total_steps=record.total_steps,
+        attempt=record.attempt,
+        error=record.error,
+        checkpoint_step=record.checkpoint_step,
+        worker=record.worker,
+        created_at=_timestamp(record.created_at),
+        started_at=_timestamp(record.started_at),
+        finished_at=_timestamp(record.finished_at),
+        n_visible=record.n_visible,
+    )
+    job.spec.ParseFromString(record.spec)
+    if record.latest_metrics:
+        job.latest_metrics.ParseFromString(record.latest_metrics)
+    return job
+
+
+def event_to_proto(
+    job_id: str, token: str, kind: str, data: bytes, time_s: float | None = None
+) -> rbm_pb2.MetricEvent:
+    """The wire MetricEvent for one stream entry (kind "metrics" or "state")."""
+    event = rbm_pb2.MetricEvent(resume_token=token, job_id=job_id, time=_timestamp(time_s))
+    if kind == "state":
+        event.state.ParseFromString(data)
+    else:
+        event.metrics.ParseFromString(data)
+    return event
+
+
+def token_time(token: str) -> float:
+    """The wall time (seconds) a stream entry was written, from its id ("<ms>-<seq>")."""
+    return int(token.split("-", 1)[0]) / 1000.0
+
+
+def is_terminal_event(event: rbm_pb2.MetricEvent) -> bool:
+    """True for the state event that ends a job's stream."""
+    return event.WhichOneof("event") == "state" and event.state.state in TERMINAL_PROTO_STATES

@@ -1,0 +1,165 @@
+"""Prometheus metrics of the service: jobs by state, RPC latency, training throughput.
+
+Each server instance owns its registry (tests run several servers in one process). The job
+gauges are refreshed from Redis by a periodic task, so a scrape never waits on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import prometheus_client
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from ssdrbm_server.errors import status_for
+from ssdrbm_server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
+from ssdrbm_server.store.records import JobState
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+
+
+class ServiceMetrics:
+    """The service's Prometheus collectors in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.jobs = Gauge(
+            "ssdrbm_jobs", "Jobs by state (all tenants)", ["state"], registry=self.registry
+        )
+        self.rpc_latency = Histogram(
+            "ssdrbm_rpc_latency_seconds",
+            "Time to answer an RPC (streams: until the stream ends)",
+            ["method", "code"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.samples_per_second = Gauge(
+            "ssdrbm_training_samples_per_second",
+            "Training throughput summed over running jobs, from their latest metrics",
+            registry=self.registry,
+        )
+        self.streams = Gauge(
+            "ssdrbm_metric_streams", "Open StreamMetrics calls", registry=self.registry
+        )
+        self._http: Any = None
+        self.set_job_counts({})  # every state's series exists from the first scrape on
+
+    def set_job_counts(self, counts: dict[JobState, int]) -> None:
+        """Update the jobs-by-state gauge."""
+        for state in JobState:
+            self.jobs.labels(state=state.value).set(counts.get(state, 0))
+
+    def start_http(self, port: int, address: str) -> int:
+        """Serve /metrics over HTTP in a thread; returns the bound port."""
+        server, _thread = prometheus_client.start_http_server(
+            port, addr=address, registry=self.registry
+        )
+        self._http = server
+        return server.server_port
+
+    def stop_http(self) -> None:
+        """Stop the /metrics HTTP server if it runs."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def exposition(self) -> bytes:
+        """The current metrics in the Prometheus text format."""
+        return prometheus_client.generate_latest(self.registry)
+
+
+async def refresh_job_gauges(
+    metrics: ServiceMetrics,
+    count_by_state: Callable[[], Awaitable[dict[JobState, int]]],
+    samples_per_second: Callable[[], Awaitable[float]],
+    *,
+    interval_s: float = 5.0,
+) -> None:
+    """Periodically copy job counts and throughput from Redis into the gauges (runs forever)."""
+    while True:
+        try:
+            metrics.set_job_counts(await count_by_state())
+            metrics.samples_per_second.set(await samples_per_second())
+        except Exception as exc:  # Redis down: keep the last values, try again later
+            logger.debug("metrics refresh failed: %s", exc)
+        await asyncio.sleep(interval_s)
+
+
+def _code_of(exc: BaseException | None, context: grpc.aio.ServicerContext) -> str:
+    if exc is None:
+        return "OK"
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code()
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return status_for(exc)[0].name
+
+
+class LatencyInterceptor(grpc.aio.ServerInterceptor):
+    """Records every RPC's latency by method and status code."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.histogram = metrics.rpc_latency
+        self._handlers = WrappedHandlers(self._timed)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if not handler_call_details.method.startswith(SERVICE_PREFIX):
+            return handler  # health checks and reflection are not service traffic
+        return self._handlers.wrapped(handler_call_details.method, handler)
+
+    def _timed(
+        self, full_method: str, handler: grpc.RpcMethodHandler | None
+    ) -> grpc.RpcMethodHandler | None:
+        method = full_method.rsplit("/", 1)[-1]
+        histogram = self.histogram
+        by_code: dict[str, Any] = {}  # the labelled series, looked up once per status code
+
+        def observe(started: float, exc: BaseException | None, context: Any) -> None:
+            elapsed = time.perf_counter() - started
+            code = _code_of(exc, context)
+            series = by_code.get(code)
+            if series is None:
+                series = by_code[code] = histogram.labels(method=method, code=code)
+            series.observe(elapsed)
+
+        def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+            async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                started = time.perf_counter()
+                try:
+                    response = await behavior(request, context)
+                except BaseException as exc:
+                    observe(started, exc, context)
+                    raise
+                observe(started, None, context)
+                return response
+
+            return timed
+
+        def wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            async def timed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                started = time.perf_counter()
+                try:
+                    async for response in iterate_responses(behavior, request, context):
+                        yield response
+                except BaseException as exc:
+                    observe(started, exc, context)
+                    raise
+                observe(started, None, context)
+
+            return timed
+
+        return wrap_handler(handler, wrap_unary, wrap_stream)

@@ -1,0 +1,415 @@
+"""The RBMService servicer: each RPC as a typed async method over the Redis stores.
+
+Handlers raise domain errors (ssdrbm_server/errors.py); the error interceptor maps them to statuses.
+The caller's tenant comes from the auth interceptor (``current_tenant()``), and every store
+lookup is scoped by it, so another tenant's job or dataset is NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+
+from ssdrbm_server import convert, validation
+from ssdrbm_server.auth import current_tenant
+from ssdrbm_server.config import Settings
+from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from ssdrbm_server.event_fanout import EventFanout
+from ssdrbm_server.metrics import ServiceMetrics
+from ssdrbm_server.recent_jobs import RecentJobs
+from ssdrbm_server.serving import ModelServer
+from ssdrbm_server.store.checkpoints import CheckpointStore
+from ssdrbm_server.store.datasets import DatasetStore
+from ssdrbm_server.store.events import EventStore
+from ssdrbm_server.store.jobs import JobStore
+from ssdrbm_server.store.records import JobRecord
+from ssdrbm_server.tensors import array_to_tensor, tensor_to_array
+
+logger = logging.getLogger(__name__)
+
+pb = rbm_pb2
+
+REPLAY_BATCH = 256
+EXPORT_CHUNK_BYTES = 1 << 20
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 1000
+MAX_ID_LENGTH = 128
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+# Upload dtypes: the wire enum → (numpy little-endian dtype, name the dataset store keeps).
+DTYPES = {
+    pb.DTYPE_UNSPECIFIED: np.dtype("<f4"),
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT64: np.dtype("<f8"),
+    pb.DTYPE_UINT8: np.dtype("u1"),
+}
+DTYPE_NAMES = {number: dtype.name for number, dtype in DTYPES.items()}
+
+
+@dataclass
+class Stores:
+    """The Redis-backed stores the servicer works with."""
+
+    jobs: JobStore
+    events: EventStore
+    checkpoints: CheckpointStore
+    datasets: DatasetStore
+
+
+class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
+    """Implements ssdrbm.v1.RBMService."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        stores: Stores,
+        models: ModelServer,
+        metrics: ServiceMetrics | None = None,
+        recent_jobs: RecentJobs | None = None,
+    ) -> None:
+        self.settings = settings
+        self.stores = stores
+        self.models = models
+        self.metrics = metrics
+        self.recent_jobs = recent_jobs if recent_jobs is not None else RecentJobs()
+        self._open_streams = 0
+        self._draining = False
+        self.fanout = EventFanout(self._poll, buffer_events=settings.stream_buffer_events)
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    async def StartTraining(
+        self, request: pb.StartTrainingRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartTrainingResponse:
+        tenant = current_tenant()
+        spec = validation.check_request(request, self.settings)
+        if spec.dataset.WhichOneof("source") == "dataset_id":
+            info = await self.stores.datasets.info(tenant, spec.dataset.dataset_id)
+            shape = validation.uploaded_dataset_shape(tuple(info.shape))
+        else:
+            shape = validation.builtin_dataset_shape(spec, self.settings)
+        job = validation.apply_dataset(spec, shape, self.settings)
+        record, created = await self.stores.jobs.submit(
+            tenant,
+            job.spec.SerializeToString(),
+            name=job.spec.name,
+            total_steps=job.total_steps,
+            request_id=job.spec.request_id or None,
+            # Checked in the same atomic step as the insert; a repeated request_id still
+            # returns its job even at the limit.
+            max_active=self.settings.max_jobs_per_tenant,
+        )
+        if created:
+            logger.info(
+                "job %s queued for tenant %s (%d steps)", record.id, tenant, job.total_steps
+            )
+        return pb.StartTrainingResponse(job=convert.job_to_proto(record), created=created)
+
+    async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
+        return convert.job_to_proto(await self._job(request.job_id))
+
+    async def ListJobs(
+        self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListJobsResponse:
+        page_size = request.page_size or DEFAULT_PAGE_SIZE
+        if page_size > MAX_PAGE_SIZE:
+            raise InvalidArgumentError(
+                "page_size", f"must be at most {MAX_PAGE_SIZE}, got {request.page_size}"
+            )
+        validation.enum_value(pb.JobState, request.state, "state")
+        _check_id(request.page_token, "page_token", required=False)
+        records, next_token = await self.stores.jobs.list(
+            current_tenant(),
+            page_size=page_size,
+            page_token=request.page_token,
+            state=convert.state_from_proto(request.state),
+        )
+        return pb.ListJobsResponse(
+            jobs=[convert.job_to_proto(record) for record in records], next_page_token=next_token
+        )
+
+    async def CancelJob(
+        self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Job:
+        _check_id(request.job_id, "job_id")
+        record = await self.stores.jobs.cancel(current_tenant(), request.job_id)
+        logger.info("cancel requested for job %s (now %s)", record.id, record.state.value)
+        return convert.job_to_proto(record)
+
+    # --- metrics ----------------------------------------------------------------------------
+
+    async def StreamMetrics(
+        self, request: pb.StreamMetricsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.MetricEvent]:
+        job = await self._job(request.job_id)
+        if self._open_streams >= self.settings.max_streams:
+            raise ResourceExhaustedError(
+                f"this server already serves {self._open_streams} metric streams (limit "
+                f"{self.settings.max_streams}); retry later or poll GetJob"
+            )
+        self._stream_opened(+1)
+        try:
+            # aclosing: a cancelled call leaves its job's follower at once, not at collection.
+            async with aclosing(self._events(job, request.after, request.history_only)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._stream_opened(-1)
+
+    def begin_shutdown(self) -> None:
+        """End live metric streams now (UNAVAILABLE, resumable elsewhere), so a graceful
+        shutdown is not held up by followers that would never finish on their own: shared
+        followers stop at once, a stream reading Redis by itself at its next poll."""
+        self._draining = True
+        self.fanout.close()
+
+    def _stream_opened(self, delta: int) -> None:
+        self._open_streams += delta
+        if self.metrics is not None:
+            self.metrics.streams.set(self._open_streams)
+
+    async def _events(
+        self, job: JobRecord, after: str, history_only: bool
+    ) -> AsyncIterator[pb.MetricEvent]:
+        """Replay from ``after``, then follow live; ends after the terminal state event."""
+        # Replay what the stream holds already, in batches.
+        while True:
+            batch = await self._read(job.id, after, block_ms=None)
+            for event in batch:
+                yield event
+                if convert.is_terminal_event(event):
+                    return
+            if batch:
+                after = batch[-1].resume_token
+            if len(batch) < REPLAY_BATCH:
+                break
+        if history_only:
+            return
+        if await self._has_ended(job):
+            # It may have ended after the replay's last read: send what it wrote since.
+            for event in await self._read(job.id, after, block_ms=None):
+                yield event
+            return
+        async with aclosing(self._follow(job, after)) as live:
+            async for event in live:
+                yield event
+
+    async def _follow(self, job: JobRecord, after: str) -> AsyncIterator[pb.MetricEvent]:
+        """Follow live from ``after``: through the job's shared follower once this stream has
+        caught up with it, reading Redis by itself while behind it."""
+        reader = self.fanout.reader(job)
+        try:
+            while True:
+                if self._draining:
+                    raise UnavailableError(
+                        "this server is shutting down; reconnect and pass the last "
+                        f"resume_token as `after` ({after or 'empty'}) to continue without a gap"
+                    )
+                batch, ended = await reader.next_batch(after)
+                for event in batch:
+                    yield event
+                    after = event.resume_token
+                    if convert.is_terminal_event(event):
+                        return
+                if ended:
+                    return
+        finally:
+            reader.close()
+
+    async def _poll(self, job: JobRecord, after: str) -> tuple[list[pb.MetricEvent], bool]:
+        """One blocking read of the job's events, by a stream or by the job's shared follower:
+        (events, whether the stream has ended)."""
+        batch = await self._read(job.id, after, block_ms=self.settings.stream_block_ms)
+        if batch:
+            return batch, False
+        if await self._has_ended(job):
+            # The terminal event is behind the caller's token; flush what came meanwhile.
+            return await self._read(job.id, after, block_ms=None), True
+        return [], False
+
+    async def _read(self, job_id: str, after: str, *, block_ms: int | None) -> list[pb.MetricEvent]:
+        entries = await self.stores.events.read(
+            job_id, after=after, count=REPLAY_BATCH, block_ms=block_ms
+        )
+        return [
+            convert.event_to_proto(job_id, token, kind, data, convert.token_time(token))
+            for token, kind, data in entries
+        ]
+
+    async def _has_ended(self, job: JobRecord) -> bool:
+        current = await self.stores.jobs.get(job.tenant, job.id)
+        return current.state.is_terminal
+
+    # --- serving ----------------------------------------------------------------------------
+
+    async def Reconstruct(
+        self, request: pb.ReconstructRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReconstructResponse:
+        job = await self._serving_job(request.job_id)
+        v = self._input(request.input)
+        loaded = await self.models.model_for(job, request.checkpoint_step)
+        out = await self.models.reconstruct(
+            loaded, v, k=request.k, mean_field=request.mean_field, seed=request.seed
+        )
+        return pb.ReconstructResponse(output=array_to_tensor(out), checkpoint_step=loaded.step)
+
+    async def SampleHidden(
+        self, request: pb.SampleHiddenRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SampleHiddenResponse:
+        job = await self._serving_job(request.job_id)
+        mode = validation.enum_value(pb.HiddenMode, request.mode, "mode")
+        v = self._input(request.input)
+        loaded = await self.models.model_for(job, request.checkpoint_step)
+        out = await self.models.hidden(
+            loaded, v, sample=mode == pb.HIDDEN_MODE_SAMPLE, seed=request.seed
+        )
+        return pb.SampleHiddenResponse(output=array_to_tensor(out), checkpoint_step=loaded.step)
+
+    async def _serving_job(self, job_id: str) -> JobRecord:
+        """The job for a serving call: a record read in the last moment (see RecentJobs) or a
+        fresh read, which also decides NOT_FOUND and FAILED_PRECONDITION."""
+        _check_id(job_id, "job_id")
+        tenant = current_tenant()
+        record = self.recent_jobs.get(tenant, job_id)
+        if record is None:
+            record = await self.stores.jobs.get(tenant, job_id)
+            self.recent_jobs.put(tenant, record)
+        return record
+
+    def _input(self, tensor: pb.Tensor) -> np.ndarray:
+        return tensor_to_array(
+            tensor, field="input", max_elements=self.settings.max_tensor_elements
+        )
+
+    # --- datasets and export ----------------------------------------------------------------
+
+    async def UploadDataset(
+        self,
+        request_iterator: AsyncIterator[pb.UploadDatasetRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.UploadDatasetResponse:
+        tenant = current_tenant()
+        header: pb.DatasetHeader | None = None
+        expected = 0
+        chunks: list[bytes] = []
+        received = 0
+        async for part in request_iterator:
+            which = part.WhichOneof("part")
+            if header is None:
+                if which != "header":
+                    raise InvalidArgumentError("header", "send the header as the first message")
+                header = part.header
+                expected = self._check_dataset_header(header)
+                continue
+            if which != "chunk":
+                raise InvalidArgumentError("header", "send the header only once, first")
+            received += len(part.chunk)
+            if received > expected:
+                raise InvalidArgumentError(
+                    "chunk",
+                    f"received more than the {expected} bytes that header.shape and "
+                    "header.dtype describe",
+                )
+            chunks.append(part.chunk)
+        if header is None:
+            raise InvalidArgumentError("header", "the upload was empty; send a header first")
+        if received != expected:
+            raise InvalidArgumentError(
+                "chunk",
+                f"received {received} bytes, but header.shape and header.dtype need {expected}",
+            )
+        data = b"".join(chunks)
+        _check_upload_content(header, data)
+        info, created = await self.stores.datasets.put(
+            tenant,
+            shape=tuple(header.shape),
+            dtype=DTYPE_NAMES[header.dtype],
+            name=header.name,
+            data=data,
+        )
+        return pb.UploadDatasetResponse(
+            dataset_id=info.id, shape=list(info.shape), size_bytes=info.size_bytes, created=created
+        )
+
+    def _check_dataset_header(self, header: pb.DatasetHeader) -> int:
+        """Byte size the header describes, after checking its fields."""
+        validation.enum_value(pb.DType, header.dtype, "header.dtype")
+        shape = list(header.shape)
+        if len(shape) not in (2, 3) or any(dim < 1 for dim in shape):
+            raise InvalidArgumentError(
+                "header.shape",
+                f"must be (n_examples, n_features) or (n_examples, height, width) with every "
+                f"dimension >= 1, got {shape}",
+            )
+        if len(header.name) > self.settings.max_string_length:
+            raise InvalidArgumentError(
+                "header.name", f"at most {self.settings.max_string_length} characters"
+            )
+        if header.sha256 and not _SHA256_HEX.fullmatch(header.sha256):
+            raise InvalidArgumentError("header.sha256", "must be 64 lower-case hex digits")
+        size = math.prod(shape) * DTYPES[header.dtype].itemsize
+        if size > self.settings.max_dataset_bytes:
+            raise ResourceExhaustedError(
+                f"the dataset is {size} bytes, more than this server's limit of "
+                f"{self.settings.max_dataset_bytes} bytes; upload a smaller subset"
+            )
+        return size
+
+    async def ExportModel(
+        self, request: pb.ExportModelRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ExportModelResponse]:
+        job = await self._job(request.job_id)
+        checkpoints = self.stores.checkpoints
+        if request.checkpoint_step < 0:
+            raise InvalidArgumentError("checkpoint_step", "must be >= 0 (0 = latest)")
+        if request.checkpoint_step:
+            checkpoint = await checkpoints.get(job.id, request.checkpoint_step)
+        else:
+            checkpoint = await checkpoints.latest(job.id)
+        header = pb.ModelExportHeader(
+            config_json=checkpoint.config_json,
+            step=checkpoint.step,
+            sha256=checkpoint.sha256,
+            size_bytes=len(checkpoint.data),
+        )
+        yield pb.ExportModelResponse(header=header)
+        data = checkpoint.data
+        # Chunks stay well under the message limit (a deployment may set it below 1 MiB).
+        chunk = max(1, min(EXPORT_CHUNK_BYTES, self.settings.max_message_bytes // 2))
+        for start in range(0, len(data), chunk):
+            yield pb.ExportModelResponse(chunk=data[start : start + chunk])
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    async def _job(self, job_id: str) -> JobRecord:
+        _check_id(job_id, "job_id")
+        return await self.stores.jobs.get(current_tenant(), job_id)
+
+
+def _check_id(value: str, field: str, *, required: bool = True) -> None:
+    if required and not value:
+        raise InvalidArgumentError(field, "is required")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidArgumentError(field, f"is longer than {MAX_ID_LENGTH} characters")
+
+
+def _check_upload_content(header: pb.DatasetHeader, data: bytes) -> None:
+    if header.sha256:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != header.sha256:
+            raise InvalidArgumentError(
+                "header.sha256",
+                f"the received bytes hash to {actual}, not {header.sha256}; the upload was "
+                "corrupted or the header is wrong",
+            )
+    dtype = DTYPES[header.dtype]
+    if dtype.kind == "f" and not np.isfinite(np.frombuffer(data, dtype=dtype)).all():
+        raise InvalidArgumentError("chunk", "the data contains NaN or Inf; send finite values")

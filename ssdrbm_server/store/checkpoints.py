@@ -1,0 +1,134 @@
+"""Checkpoints of a job: the last few, each verified by sha256 when read.
+
+A checkpoint `job:{id}:ckpt:{step}` holds the model as safetensors bytes (`data`, what serving
+and ExportModel use), its JSON config, and the full trainer state (`trainer_state`: optimizer,
+PCD chains, random generators) that a worker resumes from. Both carry a sha256; a checkpoint
+whose bytes do not match is skipped by `latest()` in favour of the previous good one. Workers
+write checkpoints through their fenced writer (ssdrbm_server/store/fencing.py); this module reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from ssdrbm_server.errors import FailedPreconditionError, NotFoundError
+from ssdrbm_server.keys import Keys
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KEEP = 3  # checkpoints retained per job: the newest and two to fall back on
+
+
+@dataclass
+class Checkpoint:
+    """One verified checkpoint."""
+
+    step: int
+    data: bytes  # model, safetensors (ssdcore.checkpoint.model_to_bytes)
+    sha256: str  # of `data`
+    attempt: int  # the worker attempt that wrote it
+    config_json: str  # the model's config, enough to rebuild it
+    trainer_state: bytes = b""  # ssdcore.checkpoint.trainer_to_bytes; empty unless requested
+    trainer_sha256: str = ""
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex sha256 digest of `data`."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def checkpoint_fields(
+    *, step: int, data: bytes, config_json: str, trainer_state: bytes, attempt: int
+) -> dict[str, bytes | str | int]:
+    """Hash fields of a checkpoint about to be written (digests computed here)."""
+    return {
+        "step": step,
+        "data": data,
+        "sha256": sha256_hex(data),
+        "config_json": config_json,
+        "trainer_state": trainer_state,
+        "trainer_sha256": sha256_hex(trainer_state),
+        "attempt": attempt,
+    }
+
+
+class CorruptCheckpointError(FailedPreconditionError):
+    """A checkpoint's bytes do not match their recorded sha256."""
+
+
+_MODEL_FIELDS = ("step", "data", "sha256", "attempt", "config_json")
+_ALL_FIELDS = (*_MODEL_FIELDS, "trainer_state", "trainer_sha256")
+
+
+class CheckpointStore:
+    """Reads a job's retained checkpoints, verifying each."""
+
+    def __init__(self, redis: aioredis.Redis, *, keys: Keys | None = None) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+
+    async def list_steps(self, job_id: str) -> list[int]:
+        """Steps of the retained checkpoints, oldest first."""
+        members = await self.redis.zrange(self.keys.checkpoint_index(job_id), 0, -1)
+        return sorted(int(m) for m in members)
+
+    async def latest(self, job_id: str, *, with_trainer_state: bool = False) -> Checkpoint:
+        """The newest checkpoint that passes its sha256 check, falling back to older ones.
+
+        FailedPreconditionError when the job has none (or none intact).
+        """
+        steps = await self.list_steps(job_id)
+        for step in reversed(steps):
+            try:
+                return await self._load(job_id, step, with_trainer_state)
+            except CorruptCheckpointError as exc:
+                logger.error("job %s: %s; falling back to the previous checkpoint", job_id, exc)
+            except NotFoundError:
+                continue  # removed by retention between listing and reading
+        if steps:
+            raise FailedPreconditionError(
+                f"job {job_id} has no intact checkpoint (all failed their sha256 check)"
+            )
+        raise FailedPreconditionError(
+            f"job {job_id} has no checkpoint yet; wait until it has trained to its first "
+            "checkpoint (see training.checkpoint_every)"
+        )
+
+    async def get(self, job_id: str, step: int, *, with_trainer_state: bool = False) -> Checkpoint:
+        """The checkpoint at `step`; NotFoundError if not retained, CorruptCheckpointError
+        (FAILED_PRECONDITION) if its bytes fail the sha256 check."""
+        return await self._load(job_id, step, with_trainer_state)
+
+    async def _load(self, job_id: str, step: int, with_trainer_state: bool) -> Checkpoint:
+        names = _ALL_FIELDS if with_trainer_state else _MODEL_FIELDS
+        values = await self.redis.hmget(self.keys.checkpoint(job_id, step), list(names))
+        raw = dict(zip(names, values, strict=True))
+        if raw["data"] is None:
+            steps = await self.list_steps(job_id)
+            raise NotFoundError(
+                f"job {job_id} has no checkpoint at step {step}; retained steps: {steps or 'none'}"
+            )
+        checkpoint = Checkpoint(
+            step=int(raw["step"]),
+            data=raw["data"],
+            sha256=raw["sha256"].decode(),
+            attempt=int(raw["attempt"]),
+            config_json=raw["config_json"].decode(),
+        )
+        if sha256_hex(checkpoint.data) != checkpoint.sha256:
+            raise CorruptCheckpointError(
+                f"checkpoint at step {step} of job {job_id} is corrupted (sha256 mismatch); "
+                "use an earlier checkpoint_step"
+            )
+        if with_trainer_state:
+            checkpoint.trainer_state = raw["trainer_state"] or b""
+            checkpoint.trainer_sha256 = (raw["trainer_sha256"] or b"").decode()
+            if sha256_hex(checkpoint.trainer_state) != checkpoint.trainer_sha256:
+                raise CorruptCheckpointError(
+                    f"trainer state at step {step} of job {job_id} is corrupted (sha256 mismatch)"
+                )
+        return checkpoint

@@ -1,0 +1,138 @@
+"""Uploaded datasets: raw little-endian arrays with dtype and shape, content-addressed.
+
+The id is the sha256 of the dtype, the shape and the bytes, so the same upload always gives the
+same id and is stored once (`dataset:{id}`), however many tenants upload it. Each tenant sees
+only the datasets it uploaded itself (`tenant:{t}:datasets`, id -> the name it gave). The
+bytes are never unpickled: readers rebuild the array with numpy.frombuffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from ssdrbm_server.errors import InvalidArgumentError, NotFoundError
+from ssdrbm_server.keys import Keys, is_dataset_id
+
+logger = logging.getLogger(__name__)
+
+# Element size in bytes of each accepted dtype (numpy names; all little-endian).
+ITEM_SIZES = {"float32": 4, "float64": 8, "uint8": 1}
+
+# KEYS: dataset, tenant's datasets. ARGV: id, name, then the dataset's fields as pairs.
+# Returns 1 when the tenant did not have this dataset before.
+_PUT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+end
+return redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+"""
+
+
+@dataclass
+class DatasetInfo:
+    """What is known about a stored dataset without reading its bytes."""
+
+    id: str
+    shape: tuple[int, ...]
+    dtype: str
+    name: str
+    size_bytes: int
+
+
+def dataset_id(shape: Sequence[int], dtype: str, data: bytes) -> str:
+    """Content address of an array: sha256 over its dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    digest.update(f"{dtype}:{','.join(str(n) for n in shape)}\n".encode())
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def check_array(shape: Sequence[int], dtype: str, size_bytes: int) -> tuple[int, ...]:
+    """Validate dtype and shape against the byte count; returns the shape as a tuple."""
+    if dtype not in ITEM_SIZES:
+        raise InvalidArgumentError("dtype", f"must be one of {sorted(ITEM_SIZES)}, not {dtype!r}")
+    dims = tuple(int(n) for n in shape)
+    if len(dims) not in (2, 3) or any(n < 1 for n in dims):
+        raise InvalidArgumentError(
+            "shape",
+            f"must be (n_examples, n_features) or (n_examples, height, width) with every "
+            f"dimension >= 1, not {list(dims)}",
+        )
+    expected = math.prod(dims) * ITEM_SIZES[dtype]
+    if expected != size_bytes:
+        raise InvalidArgumentError(
+            "data",
+            f"shape {list(dims)} of {dtype} needs {expected} bytes but {size_bytes} were sent",
+        )
+    return dims
+
+
+class DatasetStore:
+    """Stores and loads uploaded arrays, scoped to the tenant that uploaded them."""
+
+    def __init__(self, redis: aioredis.Redis, *, keys: Keys | None = None) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+        self._put = redis.register_script(_PUT)
+
+    async def put(
+        self, tenant: str, *, shape: Sequence[int], dtype: str, name: str, data: bytes
+    ) -> tuple[DatasetInfo, bool]:
+        """Store an array (once per content); returns (info, created for this tenant)."""
+        dims = check_array(shape, dtype, len(data))
+        new_id = dataset_id(dims, dtype, data)
+        fields: dict[str, str | bytes | int] = {
+            "shape": json.dumps(list(dims)),
+            "dtype": dtype,
+            "size_bytes": len(data),
+            "data": data,
+        }
+        args: list[str | bytes | int] = [new_id, name]
+        for field, value in fields.items():
+            args += [field, value]
+        added = await self._put(
+            keys=[self.keys.dataset(new_id), self.keys.tenant_datasets(tenant)], args=args
+        )
+        if added:
+            logger.info("dataset %s %s %s stored for tenant %s", new_id, dtype, dims, tenant)
+        return await self.info(tenant, new_id), bool(added)
+
+    async def info(self, tenant: str, dataset_id: str) -> DatasetInfo:
+        """Shape, dtype, name and size; NotFoundError when the tenant has no such dataset."""
+        if not is_dataset_id(dataset_id):
+            raise _not_found(dataset_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.tenant_datasets(tenant), dataset_id)
+            pipe.hmget(self.keys.dataset(dataset_id), ["shape", "dtype", "size_bytes"])
+            name, (shape, dtype, size_bytes) = await pipe.execute()
+        if name is None or shape is None:
+            raise _not_found(dataset_id)
+        return DatasetInfo(
+            id=dataset_id,
+            shape=tuple(json.loads(shape)),
+            dtype=dtype.decode(),
+            name=name.decode(),
+            size_bytes=int(size_bytes),
+        )
+
+    async def load(self, tenant: str, dataset_id: str) -> tuple[DatasetInfo, bytes]:
+        """Info and raw bytes of a dataset the tenant uploaded."""
+        info = await self.info(tenant, dataset_id)
+        data = await self.redis.hget(self.keys.dataset(dataset_id), "data")
+        if data is None:
+            raise _not_found(dataset_id)
+        return info, data
+
+
+def _not_found(dataset_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"dataset {dataset_id[:80]!r} not found; upload it with UploadDataset and use the "
+        "returned dataset_id"
+    )

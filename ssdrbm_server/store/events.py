@@ -1,0 +1,112 @@
+"""A job's event stream: metric events and state changes, in order, each with a resume token.
+
+Entries of `job:{id}:metrics` carry the fields `kind` (b"metrics" | b"state"), `data` (a
+serialized ssdrbm.v1.Metrics or StateChange), `time` (Unix seconds) and `attempt`. The entry id
+("<ms>-<seq>") is the resume token: reading after it continues with no gap and no repeat.
+Writers are the job store (submit, cancel) and the worker's fenced writes; this module only
+builds the fields and reads.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import redis.asyncio as aioredis
+from ssdrbm.v1 import rbm_pb2
+
+from ssdrbm_server.errors import InvalidArgumentError
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.store.records import JobState
+
+METRICS = "metrics"
+STATE = "state"
+
+_TOKEN = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")  # ASCII digits only, as Redis reads them
+_START = "0-0"
+_MAX_ID_PART = 2**64 - 1  # both halves of a stream id are unsigned 64-bit
+# A blocking read holds its connection and must end before the client's socket timeout
+# (ssdrbm_server/store/connection.py); callers that follow longer simply read again.
+MAX_BLOCK_MS = 5000
+
+
+def state_event_fields(
+    state: JobState, *, attempt: int, step: int, message: str = ""
+) -> dict[str, bytes | str]:
+    """Fields of a state-change entry."""
+    change = rbm_pb2.StateChange(
+        state=rbm_pb2.JobState.Value(f"JOB_STATE_{state.value}"),
+        message=message,
+        attempt=attempt,
+        step=step,
+    )
+    return {
+        "kind": STATE,
+        "data": change.SerializeToString(),
+        "time": repr(time.time()),
+        "attempt": str(attempt),
+    }
+
+
+def metrics_event_fields(metrics: bytes, *, attempt: int) -> dict[str, bytes | str]:
+    """Fields of a metric entry; `metrics` is a serialized ssdrbm.v1.Metrics."""
+    return {"kind": METRICS, "data": metrics, "time": repr(time.time()), "attempt": str(attempt)}
+
+
+def check_token(after: str) -> str:
+    """The stream id to read after; "" means from the beginning. Raises InvalidArgumentError."""
+    if after == "":
+        return _START
+    if not _TOKEN.fullmatch(after) or any(int(part) > _MAX_ID_PART for part in after.split("-")):
+        raise InvalidArgumentError(
+            "after",
+            f"{after[:40]!r} is not a resume token; pass the resume_token of an event you "
+            "received, or leave it empty to start from the beginning",
+        )
+    return after
+
+
+def token_order(token: str) -> tuple[int, int]:
+    """Sort key of a checked resume token: stream ids order by time, then sequence; "" (the
+    beginning) sorts first."""
+    if not token:
+        return (0, 0)
+    millis, sequence = token.split("-", 1)
+    return int(millis), int(sequence)
+
+
+class EventStore:
+    """Reads a job's event stream (replay from a token, or follow it live)."""
+
+    def __init__(self, redis: aioredis.Redis, *, keys: Keys | None = None) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+
+    async def read(
+        self, job_id: str, *, after: str, count: int, block_ms: int | None
+    ) -> list[tuple[str, str, bytes]]:
+        """Up to `count` events after the token `after`, as (token, kind, data), oldest first.
+
+        block_ms=None returns at once (replay); block_ms > 0 waits that long (at most
+        MAX_BLOCK_MS) for a new event when none is there yet (live follow) and returns [] on
+        timeout.
+        """
+        start = check_token(after)
+        if count < 1:
+            raise InvalidArgumentError("count", "must be at least 1")
+        block = min(block_ms, MAX_BLOCK_MS) if block_ms and block_ms > 0 else None
+        reply = await self.redis.xread({self.keys.events(job_id): start}, count=count, block=block)
+        events: list[tuple[str, str, bytes]] = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                token = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                events.append((token, fields[b"kind"].decode(), fields[b"data"]))
+        return events
+
+    async def last_token(self, job_id: str) -> str:
+        """Token of the newest event, "" if the stream is empty."""
+        newest = await self.redis.xrevrange(self.keys.events(job_id), count=1)
+        if not newest:
+            return ""
+        entry_id = newest[0][0]
+        return entry_id.decode() if isinstance(entry_id, bytes) else entry_id

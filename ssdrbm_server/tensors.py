@@ -1,0 +1,56 @@
+"""Conversion between the wire ``Tensor`` (shape + little-endian float32 bytes) and numpy.
+
+Inputs are checked before any model sees them: the byte length must match the shape, values
+must be finite, and the element count must stay under the configured limit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from ssdrbm.v1 import rbm_pb2
+
+from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError
+
+FLOAT32_LE = np.dtype("<f4")
+
+
+def tensor_to_array(tensor: rbm_pb2.Tensor, *, field: str, max_elements: int) -> np.ndarray:
+    """A 2-D float32 array (batch, features) from a request tensor, or a clear error.
+
+    Raises InvalidArgumentError (naming ``field``) for a missing or inconsistent shape, a byte
+    length that does not match it, or NaN/Inf values; ResourceExhaustedError over the limit.
+    """
+    shape = tuple(tensor.shape)
+    if len(shape) != 2:
+        raise InvalidArgumentError(
+            f"{field}.shape",
+            f"must be (batch, n_visible) with 2 dimensions, got {list(shape)}",
+        )
+    if any(dim < 1 for dim in shape):
+        raise InvalidArgumentError(f"{field}.shape", f"dimensions must be >= 1, got {list(shape)}")
+    elements = math.prod(shape)
+    if elements > max_elements:
+        raise ResourceExhaustedError(
+            f"{field} has {elements} elements, more than this server's limit of {max_elements}; "
+            "send smaller batches"
+        )
+    expected_bytes = elements * FLOAT32_LE.itemsize
+    if len(tensor.data) != expected_bytes:
+        raise InvalidArgumentError(
+            f"{field}.data",
+            f"shape {list(shape)} needs {expected_bytes} bytes of float32, "
+            f"got {len(tensor.data)} bytes",
+        )
+    array = np.frombuffer(tensor.data, dtype=FLOAT32_LE).reshape(shape)
+    if not np.isfinite(array).all():
+        raise InvalidArgumentError(f"{field}.data", "contains NaN or Inf; send finite values")
+    # frombuffer views the immutable request bytes; torch wants a writable, native-order array.
+    return array.astype(np.float32, copy=True)
+
+
+def array_to_tensor(array: np.ndarray) -> rbm_pb2.Tensor:
+    """The wire tensor for a numpy array (converted to little-endian float32, row-major)."""
+    data = np.ascontiguousarray(array, dtype=FLOAT32_LE)
+    return rbm_pb2.Tensor(shape=list(data.shape), data=data.tobytes())

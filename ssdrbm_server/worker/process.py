@@ -1,0 +1,98 @@
+"""The training child process as the worker sees it: spawn, message inbox, kill.
+
+The worker process itself never imports torch (nor initialises CUDA): `run_child` is the spawn
+target, and only inside the child does it import the training code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import threading
+from multiprocessing.connection import Connection
+
+from ssdrbm_server.cpus import pin_this_process
+from ssdrbm_server.worker import protocol
+
+logger = logging.getLogger(__name__)
+
+CHILD_JOIN_TIMEOUT_S = 10.0
+
+
+def run_child(
+    conn: Connection, parent_pid: int, log_level: str, cpus: frozenset[int] = frozenset()
+) -> None:
+    """Spawn target: runs in the child, where importing torch is wanted.
+
+    Pins the process to ``cpus`` (SSDRBM_TRAINING_CPUS) first, so that the thread pools torch
+    starts on import and first use inherit the mask.
+    """
+    pin_this_process(cpus, "training")
+    from ssdrbm_server.worker.child import child_main
+
+    child_main(conn, parent_pid, log_level)
+
+
+class ChildProcess:
+    """The spawned training process and a thread that feeds its messages to an asyncio queue.
+
+    It is started before there is a job for it (importing torch takes seconds) and waits for
+    its start message; a worker keeps one ready so that a claimed job starts training at once,
+    and reuses it for the next job when the last one ended normally.
+    """
+
+    def __init__(self, log_level: str, cpus: frozenset[int] = frozenset()) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe(duplex=True)
+        self.process = context.Process(
+            target=run_child,
+            args=(child_conn, os.getpid(), log_level, cpus),
+            name="ssdrbm-train",
+            daemon=True,
+        )
+        self.process.start()
+        self.jobs_started = 0
+        child_conn.close()  # so that the child's exit reads as EOF here
+        self.inbox: asyncio.Queue[protocol.Message | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._pump, args=(loop,), daemon=True)
+        self._reader.start()
+
+    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            while True:
+                message = protocol.receive(self.conn)
+                loop.call_soon_threadsafe(self.inbox.put_nowait, message)
+        except (EOFError, OSError):
+            pass
+        # None: the child is gone. The loop may be closed already when the worker has ended.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self.inbox.put_nowait, None)
+
+    def send(self, message: protocol.Message) -> None:
+        """Send a message; dropped with a warning when the process is gone."""
+        if message.kind == protocol.START:
+            self.jobs_started += 1
+        try:
+            protocol.send(self.conn, message)
+        except OSError:
+            logger.warning(
+                "training process %s is gone; message %s dropped", self.process.pid, message.kind
+            )
+
+    async def kill(self) -> None:
+        """Kill the process (no-op if it has exited) and reap it."""
+        if self.process.is_alive():
+            self.process.kill()
+        await self.join()
+
+    async def join(self) -> int | None:
+        """Wait for the process to exit; its exit code (None if it did not in time)."""
+        await asyncio.to_thread(self.process.join, CHILD_JOIN_TIMEOUT_S)
+        return self.process.exitcode
+
+    def close(self) -> None:
+        self.conn.close()

@@ -1,0 +1,306 @@
+"""Runs one claimed job in a training process and turns its reports into fenced writes.
+
+While the child trains, the runner renews the lease and reads the cancel flag every
+`heartbeat_s` (so a cancel takes effect within about that long), and writes what the child
+sends: metric events, checkpoints, the final state. Redis outages are ridden out by retrying
+(the child keeps training meanwhile); a lost lease (another worker took over) stops the child
+at once without writing anything more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from ssdrbm.v1 import rbm_pb2
+
+from ssdrbm_server.errors import FailedPreconditionError, NotFoundError
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.store.checkpoints import DEFAULT_KEEP, CheckpointStore
+from ssdrbm_server.store.datasets import DatasetStore
+from ssdrbm_server.store.fencing import FencedJob, LeaseLostError
+from ssdrbm_server.store.leases import Lease, LeaseStore
+from ssdrbm_server.store.records import JobRecord, JobState
+from ssdrbm_server.worker import protocol
+from ssdrbm_server.worker.defaults import PlanDefaults
+from ssdrbm_server.worker.process import ChildProcess
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REDIS_DOWN = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+)
+RETRY_DELAY_S = 0.5
+
+
+@dataclass
+class RunnerOptions:
+    """How a worker runs its jobs."""
+
+    data_dir: Path
+    lease_ms: int = 10_000
+    heartbeat_s: float = 0.5  # lease renewal and cancel check; a cancel lands within ~this
+    checkpoint_keep: int = DEFAULT_KEEP
+    stop_timeout_s: float = 60.0  # a graceful stop waits this long for the final checkpoint
+    torch_threads: int = 0  # 0: torch's default
+    training_cpus: frozenset[int] = frozenset()  # pin the training process (ssdrbm_server/cpus.py)
+    log_level: str = "INFO"
+    plan_defaults: PlanDefaults = field(default_factory=PlanDefaults)
+
+    def spawn_child(self) -> ChildProcess:
+        """A new training process with these options (log level, CPU pinning)."""
+        return ChildProcess(self.log_level, self.training_cpus)
+
+
+@dataclass
+class StopRequest:
+    """Set by the worker when it is asked to stop; read by the runner."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    graceful: bool = True
+
+
+class JobRunner:
+    """Runs one leased job to its end, its release, or the loss of its lease."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        lease: Lease,
+        options: RunnerOptions,
+        stop: StopRequest,
+        *,
+        keys: Keys | None = None,
+        child: ChildProcess | None = None,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+        self.lease = lease
+        self.options = options
+        self.stop = stop
+        self.job = FencedJob(redis, lease, keys=self.keys)
+        self.record: JobRecord = lease.record
+        self.step = max(lease.record.checkpoint_step, 0)
+        self.child = child  # a ready training process, or None to start one
+        # The child may take another job: it never got this one, or it reported the job's end.
+        self._child_idle = True
+        self.idle_child: ChildProcess | None = None  # after run(): the child, if reusable
+
+    async def run(self) -> str:
+        """Run the job; returns how it ended (a JobState value, "released" or "lost")."""
+        try:
+            return await self._run()
+        except LeaseLostError as exc:
+            logger.warning("%s; stopping work on it", exc)
+            return "lost"
+        except REDIS_DOWN:
+            raise  # retried where they happen; an outage is never the job's failure
+        except Exception as exc:
+            # e.g. a spec that cannot be parsed: the job fails, the worker goes on.
+            logger.exception("job %s: unexpected error", self.lease.job_id)
+            reason = f"internal error: {type(exc).__name__}: {exc}"[:500]
+            await self._finish(JobState.FAILED, error=reason)
+            return JobState.FAILED.value
+        finally:
+            await self._settle_child()
+
+    async def _settle_child(self) -> None:
+        """Keep an idle child for the next job; kill one that may still be training."""
+        if self.child is None:
+            return
+        if self._child_idle and self.child.process.is_alive():
+            self.idle_child = self.child
+        else:
+            await self.child.kill()
+            self.child.close()
+
+    async def _run(self) -> str:
+        if self.record.cancel_requested:
+            await self._finish(JobState.CANCELLED, message="cancelled before it resumed")
+            return JobState.CANCELLED.value
+        logger.info(
+            "job %s: attempt %d on %s", self.lease.job_id, self.lease.attempt, self.lease.worker_id
+        )
+        try:
+            start = await self._start_message()
+        except NotFoundError as exc:
+            await self._finish(JobState.FAILED, error=exc.message)
+            return JobState.FAILED.value
+        if self.child is None or not self.child.process.is_alive():
+            self.child = self.options.spawn_child()
+        self._child_idle = False
+        self.child.send(start)
+        return await self._supervise(self.child)
+
+    async def _start_message(self) -> protocol.Message:
+        request = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
+        fields: dict[str, Any] = {
+            "data_dir": str(self.options.data_dir),
+            "defaults": vars(self.options.plan_defaults),
+            "torch_threads": self.options.torch_threads,
+        }
+        blobs = {"spec": self.record.spec}
+        if request.dataset.WhichOneof("source") == "dataset_id":
+            info, data = await self._retry(
+                lambda: DatasetStore(self.redis, keys=self.keys).load(
+                    self.record.tenant, request.dataset.dataset_id
+                )
+            )
+            fields.update(dataset_dtype=info.dtype, dataset_shape=list(info.shape))
+            blobs["dataset"] = data
+        if self.record.checkpoint_step >= 0:
+            checkpoints = CheckpointStore(self.redis, keys=self.keys)
+            try:
+                checkpoint = await self._retry(
+                    lambda: checkpoints.latest(self.lease.job_id, with_trainer_state=True)
+                )
+                blobs["resume"] = checkpoint.trainer_state
+                self.step = checkpoint.step
+                logger.info("job %s resumes from step %d", self.lease.job_id, checkpoint.step)
+            except FailedPreconditionError as exc:
+                logger.error("job %s: %s; training starts over", self.lease.job_id, exc.message)
+                self.step = 0
+        return protocol.Message(protocol.START, fields, blobs)
+
+    async def _supervise(self, child: ChildProcess) -> str:
+        next_beat = 0.0
+        stop_deadline: float | None = None
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self.options.heartbeat_s
+                if await self._retry(self.job.heartbeat):
+                    await child.kill()
+                    await self._finish(JobState.CANCELLED, message="cancelled on request")
+                    return JobState.CANCELLED.value
+            if self.stop.event.is_set():
+                if not self.stop.graceful or (stop_deadline and now > stop_deadline):
+                    await child.kill()
+                    await self._release("worker stopped; resumes from the last checkpoint")
+                    return "released"
+                if stop_deadline is None:
+                    child.send(protocol.Message(protocol.STOP))
+                    stop_deadline = now + self.options.stop_timeout_s
+            try:
+                timeout = max(0.01, next_beat - time.monotonic())
+                message = await asyncio.wait_for(child.inbox.get(), timeout)
+            except TimeoutError:
+                continue
+            if message is None:
+                return await self._child_exited(child)
+            outcome = await self._handle(message)
+            if outcome is not None:
+                return outcome
+
+    async def _child_exited(self, child: ChildProcess) -> str:
+        code = await child.join()
+        if self.stop.event.is_set():
+            await self._release("worker stopped; resumes from the last checkpoint")
+            return "released"
+        reason = f"the training process exited unexpectedly (exit code {code})"
+        await self._finish(JobState.FAILED, error=reason)
+        return JobState.FAILED.value
+
+    async def _handle(self, message: protocol.Message) -> str | None:
+        fields, kind = message.fields, message.kind
+        if kind == protocol.STARTED:
+            self.step = int(fields["start_step"])
+            await self._retry(
+                lambda: self.job.update(
+                    n_visible=int(fields["n_visible"]), total_steps=int(fields["total_steps"])
+                )
+            )
+            logger.info(
+                "job %s training on %s from step %d of %d",
+                self.lease.job_id,
+                fields.get("device"),
+                self.step,
+                fields["total_steps"],
+            )
+        elif kind == protocol.METRICS:
+            self.step = int(fields["step"])
+            await self._retry(lambda: self.job.publish_metrics(self.step, message.blobs["metrics"]))
+        elif kind == protocol.CHECKPOINT:
+            await self._retry(
+                lambda: self.job.put_checkpoint(
+                    int(fields["step"]),
+                    data=message.blobs["model"],
+                    config_json=fields["config_json"],
+                    trainer_state=message.blobs["trainer"],
+                    keep=self.options.checkpoint_keep,
+                )
+            )
+        elif kind == protocol.FINISHED:
+            self._child_idle = True
+            self.step = int(fields["step"])
+            await self._finish(JobState.SUCCEEDED, message="finished")
+            return JobState.SUCCEEDED.value
+        elif kind == protocol.STOPPED:
+            self.step = int(fields["step"])
+            await self._release("worker stopped; resumes from the last checkpoint")
+            return "released"
+        elif kind == protocol.FAILED:
+            self._child_idle = True
+            self.step = max(self.step, int(fields["step"]))
+            await self._finish(JobState.FAILED, error=fields["reason"])
+            return JobState.FAILED.value
+        else:
+            logger.error("unexpected message %r from the training process", kind)
+        return None
+
+    async def _finish(self, state: JobState, *, error: str = "", message: str = "") -> None:
+        async def finish() -> None:
+            await self.job.finish(state, step=self.step, error=error, message=message)
+
+        await self._idempotent(finish, state)
+
+    async def _release(self, message: str) -> None:
+        async def release() -> None:
+            await self.job.release(step=self.step, message=message)
+
+        await self._idempotent(release, JobState.QUEUED)
+
+    async def _idempotent(self, write: Callable[[], Awaitable[None]], state: JobState) -> None:
+        """A state change whose reply may have been lost: a retry that finds the change
+        already made under this attempt counts as done."""
+        retried = False
+        while True:
+            try:
+                await write()
+                return
+            except LeaseLostError:
+                if retried:
+                    current = await LeaseStore(self.redis, keys=self.keys).load(self.lease.job_id)
+                    if current and current.attempt == self.lease.attempt and current.state == state:
+                        return
+                raise
+            except REDIS_DOWN as exc:
+                retried = True
+                await self._wait_for_redis(exc)
+
+    async def _retry(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run a Redis operation, retrying while Redis is unreachable."""
+        while True:
+            try:
+                return await operation()
+            except REDIS_DOWN as exc:
+                await self._wait_for_redis(exc)
+
+    async def _wait_for_redis(self, exc: Exception) -> None:
+        if self.stop.event.is_set() and not self.stop.graceful:
+            # Stopping now: give the job up. It stays leased in Redis, the lease lapses and
+            # another worker resumes it from its last checkpoint.
+            raise LeaseLostError(f"job {self.lease.job_id}: Redis unreachable while stopping")
+        logger.warning("job %s: Redis unreachable (%s); retrying", self.lease.job_id, exc)
+        await asyncio.sleep(RETRY_DELAY_S)

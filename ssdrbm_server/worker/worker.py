@@ -1,0 +1,203 @@
+"""The worker: takes jobs from the queue (or whose lease lapsed) and runs them one at a time.
+
+Where the next job comes from, in order:
+1. a running job whose lease lapsed (its worker died): taken over and resumed from its last
+   checkpoint (`LeaseStore.lapsed`, a scan of the lease deadlines);
+2. at start, queue entries this worker id received before a restart and never acknowledged;
+3. queue entries another consumer received and left unacknowledged for a lease length
+   (XAUTOCLAIM: that consumer died between reading and claiming);
+4. new queue entries (XREADGROUP, blocking briefly so that `stop()` is noticed quickly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from ssdrbm_server.config import DEFAULT_DATA_DIR, Settings
+from ssdrbm_server.keys import DEFAULT_PREFIX, Keys
+from ssdrbm_server.store.connection import connect
+from ssdrbm_server.store.leases import Lease, LeaseStore
+from ssdrbm_server.store.queue import JobQueue
+from ssdrbm_server.worker.defaults import PlanDefaults
+from ssdrbm_server.worker.process import ChildProcess
+from ssdrbm_server.worker.runner import REDIS_DOWN, JobRunner, RunnerOptions, StopRequest
+
+logger = logging.getLogger(__name__)
+
+REDIS_RETRY_S = 1.0
+MAX_JOBS_PER_CHILD = 100  # a training process is replaced after this many jobs
+
+
+def default_worker_id() -> str:
+    """host-pid: unique among live workers, stable for the life of the process."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Worker:
+    """One worker: runs at most one job at a time (one per GPU)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        worker_id: str | None = None,
+        data_dir: str | Path | None = None,
+        lease_seconds: float = 10.0,
+        heartbeat_seconds: float = 0.5,
+        poll_ms: int = 500,
+        checkpoint_keep: int = 3,
+        stop_timeout_seconds: float = 60.0,
+        plan_defaults: PlanDefaults | None = None,
+        torch_threads: int = 0,
+        training_cpus: frozenset[int] = frozenset(),
+        prefix: str = DEFAULT_PREFIX,
+        log_level: str = "INFO",
+    ) -> None:
+        if lease_seconds <= heartbeat_seconds * 2:
+            raise ValueError(
+                f"lease_seconds ({lease_seconds}) must exceed twice heartbeat_seconds "
+                f"({heartbeat_seconds}), or a healthy worker would lose its lease"
+            )
+        self.redis_url = redis_url
+        self.worker_id = worker_id or default_worker_id()
+        self.keys = Keys(prefix)
+        self.poll_ms = poll_ms
+        self.options = RunnerOptions(
+            data_dir=Path(data_dir or os.environ.get("SSDRBM_DATA_DIR") or DEFAULT_DATA_DIR),
+            lease_ms=int(lease_seconds * 1000),
+            heartbeat_s=heartbeat_seconds,
+            checkpoint_keep=checkpoint_keep,
+            stop_timeout_s=stop_timeout_seconds,
+            torch_threads=torch_threads,
+            training_cpus=training_cpus,
+            log_level=log_level,
+            plan_defaults=plan_defaults or PlanDefaults(),
+        )
+        self.jobs_run: list[tuple[str, str]] = []  # (job id, outcome), for logs and tests
+        # asyncio events bind to a loop only when first awaited: safe to create here.
+        self._stop = StopRequest()
+        self._stopped = asyncio.Event()
+        self._started = False
+        self._spare: ChildProcess | None = None  # a training process started ahead of its job
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: Any) -> Worker:
+        """A worker configured from the service's Settings (keyword arguments override)."""
+        options: dict[str, Any] = {
+            "worker_id": settings.worker_id or None,
+            "data_dir": settings.data_dir,
+            "lease_seconds": settings.lease_seconds,
+            "checkpoint_keep": settings.checkpoint_keep,
+            "torch_threads": settings.torch_threads,
+            "training_cpus": settings.training_cpu_set,
+            "prefix": settings.redis_prefix,
+            "log_level": settings.log_level,
+            "plan_defaults": PlanDefaults(
+                batch_size=settings.default_batch_size,
+                eval_every=settings.default_eval_every,
+                checkpoint_every=settings.default_checkpoint_every,
+                validation_fraction=settings.default_validation_fraction,
+                ais_chains=settings.default_ais_chains,
+                ais_betas=settings.default_ais_betas,
+            ),
+        }
+        options.update(overrides)
+        return cls(settings.redis_url, **options)
+
+    async def run(self) -> None:
+        """Take and run jobs until `stop()`."""
+        if self._started:
+            raise RuntimeError(f"worker {self.worker_id} is already running")
+        self._started = True
+        client = connect(self.redis_url)
+        queue = JobQueue(client, keys=self.keys)
+        leases = LeaseStore(client, keys=self.keys)
+        self._spare = self.options.spawn_child()
+        logger.info("worker %s started (data in %s)", self.worker_id, self.options.data_dir)
+        check_pending = True
+        try:
+            while not self._stop.event.is_set():
+                try:
+                    await queue.ensure_group()
+                    lease = await self._next_lease(queue, leases, check_pending)
+                    check_pending = False
+                    if lease is not None:
+                        await self._run_job(client, lease)
+                except REDIS_DOWN as exc:
+                    logger.warning("worker %s: Redis unreachable (%s)", self.worker_id, exc)
+                    await self._pause(REDIS_RETRY_S)
+                except redis.exceptions.ResponseError as exc:
+                    if "NOGROUP" in str(exc):  # the queue vanished (Redis lost its data)
+                        continue
+                    logger.exception("worker %s: unexpected Redis reply", self.worker_id)
+                    await self._pause(REDIS_RETRY_S)
+                except Exception:
+                    # A bug must not silently end the worker: log it, back off, go on.
+                    logger.exception("worker %s: unexpected error", self.worker_id)
+                    await self._pause(REDIS_RETRY_S)
+        finally:
+            if self._spare is not None:
+                await self._spare.kill()
+                self._spare.close()
+                self._spare = None
+            await client.aclose()
+            self._stopped.set()
+            logger.info("worker %s stopped", self.worker_id)
+
+    async def _run_job(self, client: aioredis.Redis, lease: Lease) -> None:
+        child, self._spare = self._spare, None
+        runner = JobRunner(client, lease, self.options, self._stop, keys=self.keys, child=child)
+        outcome = await runner.run()
+        self.jobs_run.append((lease.job_id, outcome))
+        self._spare = runner.idle_child
+        if self._spare is not None and self._spare.jobs_started >= MAX_JOBS_PER_CHILD:
+            await self._spare.kill()  # start afresh now and then: no growth over months
+            self._spare.close()
+            self._spare = None
+        if self._spare is None and not self._stop.event.is_set():
+            self._spare = self.options.spawn_child()  # ready for the next job
+
+    async def _next_lease(
+        self, queue: JobQueue, leases: LeaseStore, check_pending: bool
+    ) -> Lease | None:
+        lease_ms = self.options.lease_ms
+        for job_id in await leases.lapsed():
+            lease = await leases.claim(job_id, self.worker_id, lease_ms=lease_ms)
+            if lease is not None:
+                logger.info("took over job %s after its lease lapsed", job_id)
+                return lease
+        entries = await queue.pending(self.worker_id, count=1) if check_pending else []
+        entries = entries or await queue.autoclaim(self.worker_id, min_idle_ms=lease_ms, count=1)
+        entries = entries or await queue.read(self.worker_id, block_ms=self.poll_ms)
+        for entry_id, job_id in entries:
+            lease = await leases.claim(job_id, self.worker_id, lease_ms=lease_ms)
+            # Acknowledge either way: a claimed job is now tracked by its lease, and an
+            # unclaimable one is finished or held by a worker whose lease covers it.
+            await queue.ack(entry_id)
+            if lease is not None:
+                return lease
+        return None
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.event.wait(), seconds)
+
+    async def stop(self, graceful: bool = True) -> None:
+        """Stop taking jobs and return once `run()` has ended (at once if it never started).
+
+        graceful: the running job is checkpointed at its current step and released to the
+        queue. Otherwise it is released at once and resumes from its last checkpoint.
+        """
+        self._stop.graceful = graceful
+        self._stop.event.set()
+        if self._started:
+            await self._stopped.wait()
