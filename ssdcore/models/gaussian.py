@@ -24,6 +24,8 @@ from torch import nn
 from ssdcore.models.base import RBM, GibbsKernel, check_visible
 
 VARIANCE_KINDS = ("identity", "isotropic", "diagonal", "full")
+# Floor of the learned variances: binary-valued or constant pixels drive theirs to zero.
+DEFAULT_MIN_VARIANCE = 1e-4
 # A dense V×V precision costs O(V²) per example and O(V³) per projection; beyond this size
 # the diagonal model is the practical choice.
 MAX_FULL_VISIBLE = 64
@@ -42,7 +44,7 @@ class GaussianRBM(RBM):
         n_hidden: int,
         variance: str = "diagonal",
         *,
-        min_variance: float = 1e-4,
+        min_variance: float = DEFAULT_MIN_VARIANCE,
         max_variance: float = 1e4,
         init_std: float = 0.01,
         generator: torch.Generator | None = None,
