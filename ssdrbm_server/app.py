@@ -57,7 +57,11 @@ class Service:
         settings.check()  # also when built in code rather than by Settings.from_env
         self.settings = settings
         self._owns_redis = redis is None
-        self.redis = redis if redis is not None else connect(settings.redis_url)
+        self.redis = (
+            redis
+            if redis is not None
+            else connect(settings.redis_url, cluster=settings.redis_cluster)
+        )
         self.keys = Keys(settings.redis_prefix)
         self.stores = Stores(
             jobs=JobStore(self.redis, keys=self.keys),

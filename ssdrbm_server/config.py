@@ -37,6 +37,8 @@ class Settings:
     # Storage
     redis_url: str = "redis://127.0.0.1:6379/0"  # redis:// or rediss:// (TLS), may hold a password
     redis_prefix: str = "ssdrbm:"  # every key starts with it, so one Redis can host several
+    # true: redis_url names one node of a Redis Cluster (the other nodes are discovered from it)
+    redis_cluster: bool = False
     data_dir: str = DEFAULT_DATA_DIR  # built-in real datasets (MNIST, Frey Face)
 
     # Limits, each answered with its own RESOURCE_EXHAUSTED message

@@ -1,25 +1,34 @@
 """Every Redis key of the service, built in one place.
 
-Layout (prefix `ssdrbm:` by default, configurable so one Redis can host several deployments):
+Layout (prefix `ssdrbm:` by default, configurable so one Redis can host several deployments).
+The part in braces is the key's hash tag: on Redis Cluster only it chooses the key's slot, so
+keys with the same tag live together and one Lua script may use them all.
 
-| key                             | type   | holds                                               |
-| ------------------------------- | ------ | --------------------------------------------------- |
-| `job:{id}`                      | hash   | the job record (ssdrbm_server/store/records.py)    |
-| `job:{id}:metrics`              | stream | metric and state events; entry id = resume token    |
-| `job:{id}:ckpts`                | zset   | steps of the retained checkpoints (score = step)    |
-| `job:{id}:ckpt:{step}`          | hash   | one checkpoint: safetensors bytes, sha256, attempt  |
-| `jobs:queue`                    | stream | jobs waiting for a worker; consumer group `workers` |
-| `jobs:leases`                   | zset   | running job id -> lease deadline (Redis ms clock)   |
-| `jobs:seq`                      | string | counter giving each job its listing position        |
-| `jobs:state:{STATE}`            | set    | job ids in that state (Prometheus counts)           |
-| `tenant:{t}:jobs`               | zset   | the tenant's job ids by sequence (ListJobs paging)  |
-| `tenant:{t}:active`             | set    | the tenant's QUEUED + RUNNING job ids (limits)      |
-| `tenant:{t}:datasets`           | hash   | dataset id -> the name this tenant gave it          |
-| `dataset:{sha256}`              | hash   | uploaded array: raw bytes, dtype, shape             |
-| `idem:{t}:{sha256(request_id)}` | string | job id created for that StartTraining request_id    |
+| key                               | type   | holds                                             |
+| --------------------------------- | ------ | ------------------------------------------------- |
+| `job:{<id>}`                      | hash   | the job record (ssdrbm_server/store/records.py)   |
+| `job:{<id>}:metrics`              | stream | metric, backoff, state events; id = resume token  |
+| `job:{<id>}:ckpts`                | zset   | steps of the retained checkpoints (score = step)  |
+| `job:{<id>}:ckpt:<step>`          | hash   | one checkpoint: safetensors bytes, sha256, attempt |
+| `{jobs}:queue`                    | stream | jobs waiting for a worker; consumer group `workers` |
+| `{jobs}:leases`                   | zset   | running job id -> lease deadline (an index)       |
+| `{jobs}:state:<STATE>`            | set    | job ids in that state (Prometheus counts)         |
+| `{jobs}:versions`                 | hash   | job id -> version of the state the indexes show   |
+| `tenant:{<t>}:jobs`               | zset   | the tenant's job ids by sequence (ListJobs paging) |
+| `tenant:{<t>}:seq`                | string | counter giving the tenant's jobs their position   |
+| `tenant:{<t>}:active`             | set    | the tenant's QUEUED + RUNNING job ids (limits)    |
+| `tenant:{<t>}:idem:<sha256(rid)>` | string | job id created for that StartTraining request_id  |
+| `tenant:{<t>}:datasets`           | hash   | dataset id -> the name this tenant gave it        |
+| `dataset:<sha256>`                | hash   | uploaded array: raw bytes, dtype, shape           |
+
+Three kinds of slot, so no script or MULTI ever spans two: one job's keys (`{<id>}`), one
+tenant's keys (`{<t>}`), and the global job indexes (`{jobs}`). The job hash is the source of
+truth for a job's state, attempt and lease; `{jobs}:*` and `tenant:{<t>}:active` are indexes
+that follow it in separate steps (ssdrbm_server/store/indexes.py explains the order).
 
 Job ids are 32 hex digits and dataset ids 64; ids from clients are checked against those forms
-before any key is built, so a crafted id cannot name another key (e.g. `x:metrics`).
+before any key is built, so a crafted id cannot name another key (e.g. `x:metrics`). No part
+of a key may contain a brace: it would move the hash tag.
 """
 
 from __future__ import annotations
@@ -44,62 +53,69 @@ def is_dataset_id(value: str) -> bool:
     return bool(_DATASET_ID.fullmatch(value))
 
 
+def _no_braces(what: str, value: str) -> str:
+    # A brace in a prefix, tenant or id would change which part of the key is its hash tag,
+    # silently putting a job's or tenant's keys into different Cluster slots.
+    if "{" in value or "}" in value:
+        raise ValueError(f"{what} {value!r} must not contain '{{' or '}}'")
+    return value
+
+
 class Keys:
     """Builds the service's Redis keys under one prefix."""
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         if prefix and not prefix.endswith(":"):
             prefix += ":"
-        self.prefix = prefix
+        self.prefix = _no_braces("key prefix", prefix)
 
-    # --- jobs ---
+    # --- one job: hash tag {<id>} ---
     def job(self, job_id: str) -> str:
-        return f"{self.prefix}job:{job_id}"
+        return f"{self.prefix}job:{{{_no_braces('job id', job_id)}}}"
 
     def events(self, job_id: str) -> str:
-        return f"{self.prefix}job:{job_id}:metrics"
+        return f"{self.job(job_id)}:metrics"
 
     def checkpoint_index(self, job_id: str) -> str:
-        return f"{self.prefix}job:{job_id}:ckpts"
+        return f"{self.job(job_id)}:ckpts"
 
     def checkpoint(self, job_id: str, step: int) -> str:
-        return f"{self.prefix}job:{job_id}:ckpt:{step}"
+        return f"{self.job(job_id)}:ckpt:{int(step)}"
 
-    def checkpoint_prefix(self, job_id: str) -> str:
-        """`checkpoint(job_id, step)` without the step (Lua scripts append it)."""
-        return f"{self.prefix}job:{job_id}:ckpt:"
-
+    # --- the global job indexes: hash tag {jobs} ---
     def queue(self) -> str:
-        return f"{self.prefix}jobs:queue"
+        return f"{self.prefix}{{jobs}}:queue"
 
     def leases(self) -> str:
-        return f"{self.prefix}jobs:leases"
-
-    def job_sequence(self) -> str:
-        return f"{self.prefix}jobs:seq"
+        return f"{self.prefix}{{jobs}}:leases"
 
     def jobs_in_state(self, state: str) -> str:
-        return f"{self.prefix}jobs:state:{state}"
+        return f"{self.prefix}{{jobs}}:state:{state}"
 
-    def state_set_prefix(self) -> str:
-        """`jobs_in_state(state)` without the state (Lua scripts append it)."""
-        return f"{self.prefix}jobs:state:"
+    def index_versions(self) -> str:
+        return f"{self.prefix}{{jobs}}:versions"
 
-    # --- tenants ---
+    # --- one tenant: hash tag {<t>} ---
+    def _tenant(self, tenant: str) -> str:
+        return f"{self.prefix}tenant:{{{_no_braces('tenant', tenant)}}}"
+
     def tenant_jobs(self, tenant: str) -> str:
-        return f"{self.prefix}tenant:{tenant}:jobs"
+        return f"{self._tenant(tenant)}:jobs"
+
+    def tenant_sequence(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:seq"
 
     def tenant_active(self, tenant: str) -> str:
-        return f"{self.prefix}tenant:{tenant}:active"
+        return f"{self._tenant(tenant)}:active"
 
     def tenant_datasets(self, tenant: str) -> str:
-        return f"{self.prefix}tenant:{tenant}:datasets"
+        return f"{self._tenant(tenant)}:datasets"
 
     def idempotency(self, tenant: str, request_id: str) -> str:
         # Hashed: a request id is free text (any length, any character, ':' included).
         digest = hashlib.sha256(request_id.encode()).hexdigest()
-        return f"{self.prefix}idem:{tenant}:{digest}"
+        return f"{self._tenant(tenant)}:idem:{digest}"
 
-    # --- datasets ---
+    # --- datasets (one key each, no tag needed) ---
     def dataset(self, dataset_id: str) -> str:
         return f"{self.prefix}dataset:{dataset_id}"

@@ -36,11 +36,11 @@ SPEC = rbm_pb2.StartTrainingRequest(
 ).SerializeToString()
 
 
-def run(redis_url: str, scenario: Callable[..., Awaitable[None]]) -> None:
+def run(redis_url: str, scenario: Callable[..., Awaitable[None]], *, cluster: bool = False) -> None:
     """Run an async scenario with a fresh client (closed afterwards)."""
 
     async def main() -> None:
-        redis = connect(redis_url)
+        redis = connect(redis_url, cluster=cluster)
         try:
             await scenario(redis)
         finally:
@@ -412,3 +412,209 @@ def test_acknowledged_writes_survive_a_redis_restart(redis_factory) -> None:
     server.kill()  # as a crash: only what AOF fsynced survives
     server.start()
     run(server.url, read)
+
+
+def test_backoff_rolls_the_published_step_back(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, events, leases = JobStore(redis), EventStore(redis), LeaseStore(redis)
+        job, _ = await submit(jobs)
+        first = await leases.claim(job.id, "w1", lease_ms=200)
+        fenced = FencedJob(redis, first)
+        assert [await fenced.publish_metrics(s, metrics(s)) for s in (5, 10)] == [True, True]
+        await fenced.backoff(rollback_step=5, event_data=b"lr halved")
+        record = await jobs.get("t1", job.id)
+        assert (record.step, record.metric_step, record.backoffs) == (5, 5, 1)
+        [*_, (_token, kind, data)] = await read_all(events, job.id)
+        assert (kind, data) == ("backoff", b"lr halved")
+        # The retrained step 10 is published again; only a true repeat is dropped.
+        assert [await fenced.publish_metrics(s, metrics(s)) for s in (10, 10)] == [True, False]
+        await fenced.backoff(rollback_step=8, event_data=b"again")
+        assert (await jobs.get("t1", job.id)).backoffs == 2
+
+        await asyncio.sleep(0.3)  # the lease lapses and another worker takes over
+        assert await leases.claim(job.id, "w2", lease_ms=10_000) is not None
+        with pytest.raises(LeaseLostError):
+            await fenced.backoff(rollback_step=0, event_data=b"stale")
+        record = await jobs.get("t1", job.id)
+        assert (record.step, record.backoffs) == (8, 2)
+
+    run(redis_url, scenario)
+
+
+def test_runtime_field_round_trips_and_old_records_decode(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases = JobStore(redis), LeaseStore(redis)
+        job, _ = await submit(jobs)
+        assert (job.backoffs, job.runtime) == (0, "")
+        fenced = FencedJob(redis, await leases.claim(job.id, "w1", lease_ms=10_000))
+        await fenced.update(runtime='{"device": "cpu"}')
+        assert (await jobs.get("t1", job.id)).runtime == '{"device": "cpu"}'
+        # A record written before these fields existed.
+        await redis.hdel(Keys().job(job.id), "backoffs", "runtime")
+        record = await jobs.get("t1", job.id)
+        assert (record.backoffs, record.runtime) == (0, "")
+
+    run(redis_url, scenario)
+
+
+def shared_index_keys() -> list[str]:
+    """The `{jobs}` keys that follow a job hash in separate steps (store/indexes.py)."""
+    keys = Keys()
+    states = [keys.jobs_in_state(state.value) for state in JobState]
+    return [keys.index_versions(), keys.leases(), keys.queue(), *states]
+
+
+def index_keys(tenant: str = "t1") -> list[str]:
+    """Every key that follows a job hash in separate steps, the tenant's active set included."""
+    return [*shared_index_keys(), Keys().tenant_active(tenant)]
+
+
+async def undone(redis, keys: list[str], operation: Awaitable):
+    """Run `operation`, then put `keys` back as they were: as if its process had died before
+    the steps that write them. Returns the operation's result."""
+    saved = {key: await redis.dump(key) for key in keys}
+    result = await operation
+    for key, value in saved.items():
+        await redis.delete(key)
+        if value is not None:
+            await redis.restore(key, 0, value)
+    return result
+
+
+async def states_indexed(jobs: JobStore) -> dict[str, int]:
+    return {state.value: n for state, n in (await jobs.count_by_state()).items() if n}
+
+
+def test_a_submit_that_died_before_queueing_is_finished_by_its_repeat(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, queue, keys = JobStore(redis), JobQueue(redis), Keys()
+        job, _ = await undone(redis, shared_index_keys(), submit(jobs, request_id="r"))
+        await redis.hdel(keys.job(job.id), "seq")
+        for key in (keys.job(job.id), keys.events(job.id)):
+            await redis.expire(key, 3600)  # not admitted either
+        assert await queue.length() == 0 and await states_indexed(jobs) == {}
+
+        for _ in range(2):  # finished once, however often the request is repeated
+            again, created = await submit(jobs, request_id="r")
+            assert again.id == job.id and not created
+        assert await queue.length() == 1 and await states_indexed(jobs) == {"QUEUED": 1}
+        for key in (keys.job(job.id), keys.events(job.id)):
+            assert await redis.pttl(key) == -1
+        assert (await jobs.get("t1", job.id)).seq == job.seq
+
+    run(redis_url, scenario)
+
+
+def test_the_limit_check_repairs_the_tenants_active_jobs(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases, keys = JobStore(redis), LeaseStore(redis), Keys()
+        ended, _ = await submit(jobs, max_active=2)
+        running, _ = await submit(jobs, max_active=2)
+        fenced = FencedJob(redis, await leases.claim(ended.id, "w1", lease_ms=10_000))
+        # The active set lost the finished job's removal: the tenant looks full.
+        await undone(redis, [keys.tenant_active("t1")], fenced.finish(JobState.SUCCEEDED, step=1))
+        assert await jobs.count_active("t1") == 2
+        vanished, created = await submit(jobs, max_active=2)
+        assert created and await jobs.count_active("t1") == 2
+        # A job whose hash is gone (its unadmitted submit died and it expired).
+        await redis.delete(keys.job(vanished.id), keys.events(vanished.id))
+        newest, created = await submit(jobs, max_active=2)
+        assert created and await jobs.count_active("t1") == 2
+        listed, _ = await jobs.list("t1", page_size=10, page_token="", state=None)
+        assert [j.id for j in listed] == [newest.id, running.id, ended.id]
+        with pytest.raises(ResourceExhaustedError):  # these two really are active
+            await submit(jobs, max_active=2)
+
+    run(redis_url, scenario)
+
+
+async def lapsed_after_dying(redis, last_write: Callable[[FencedJob], Awaitable]):
+    """A job whose worker (100 ms lease) made `last_write` and died before its index steps;
+    returns (jobs, leases, job) once the lease has lapsed."""
+    jobs, leases = JobStore(redis), LeaseStore(redis)
+    job, _ = await submit(jobs)
+    fenced = FencedJob(redis, await leases.claim(job.id, "w1", lease_ms=100))
+    await undone(redis, index_keys(), last_write(fenced))
+    await asyncio.sleep(0.15)
+    assert await leases.lapsed() == [job.id]  # the lease entry leads a worker to the job
+    return jobs, leases, job
+
+
+def test_a_finish_that_died_before_its_index_steps_is_repaired_by_the_next_claim(
+    redis_url: str,
+) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases, job = await lapsed_after_dying(
+            redis, lambda fenced: fenced.finish(JobState.SUCCEEDED, step=1)
+        )
+        assert await states_indexed(jobs) == {"RUNNING": 1} and await jobs.count_active("t1") == 1
+        assert await leases.claim(job.id, "w2", lease_ms=10_000) is None
+        assert await states_indexed(jobs) == {"SUCCEEDED": 1} and await jobs.count_active("t1") == 0
+        assert await leases.lapsed() == []
+        record = await jobs.get("t1", job.id)
+        assert record.state is JobState.SUCCEEDED and record.attempt == 1
+
+    run(redis_url, scenario)
+
+
+def test_a_release_that_died_before_its_index_steps_is_claimed_once_the_lease_lapses(
+    redis_url: str,
+) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases, job = await lapsed_after_dying(
+            redis, lambda fenced: fenced.release(step=0, message="stopping")
+        )
+        assert (await jobs.get("t1", job.id)).state is JobState.QUEUED
+        lease = await leases.claim(job.id, "w2", lease_ms=10_000)
+        assert lease is not None and lease.attempt == 2
+        assert await states_indexed(jobs) == {"RUNNING": 1}
+        assert await leases.deadline_ms(job.id) == await redis.zscore(Keys().leases(), job.id)
+
+    run(redis_url, scenario)
+
+
+def test_a_cancel_that_died_before_its_index_steps_is_repaired_by_the_worker(
+    redis_url: str,
+) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases, queue = JobStore(redis), LeaseStore(redis), JobQueue(redis)
+        job, _ = await submit(jobs)
+        await undone(redis, index_keys(), jobs.cancel("t1", job.id))
+        assert await states_indexed(jobs) == {"QUEUED": 1} and await jobs.count_active("t1") == 1
+        await queue.ensure_group()
+        [(_entry, job_id)] = await queue.read("w1", block_ms=100)
+        assert await leases.claim(job_id, "w1", lease_ms=10_000) is None
+        assert await states_indexed(jobs) == {"CANCELLED": 1} and await jobs.count_active("t1") == 0
+
+    run(redis_url, scenario)
+
+
+def test_a_claim_that_died_after_reserving_its_lease_entry(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases = JobStore(redis), LeaseStore(redis)
+        job, _ = await submit(jobs)
+        await leases.index.reserve_lease(job.id, 100)  # a claim's first step, then it died
+        await asyncio.sleep(0.15)
+        assert await leases.lapsed() == [job.id]
+        lease = await leases.claim(job.id, "w2", lease_ms=10_000)
+        assert lease is not None and lease.attempt == 1
+
+    run(redis_url, scenario)
+
+
+def test_a_late_index_step_cannot_undo_a_newer_state(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases, queue = JobStore(redis), LeaseStore(redis), JobQueue(redis)
+        job, _ = await submit(jobs)
+        assert await leases.claim(job.id, "slow", lease_ms=100) is not None
+        await asyncio.sleep(0.15)
+        eager = FencedJob(redis, await leases.claim(job.id, "eager", lease_ms=10_000))
+        await eager.finish(JobState.SUCCEEDED, step=1)
+        # The slow worker's heartbeat and release index steps, arriving after all that.
+        await leases.index.follow(job.id, "t1", JobState.RUNNING, 1, lease_deadline=2**41)
+        await leases.index.follow(job.id, "t1", JobState.QUEUED, 1, enqueue=True)
+        assert await states_indexed(jobs) == {"SUCCEEDED": 1}
+        assert await leases.lapsed() == [] and await redis.zscore(Keys().leases(), job.id) is None
+        assert await queue.length() == 1  # the submit's entry only
+
+    run(redis_url, scenario)

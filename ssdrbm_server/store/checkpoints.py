@@ -1,6 +1,6 @@
 """Checkpoints of a job: the last few, each verified by sha256 when read.
 
-A checkpoint `job:{id}:ckpt:{step}` holds the model as safetensors bytes (`data`, what serving
+A checkpoint `job:{<id>}:ckpt:<step>` holds the model as safetensors bytes (`data`, what serving
 and ExportModel use), its JSON config, and the full trainer state (`trainer_state`: optimizer,
 PCD chains, random generators) that a worker resumes from. Both carry a sha256; a checkpoint
 whose bytes do not match is skipped by `latest()` in favour of the previous good one. Workers
@@ -13,10 +13,9 @@ import hashlib
 import logging
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from ssdrbm_server.errors import FailedPreconditionError, NotFoundError
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.store.connection import RedisClient
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ _ALL_FIELDS = (*_MODEL_FIELDS, "trainer_state", "trainer_sha256")
 class CheckpointStore:
     """Reads a job's retained checkpoints, verifying each."""
 
-    def __init__(self, redis: aioredis.Redis, *, keys: Keys | None = None) -> None:
+    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
 

@@ -1,8 +1,16 @@
-"""The one way the service opens Redis: bytes replies, bounded timeouts, health checks."""
+"""The one way the service opens Redis: bytes replies, bounded timeouts, health checks.
+
+A single Redis gets `redis.asyncio.Redis`; a Redis Cluster (`SSDRBM_REDIS_CLUSTER=1`) gets
+`redis.asyncio.cluster.RedisCluster`, which routes each command and script by its keys' slot.
+The stores work with either: every script and MULTI stays within one slot (ssdrbm_server/keys.py),
+and the only multi-slot requests are non-transactional pipelines of reads, which the cluster
+client splits by node.
+"""
 
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -12,9 +20,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 SOCKET_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 2.0
 
+# The stores accept either client; both speak the same commands.
+RedisClient = aioredis.Redis | RedisCluster
 
-def connect(url: str, **options: object) -> aioredis.Redis:
-    """An async client for `url` (redis://, rediss:// for TLS; a password may be in the URL).
+
+def connect(url: str, *, cluster: bool = False, **options: object) -> RedisClient:
+    """An async client for `url` (redis://, rediss:// for TLS; a password may be in the URL);
+    with `cluster`, a Redis Cluster client that discovers the other nodes from that one.
 
     Replies stay bytes (`decode_responses=False`): specs, checkpoints and datasets are binary.
     Blocking reads (XREAD BLOCK) pass their own, longer, wait.
@@ -23,12 +35,21 @@ def connect(url: str, **options: object) -> aioredis.Redis:
         "socket_timeout": SOCKET_TIMEOUT_S,
         "socket_connect_timeout": CONNECT_TIMEOUT_S,
         "health_check_interval": 30,
-        "retry_on_timeout": False,
-        # One immediate retry on a fresh connection when a pooled one turns out dead (Redis
-        # restarted while it sat idle). Without it, each stale connection fails one request
-        # after Redis is back. A Redis that is really down still fails fast: the reconnect is
-        # refused. Every write script is fenced or checked, so a rare repeat is harmless.
-        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     }
+    if cluster:
+        # The cluster client keeps its own retry policy: it also covers MOVED replies and a
+        # failover while the slot map is refreshed, which one immediate retry would not.
+        settings.update(options)
+        return RedisCluster.from_url(url, decode_responses=False, **settings)
+    settings.update(
+        {
+            "retry_on_timeout": False,
+            # One immediate retry on a fresh connection when a pooled one turns out dead (Redis
+            # restarted while it sat idle). Without it, each stale connection fails one request
+            # after Redis is back. A Redis that is really down still fails fast: the reconnect
+            # is refused. Every write script is fenced or checked, so a rare repeat is harmless.
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        }
+    )
     settings.update(options)
     return aioredis.Redis.from_url(url, decode_responses=False, **settings)

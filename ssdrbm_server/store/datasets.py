@@ -1,9 +1,13 @@
 """Uploaded datasets: raw little-endian arrays with dtype and shape, content-addressed.
 
 The id is the sha256 of the dtype, the shape and the bytes, so the same upload always gives the
-same id and is stored once (`dataset:{id}`), however many tenants upload it. Each tenant sees
-only the datasets it uploaded itself (`tenant:{t}:datasets`, id -> the name it gave). The
+same id and is stored once (`dataset:<id>`), however many tenants upload it. Each tenant sees
+only the datasets it uploaded itself (`tenant:{<t>}:datasets`, id -> the name it gave). The
 bytes are never unpickled: readers rebuild the array with numpy.frombuffer.
+
+The two keys are in different Cluster slots, so an upload stores the array first and then adds
+it to the tenant's datasets. Dying in between leaves an array no tenant sees; the next upload
+of the same content finds it stored and adds the tenant's entry.
 """
 
 from __future__ import annotations
@@ -15,23 +19,21 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from ssdrbm_server.errors import InvalidArgumentError, NotFoundError
 from ssdrbm_server.keys import Keys, is_dataset_id
+from ssdrbm_server.store.connection import RedisClient
 
 logger = logging.getLogger(__name__)
 
 # Element size in bytes of each accepted dtype (numpy names; all little-endian).
 ITEM_SIZES = {"float32": 4, "float64": 8, "uint8": 1}
 
-# KEYS: dataset, tenant's datasets. ARGV: id, name, then the dataset's fields as pairs.
-# Returns 1 when the tenant did not have this dataset before.
-_PUT = """
+# KEYS: dataset. ARGV: the dataset's fields as pairs. Content-addressed: stored once, whole.
+_STORE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+  redis.call('HSET', KEYS[1], unpack(ARGV))
 end
-return redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+return 1
 """
 
 
@@ -77,10 +79,10 @@ def check_array(shape: Sequence[int], dtype: str, size_bytes: int) -> tuple[int,
 class DatasetStore:
     """Stores and loads uploaded arrays, scoped to the tenant that uploaded them."""
 
-    def __init__(self, redis: aioredis.Redis, *, keys: Keys | None = None) -> None:
+    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
-        self._put = redis.register_script(_PUT)
+        self._store = redis.register_script(_STORE)
 
     async def put(
         self, tenant: str, *, shape: Sequence[int], dtype: str, name: str, data: bytes
@@ -94,12 +96,12 @@ class DatasetStore:
             "size_bytes": len(data),
             "data": data,
         }
-        args: list[str | bytes | int] = [new_id, name]
+        args: list[str | bytes | int] = []
         for field, value in fields.items():
             args += [field, value]
-        added = await self._put(
-            keys=[self.keys.dataset(new_id), self.keys.tenant_datasets(tenant)], args=args
-        )
+        await self._store(keys=[self.keys.dataset(new_id)], args=args)
+        # Only after the array is stored: a tenant never sees a dataset that is not there.
+        added = await self.redis.hsetnx(self.keys.tenant_datasets(tenant), new_id, name)
         if added:
             logger.info("dataset %s %s %s stored for tenant %s", new_id, dtype, dims, tenant)
         return await self.info(tenant, new_id), bool(added)

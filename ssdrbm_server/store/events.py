@@ -1,10 +1,11 @@
 """A job's event stream: metric events and state changes, in order, each with a resume token.
 
-Entries of `job:{id}:metrics` carry the fields `kind` (b"metrics" | b"state"), `data` (a
-serialized ssdrbm.v1.Metrics or StateChange), `time` (Unix seconds) and `attempt`. The entry id
-("<ms>-<seq>") is the resume token: reading after it continues with no gap and no repeat.
-Writers are the job store (submit, cancel) and the worker's fenced writes; this module only
-builds the fields and reads.
+Entries of `job:{id}:metrics` carry the fields `kind` (b"metrics" | b"state" | b"backoff"),
+`data` (a serialized ssdrbm.v1.Metrics or StateChange; for a backoff, what the worker wrote),
+`time` (Unix seconds) and `attempt`. The entry id ("<ms>-<seq>") is the resume token: reading
+after it continues with no gap and no repeat. Writers are the job store (submit, cancel), the
+claim and the worker's fenced writes, all in Lua scripts; this module builds the fields, the
+Lua line that appends them, and reads.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from __future__ import annotations
 import re
 import time
 
-import redis.asyncio as aioredis
 from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server.errors import InvalidArgumentError
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.records import JobState
 
 METRICS = "metrics"
 STATE = "state"
+BACKOFF = "backoff"
+EVENT_FIELDS = ("kind", "data", "time", "attempt")  # every entry has these, in this order
 
 _TOKEN = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")  # ASCII digits only, as Redis reads them
 _START = "0-0"
@@ -28,6 +31,10 @@ _MAX_ID_PART = 2**64 - 1  # both halves of a stream id are unsigned 64-bit
 # A blocking read holds its connection and must end before the client's socket timeout
 # (ssdrbm_server/store/connection.py); callers that follow longer simply read again.
 MAX_BLOCK_MS = 5000
+
+
+def _event_fields(kind: str, data: bytes, attempt: int) -> dict[str, bytes | str]:
+    return {"kind": kind, "data": data, "time": repr(time.time()), "attempt": str(attempt)}
 
 
 def state_event_fields(
@@ -40,17 +47,32 @@ def state_event_fields(
         attempt=attempt,
         step=step,
     )
-    return {
-        "kind": STATE,
-        "data": change.SerializeToString(),
-        "time": repr(time.time()),
-        "attempt": str(attempt),
-    }
+    return _event_fields(STATE, change.SerializeToString(), attempt)
 
 
 def metrics_event_fields(metrics: bytes, *, attempt: int) -> dict[str, bytes | str]:
     """Fields of a metric entry; `metrics` is a serialized ssdrbm.v1.Metrics."""
-    return {"kind": METRICS, "data": metrics, "time": repr(time.time()), "attempt": str(attempt)}
+    return _event_fields(METRICS, metrics, attempt)
+
+
+def backoff_event_fields(data: bytes, *, attempt: int) -> dict[str, bytes | str]:
+    """Fields of a backoff entry: the worker rolled the job back to a checkpoint; `data` is
+    the worker's own description of why and to where."""
+    return _event_fields(BACKOFF, data, attempt)
+
+
+def event_values(fields: dict[str, bytes | str]) -> list[bytes | str]:
+    """The values of an entry's fields in EVENT_FIELDS order, as `xadd_event` expects them."""
+    return [fields[name] for name in EVENT_FIELDS]
+
+
+def xadd_event(stream_key: str, first_arg: int) -> str:
+    """Lua line appending an event to `stream_key` (a KEYS[...] expression) whose values are
+    ARGV[first_arg] onwards, as `event_values` lists them."""
+    pairs = ", ".join(
+        f"'{name}', ARGV[{first_arg + offset}]" for offset, name in enumerate(EVENT_FIELDS)
+    )
+    return f"redis.call('XADD', {stream_key}, '*', {pairs})\n"
 
 
 def check_token(after: str) -> str:
@@ -78,7 +100,7 @@ def token_order(token: str) -> tuple[int, int]:
 class EventStore:
     """Reads a job's event stream (replay from a token, or follow it live)."""
 
-    def __init__(self, redis: aioredis.Redis, *, keys: Keys | None = None) -> None:
+    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
 

@@ -1,13 +1,20 @@
 """Fenced writes: everything a worker writes about a job, refused once its attempt is stale.
 
-Each write is one Lua script that first checks the job is still RUNNING under the writer's
+Each write is one Lua script on the job's own slot (the job hash, its event stream, its
+checkpoints: all `{<id>}`) that first checks the job is still RUNNING under the writer's
 attempt number. A worker that lost its lease (paused, partitioned, presumed dead) and was
 replaced by another under a higher attempt gets `LeaseLostError` and must stop; it can never
 overwrite the newer attempt's metrics, checkpoints or final state.
 
 Metric events are also refused when their step does not exceed the job's last published metric
 step, so a run resumed from a checkpoint never repeats a step in the stream: it recomputes the
-steps after its checkpoint and publishes only those the dead attempt had not.
+steps after its checkpoint and publishes only those the dead attempt had not. A backoff (the
+worker rolled back to a checkpoint itself) lowers that step, so the retrained steps are
+published again.
+
+A heartbeat, an end and a release then bring the shared indexes (state sets, lease index,
+queue, the tenant's active set) in line, as separate steps after the fenced one; indexes.py
+explains why a death between them is safe. The fence itself never depends on those indexes.
 """
 
 from __future__ import annotations
@@ -15,104 +22,118 @@ from __future__ import annotations
 import logging
 import time
 
-import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.checkpoints import DEFAULT_KEEP, checkpoint_fields
-from ssdrbm_server.store.events import metrics_event_fields, state_event_fields
+from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.events import (
+    backoff_event_fields,
+    event_values,
+    metrics_event_fields,
+    state_event_fields,
+    xadd_event,
+)
+from ssdrbm_server.store.indexes import NOW_MS, JobIndex
 from ssdrbm_server.store.leases import Lease
 from ssdrbm_server.store.records import JobState
 
 logger = logging.getLogger(__name__)
 
-# Shared first lines of every fenced script: KEYS[1] is the job, ARGV[1] the writer's attempt.
+# Shared first lines of every fenced script: KEYS[1] is the job, ARGV[1] the writer's attempt,
+# ARGV[2] the RUNNING state's name; a script's own arguments start at ARGV[3].
 _FENCE = """
 local fence = redis.call('HMGET', KEYS[1], 'attempt', 'state')
-if fence[1] ~= ARGV[1] or fence[2] ~= 'RUNNING' then
+if fence[1] ~= ARGV[1] or fence[2] ~= ARGV[2] then
   return redis.error_reply('STALE attempt ' .. ARGV[1] .. ' but the job is at attempt '
     .. tostring(fence[1]) .. ', ' .. tostring(fence[2]))
 end
 """
 
-# KEYS: job, leases. ARGV: attempt, job id, lease ms. Returns the cancel flag.
+# KEYS: job. ARGV: attempt, RUNNING, lease ms. Returns {cancel flag, new lease deadline}.
 _HEARTBEAT = (
     _FENCE
+    + NOW_MS
     + """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[2])
-return tonumber(redis.call('HGET', KEYS[1], 'cancel_requested') or '0')
+local deadline = now + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'lease_deadline', string.format('%.0f', deadline))
+return {tonumber(redis.call('HGET', KEYS[1], 'cancel_requested') or '0'), deadline}
 """
 )
 
-# KEYS: job. ARGV: attempt, then field/value pairs to set.
-_UPDATE = _FENCE + "redis.call('HSET', KEYS[1], unpack(ARGV, 2))\nreturn 1\n"
+# KEYS: job. ARGV: attempt, RUNNING, then field/value pairs to set.
+_UPDATE = _FENCE + "redis.call('HSET', KEYS[1], unpack(ARGV, 3))\nreturn 1\n"
 
-# KEYS: job, events. ARGV: attempt, step, metrics, event time.
+# KEYS: job, events. ARGV: attempt, RUNNING, step, event (4 values; ARGV[5] is the metrics).
 # Returns 1 when published, 0 when the step was already published (dropped).
 _METRICS = (
     _FENCE
     + """
 local last = tonumber(redis.call('HGET', KEYS[1], 'metric_step') or '-1')
-if tonumber(ARGV[2]) <= last then return 0 end
-redis.call('XADD', KEYS[2], '*', 'kind', 'metrics', 'data', ARGV[3], 'time', ARGV[4],
-           'attempt', ARGV[1])
-redis.call('HSET', KEYS[1], 'step', ARGV[2], 'metric_step', ARGV[2], 'latest_metrics', ARGV[3])
+if tonumber(ARGV[3]) <= last then return 0 end
+"""
+    + xadd_event("KEYS[2]", 4)
+    + """
+redis.call('HSET', KEYS[1], 'step', ARGV[3], 'metric_step', ARGV[3], 'latest_metrics', ARGV[5])
 return 1
 """
 )
 
-# KEYS: job, checkpoint index. ARGV: attempt, step, keep, checkpoint key prefix, then the
-# checkpoint's field/value pairs. Older checkpoints beyond `keep` are deleted.
+# KEYS: job, events. ARGV: attempt, RUNNING, rollback step, event (4 values).
+_BACKOFF = (
+    _FENCE
+    + xadd_event("KEYS[2]", 4)
+    + """
+redis.call('HSET', KEYS[1], 'step', ARGV[3], 'metric_step', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'backoffs', 1)
+return 1
+"""
+)
+
+# KEYS: job, checkpoint index, the new checkpoint, then the checkpoints to drop.
+# ARGV: attempt, RUNNING, step, the steps to drop (one per dropped key), then the checkpoint's
+# field/value pairs.
 _CHECKPOINT = (
     _FENCE
     + """
-local key = ARGV[4] .. ARGV[2]
-redis.call('DEL', key)
-redis.call('HSET', key, unpack(ARGV, 5))
-redis.call('ZADD', KEYS[2], tonumber(ARGV[2]), ARGV[2])
-local surplus = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
-if surplus > 0 then
-  for _, old in ipairs(redis.call('ZRANGE', KEYS[2], 0, surplus - 1)) do
-    redis.call('DEL', ARGV[4] .. old)
-    redis.call('ZREM', KEYS[2], old)
-  end
+local dropped = #KEYS - 3
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], unpack(ARGV, 4 + dropped))
+redis.call('ZADD', KEYS[2], tonumber(ARGV[3]), ARGV[3])
+for i = 1, dropped do
+  redis.call('DEL', KEYS[3 + i])
+  redis.call('ZREM', KEYS[2], ARGV[3 + i])
 end
-redis.call('HSET', KEYS[1], 'checkpoint_step', ARGV[2])
+redis.call('HSET', KEYS[1], 'checkpoint_step', ARGV[3])
 return 1
 """
 )
 
-# KEYS: job, RUNNING set, final state set, tenant active set, leases, events.
-# ARGV: attempt, job id, state, finished at, error, event data, event time.
+# KEYS: job, events. ARGV: attempt, RUNNING, final state, finished at, error, event (4 values).
 _FINISH = (
     _FENCE
     + """
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finished_at', ARGV[4], 'error', ARGV[5])
-redis.call('SMOVE', KEYS[2], KEYS[3], ARGV[2])
-redis.call('SREM', KEYS[4], ARGV[2])
-redis.call('ZREM', KEYS[5], ARGV[2])
-redis.call('XADD', KEYS[6], '*', 'kind', 'state', 'data', ARGV[6], 'time', ARGV[7],
-           'attempt', ARGV[1])
-return 1
 """
+    + xadd_event("KEYS[2]", 6)
+    + "return 1\n"
 )
 
-# KEYS: job, RUNNING set, QUEUED set, leases, events, queue.
-# ARGV: attempt, job id, event data, event time.
+# KEYS: job, events. ARGV: attempt, RUNNING, QUEUED, event (4 values).
 _RELEASE = (
     _FENCE
     + """
-redis.call('HSET', KEYS[1], 'state', 'QUEUED')  -- 'worker' keeps the last one that ran it
-redis.call('SMOVE', KEYS[2], KEYS[3], ARGV[2])
-redis.call('ZREM', KEYS[4], ARGV[2])
-redis.call('XADD', KEYS[5], '*', 'kind', 'state', 'data', ARGV[3], 'time', ARGV[4],
-           'attempt', ARGV[1])
-redis.call('XADD', KEYS[6], '*', 'job', ARGV[2])
-return 1
+redis.call('HSET', KEYS[1], 'state', ARGV[3])  -- 'worker' keeps the last one that ran it
 """
+    + xadd_event("KEYS[2]", 4)
+    + "return 1\n"
 )
+
+
+def steps_to_drop(existing: list[int], step: int, keep: int) -> list[int]:
+    """The steps to drop when `step` joins `existing`: all but the newest `keep`."""
+    steps = sorted({*existing, step})
+    return steps[: max(0, len(steps) - keep)]
 
 
 class LeaseLostError(Exception):
@@ -122,39 +143,46 @@ class LeaseLostError(Exception):
 class FencedJob:
     """All writes of one worker attempt on one job."""
 
-    def __init__(self, redis: aioredis.Redis, lease: Lease, *, keys: Keys | None = None) -> None:
+    def __init__(self, redis: RedisClient, lease: Lease, *, keys: Keys | None = None) -> None:
         self.redis = redis
         self.lease = lease
         self.keys = keys or Keys()
+        self.index = JobIndex(redis, self.keys)
         self.job_id = lease.job_id
         self.attempt = lease.attempt
         self.tenant = lease.record.tenant
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._update = redis.register_script(_UPDATE)
         self._metrics = redis.register_script(_METRICS)
+        self._backoff = redis.register_script(_BACKOFF)
         self._checkpoint = redis.register_script(_CHECKPOINT)
         self._finish = redis.register_script(_FINISH)
         self._release = redis.register_script(_RELEASE)
 
-    async def _run(self, script, keys: list[str], args: list) -> int:
+    async def _run(self, script, keys: list[str], args: list):
+        """Run a fenced script: the attempt and the RUNNING state go first."""
         try:
-            return await script(keys=keys, args=[self.attempt, *args])
+            return await script(keys=keys, args=[self.attempt, JobState.RUNNING.value, *args])
         except ResponseError as exc:
             if str(exc).startswith("STALE"):
                 raise LeaseLostError(f"job {self.job_id}: {exc}") from None
             raise
 
+    def _job_and_events(self) -> list[str]:
+        return [self.keys.job(self.job_id), self.keys.events(self.job_id)]
+
     async def heartbeat(self) -> bool:
         """Extend the lease by its length; returns True when a cancel was requested."""
-        flag = await self._run(
-            self._heartbeat,
-            [self.keys.job(self.job_id), self.keys.leases()],
-            [self.job_id, self.lease.lease_ms],
+        flag, deadline = await self._run(
+            self._heartbeat, [self.keys.job(self.job_id)], [self.lease.lease_ms]
+        )
+        await self.index.follow(
+            self.job_id, self.tenant, JobState.RUNNING, self.attempt, lease_deadline=int(deadline)
         )
         return flag == 1
 
     async def update(self, **fields: int | str) -> None:
-        """Set job fields (e.g. n_visible, total_steps once the dataset is loaded)."""
+        """Set job fields (e.g. n_visible, total_steps once the dataset is loaded, runtime)."""
         args: list[int | str] = []
         for name, value in fields.items():
             args += [name, value]
@@ -164,11 +192,21 @@ class FencedJob:
         """Append a metric event; False (dropped) if this step was already published."""
         event = metrics_event_fields(metrics, attempt=self.attempt)
         published = await self._run(
-            self._metrics,
-            [self.keys.job(self.job_id), self.keys.events(self.job_id)],
-            [step, metrics, event["time"]],
+            self._metrics, self._job_and_events(), [step, *event_values(event)]
         )
         return published == 1
+
+    async def backoff(self, *, rollback_step: int, event_data: bytes) -> None:
+        """Record that the worker rolled the job back to `rollback_step`: a backoff event, the
+        job's step and last published metric step set back (the retrained steps are published
+        again, not dropped as repeats), and one more on its `backoffs` counter."""
+        event = backoff_event_fields(event_data, attempt=self.attempt)
+        await self._run(
+            self._backoff, self._job_and_events(), [rollback_step, *event_values(event)]
+        )
+        logger.info(
+            "job %s backed off to step %d (attempt %d)", self.job_id, rollback_step, self.attempt
+        )
 
     async def put_checkpoint(
         self,
@@ -179,7 +217,11 @@ class FencedJob:
         trainer_state: bytes,
         keep: int = DEFAULT_KEEP,
     ) -> None:
-        """Store a checkpoint (sha256 computed here) and drop those beyond the newest `keep`."""
+        """Store a checkpoint (sha256 computed here) and drop those beyond the newest `keep`.
+
+        The retained steps are read first so the script gets every key it deletes; only this
+        attempt writes checkpoints (the fence), so they cannot change in between.
+        """
         fields = checkpoint_fields(
             step=step,
             data=data,
@@ -187,14 +229,19 @@ class FencedJob:
             trainer_state=trainer_state,
             attempt=self.attempt,
         )
-        args: list[int | str | bytes] = [step, keep, self.keys.checkpoint_prefix(self.job_id)]
+        index = self.keys.checkpoint_index(self.job_id)
+        existing = [int(member) for member in await self.redis.zrange(index, 0, -1)]
+        drop = steps_to_drop(existing, step, keep)
+        keys = [
+            self.keys.job(self.job_id),
+            index,
+            self.keys.checkpoint(self.job_id, step),
+            *(self.keys.checkpoint(self.job_id, old) for old in drop),
+        ]
+        args: list[int | str | bytes] = [step, *drop]
         for name, value in fields.items():
             args += [name, value]
-        await self._run(
-            self._checkpoint,
-            [self.keys.job(self.job_id), self.keys.checkpoint_index(self.job_id)],
-            args,
-        )
+        await self._run(self._checkpoint, keys, args)
 
     async def finish(
         self, state: JobState, *, step: int, error: str = "", message: str = ""
@@ -205,16 +252,10 @@ class FencedJob:
         event = state_event_fields(state, attempt=self.attempt, step=step, message=message or error)
         await self._run(
             self._finish,
-            [
-                self.keys.job(self.job_id),
-                self.keys.jobs_in_state(JobState.RUNNING.value),
-                self.keys.jobs_in_state(state.value),
-                self.keys.tenant_active(self.tenant),
-                self.keys.leases(),
-                self.keys.events(self.job_id),
-            ],
-            [self.job_id, state.value, repr(time.time()), error, event["data"], event["time"]],
+            self._job_and_events(),
+            [state.value, repr(time.time()), error, *event_values(event)],
         )
+        await self.index.follow(self.job_id, self.tenant, state, self.attempt)
         logger.info(
             "job %s %s at step %d (attempt %d)", self.job_id, state.value, step, self.attempt
         )
@@ -225,15 +266,11 @@ class FencedJob:
             JobState.QUEUED, attempt=self.attempt, step=step, message=message
         )
         await self._run(
-            self._release,
-            [
-                self.keys.job(self.job_id),
-                self.keys.jobs_in_state(JobState.RUNNING.value),
-                self.keys.jobs_in_state(JobState.QUEUED.value),
-                self.keys.leases(),
-                self.keys.events(self.job_id),
-                self.keys.queue(),
-            ],
-            [self.job_id, event["data"], event["time"]],
+            self._release, self._job_and_events(), [JobState.QUEUED.value, *event_values(event)]
+        )
+        # A death before this step leaves the lease entry, which lapses and leads a worker to
+        # claim the job: the same outcome as the queue entry this step adds.
+        await self.index.follow(
+            self.job_id, self.tenant, JobState.QUEUED, self.attempt, enqueue=True
         )
         logger.info("job %s released at step %d (attempt %d)", self.job_id, step, self.attempt)

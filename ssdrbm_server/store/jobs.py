@@ -1,7 +1,29 @@
 """Jobs as clients see them: submit (idempotent), get, list, cancel, counts.
 
-Every transition is one Lua script, so a job's hash, its state sets, its listing, its event
-stream and the queue never disagree, even when two gRPC servers act on the same job at once.
+A job's own keys (hash, event stream) and a tenant's keys (listing, sequence, active set,
+idempotency keys) are in different Cluster slots, so a submit takes four single-slot steps.
+The job is written first and marked as not yet admitted by an expiry; the expiry goes only
+once the job is queued:
+
+1. create (job slot): the job hash (QUEUED) and its first event, both expiring after
+   `ADMISSION_TTL_S`. Dying here leaves an orphan nobody can name; it expires.
+2. reserve (tenant slot, atomic): the idempotency key, the active-job limit, the listing
+   position and the active set. A repeated request id or a full tenant answers here and the
+   orphan of step 1 is deleted. From here on the job may be seen (ListJobs, the request id).
+3. queue (`{jobs}` slot): the QUEUED state set and the queue entry, added once per version
+   (indexes.py), so doing this twice queues the job once.
+4. admit (job slot): the listing position into the hash, and the expiry removed.
+
+A job that still expires after step 2 was not admitted: its submit died between 2 and 4 (and
+was never acknowledged). The next process that meets it finishes steps 3 and 4: a repeat of
+the request id, or a submit that finds the tenant at its limit and checks its active jobs
+(which also drops jobs that ended, and ids whose hash expired). A claim or cancel of such a job
+removes the expiry too, since it then exists for good. If nobody meets it, it expires, leaving
+a listing entry that ListJobs skips. The limit check and the active set are one atomic step,
+so the limit holds on Cluster without a race window; a removal from the active set that a
+crash lost can only refuse a submit early, never admit one beyond the limit.
+
+Cancel decides on the job hash alone (one script); the indexes follow (indexes.py).
 """
 
 from __future__ import annotations
@@ -9,8 +31,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-
-import redis.asyncio as aioredis
+from dataclasses import dataclass
 
 from ssdrbm_server.errors import (
     InvalidArgumentError,
@@ -19,58 +40,107 @@ from ssdrbm_server.errors import (
     UnavailableError,
 )
 from ssdrbm_server.keys import Keys, is_job_id
-from ssdrbm_server.store.events import state_event_fields
+from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.events import event_values, state_event_fields, xadd_event
+from ssdrbm_server.store.indexes import JobIndex
 from ssdrbm_server.store.records import JobRecord, JobState, new_job_fields, record_from_hash
 
 logger = logging.getLogger(__name__)
 
-# KEYS: job, tenant listing, QUEUED set, tenant active set, queue, events, sequence, idempotency
-# ARGV: job id, use idempotency ("1"/"0"), max active (0 = no limit), event data, event time,
-#       then the job's hash fields as name/value pairs.
-# Returns {1, id} when created, {0, existing id} for a repeated request id, {-1, ""} at the limit.
-_SUBMIT = """
+# Far longer than a submit takes; how long an unadmitted job can be finished by another process.
+ADMISSION_TTL_S = 3600
+
+# KEYS: job, events. ARGV: expiry seconds, event (4 values), then the hash's field/value pairs.
+# Returns 1 when created, 0 when the job already exists.
+_CREATE = (
+    """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+"""
+    + xadd_event("KEYS[2]", 2)
+    + """
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
+)
+
+# KEYS: idempotency, tenant active set, tenant listing, tenant sequence.
+# ARGV: job id, use idempotency ("1"/"0"), max active (0 = no limit).
+# Returns {1, id, seq} when reserved, {0, existing id, 0} for a repeated request id,
+# {-1, "", 0} at the limit.
+_RESERVE = """
 if ARGV[2] == '1' then
-  local existing = redis.call('GET', KEYS[8])
-  if existing then return {0, existing} end
+  local existing = redis.call('GET', KEYS[1])
+  if existing then return {0, existing, 0} end
 end
 local max_active = tonumber(ARGV[3])
-if max_active > 0 and redis.call('SCARD', KEYS[4]) >= max_active then
-  return {-1, ''}
+if max_active > 0 and redis.call('SCARD', KEYS[2]) >= max_active then
+  return {-1, '', 0}
 end
-local seq = redis.call('INCR', KEYS[7])
-redis.call('HSET', KEYS[1], 'seq', seq, unpack(ARGV, 6))
-redis.call('ZADD', KEYS[2], seq, ARGV[1])
-redis.call('SADD', KEYS[3], ARGV[1])
-redis.call('SADD', KEYS[4], ARGV[1])
-redis.call('XADD', KEYS[6], '*', 'kind', 'state', 'data', ARGV[4], 'time', ARGV[5], 'attempt', '0')
-redis.call('XADD', KEYS[5], '*', 'job', ARGV[1])
-if ARGV[2] == '1' then redis.call('SET', KEYS[8], ARGV[1]) end
-return {1, ARGV[1]}
+local seq = redis.call('INCR', KEYS[4])
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('ZADD', KEYS[3], seq, ARGV[1])
+if ARGV[2] == '1' then redis.call('SET', KEYS[1], ARGV[1]) end
+return {1, ARGV[1], seq}
 """
 
-# KEYS: job, QUEUED set, CANCELLED set, tenant active set, events
-# ARGV: expected attempt, finished at, event data, event time
+# KEYS: job, events. ARGV: listing position. Returns 0 when the job expired meanwhile.
+_ADMIT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'seq', ARGV[1])
+redis.call('PERSIST', KEYS[1])
+redis.call('PERSIST', KEYS[2])
+return 1
+"""
+
+# KEYS: tenant active set, tenant listing, and the idempotency key when known. ARGV: job id.
+# Forgets a reservation whose job expired before it was admitted.
+_FORGET = """
+redis.call('SREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
+return 1
+"""
+
+# KEYS: job, events
+# ARGV: expected attempt, finished at, QUEUED, RUNNING, CANCELLED, event (4 values)
 # A queued job is cancelled here; a running one is flagged for its worker to stop.
-_CANCEL = """
+_CANCEL = (
+    """
 local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'QUEUED' then
+if state == ARGV[3] then
   if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 'retry' end
-  local id = string.match(KEYS[1], '([^:]+)$')
-  redis.call('HSET', KEYS[1], 'state', 'CANCELLED', 'finished_at', ARGV[2])
-  redis.call('SMOVE', KEYS[2], KEYS[3], id)
-  redis.call('SREM', KEYS[4], id)
-  redis.call('XADD', KEYS[5], '*', 'kind', 'state', 'data', ARGV[3], 'time', ARGV[4],
-             'attempt', ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', ARGV[5], 'finished_at', ARGV[2])
+"""
+    + xadd_event("KEYS[2]", 6)
+    + """
+  redis.call('PERSIST', KEYS[1])
+  redis.call('PERSIST', KEYS[2])
   return 'cancelled'
-elseif state == 'RUNNING' then
+elseif state == ARGV[4] then
   redis.call('HSET', KEYS[1], 'cancel_requested', 1)
   return 'requested'
 end
 return 'finished'
 """
+)
 
 _CANCEL_RETRIES = 5
+_SUBMIT_ROUNDS = 3  # reservations retried after a repair freed a slot or a request id
 _LIST_BATCH = 200
+
+# Replies of _RESERVE.
+_RESERVED, _REPEATED, _AT_LIMIT = 1, 0, -1
+
+
+@dataclass
+class _Found:
+    """What a repair needs to know of a job the tenant's keys name."""
+
+    state: JobState | None  # None: the hash is gone
+    attempt: int
+    unadmitted: bool  # still expiring: its submit did not get past step 2 or 3
 
 
 def new_job_id() -> str:
@@ -96,11 +166,18 @@ def _parse_page_token(page_token: str) -> int | None:
 class JobStore:
     """Client-facing job operations; every method is scoped to a tenant where it reads a job."""
 
-    def __init__(self, redis: aioredis.Redis, *, keys: Keys | None = None) -> None:
+    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
-        self._submit = redis.register_script(_SUBMIT)
+        self.index = JobIndex(redis, self.keys)
+        self._create = redis.register_script(_CREATE)
+        self._reserve = redis.register_script(_RESERVE)
+        self._admit = redis.register_script(_ADMIT)
+        self._forget = redis.register_script(_FORGET)
         self._cancel = redis.register_script(_CANCEL)
+
+    def _job_keys(self, job_id: str) -> list[str]:
+        return [self.keys.job(job_id), self.keys.events(job_id)]
 
     async def submit(
         self,
@@ -112,50 +189,112 @@ class JobStore:
         request_id: str | None,
         max_active: int = 0,
     ) -> tuple[JobRecord, bool]:
-        """Record and enqueue a job atomically; returns (job, created).
+        """Record and enqueue a job; returns (job, created).
 
         A repeated `request_id` of the same tenant returns the original job with created=False.
         `max_active` > 0 refuses (ResourceExhaustedError) when the tenant already has that many
-        QUEUED + RUNNING jobs, checked in the same atomic step.
+        QUEUED + RUNNING jobs, checked atomically with the reservation (see the module notes).
         """
         job_id = new_job_id()
-        created_at = time.time()
         fields = new_job_fields(
-            tenant=tenant, name=name, spec=spec, total_steps=total_steps, created_at=created_at
+            tenant=tenant, name=name, spec=spec, total_steps=total_steps, created_at=time.time()
         )
         event = state_event_fields(JobState.QUEUED, attempt=0, step=0, message="submitted")
-        use_idempotency = bool(request_id)
-        keys = [
-            self.keys.job(job_id),
-            self.keys.tenant_jobs(tenant),
-            self.keys.jobs_in_state(JobState.QUEUED.value),
-            self.keys.tenant_active(tenant),
-            self.keys.queue(),
-            self.keys.events(job_id),
-            self.keys.job_sequence(),
-            self.keys.idempotency(tenant, request_id or ""),
-        ]
-        args: list[bytes | str | int | float] = [
-            job_id,
-            "1" if use_idempotency else "0",
-            max_active,
-            event["data"],
-            event["time"],
-        ]
+        args: list[bytes | str | int | float] = [ADMISSION_TTL_S, *event_values(event)]
         for field, value in fields.items():
             args += [field, value]
-        status, returned_id = await self._submit(keys=keys, args=args)
-        if status == -1:
+        await self._create(keys=self._job_keys(job_id), args=args)
+        status, found_id, seq = await self._reserve_job(tenant, job_id, request_id, max_active)
+        if status != _RESERVED:
+            await self.redis.delete(*self._job_keys(job_id))  # else it expires by itself
+        if status == _AT_LIMIT:
             raise ResourceExhaustedError(
                 f"tenant already has {max_active} queued or running jobs; wait for one to finish "
                 "or cancel one"
             )
-        returned_id = returned_id.decode()
-        if status == 0:
-            logger.info("repeated request id for tenant %s: job %s", tenant, returned_id)
+        if status == _RESERVED:
+            await self._admit_job(tenant, job_id, seq)
+            logger.info("job %s submitted by tenant %s", job_id, tenant)
         else:
-            logger.info("job %s submitted by tenant %s", returned_id, tenant)
-        return await self.get(tenant, returned_id), status == 1
+            logger.info("repeated request id for tenant %s: job %s", tenant, found_id)
+        return await self.get(tenant, found_id), status == _RESERVED
+
+    async def _reserve_job(
+        self, tenant: str, job_id: str, request_id: str | None, max_active: int
+    ) -> tuple[int, str, int]:
+        """Step 2: (status, job id, listing position), after repairing what stood in the way:
+        a full tenant whose active set holds ended or vanished jobs, or a request id whose job
+        expired before it was admitted."""
+        idempotency = self.keys.idempotency(tenant, request_id or "")
+        keys = [
+            idempotency,
+            self.keys.tenant_active(tenant),
+            self.keys.tenant_jobs(tenant),
+            self.keys.tenant_sequence(tenant),
+        ]
+        args = [job_id, "1" if request_id else "0", max_active]
+        for _ in range(_SUBMIT_ROUNDS):
+            status, found_id, seq = await self._reserve(keys=keys, args=args)
+            found_id = found_id.decode()
+            if status == _AT_LIMIT:
+                if not await self._repair_active(tenant):
+                    return status, found_id, seq
+            elif status == _REPEATED:
+                [found] = await self._probe([found_id])
+                if not await self._repair(tenant, found_id, found, idempotency):
+                    return status, found_id, seq
+            else:
+                return status, found_id, seq
+        raise UnavailableError(f"tenant {tenant}'s jobs changed while submitting; retry")
+
+    async def _admit_job(self, tenant: str, job_id: str, seq: int) -> None:
+        """Steps 3 and 4: queue the job (once, however often this runs), then keep it."""
+        await self.index.follow(job_id, tenant, JobState.QUEUED, 0, enqueue=True)
+        if not await self._admit(keys=self._job_keys(job_id), args=[seq]):
+            raise UnavailableError(f"job {job_id} expired before it was admitted; submit again")
+
+    async def _probe(self, job_ids: list[str]) -> list[_Found]:
+        """State, attempt and admission of each job, in one round trip (a pipeline, which a
+        cluster client splits by node)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(self.keys.job(job_id), ["state", "attempt"])
+                pipe.pttl(self.keys.job(job_id))
+            replies = await pipe.execute()
+        found = []
+        for (state, attempt), ttl in zip(replies[::2], replies[1::2], strict=True):
+            known = None if state is None else JobState(state.decode())
+            found.append(_Found(known, int(attempt or 0), ttl > 0))
+        return found
+
+    async def _repair(
+        self, tenant: str, job_id: str, found: _Found, idempotency: str | None = None
+    ) -> bool:
+        """Finish what a dead process left of a job named by the tenant's keys; True when the
+        job no longer counts as active (it ended, or its hash is gone and is forgotten)."""
+        if found.state is None:
+            keys = [self.keys.tenant_active(tenant), self.keys.tenant_jobs(tenant)]
+            await self._forget(keys=keys + ([idempotency] if idempotency else []), args=[job_id])
+            await self.index.forget(job_id)
+            return True
+        if found.state.is_terminal:
+            await self.index.follow(job_id, tenant, found.state, found.attempt)
+            return True
+        if found.unadmitted:
+            seq = await self.redis.zscore(self.keys.tenant_jobs(tenant), job_id)
+            await self._admit_job(tenant, job_id, int(seq or 0))
+        return False
+
+    async def _repair_active(self, tenant: str) -> bool:
+        """Check every job of the tenant's active set (it is at its limit): True when one
+        turned out not to be active after all, so the reservation is worth another try."""
+        job_ids = sorted(
+            m.decode() for m in await self.redis.smembers(self.keys.tenant_active(tenant))
+        )
+        freed = False
+        for job_id, found in zip(job_ids, await self._probe(job_ids), strict=True):
+            freed = await self._repair(tenant, job_id, found) or freed
+        return freed
 
     async def get(self, tenant: str, job_id: str) -> JobRecord:
         """The job's record; NotFoundError when unknown or owned by another tenant."""
@@ -209,10 +348,12 @@ class JobStore:
 
     async def cancel(self, tenant: str, job_id: str) -> JobRecord:
         """Cancel a queued job at once; ask a running job's worker to stop (it ends CANCELLED
-        within seconds); a finished job is returned unchanged."""
+        within seconds); a finished job is returned unchanged (its indexes are checked)."""
         for _ in range(_CANCEL_RETRIES):
             record = await self.get(tenant, job_id)
             if record.state.is_terminal:
+                # Idempotent: repairs the indexes if whoever ended the job died before them.
+                await self.index.follow(job_id, tenant, record.state, record.attempt)
                 return record
             event = state_event_fields(
                 JobState.CANCELLED,
@@ -221,18 +362,22 @@ class JobStore:
                 message="cancelled while queued",
             )
             outcome = await self._cancel(
-                keys=[
-                    self.keys.job(job_id),
-                    self.keys.jobs_in_state(JobState.QUEUED.value),
-                    self.keys.jobs_in_state(JobState.CANCELLED.value),
-                    self.keys.tenant_active(tenant),
-                    self.keys.events(job_id),
+                keys=self._job_keys(job_id),
+                args=[
+                    record.attempt,
+                    repr(time.time()),
+                    JobState.QUEUED.value,
+                    JobState.RUNNING.value,
+                    JobState.CANCELLED.value,
+                    *event_values(event),
                 ],
-                args=[record.attempt, repr(time.time()), event["data"], event["time"]],
             )
-            if outcome != b"retry":
-                logger.info("cancel of job %s: %s", job_id, outcome.decode())
-                return await self.get(tenant, job_id)
+            if outcome in (b"retry", b"finished"):
+                continue  # the next round sees the new state
+            logger.info("cancel of job %s: %s", job_id, outcome.decode())
+            if outcome == b"cancelled":
+                await self.index.follow(job_id, tenant, JobState.CANCELLED, record.attempt)
+            return await self.get(tenant, job_id)
         # Workers kept claiming and releasing the job between our read and our write.
         raise UnavailableError(f"job {job_id} changed while it was being cancelled; retry")
 

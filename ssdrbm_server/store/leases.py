@@ -1,10 +1,18 @@
 """Leases: which worker runs a job, until when, under which attempt number.
 
-Claiming a job is one compare-and-set script: it succeeds only when the job is QUEUED, or
-RUNNING with a lapsed lease, and its attempt is still the one the claimer read. It increases
-the attempt, so every write of the previous holder is refused from then on (see fencing.py).
-Deadlines live in the `jobs:leases` sorted set and are measured on the Redis clock (TIME), so
-workers with skewed clocks agree on when a lease has lapsed.
+Claiming a job is one compare-and-set script on the job's own slot: it succeeds only when the
+job is QUEUED, or RUNNING with a lapsed lease, and its attempt is still the one the claimer
+read. It increases the attempt, so every write of the previous holder is refused from then on
+(see fencing.py), and it records the new lease deadline in the job hash, measured on the Redis
+clock (TIME), so workers with skewed clocks agree on when a lease has lapsed.
+
+The `{jobs}:leases` sorted set is only an index for finding lapsed leases (indexes.py). A claim
+runs in three steps, each safe to die after:
+1. `reserve_lease` puts the job into the index with a deadline no later than the one the claim
+   will set: if the claim never happens, the entry lapses and leads another worker here;
+2. the claim script on the job hash (the decision, atomic);
+3. the index takes the real deadline and the RUNNING state (versioned, so a late step 3 of a
+   worker that has since lost the job changes nothing).
 """
 
 from __future__ import annotations
@@ -13,40 +21,41 @@ import logging
 import time
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from ssdrbm_server.keys import Keys, is_job_id
-from ssdrbm_server.store.events import state_event_fields
+from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.events import event_values, state_event_fields, xadd_event
+from ssdrbm_server.store.indexes import NOW_MS, JobIndex
 from ssdrbm_server.store.records import JobRecord, JobState, record_from_hash
 
 logger = logging.getLogger(__name__)
 
-# KEYS: job, leases, QUEUED set, RUNNING set, events
-# ARGV: job id, worker id, expected attempt, lease ms, started at, event data, event time
-_CLAIM = """
-local current = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'started_at')
+# KEYS: job, events
+# ARGV: expected attempt, worker id, lease ms, started at, QUEUED, RUNNING, event (4 values)
+# Returns {outcome, lease deadline in ms (0 unless claimed)}.
+_CLAIM = (
+    """
+local current = redis.call('HMGET', KEYS[1], 'state', 'attempt', 'started_at', 'lease_deadline')
 local state = current[1]
-if state ~= 'QUEUED' and state ~= 'RUNNING' then
-  redis.call('ZREM', KEYS[2], ARGV[1])  -- no lease can outlive its job
-  if not state then return 'missing' end
-  return 'finished'
-end
-if current[2] ~= ARGV[3] then return 'retry' end
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-if state == 'RUNNING' then
-  local deadline = redis.call('ZSCORE', KEYS[2], ARGV[1])
-  if deadline and tonumber(deadline) > now then return 'held' end
-end
-redis.call('HSET', KEYS[1], 'state', 'RUNNING', 'attempt', tonumber(ARGV[3]) + 1,
-           'worker', ARGV[2])
-if current[3] == '' or not current[3] then redis.call('HSET', KEYS[1], 'started_at', ARGV[5]) end
-redis.call('SMOVE', KEYS[3], KEYS[4], ARGV[1])
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[1])
-redis.call('XADD', KEYS[5], '*', 'kind', 'state', 'data', ARGV[6], 'time', ARGV[7],
-           'attempt', tonumber(ARGV[3]) + 1)
-return 'claimed'
+if not state then return {'missing', 0} end
+if state ~= ARGV[5] and state ~= ARGV[6] then return {'finished', 0} end
+if current[2] ~= ARGV[1] then return {'retry', 0} end
 """
+    + NOW_MS
+    + """
+if state == ARGV[6] and tonumber(current[4] or '0') > now then return {'held', 0} end
+local deadline = now + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'state', ARGV[6], 'attempt', tonumber(ARGV[1]) + 1,
+           'worker', ARGV[2], 'lease_deadline', string.format('%.0f', deadline))
+if current[3] == '' or not current[3] then redis.call('HSET', KEYS[1], 'started_at', ARGV[4]) end
+"""
+    + xadd_event("KEYS[2]", 7)
+    + """
+-- A submit that died before admitting the job left it expiring; a claimed job is kept.
+redis.call('PERSIST', KEYS[1])
+redis.call('PERSIST', KEYS[2])
+return {'claimed', deadline}
+"""
+)
 
 _CLAIM_RETRIES = 5
 
@@ -62,18 +71,13 @@ class Lease:
     record: JobRecord  # the job as it was when claimed (state RUNNING, this attempt)
 
 
-async def redis_now_ms(redis: aioredis.Redis) -> int:
-    """Milliseconds on the Redis server's clock."""
-    seconds, micros = await redis.time()
-    return int(seconds) * 1000 + int(micros) // 1000
-
-
 class LeaseStore:
     """Claims jobs and finds jobs whose lease lapsed."""
 
-    def __init__(self, redis: aioredis.Redis, *, keys: Keys | None = None) -> None:
+    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
+        self.index = JobIndex(redis, self.keys)
         self._claim = redis.register_script(_CLAIM)
 
     async def load(self, job_id: str) -> JobRecord | None:
@@ -89,51 +93,66 @@ class LeaseStore:
         for _ in range(_CLAIM_RETRIES):
             record = await self.load(job_id)
             if record is None or record.state.is_terminal:
-                await self.redis.zrem(self.keys.leases(), job_id)  # a stale lease, if any
+                await self._settle(job_id, record)
                 return None
-            attempt = record.attempt + 1
-            message = f"claimed by {worker_id}"
-            if record.checkpoint_step >= 0:
-                message += f", resuming from step {record.checkpoint_step}"
-            start_step = max(record.checkpoint_step, 0)  # training restarts from here
-            event = state_event_fields(
-                JobState.RUNNING, attempt=attempt, step=start_step, message=message
-            )
-            outcome = await self._claim(
-                keys=[
-                    self.keys.job(job_id),
-                    self.keys.leases(),
-                    self.keys.jobs_in_state(JobState.QUEUED.value),
-                    self.keys.jobs_in_state(JobState.RUNNING.value),
-                    self.keys.events(job_id),
-                ],
+            await self.index.reserve_lease(job_id, lease_ms)
+            outcome, deadline = await self._claim(
+                keys=[self.keys.job(job_id), self.keys.events(job_id)],
                 args=[
-                    job_id,
-                    worker_id,
                     record.attempt,
+                    worker_id,
                     lease_ms,
                     repr(time.time()),
-                    event["data"],
-                    event["time"],
+                    JobState.QUEUED.value,
+                    JobState.RUNNING.value,
+                    *event_values(_claim_event(record, worker_id)),
                 ],
             )
             outcome = outcome.decode()
             if outcome == "claimed":
-                claimed = await self.load(job_id)
-                assert claimed is not None
-                logger.info("worker %s claimed job %s (attempt %d)", worker_id, job_id, attempt)
-                return Lease(job_id, worker_id, attempt, lease_ms, claimed)
+                return await self._claimed(record, worker_id, lease_ms, int(deadline))
+            if outcome in ("missing", "finished"):
+                await self._settle(job_id, await self.load(job_id))
             if outcome != "retry":
                 return None
         return None
 
+    async def _claimed(
+        self, before: JobRecord, worker_id: str, lease_ms: int, deadline: int
+    ) -> Lease:
+        attempt = before.attempt + 1
+        await self.index.follow(
+            before.id, before.tenant, JobState.RUNNING, attempt, lease_deadline=deadline
+        )
+        claimed = await self.load(before.id)
+        assert claimed is not None  # claimed jobs are persistent; only their worker ends them
+        logger.info("worker %s claimed job %s (attempt %d)", worker_id, before.id, attempt)
+        return Lease(before.id, worker_id, attempt, lease_ms, claimed)
+
+    async def _settle(self, job_id: str, record: JobRecord | None) -> None:
+        """Repeat the index steps of a job found gone or finished: the process that ended it
+        may have died before them (that is how a lease entry led here)."""
+        if record is None:
+            await self.index.forget(job_id)
+        elif record.state.is_terminal:
+            await self.index.follow(job_id, record.tenant, record.state, record.attempt)
+
     async def lapsed(self, *, limit: int = 10) -> list[str]:
-        """Ids of running jobs whose lease deadline has passed."""
-        now = await redis_now_ms(self.redis)
-        ids = await self.redis.zrangebyscore(self.keys.leases(), "-inf", now, start=0, num=limit)
-        return [job_id.decode() for job_id in ids]
+        """Ids of running jobs whose lease deadline has passed (by the lease index; the claim
+        checks the job's own deadline)."""
+        return await self.index.lapsed(limit)
 
     async def deadline_ms(self, job_id: str) -> int | None:
-        """The job's lease deadline on the Redis clock, None if no lease."""
-        score = await self.redis.zscore(self.keys.leases(), job_id)
-        return None if score is None else int(score)
+        """The job's lease deadline on the Redis clock, None if it never had a lease."""
+        value = await self.redis.hget(self.keys.job(job_id), "lease_deadline")
+        return None if value in (None, b"") else int(value)
+
+
+def _claim_event(record: JobRecord, worker_id: str) -> dict[str, bytes | str]:
+    message = f"claimed by {worker_id}"
+    if record.checkpoint_step >= 0:
+        message += f", resuming from step {record.checkpoint_step}"
+    start_step = max(record.checkpoint_step, 0)  # training restarts from here
+    return state_event_fields(
+        JobState.RUNNING, attempt=record.attempt + 1, step=start_step, message=message
+    )

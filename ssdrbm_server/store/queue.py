@@ -1,20 +1,23 @@
 """The job queue: a Redis stream read by the workers' consumer group.
 
-Entries carry one field, `job` (the job id). Delivery is at least once: a worker acknowledges an
-entry only once it holds the job's lease (or found the job finished or held by another worker),
-so an entry delivered to a worker that died before claiming it is picked up again by
-`autoclaim`. The same job may be queued more than once (a released job is queued again); the
-claim is a compare-and-set on the job's attempt, so duplicates are harmless.
+Entries carry one field, `job` (the job id); the job index adds them (indexes.py), in the same
+step that marks the job QUEUED there, so a submit or release that is repeated queues it once.
+Delivery is at least once: a worker acknowledges an entry only once it holds the job's lease
+(or found the job finished or held by another worker), so an entry delivered to a worker that
+died before claiming it is picked up again by `autoclaim`. The same job may be queued more than
+once (a released job is queued again); the claim is a compare-and-set on the job's attempt, so
+duplicates are harmless.
 """
 
 from __future__ import annotations
 
 import logging
 
-import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from ssdrbm_server.keys import WORKER_GROUP, Keys
+from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.indexes import QUEUE_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -25,17 +28,18 @@ def _text(value: bytes | str) -> str:
 
 def _entries(raw: list) -> list[tuple[str, str]]:
     """(entry id, job id) pairs from a list of stream entries; deleted entries are skipped."""
+    field = QUEUE_FIELD.encode()
     pairs = []
     for entry_id, fields in raw:
-        if fields and b"job" in fields:  # XAUTOCLAIM returns deleted entries as None
-            pairs.append((_text(entry_id), fields[b"job"].decode()))
+        if fields and field in fields:  # XAUTOCLAIM returns deleted entries as None
+            pairs.append((_text(entry_id), fields[field].decode()))
     return pairs
 
 
 class JobQueue:
     """Reading and acknowledging queued jobs as one consumer of the `workers` group."""
 
-    def __init__(self, redis: aioredis.Redis, *, keys: Keys | None = None) -> None:
+    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
 
@@ -51,7 +55,7 @@ class JobQueue:
 
     async def enqueue(self, job_id: str) -> str:
         """Add a job to the queue; returns the entry id."""
-        return _text(await self.redis.xadd(self.keys.queue(), {"job": job_id}))
+        return _text(await self.redis.xadd(self.keys.queue(), {QUEUE_FIELD: job_id}))
 
     async def read(self, consumer: str, *, block_ms: int, count: int = 1) -> list[tuple[str, str]]:
         """New entries for `consumer`, waiting up to block_ms; [] on timeout."""

@@ -51,6 +51,8 @@ class JobRecord:
     cancel_requested: bool
     metric_step: int = -1  # step of the latest metric event; later events must exceed it
     seq: int = 0  # position in the tenant's listing (creation order)
+    backoffs: int = 0  # times the worker rolled the job back to a checkpoint and went on
+    runtime: str = ""  # JSON set by the worker: the device-dependent choices of this run
 
 
 def _text(raw: dict[bytes, bytes], field: str, default: str = "") -> str:
@@ -90,6 +92,9 @@ def record_from_hash(job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
         cancel_requested=_int(raw, "cancel_requested") == 1,
         metric_step=_int(raw, "metric_step", -1),
         seq=_int(raw, "seq"),
+        # Records written before these fields existed decode with the defaults.
+        backoffs=_int(raw, "backoffs"),
+        runtime=_text(raw, "runtime"),
     )
 
 
@@ -115,4 +120,6 @@ def new_job_fields(
         "latest_metrics": b"",
         "cancel_requested": 0,
         "metric_step": -1,
+        "backoffs": 0,
+        "runtime": "",
     }

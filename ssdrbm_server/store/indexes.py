@@ -1,0 +1,177 @@
+"""The job indexes that live outside a job's own slot, and the order in which they follow it.
+
+The job hash `job:{<id>}` is the only source of truth for a job's state, attempt and lease
+deadline; every transition is one script on the job's slot (claim, fenced writes, cancel). On
+Redis Cluster the indexes cannot join that script, because they are shared by all jobs:
+
+- `{jobs}:state:<STATE>` sets (counts for Prometheus), `{jobs}:leases` (which running jobs to
+  look at for a lapsed lease), `{jobs}:queue` (work for the workers) and `{jobs}:versions`
+  share the `{jobs}` tag, so one script (`_SYNC`) updates them together;
+- `tenant:{<t>}:active` (the per-tenant limit) is in the tenant's slot.
+
+They are updated AFTER the job hash, as separate steps, by whoever made the transition. Two
+rules make a process death (or a slow process) between the steps safe:
+
+1. Every index update is idempotent and versioned. A job's states follow a strictly
+   increasing version, `3 * attempt + rank` with rank RUNNING 0, QUEUED 1, terminal 2: a claim
+   (QUEUED or RUNNING at attempt a -> RUNNING at a + 1), a release (RUNNING at a -> QUEUED at
+   a), an end (-> terminal at a) all raise it. `_SYNC` ignores a version older than the one the
+   indexes already show, so a delayed step of a process that lost the job (e.g. a stalled
+   worker's heartbeat after a takeover) cannot put back an older state, lease or removal. A
+   queue entry is added only when the version is new, so repeating a step does not enqueue the
+   job twice.
+2. Whatever a crash leaves behind is repaired by the next process that looks at the job, or
+   is harmless:
+   - the lease index is written BEFORE a claim makes the hash RUNNING (`reserve_lease`, with a
+     deadline no later than the one the claim will set), so every RUNNING job can be found by
+     `lapsed()`; a lease entry that outlives its job leads a worker to claim it, which sees the
+     job finished (and repeats its index steps) or QUEUED (and runs it, as a release wanted);
+   - for a job that ended, the tenant's active set is cleaned first and the lease entry
+     removed last: while the entry exists, the claim that finds it repeats both steps;
+   - a stale state set only skews the Prometheus counts until the job's next transition;
+   - the tenant's active set is also repaired by the submit that finds the tenant at its limit
+     (ssdrbm_server/store/jobs.py), so a lost removal never blocks a tenant for good.
+
+The lease index may show an earlier deadline than the job hash (a heartbeat's index step not yet
+done): `lapsed()` then offers a job whose claim answers "held", which costs one round trip.
+Deadlines are on the Redis clock of the job's node; the index is compared with the clock of the
+`{jobs}` node, so a clock difference between nodes shifts when a takeover is tried, not whether
+the claim is right.
+"""
+
+from __future__ import annotations
+
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.records import JobState
+
+QUEUE_FIELD = "job"  # the one field of a queue entry: the job id
+
+# A missing job's version: above any real one, so no late step can index it again.
+FORGOTTEN = 2**52
+
+_RANK = {JobState.RUNNING: 0, JobState.QUEUED: 1}
+_TERMINAL_RANK = 2
+
+# Milliseconds on this node's clock (a script may call TIME since Redis 5: effects replication).
+NOW_MS = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+"""
+
+# KEYS: versions, leases, queue, then one state set per JobState (in enum order).
+# ARGV: job id, version, target (1-based position of the state set, 0 = none), lease deadline
+# ('' = no lease), enqueue ('1'/'0'), queue entry field.
+# Returns 1 when applied, 0 when the indexes already show a newer version.
+_SYNC = """
+local stored = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
+local version = tonumber(ARGV[2])
+if version < stored then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local target = tonumber(ARGV[3])
+for i = 4, #KEYS do
+  if i - 3 == target then
+    redis.call('SADD', KEYS[i], ARGV[1])
+  else
+    redis.call('SREM', KEYS[i], ARGV[1])
+  end
+end
+if ARGV[4] == '' then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+else
+  redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
+end
+if ARGV[5] == '1' and version > stored then
+  redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[1])
+end
+return 1
+"""
+
+# KEYS: leases. ARGV: job id, lease ms. Only ever lowers an existing deadline (LT).
+_RESERVE_LEASE = (
+    NOW_MS
+    + """
+redis.call('ZADD', KEYS[1], 'LT', now + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
+)
+
+# KEYS: leases. ARGV: limit. Ids whose indexed deadline has passed on this node's clock.
+_LAPSED = (
+    NOW_MS
+    + """
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+"""
+)
+
+
+def index_version(state: JobState, attempt: int) -> int:
+    """The version of a job's state: strictly increasing over the job's life (see above)."""
+    return 3 * attempt + _RANK.get(state, _TERMINAL_RANK)
+
+
+class JobIndex:
+    """Brings the shared indexes in line with a state the job hash has already taken."""
+
+    def __init__(self, redis: RedisClient, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._sync = redis.register_script(_SYNC)
+        self._reserve_lease = redis.register_script(_RESERVE_LEASE)
+        self._lapsed = redis.register_script(_LAPSED)
+
+    def _global_keys(self) -> list[str]:
+        states = [self.keys.jobs_in_state(state.value) for state in JobState]
+        return [self.keys.index_versions(), self.keys.leases(), self.keys.queue(), *states]
+
+    async def _apply(
+        self, job_id: str, version: int, target: int, lease_deadline: int | None, enqueue: bool
+    ) -> None:
+        await self._sync(
+            keys=self._global_keys(),
+            args=[
+                job_id,
+                version,
+                target,
+                "" if lease_deadline is None else lease_deadline,
+                "1" if enqueue else "0",
+                QUEUE_FIELD,
+            ],
+        )
+
+    async def follow(
+        self,
+        job_id: str,
+        tenant: str,
+        state: JobState,
+        attempt: int,
+        *,
+        lease_deadline: int | None = None,
+        enqueue: bool = False,
+    ) -> None:
+        """Index the job as `state` at `attempt`, which its hash shows (or showed) already.
+
+        RUNNING takes the lease deadline the hash holds; `enqueue` adds a queue entry when this
+        state is new to the indexes (a submitted or released job). Safe to repeat.
+        """
+        if state.is_terminal:
+            # Before the lease entry goes: while it exists, a claimer comes back here.
+            await self.redis.srem(self.keys.tenant_active(tenant), job_id)
+        target = list(JobState).index(state) + 1
+        lease = lease_deadline if state is JobState.RUNNING else None
+        await self._apply(job_id, index_version(state, attempt), target, lease, enqueue)
+
+    async def forget(self, job_id: str) -> None:
+        """Drop a job whose hash is gone (expired unfinished submit, lost data) from the shared
+        indexes for good."""
+        await self._apply(job_id, FORGOTTEN, 0, None, False)
+
+    async def reserve_lease(self, job_id: str, lease_ms: int) -> None:
+        """Make sure the lease index holds the job with a deadline no later than a claim made
+        now would set; called before the claim, so no RUNNING job is ever missing from it."""
+        await self._reserve_lease(keys=[self.keys.leases()], args=[job_id, lease_ms])
+
+    async def lapsed(self, limit: int) -> list[str]:
+        """Ids whose indexed lease deadline has passed (the claim decides on the hash's)."""
+        ids = await self._lapsed(keys=[self.keys.leases()], args=[limit])
+        return [job_id.decode() for job_id in ids]
