@@ -10,7 +10,10 @@ service (gRPC server + worker) as a separate process on port 0 (`bench.service_h
    (its `time`) to its arrival at each subscriber;
 5. trains the same job spec alone and under the 16-client serving load (idle-loaded-loaded-idle)
    and compares the training throughput the worker reports (samples/s of training time);
-6. samples the resident memory of the server process (and its training child) idle and busy.
+6. samples the resident memory of the server process (and its training child) idle and busy;
+7. last, on a service of its own (no worker), has 100 clients follow a queued job live and
+   sends the server SIGTERM: how long after the signal each stream ends with its resumable
+   UNAVAILABLE (the drain ends shared followers at once, not at their next poll or the grace).
 
 Everything runs on one machine: load generator, server, worker and training share its cores,
 which the figures include.
@@ -23,6 +26,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -52,6 +56,7 @@ CLIENTS = 16
 SUBSCRIBERS = 100
 START_TIMEOUT_S = 60.0
 MAX_STREAM_RECONNECTS = 20  # per subscriber
+STREAM_BLOCK_MS = 1000  # the server's XREAD BLOCK per poll of a metric stream
 JOB_TIMEOUT_S = 300.0
 TERMINAL = {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED}
 
@@ -177,7 +182,7 @@ def service_process(
         "SSDRBM_DATA_DIR": str(default_data_dir()),
         "SSDRBM_AUTH_MODE": "none",
         "SSDRBM_LOG_LEVEL": "WARNING",
-        "SSDRBM_STREAM_BLOCK_MS": "1000",
+        "SSDRBM_STREAM_BLOCK_MS": str(STREAM_BLOCK_MS),
         "SSDRBM_MAX_JOBS_PER_TENANT": "64",
         **(extra_env or {}),
     }
@@ -426,6 +431,70 @@ def stream_lag(
     }
 
 
+DRAIN_GRACE_S = 60.0  # far longer than a drain: streams that waited for it would show it
+DRAIN_ENV = {"SSDRBM_RUN_WORKER": "false", "SSDRBM_SHUTDOWN_GRACE_S": str(DRAIN_GRACE_S)}
+SETTLE_S = 0.5  # after its first event, for each subscriber to reach the live follow
+
+
+async def _drain_seconds(server: ServerProcess, job_id: str, subscribers: int) -> list[float]:
+    channel = grpc.aio.insecure_channel(server.target)
+    stub = rbm_pb2_grpc.RBMServiceStub(channel)
+    following = [asyncio.Event() for _ in range(subscribers)]
+    signalled = asyncio.Event()
+    sent: list[float] = []
+
+    async def follow(first: asyncio.Event) -> float:
+        try:
+            async for _event in stub.StreamMetrics(pb.StreamMetricsRequest(job_id=job_id)):
+                first.set()
+        except grpc.aio.AioRpcError as error:
+            ended = time.perf_counter()
+            if error.code() != grpc.StatusCode.UNAVAILABLE or "shutting down" not in (
+                error.details() or ""
+            ):
+                raise
+            if not signalled.is_set():
+                raise RuntimeError("a stream ended before the server was stopped") from error
+            return ended - sent[0]
+        raise RuntimeError("a stream of a queued job ended without an error")
+
+    try:
+        streams = [asyncio.ensure_future(follow(first)) for first in following]
+        waiting = asyncio.gather(*(first.wait() for first in following))
+        await asyncio.wait_for(waiting, START_TIMEOUT_S)
+        await asyncio.sleep(SETTLE_S)
+        sent.append(time.perf_counter())
+        server.process.send_signal(signal.SIGTERM)
+        signalled.set()
+        return await asyncio.wait_for(asyncio.gather(*streams), DRAIN_GRACE_S)
+    finally:
+        await channel.close()
+
+
+def shutdown_drain(
+    server: ServerProcess,
+    stub: rbm_pb2_grpc.RBMServiceStub,
+    plan: Plan,
+    subscribers: int = SUBSCRIBERS,
+) -> dict[str, float]:
+    """`subscribers` clients follow a queued job live (the server has no worker); then SIGTERM.
+
+    Each stream's drain time runs from the signal to the stream's UNAVAILABLE ("shutting down",
+    with the token to resume from), as its client sees it.
+    """
+    request = training_request(n_hidden=50, steps=plan.stream_steps,
+                               eval_every=plan.stream_eval_every, name="shutdown-drain",
+                               images=plan.mnist_images)  # fmt: skip
+    job = stub.StartTraining(request, timeout=30).job
+    seconds = asyncio.run(_drain_seconds(server, job.id, subscribers))
+    return {
+        "p50_ms": 1000 * percentile(seconds, 0.5),
+        "p99_ms": 1000 * percentile(seconds, 0.99),
+        "max_ms": 1000 * max(seconds),
+        "streams": len(seconds),
+    }
+
+
 def training_throughput(stub: rbm_pb2_grpc.RBMServiceStub, plan: Plan, name: str) -> float:
     """Train the throughput job to the end; the worker's samples/s of training time."""
     request = training_request(
@@ -487,17 +556,25 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
                     server, lambda stub: _measure(server, stub, plan)
                 )
             halves = cpu_halves()
-            if halves is None:
-                return cases, targets
-            pinned_directory = directory / "pinned"
-            pinned_directory.mkdir()
-            env = {"SSDRBM_SERVING_CPUS": _cpu_list(halves[0]),
-                   "SSDRBM_TRAINING_CPUS": _cpu_list(halves[1])}  # fmt: skip
-            with service_process(redis_url, pinned_directory, env) as server:
-                case, target = _measure_with_log(
-                    server, lambda stub: _measure_pinned(server, stub, plan, halves)
-                )
-            return [*cases, case], [*targets, target]
+            if halves is not None:
+                pinned_directory = directory / "pinned"
+                pinned_directory.mkdir()
+                env = {"SSDRBM_SERVING_CPUS": _cpu_list(halves[0]),
+                       "SSDRBM_TRAINING_CPUS": _cpu_list(halves[1])}  # fmt: skip
+                with service_process(redis_url, pinned_directory, env) as server:
+                    case, target = _measure_with_log(
+                        server, lambda stub: _measure_pinned(server, stub, plan, halves)
+                    )
+                cases, targets = [*cases, case], [*targets, target]
+            # Last: its job stays queued, and no worker may train it during the other phases.
+            drain_directory = directory / "drain"
+            drain_directory.mkdir()
+            with service_process(redis_url, drain_directory, DRAIN_ENV) as server:
+                drain = _measure_with_log(server, lambda stub: shutdown_drain(server, stub, plan))
+            cases.append(Case("service", "StreamMetrics shutdown drain",
+                              {"subscribers": SUBSCRIBERS, "stream_block_ms": STREAM_BLOCK_MS,
+                               "shutdown_grace_s": DRAIN_GRACE_S}, drain))  # fmt: skip
+            return cases, targets
 
 
 def cpu_halves() -> tuple[frozenset[int], frozenset[int]] | None:
