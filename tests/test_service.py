@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from safetensors.numpy import load as load_safetensors
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
+from ssdrbm_server import serving
 from ssdrbm_server.store.records import JobState
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.service import RunningService, make_settings
@@ -585,31 +587,107 @@ def test_tenants_are_isolated_and_tokens_required(service_factory, tmp_path: Pat
         assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_serving_runs_off_the_event_loop(trained: Trained) -> None:
-    """Concurrent serving calls and a metric replay all complete, with correct answers."""
-    v = dataset_array(seed=2)[:4]
-    request = pb.SampleHiddenRequest(job_id=trained.job.id, input=tensor(v))
-    expected = from_tensor(trained.stub.SampleHidden(request, timeout=30).output)
-    results: list[np.ndarray] = []
-    errors: list[BaseException] = []
+class ComputeProbe:
+    """Sees on which thread serving computes: a profile hook (``threading.setprofile``, so on
+    every thread started while it is installed) notes each start of the functions that
+    ``ModelServer`` runs inline or in its pool. A computation that starts on any thread but the
+    event loop's is held there until the test opens its gate, so that the test can call the
+    server while that computation is in flight.
+    """
 
-    def client() -> None:
-        try:
-            stub = trained.running.stub()
-            for _ in range(10):
-                results.append(from_tensor(stub.SampleHidden(request, timeout=30).output))
-        except BaseException as exc:
-            errors.append(exc)
+    HOLD_S = 120.0  # only against a hang: the test opens the gate itself
 
-    threads = [threading.Thread(target=client) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    assert events(trained.stub, trained.job.id, history_only=True) == trained.history
-    for thread in threads:
-        thread.join(60)
-    assert not errors and len(results) == 40
-    for result in results:
-        np.testing.assert_array_equal(result, expected)
+    def __init__(self) -> None:
+        self.functions = {
+            serving._reconstruct.__code__: "Reconstruct",
+            serving._hidden.__code__: "SampleHidden",
+        }
+        self.loop_thread: int | None = None
+        self.starts: queue.Queue[tuple[str, int, threading.Event | None]] = queue.Queue()
+        self.gates: list[threading.Event] = []
+
+    def profile(self, frame, event: str, arg: object) -> None:  # type: ignore[no-untyped-def]
+        name = self.functions.get(frame.f_code) if event == "call" else None
+        if name is None:
+            return
+        thread = threading.get_ident()
+        if thread == self.loop_thread:
+            self.starts.put((name, thread, None))
+            return
+        gate = threading.Event()
+        self.gates.append(gate)
+        self.starts.put((name, thread, gate))
+        gate.wait(self.HOLD_S)
+
+    def next_start(self) -> tuple[str, int, threading.Event | None]:
+        """(RPC, thread, gate) of the next computation to start; gate None on the loop."""
+        return self.starts.get(timeout=JOB_TIMEOUT_S)
+
+    def open_all(self) -> None:
+        for gate in self.gates:
+            gate.set()
+
+
+def test_serving_runs_off_the_event_loop(trained: Trained, service_factory) -> None:
+    """Reconstruct and SampleHidden batches above serving's inline limit compute on a thread of
+    the pool, not the event loop's, and the loop answers other calls while such a computation
+    is in flight; a tiny batch computes inline, on the loop (which shows the probe sees it)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    job_id = trained.job.id
+    data = dataset_array(seed=2)
+    row = N_VISIBLE * N_HIDDEN  # multiply-adds of one row through W
+    # Just past INLINE_MAX_MULTIPLY_ADDS: 2k products per row to reconstruct, one for hiddens.
+    k = serving.INLINE_MAX_MULTIPLY_ADDS // (2 * 64 * row) + 1
+    large = {
+        "Reconstruct": pb.ReconstructRequest(
+            job_id=job_id, input=tensor(data[:64]), k=k, mean_field=True, seed=5
+        ),
+        "SampleHidden": pb.SampleHiddenRequest(
+            job_id=job_id,
+            input=tensor(np.resize(data, (serving.INLINE_MAX_MULTIPLY_ADDS // row + 1, N_VISIBLE))),
+        ),
+    }
+    # What the module's server answers, to compare with.
+    expected = {
+        "Reconstruct": trained.stub.Reconstruct(large["Reconstruct"], timeout=60).output,
+        "SampleHidden": trained.stub.SampleHidden(large["SampleHidden"], timeout=60).output,
+    }
+
+    async def current_thread() -> int:
+        return threading.get_ident()
+
+    probe = ComputeProbe()
+    previous = threading.getprofile()
+    threading.setprofile(probe.profile)
+    try:
+        # A second server on the module's Redis: its event loop and pool threads start now.
+        running = service_factory(trained.running.settings.redis_url, run_worker=False)
+        probe.loop_thread = running.run_in_loop(current_thread())
+        stub = running.stub()
+        health = health_pb2_grpc.HealthStub(running.channel())
+        tiny = pb.SampleHiddenRequest(job_id=job_id, input=tensor(data[:4]))
+        stub.SampleHidden(tiny, timeout=60)
+        assert probe.next_start() == ("SampleHidden", probe.loop_thread, None)
+        for name, call in (("Reconstruct", stub.Reconstruct), ("SampleHidden", stub.SampleHidden)):
+            answer = call.future(large[name], timeout=JOB_TIMEOUT_S)
+            started, thread, gate = probe.next_start()
+            assert started == name
+            assert thread != probe.loop_thread, f"{name} computed on the event loop's thread"
+            assert gate is not None
+            # Its computation is held on its thread: the loop still answers other calls.
+            job = stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=30)
+            assert job.state == pb.JOB_STATE_SUCCEEDED
+            reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert events(stub, job_id, history_only=True) == trained.history
+            assert not answer.done()
+            gate.set()
+            output = answer.result().output
+            np.testing.assert_array_equal(from_tensor(output), from_tensor(expected[name]))
+    finally:
+        threading.setprofile(previous)
+        probe.open_all()
 
 
 def test_shutdown_ends_live_streams_with_a_resumable_unavailable(service_factory) -> None:
