@@ -216,23 +216,31 @@ def test_two_workers_share_the_queue_and_run_jobs_end_to_end(redis_url: str) -> 
     run_with_workers(redis_url, ["w1", "w2"], scenario)
 
 
-def test_cancel_stops_a_running_job_within_two_seconds(redis_url: str) -> None:
-    async def scenario(h: Harness, workers: list[Worker]) -> None:
-        job_id = await h.submit(spec(steps=1_000_000, checkpoint_every=50))
-        await h.wait_for(job_id, lambda r: r.checkpoint_step >= 50)
-        asked = time.monotonic()
-        flagged = await h.jobs.cancel(TENANT, job_id)
-        assert flagged.cancel_requested
-        # The promise is "within 2 s" (heartbeat every 0.25 s here); this bounds behaviour,
-        # it does not measure speed.
-        record = await h.wait_for(job_id, lambda r: r.state.is_terminal, timeout=2.0)
-        took = time.monotonic() - asked
-        assert record.state is JobState.CANCELLED
-        assert state_names(await h.state_changes(job_id))[-1] == "CANCELLED"
-        assert await h.checkpoints.list_steps(job_id)  # its checkpoints stay usable
-        logger.info("cancel took %.2f s", took)
+def test_cancel_stops_a_running_job_and_its_training_process(redis_url: str) -> None:
+    """A cancel asked while the job trains: the worker sees it, kills the training process
+    before it records CANCELLED, nothing is written after that state, and the checkpoints stay
+    usable (how long a cancel takes is measured by `python -m bench.load`)."""
+    total = 1_000_000
 
-    run_with_workers(redis_url, ["w1"], scenario)
+    async def scenario(h: Harness, workers: list[Worker]) -> None:
+        # Spawned children of this process so far (other tests'): the job's is started later.
+        others = set(training_processes_of(os.getpid()))
+        job_id = await h.submit(spec(steps=total, checkpoint_every=50))
+        await h.wait_for(job_id, lambda r: r.checkpoint_step >= 50)
+        trainers = set(training_processes_of(os.getpid())) - others
+        assert len(trainers) == 1, trainers  # the job's (the worker starts no spare meanwhile)
+        flagged = await h.jobs.cancel(TENANT, job_id)
+        assert flagged.state is JobState.RUNNING and flagged.cancel_requested
+        record = await h.wait_for(job_id, lambda r: r.state.is_terminal)
+        assert record.state is JobState.CANCELLED and record.step < total
+        assert not any(is_running(pid) for pid in trainers)  # killed before CANCELLED was written
+        assert [kind for kind, _, _ in await h.events_of(job_id)][-1] == "state"
+        assert state_names(await h.state_changes(job_id)) == ["QUEUED", "RUNNING", "CANCELLED"]
+        checkpoint = await h.checkpoints.latest(job_id)  # its checkpoints stay usable
+        assert checkpoint.step >= 50 and model_from_bytes(checkpoint.data).n_visible == 16
+
+    workers = run_with_workers(redis_url, ["w1"], scenario)
+    assert [outcome for _, outcome in workers[0].jobs_run] == [JobState.CANCELLED.value]
 
 
 # A Gaussian RBM with unit variances and plain SGD at this step size overflows after a few
