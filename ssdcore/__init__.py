@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ssdcore import data
 from ssdcore.data import load_frey_face, load_mnist, preprocess, synthetic_rbm_data
-from ssdcore.errors import DivergenceError
+from ssdcore.errors import BlowUpError, DivergenceError
 from ssdcore.evaluation import (
     AISResult,
     ais_log_partition,
@@ -33,6 +33,7 @@ __all__ = [
     "RBM",
     "AISResult",
     "BernoulliRBM",
+    "BlowUpError",
     "CDEstimator",
     "CDStats",
     "DivergenceError",

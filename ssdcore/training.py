@@ -12,6 +12,10 @@ model is put back to the last parameters that passed and :class:`~ssdcore.Diverg
 raised; the optimizer state and chains are not rolled back, so treat the run as ended and use
 the restored model (or the last checkpoint) from there.
 
+Blow-ups that stay finite (a reconstruction error of 1e26, ‖W‖₂ of 1e12) are caught between
+evaluations by :class:`~ssdcore.blowup.BlowUpDetector`; :func:`fit` answers them by rolling back
+to the last healthy evaluation and scaling every step size down (:meth:`Trainer.set_lr_scale`).
+
 On a CUDA device each step (estimate, optimizer step, constraints) is replayed as one CUDA
 graph when it can be captured (:mod:`ssdcore.cuda_graph`); the data batch is gathered into a
 fixed buffer before each replay, and the divergence check stays outside the graph.
@@ -19,6 +23,7 @@ fixed buffer before each replay, and the divergence check stays outside the grap
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -28,6 +33,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ssdcore.blowup import (
+    BACKOFF_FACTOR,
+    DEFAULT_MAX_BACKOFFS,
+    BlowUp,
+    BlowUpDetector,
+    BlowUpError,
+    blowup_from_error,
+    suggested_lr,
+)
 from ssdcore.cuda_graph import GraphedStep
 from ssdcore.errors import DivergenceError
 from ssdcore.evaluation import (
@@ -36,6 +50,7 @@ from ssdcore.evaluation import (
     free_energy_gap,
     pseudo_log_likelihood,
     reconstruction_error,
+    saturated_hidden_fraction,
     spectral_norm,
 )
 from ssdcore.evaluation import log_likelihood as mean_log_likelihood
@@ -43,7 +58,7 @@ from ssdcore.gradients import CDEstimator
 from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.gaussian import GaussianRBM
-from ssdcore.optim.config import OptimizerConfig, build_optimizer
+from ssdcore.optim.config import OptimizerConfig, build_optimizer, resolve_for
 from ssdcore.sampling import restore_generator
 
 logger = logging.getLogger(__name__)
@@ -86,7 +101,9 @@ class Trainer:
     Args:
         model: the RBM; parameters are updated in place.
         train_data: (N, V) float tensor; moved to the model's device as float32.
-        optimizer: an :class:`~ssdcore.optim.OptimizerConfig` (or just its name).
+        optimizer: an :class:`~ssdcore.optim.OptimizerConfig` (or just its name). Step sizes
+            it leaves unset come from the step-size table for ``model``
+            (:mod:`ssdcore.step_sizes`); ``optimizer_config`` holds the resolved copy.
         batch_size: examples per step; each epoch is a fresh permutation, the last partial
             batch of an epoch is dropped.
         cd_k: Gibbs sweeps per gradient estimate.
@@ -133,13 +150,18 @@ class Trainer:
         self.device = model.W.device
         self.train_data = train_data.to(self.device, torch.float32)
         self.valid_data = None if valid_data is None else valid_data.to(self.device, torch.float32)
-        self.optimizer_config = optimizer
+        # Resolved, so checkpoints record the step sizes actually used.
+        self.optimizer_config = resolve_for(model, optimizer)
         self.batch_size = batch_size
         self.cd_k = cd_k
         self.persistent = persistent
         self.seed = seed
         self.check_every = check_every
-        self.optimizer = build_optimizer(model, optimizer)
+        self.optimizer = build_optimizer(model, self.optimizer_config)
+        # Each group's configured step size; set_lr_scale multiplies these, never the current
+        # values, so scaling is absolute and repeating it changes nothing.
+        self._base_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
+        self.lr_scale = 1.0
         # The CD weight gradient has rank ≤ 2B (B data rows and B chains); an exact low-rank
         # SSD step on W then needs only its factors, so the estimator skips the dense product.
         needs_dense = getattr(self.optimizer, "needs_dense_gradient", None)
@@ -226,6 +248,31 @@ class Trainer:
             # parameters can show it: the same divergence, seen earlier.
             self._diverged(f"the optimizer step failed ({error})", self.step_count + 1)
 
+    # --- step sizes -----------------------------------------------------------------------
+
+    @property
+    def lr(self) -> float:
+        """The current step size of the configuration's optimizer: its ``lr`` × ``lr_scale``.
+
+        (Per-parameter step sizes of a hybrid are scaled alike; the groups hold them.)
+        """
+        return float(self.optimizer_config.lr) * self.lr_scale
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Set every parameter group's step size to its configured value × ``scale``.
+
+        Absolute, not cumulative: ``set_lr_scale(0.01)`` after two backoffs of 10 gives the same
+        step sizes however often it is called, before or after loading a checkpoint (which
+        restores the scale it was saved with).
+        """
+        if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+            group["lr"] = base * scale
+        self.lr_scale = float(scale)
+        # A captured CUDA graph baked the old step sizes in: capture again.
+        self._graphed_step = None
+
     @property
     def graph_replays(self) -> int:
         """Steps replayed from the current CUDA graph (0 when none is in use)."""
@@ -284,8 +331,9 @@ class Trainer:
         self._graphed_step = None
         raise DivergenceError(
             f"{what} by step {failed_step}; the model was restored to step "
-            f"{self._last_good_step}. Lower the learning rate (lr={self.optimizer_config.lr}) "
-            "or bound ‖W‖₂ with max_spectral_norm"
+            f"{self._last_good_step}. Lower the learning rate (lr={self.lr:.3g}) "
+            "or bound ‖W‖₂ with max_spectral_norm",
+            step=failed_step,
         )
 
     # --- evaluation -----------------------------------------------------------------------
@@ -305,6 +353,15 @@ class Trainer:
         Validation metrics use ``valid_data`` when given, else the training data. At most
         ``max_examples`` rows of each set are used. ``log_likelihood`` is ``"none"``,
         ``"exact"`` (enumerates hidden states: n_hidden ≤ 24) or ``"ais"``.
+
+        Always present: ``step``, ``reconstruction_error`` (validation),
+        ``train_reconstruction_error``, ``spectral_norm`` (‖W‖₂), ``saturated_hidden_fraction``
+        (on the validation rows: the fraction of hidden units whose p(h = 1 | v) is within
+        1e-6 of 0 or 1 on every row, i.e. stuck; see
+        :func:`~ssdcore.evaluation.saturated_hidden_fraction`), ``wall_time_s``,
+        ``samples_per_second``, ``log_likelihood_method``. With validation data:
+        ``free_energy_gap``; for a Bernoulli RBM: ``pseudo_log_likelihood``; with a
+        log-likelihood method: ``log_likelihood`` and ``log_likelihood_stderr``.
         """
         if log_likelihood not in LOG_LIKELIHOOD_METHODS:
             raise ValueError(
@@ -318,6 +375,7 @@ class Trainer:
             "reconstruction_error": float(reconstruction_error(model, valid)),
             "train_reconstruction_error": float(reconstruction_error(model, train)),
             "spectral_norm": float(spectral_norm(model.W)),
+            "saturated_hidden_fraction": saturated_hidden_fraction(model, valid),
             "wall_time_s": self.wall_time_s,
             "samples_per_second": (
                 self.step_count * self.batch_size / self.wall_time_s if self.wall_time_s else 0.0
@@ -359,6 +417,7 @@ class Trainer:
             "generator": self.generator.get_state().clone(),
             "estimator": self.estimator.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "lr_scale": self.lr_scale,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -382,6 +441,8 @@ class Trainer:
             )
         self.estimator.load_state_dict(state["estimator"])
         self.optimizer.load_state_dict(state["optimizer"])
+        # States saved before step-size scaling existed ran at scale 1.
+        self.set_lr_scale(float(state.get("lr_scale", 1.0)))
         # Loading replaced the optimizer's buffers and the chains with new tensors, which a
         # captured graph would not see: capture again from the restored state.
         self._graphed_step = None
@@ -412,15 +473,30 @@ def fit(
     eval_every: int | None = None,
     valid_data: Tensor | None = None,
     log_likelihood: str = "none",
+    max_backoffs: int = DEFAULT_MAX_BACKOFFS,
 ) -> list[dict[str, Any]]:
     """Train ``model`` for ``steps`` steps and return the metric history.
 
     Metrics are taken at step 0, every ``eval_every`` steps (default: ten points over the run)
-    and at the end; each dict also carries ``total_steps``. ``callback`` receives each dict;
-    returning ``False`` stops training early. ``lr`` overrides the config's step size.
+    and at the end; each dict also carries ``total_steps``. ``callback`` receives each metric
+    dict; returning ``False`` stops training early. ``lr`` overrides the config's step size;
+    None leaves it to the config, and a config without one takes the step-size table's value
+    for ``model`` (:mod:`ssdcore.step_sizes`).
+
+    Blow-ups: every evaluation goes through a :class:`~ssdcore.blowup.BlowUpDetector`. On a
+    blow-up (or a :class:`~ssdcore.DivergenceError` from a step) the trainer goes back to its
+    state at the last healthy evaluation, every step size is divided by
+    :data:`~ssdcore.blowup.BACKOFF_FACTOR`, training continues, and the history gets an entry
+    ``{"event": "backoff", "step", "rolled_back_to", "old_lr", "new_lr", "lr_scale", "backoff",
+    "reason"}`` (not passed to ``callback``). Once ``max_backoffs`` backoffs are spent (at once
+    for 0), the next blow-up raises :class:`~ssdcore.blowup.BlowUpError`, a DivergenceError
+    whose message names the step, the metric and a suggested step size; ``model`` is then left
+    at its last healthy state.
     """
     if not (isinstance(steps, int) and steps >= 0):
         raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+    if not (isinstance(max_backoffs, int) and max_backoffs >= 0):
+        raise ValueError(f"max_backoffs must be an integer >= 0, got {max_backoffs!r}")
     config = OptimizerConfig(name=optimizer) if isinstance(optimizer, str) else optimizer
     if lr is not None:
         config = OptimizerConfig(**{**config.to_dict(), "lr": lr})
@@ -437,14 +513,99 @@ def fit(
         seed=seed,
         valid_data=valid_data,
     )
+    detector = BlowUpDetector()
     history: list[dict[str, Any]] = []
+    healthy: dict[str, Any] | None = None
+    backoffs = 0
+    metrics, blowup = _checked_metrics(trainer, detector, log_likelihood, steps)
     while True:
-        metrics = {**trainer.evaluate(log_likelihood), "total_steps": steps}
-        history.append(metrics)
-        logger.debug("step %d: %s", trainer.step_count, metrics)
-        if callback is not None and callback(metrics) is False:
-            break
-        if trainer.step_count >= steps:
-            break
-        trainer.train_steps(min(every, steps - trainer.step_count))
+        if blowup is not None:
+            if healthy is None or backoffs >= max_backoffs:
+                raise _budget_spent(trainer, healthy, blowup, backoffs, history)
+            backoffs += 1
+            history.append(_back_off(trainer, healthy, blowup, backoffs))
+        else:
+            healthy = _snapshot(trainer)
+            history.append(metrics)
+            if callback is not None and callback(metrics) is False:
+                break
+            if trainer.step_count >= steps:
+                break
+        try:
+            trainer.train_steps(min(every, steps - trainer.step_count))
+        except DivergenceError as error:
+            blowup = blowup_from_error(error, trainer.step_count)
+            continue
+        metrics, blowup = _checked_metrics(trainer, detector, log_likelihood, steps)
     return history
+
+
+def _checked_metrics(
+    trainer: Trainer, detector: BlowUpDetector, log_likelihood: str, total_steps: int
+) -> tuple[dict[str, Any], BlowUp | None]:
+    """The trainer's metrics now, and the blow-up they show (or None)."""
+    metrics = {**trainer.evaluate(log_likelihood), "total_steps": total_steps}
+    logger.debug("step %d: %s", trainer.step_count, metrics)
+    return metrics, detector.observe(metrics)
+
+
+def _snapshot(trainer: Trainer) -> dict[str, Any]:
+    """An in-memory copy of everything a rollback restores (model and trainer state)."""
+    return {
+        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "trainer": copy.deepcopy(trainer.state_dict()),
+    }
+
+
+@torch.no_grad()
+def _restore(trainer: Trainer, snapshot: dict[str, Any]) -> None:
+    trainer.model.load_state_dict(snapshot["model"])
+    # A copy again: loading may adopt the tensors it is given (optimizer buffers, chains), and
+    # the snapshot must survive for a second rollback to the same point.
+    trainer.load_state_dict(copy.deepcopy(snapshot["trainer"]))
+
+
+def _back_off(
+    trainer: Trainer, healthy: dict[str, Any], blowup: BlowUp, backoffs: int
+) -> dict[str, Any]:
+    """Roll back to the healthy snapshot with smaller steps; the history entry saying so."""
+    old_lr = trainer.lr
+    _restore(trainer, healthy)
+    trainer.set_lr_scale(BACKOFF_FACTOR ** (-backoffs))
+    entry = {
+        "event": "backoff",
+        "step": blowup.step,
+        "rolled_back_to": trainer.step_count,
+        "old_lr": old_lr,
+        "new_lr": trainer.lr,
+        "lr_scale": trainer.lr_scale,
+        "backoff": backoffs,
+        "reason": blowup.describe(),
+    }
+    logger.warning(
+        "blow-up: %s; back to step %d with lr %.3g (backoff %d)",
+        entry["reason"],
+        entry["rolled_back_to"],
+        entry["new_lr"],
+        backoffs,
+    )
+    return entry
+
+
+def _budget_spent(
+    trainer: Trainer,
+    healthy: dict[str, Any] | None,
+    blowup: BlowUp,
+    backoffs: int,
+    history: list[dict[str, Any]],
+) -> BlowUpError:
+    """The error that ends a run out of backoffs, with the model put back to its last health."""
+    lr = trainer.lr
+    if healthy is not None:
+        _restore(trainer, healthy)
+    suggestion = suggested_lr(lr)
+    message = (
+        f"training blew up: {blowup.describe()}; the step size was {lr:.3g} after {backoffs} "
+        f"backoff(s); try lr={suggestion:.3g} or smaller"
+    )
+    return BlowUpError(message, blowup=blowup, suggested_lr=suggestion, history=history)

@@ -20,7 +20,7 @@ from ssdcore import (
     reconstruction_error,
     spectral_norm,
 )
-from ssdcore.evaluation import annealing_schedule
+from ssdcore.evaluation import annealing_schedule, saturated_hidden_fraction
 
 
 @pytest.fixture(autouse=True)
@@ -244,3 +244,24 @@ def test_reconstruction_error_free_energy_gap_and_spectral_norm():
     assert free_energy_gap(model, v[:15], v[15:]) == pytest.approx(gap, abs=1e-5)
     top = float(torch.linalg.svdvals(model.W.detach()).max())
     assert spectral_norm(model.W) == pytest.approx(top, rel=1e-6)
+
+
+def test_saturated_hidden_fraction_counts_units_saturated_on_every_row():
+    model = BernoulliRBM(2, 5)
+    v = torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0]])
+    with torch.no_grad():
+        model.W.zero_()
+        # Hidden inputs per unit: always +20 (stuck on), always -20 (stuck off), ±15 depending
+        # on v₀ (saturated on every row, either way: stuck too), 0, and +20 except 5 on one row.
+        model.a.copy_(torch.tensor([20.0, -20.0, -15.0, 0.0, 20.0]))
+        model.W[0, 2] = 30.0
+        model.W[1, 4] = -15.0
+    assert saturated_hidden_fraction(model, v) == pytest.approx(3 / 5)
+    assert saturated_hidden_fraction(model, v[:2]) == pytest.approx(4 / 5)  # no row with v₁ = 1
+    # 13.8 ≈ logit(1 - 1e-6) is the edge: p(h) within 1e-6 of 0 or 1.
+    with torch.no_grad():
+        model.a.fill_(13.7)
+    assert saturated_hidden_fraction(model, torch.zeros(1, 2)) == 0.0
+    with torch.no_grad():
+        model.a.fill_(-13.9)
+    assert saturated_hidden_fraction(model, torch.zeros(1, 2)) == 1.0

@@ -17,6 +17,7 @@ from ssdcore.optim import (
     PreconditionedSSD,
     build_optimizer,
 )
+from ssdcore.step_sizes import default_lr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,7 +33,9 @@ def svd_step(grad: torch.Tensor) -> torch.Tensor:
 
 
 class Tiny(nn.Module):
-    """Named like an RBM: W (V, H), b (V,), a (H,)."""
+    """Named like an RBM: W (V, H), b (V,), a (H,); the step-size table sees a Bernoulli RBM."""
+
+    kind = "bernoulli"
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
@@ -309,10 +312,13 @@ def test_hybrids_put_w_in_the_right_geometry():
 
 
 def test_hybrid_steps_follow_their_geometries():
+    # W's override has no per_parameter_lr: it steps at the table's SSD value, not at lr.
     model = Tiny()
     before, grads = snapshot(model), set_grads(model)
     build_optimizer(model, OptimizerConfig("sgd", lr=0.01, per_parameter={"W": "ssd"})).step()
-    assert torch.allclose(model.W.detach(), before["W"] - 0.01 * svd_step(grads["W"]), atol=1e-5)
+    w_lr = default_lr("bernoulli", "ssd")
+    assert w_lr != 0.01
+    assert torch.allclose(model.W.detach(), before["W"] - w_lr * svd_step(grads["W"]), atol=1e-5)
     assert torch.allclose(model.b.detach(), before["b"] - 0.01 * grads["b"])
 
 

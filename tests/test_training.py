@@ -14,7 +14,7 @@ import torch
 import ssdcore
 from ssdcore import BernoulliRBM, DivergenceError, GaussianRBM, OptimizerConfig, Trainer, fit
 from ssdcore.data import synthetic_rbm_data
-from ssdcore.evaluation import exact_log_partition, log_likelihood
+from ssdcore.evaluation import exact_log_partition, log_likelihood, saturated_hidden_fraction
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,10 +144,14 @@ def test_evaluate_reports_the_metrics_fields(synthetic):
         "log_likelihood_stderr",
         "log_likelihood_method",
         "spectral_norm",
+        "saturated_hidden_fraction",
         "wall_time_s",
         "samples_per_second",
     }
     assert set(metrics) == expected_keys
+    assert metrics["saturated_hidden_fraction"] == saturated_hidden_fraction(
+        trainer.model, synthetic[1]
+    )
     assert metrics["step"] == 10 and metrics["log_likelihood_method"] == "exact"
     direct = log_likelihood(trainer.model, synthetic[1], exact_log_partition(trainer.model))
     assert metrics["log_likelihood"] == pytest.approx(direct, rel=1e-6)

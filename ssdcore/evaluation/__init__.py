@@ -1,4 +1,5 @@
-"""Evaluation: reconstruction error, pseudo-log-likelihood, free-energy gap, ‖W‖₂, log Z, log p."""
+"""Evaluation: reconstruction error, pseudo-log-likelihood, free-energy gap, ‖W‖₂, stuck hidden
+units, log Z, log p."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ssdcore.evaluation.metrics import (
     mean_free_energy,
     pseudo_log_likelihood,
     reconstruction_error,
+    saturated_hidden_fraction,
     spectral_norm,
 )
 from ssdcore.evaluation.partition import MAX_ENUMERATED_UNITS, exact_log_partition
@@ -24,5 +26,6 @@ __all__ = [
     "mean_free_energy",
     "pseudo_log_likelihood",
     "reconstruction_error",
+    "saturated_hidden_fraction",
     "spectral_norm",
 ]

@@ -1,6 +1,9 @@
-"""Cheap training metrics: reconstruction error, pseudo-log-likelihood, free-energy gap, ‖W‖₂."""
+"""Cheap training metrics: reconstruction error, pseudo-log-likelihood, free-energy gap, ‖W‖₂,
+the fraction of stuck hidden units."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,13 @@ from ssdcore.models.bernoulli import BernoulliRBM
 _EVAL_ROWS = 1024
 # Elements (rows × flipped units × hidden units) per chunk of the exact pseudo-log-likelihood.
 _PLL_CHUNK_ELEMENTS = 1 << 22
+# A hidden unit is saturated on an example when p(h = 1 | v) is within this of 0 or 1. Its
+# sigmoid's slope p(1 - p) is then below 1e-6, so the unit no longer responds to its input: a
+# CD gradient moves it by a millionth of what it moves an unsaturated unit, and its samples are
+# the same on (almost) every draw. Compared on the hidden input (the logit), where float32
+# still resolves it: p within 1e-6 of 1 is a rounding step or two away from exactly 1.0.
+SATURATION_PROBABILITY = 1e-6
+SATURATION_LOGIT = math.log((1 - SATURATION_PROBABILITY) / SATURATION_PROBABILITY)  # ≈ 13.8
 
 
 @torch.no_grad()
@@ -102,6 +112,22 @@ def mean_free_energy(model: RBM, v: torch.Tensor) -> float:
 def free_energy_gap(model: RBM, train: torch.Tensor, valid: torch.Tensor) -> float:
     """mean F(valid) - mean F(train): grows when the model overfits the training set."""
     return mean_free_energy(model, valid) - mean_free_energy(model, train)
+
+
+@torch.no_grad()
+def saturated_hidden_fraction(model: RBM, v: torch.Tensor) -> float:
+    """Fraction of hidden units saturated on every row of ``v``: stuck units.
+
+    A unit counts when p(h = 1 | v) < SATURATION_PROBABILITY or > 1 - SATURATION_PROBABILITY for
+    each example (either side, per example). Near 1 after a blow-up, when huge weights make
+    every unit deterministic; also high for a Bernoulli RBM whose hidden units all settled "on"
+    to carry the visible biases (binarized Frey Face with SGD), which is no blow-up.
+    """
+    check_visible(v, model.n_visible)
+    stuck = torch.ones(model.n_hidden, dtype=torch.bool, device=v.device)
+    for chunk in v.split(_EVAL_ROWS):
+        stuck &= (model.hidden_input(chunk).abs() > SATURATION_LOGIT).all(dim=0)
+    return float(stuck.float().mean())
 
 
 @torch.no_grad()

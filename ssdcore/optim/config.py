@@ -14,15 +14,13 @@ from torch.optim import Optimizer
 from ssdcore.optim.preconditioned import PreconditionedSSD
 from ssdcore.optim.sgd import SGD
 from ssdcore.optim.ssd import METHODS, SSD
+from ssdcore.step_sizes import default_lr, model_key
 
 OPTIMIZER_NAMES = ("sgd", "nesterov", "ssd", "ssd-preconditioned")
 CONFIG_METHODS = ("auto", *METHODS)
 CONFIG_PRECONDITIONERS = ("rmsprop", "adam")
 # Nesterov without an explicit momentum uses the customary 0.9 (as the service contract says).
 DEFAULT_NESTEROV_MOMENTUM = 0.9
-# Starting step sizes, tuned on the paper's synthetic data (binary, 100 visible units, batch 100);
-# tune for other data. The SSD step scales with ‖σ(G)‖₁, hence its much smaller value.
-DEFAULT_LR = {"sgd": 0.1, "nesterov": 0.03, "ssd": 1e-3, "ssd-preconditioned": 1e-3}
 # Weight decay and the ‖W‖₂ bound concern the interaction matrix only: decaying biases or the
 # (log-)variances towards zero has no regularizing meaning.
 WEIGHT_NAME = "W"
@@ -34,11 +32,16 @@ class OptimizerConfig:
 
     ``OptimizerConfig("sgd", per_parameter={"W": "ssd"})`` is SSD_W/SGD and
     ``OptimizerConfig("ssd", per_parameter={"W": "sgd"})`` is SGD_W/SSD. The two geometries'
-    steps differ in scale by orders of magnitude, so hybrids usually want ``per_parameter_lr``.
+    steps differ in scale by orders of magnitude, so each parameter whose optimizer differs from
+    ``name`` takes its own step size: ``per_parameter_lr`` when given, else the table's default
+    for its optimizer (:mod:`ssdcore.step_sizes`), never ``lr``.
+
+    ``lr=None`` means the table's default for the model the config is applied to; it is resolved
+    by :func:`build_optimizer` (or :meth:`resolved`, for callers that know only the model kind).
     """
 
     name: str = "ssd"  # sgd | nesterov | ssd | ssd-preconditioned
-    lr: float | None = None  # step size, > 0; None: DEFAULT_LR for the name
+    lr: float | None = None  # step size, > 0; None: the step-size table's default for the model
     momentum: float | None = None  # sgd / nesterov groups; None: 0 for sgd, 0.9 for nesterov
     # polar method; auto: on the CPU lowrank for ssd, svd for ssd-preconditioned (whose
     # rescaled gradient has no low-rank factors, so lowrank there means its exact equivalent,
@@ -55,8 +58,6 @@ class OptimizerConfig:
     per_parameter_lr: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.lr is None and self.name in DEFAULT_LR:
-            self.lr = DEFAULT_LR[self.name]
         self.validate()
 
     def validate(self) -> None:
@@ -66,8 +67,11 @@ class OptimizerConfig:
                 f"OptimizerConfig.name: unknown optimizer {self.name!r}; "
                 f"choose one of {OPTIMIZER_NAMES}"
             )
-        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"OptimizerConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if self.lr is not None and not _valid_lr(self.lr):
+            raise ValueError(
+                f"OptimizerConfig.lr must be a finite number > 0 (or None for the default), "
+                f"got {self.lr!r}"
+            )
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise ValueError(
                 f"OptimizerConfig.momentum must be in [0, 1) or None, got {self.momentum!r}"
@@ -102,11 +106,34 @@ class OptimizerConfig:
                     f"choose one of {OPTIMIZER_NAMES}"
                 )
         for parameter, lr in self.per_parameter_lr.items():
-            if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+            if not _valid_lr(lr):
                 raise ValueError(
                     f"OptimizerConfig.per_parameter_lr[{parameter!r}] must be a finite number > 0, "
                     f"got {lr!r}"
                 )
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether every step size is explicit (nothing left for the step-size table)."""
+        return self.lr is not None and all(
+            name == self.name or parameter in self.per_parameter_lr
+            for parameter, name in self.per_parameter.items()
+        )
+
+    def resolved(self, model_kind: str, variance: str | None = None) -> OptimizerConfig:
+        """A copy with every step size explicit, defaults taken from the step-size table.
+
+        ``lr`` (when None) becomes the table's value for ``name``; each ``per_parameter``
+        override with another optimizer and no ``per_parameter_lr`` gets the table's value for
+        its own optimizer. ``model_kind`` / ``variance`` are the arguments of
+        :func:`ssdcore.step_sizes.default_lr` (``ValueError`` names an unknown one).
+        """
+        lr = self.lr if self.lr is not None else default_lr(model_kind, self.name, variance)
+        per_parameter_lr = dict(self.per_parameter_lr)
+        for parameter, name in self.per_parameter.items():
+            if name != self.name and parameter not in per_parameter_lr:
+                per_parameter_lr[parameter] = default_lr(model_kind, name, variance)
+        return dataclasses.replace(self, lr=lr, per_parameter_lr=per_parameter_lr)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (for checkpoints and job specs)."""
@@ -122,6 +149,20 @@ class OptimizerConfig:
                 f"OptimizerConfig: unknown fields {unknown}; known are {sorted(known)}"
             )
         return cls(**data)
+
+
+def _valid_lr(lr: object) -> bool:
+    return isinstance(lr, int | float) and math.isfinite(lr) and lr > 0
+
+
+def resolve_for(model: nn.Module, config: OptimizerConfig) -> OptimizerConfig:
+    """``config`` with every step size explicit for ``model`` (unchanged when already so).
+
+    ``ValueError`` when a default is needed but ``model`` is not an RBM the table covers.
+    """
+    if config.is_resolved:
+        return config
+    return config.resolved(*model_key(model))
 
 
 def _auto_method(preconditioned: bool, device: torch.device) -> str:
@@ -172,7 +213,8 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> Optimizer:
 
     Groups carry their parameter's name (``group["name"]``). All-Euclidean configurations give
     :class:`~ssdcore.optim.SGD`; any spectral group gives :class:`~ssdcore.optim.SSD` (or
-    :class:`~ssdcore.optim.PreconditionedSSD`), whose Euclidean groups take SGD steps.
+    :class:`~ssdcore.optim.PreconditionedSSD`), whose Euclidean groups take SGD steps. Step sizes
+    left unset come from the step-size table for ``model`` (see :func:`resolve_for`).
     """
     config.validate()
     parameters = dict(model.named_parameters())
@@ -183,6 +225,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> Optimizer:
                 f"OptimizerConfig.{field_name}: unknown parameter names {unknown}; "
                 f"this model has {sorted(parameters)}"
             )
+    config = resolve_for(model, config)
     names = {p: config.per_parameter.get(p, config.name) for p in parameters}
     device = next(iter(parameters.values())).device
     groups = [

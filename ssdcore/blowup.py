@@ -1,0 +1,273 @@
+"""Blow-up detection and step-size backoff.
+
+Divergence is more than NaN/Inf: a Gaussian RBM on Frey Face at SSD lr 0.01 ends with a
+reconstruction error of 4e26 and ‖W‖₂ = 4.5e12, all finite. :class:`BlowUpDetector` watches
+the metric dicts of :meth:`ssdcore.Trainer.evaluate` and says when a run has blown up, with a
+:class:`BlowUp` naming the step, the metric, its value and the reference it was compared to.
+``ssdcore.fit`` (and the service's worker) answer a blow-up by rolling back to the last healthy
+evaluation and dividing every step size by :data:`BACKOFF_FACTOR`, at most
+:data:`DEFAULT_MAX_BACKOFFS` times.
+
+Criteria, in the order they are checked:
+
+1. a metric is NaN or Inf;
+2. the reconstruction error is RECONSTRUCTION_GROWTH times its best so far (the best includes
+   the value before training, so a run that blows up in its first steps is caught);
+3. ‖W‖₂ is SPECTRAL_NORM_GROWTH times its reference: the first ‖W‖₂ observed, or
+   SPECTRAL_NORM_FLOOR when that is smaller (the default initialization gives 0.15-0.5);
+4. at least STUCK_FRACTION of the hidden units are stuck (``saturated_hidden_fraction``) while
+   ‖W‖₂ is STUCK_NORM_GROWTH times its reference.
+
+Calibration (``tests/test_step_sizes.py`` and ``tests/test_blowup.py`` repeat short versions).
+Good runs: 118 runs at the step-size table's values, on every built-in dataset with the
+service's preprocessing × {Bernoulli, Gaussian of every variance form} × {sgd, nesterov, ssd,
+ssd-preconditioned}, n_hidden 32 and 200 for 200-1,000 steps (3,000 for one), and MNIST at
+n_hidden 500 for 500-1,500 steps, evaluated every 25-75 steps: no alarm. Their reconstruction
+error rose at most 6.2× over its best so far (the Gaussian SSD run's slow late drift on
+standardized MNIST at n_hidden 500, 291 → 1,805 by step 1,500; every other run 2.4× or less),
+‖W‖₂ reached at most 141 (preconditioned SSD, Bernoulli, Frey Face, n_hidden 200, 1,000 steps),
+and the runs with 90% or more of their units stuck (Bernoulli RBMs on binarized Frey Face with
+SGD or Nesterov, whose hidden units all settle "on" at any step size) had ‖W‖₂ of 16 at most.
+Bad runs: the 24 dataset × model (Bernoulli, Gaussian diagonal) × optimizer combinations at
+n_hidden 32 for 300 steps, at 100× and 10⁴× the table's value and at lr 10⁶. All 48 runs at
+10⁴× and 10⁶ are caught at their first evaluation (step 25), or earlier by the trainer's NaN
+check: Gaussian errors 10³-10²⁶× their best, Bernoulli ‖W‖₂ from 7·10³ to 2.6·10⁹ (a
+Bernoulli RBM's error is bounded by its number of pixels and grew at most 3×). At 100×, 15
+of 24 are caught (errors 11-10⁹× their best, or most units stuck at ‖W‖₂ 59-476); the nine
+others show no blow-up in these metrics: five Gaussian runs end below their starting error
+(preconditioned SSD on each dataset, SGD and SSD on the binary synthetic data), and four
+Bernoulli runs on MNIST settle at 1.5-2.6× the error of the table's step (54-89 against 34-37)
+with ‖W‖₂ 320-760, within 6× of healthy runs, whose ‖W‖₂ keeps growing with training.
+
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ssdcore.errors import BlowUpError, DivergenceError
+
+__all__ = [
+    "BACKOFF_FACTOR",
+    "DEFAULT_MAX_BACKOFFS",
+    "BlowUp",
+    "BlowUpDetector",
+    "BlowUpError",
+    "blowup_from_error",
+    "suggested_lr",
+]
+
+# --- thresholds (see the module docstring for the calibration runs) ---------------------------
+# An order of magnitude: good runs rose at most 6.2× over their best error, blow-ups 11× (a
+# Gaussian RBM on Frey Face with Nesterov at 100× its step) to 10²⁶×.
+RECONSTRUCTION_GROWTH = 10.0
+# Smallest best error the growth is measured against, so data that a model reconstructs almost
+# exactly (an error near 0) does not turn rounding noise into a blow-up.
+RECONSTRUCTION_FLOOR = 1e-3
+# Good runs reached ‖W‖₂ ≤ 141 from a reference of 1 (the floor), blow-ups of Bernoulli RBMs
+# 7·10³ and more (Gaussian ones grow further still, after their error has given them away).
+SPECTRAL_NORM_GROWTH = 1000.0
+# ‖W‖₂ reference floor: the default initialization (std 0.01) gives 0.15-0.5; a model that
+# starts at W = 0 must not make every later ‖W‖₂ an infinite growth. Calibrated on data of unit
+# scale (binary, [0, 1] or standardized): W grows with the data's scale, so standardize.
+SPECTRAL_NORM_FLOOR = 1.0
+# "Almost all" hidden units stuck: the bad runs this criterion catches had 91-100% stuck.
+STUCK_FRACTION = 0.9
+# Stuck units alone are no blow-up: a Bernoulli RBM on binarized Frey Face with SGD settles with
+# all of them "on" (carrying the visible biases) at any step size, so backing off cannot help;
+# its ‖W‖₂ stays about 14-16, and Gaussian RBMs on binary data, whose small variances make
+# units decisive, stay below 5. Stuck bad runs had ‖W‖₂ of 59 and more (margins: 3.2× above
+# the good runs, 1.2× below the mildest bad one).
+STUCK_NORM_GROWTH = 50.0
+
+# --- backoff ------------------------------------------------------------------------------------
+# Blow-ups a run may recover from (each divides the step sizes by BACKOFF_FACTOR); the service's
+# job spec takes these as its defaults.
+DEFAULT_MAX_BACKOFFS = 3
+# One backoff divides every step size by this: a decade, the granularity of the tuning grids.
+BACKOFF_FACTOR = 10.0
+
+# Metrics that are bookkeeping rather than measurements of the model.
+_NOT_MEASUREMENTS = frozenset({"step", "total_steps", "wall_time_s", "samples_per_second"})
+
+
+@dataclass(frozen=True)
+class BlowUp:
+    """A blown-up run: which metric, at which step, against which reference.
+
+    ``criterion`` is ``"non-finite"`` (``reference`` is None), ``"growth"`` (``value`` is
+    ``reference`` times a factor beyond the threshold) or ``"stuck"`` (``value`` is the stuck
+    fraction, ``reference`` the limit STUCK_FRACTION it reached; ``detail`` gives ‖W‖₂).
+    """
+
+    step: int
+    metric: str
+    value: float
+    reference: float | None
+    criterion: str
+    reference_name: str = ""  # what the reference is, e.g. "its best so far"
+    detail: str = ""
+
+    def describe(self) -> str:
+        """One line for logs and error messages, e.g. "reconstruction_error 4.1e+26 at step 300
+        is 1.02e+24× its best so far (step 0) 402.1"."""
+        where = f"{self.metric} {self.value:.3g} at step {self.step}"
+        if self.criterion == "non-finite":
+            text = f"{where} is not finite"
+        elif self.criterion == "growth" and self.reference:
+            ratio = self.value / self.reference
+            text = f"{where} is {ratio:.3g}× {self.reference_name} {self.reference:.4g}"
+        else:
+            text = f"{where} reaches {self.reference_name} {self.reference:.3g}"
+        return f"{text} ({self.detail})" if self.detail else text
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+class BlowUpDetector:
+    """Watches metric dicts (``Trainer.evaluate()``) and reports the first blow-up it sees.
+
+    Feed it every evaluation in order, starting with the one before training
+    (:meth:`observe`). References (the best reconstruction error, the ‖W‖₂ reference) are
+    taken from healthy evaluations only. :meth:`state_dict` is plain JSON, so a resumed job
+    keeps them.
+    """
+
+    def __init__(self) -> None:
+        self.best_reconstruction_error: float | None = None
+        self.best_step: int | None = None
+        self.spectral_norm_reference: float | None = None
+        self.observations = 0
+
+    def observe(self, metrics: Mapping[str, Any]) -> BlowUp | None:
+        """The blow-up these metrics show, or None (then they update the references)."""
+        step = int(metrics.get("step", 0))
+        blowup = (
+            _non_finite(metrics, step)
+            or self._reconstruction_growth(metrics, step)
+            or self._norm_growth(metrics, step)
+            or self._stuck(metrics, step)
+        )
+        if blowup is None:
+            self._update(metrics, step)
+        return blowup
+
+    # --- criteria -------------------------------------------------------------------------
+
+    def _reconstruction_growth(self, metrics: Mapping[str, Any], step: int) -> BlowUp | None:
+        error = metrics.get("reconstruction_error")
+        if error is None or self.best_reconstruction_error is None:
+            return None
+        reference = max(self.best_reconstruction_error, RECONSTRUCTION_FLOOR)
+        if error <= RECONSTRUCTION_GROWTH * reference:
+            return None
+        return BlowUp(
+            step,
+            "reconstruction_error",
+            float(error),
+            self.best_reconstruction_error,
+            "growth",
+            f"its best so far (step {self.best_step})",
+        )
+
+    def _norm_growth(self, metrics: Mapping[str, Any], step: int) -> BlowUp | None:
+        norm = metrics.get("spectral_norm")
+        if norm is None or self.spectral_norm_reference is None:
+            return None
+        if norm <= SPECTRAL_NORM_GROWTH * self.spectral_norm_reference:
+            return None
+        return BlowUp(
+            step,
+            "spectral_norm",
+            float(norm),
+            self.spectral_norm_reference,
+            "growth",
+            f"its reference (the first ‖W‖₂ seen, at least {SPECTRAL_NORM_FLOOR:g})",
+        )
+
+    def _stuck(self, metrics: Mapping[str, Any], step: int) -> BlowUp | None:
+        stuck = metrics.get("saturated_hidden_fraction")
+        norm = metrics.get("spectral_norm")
+        if stuck is None or norm is None or self.spectral_norm_reference is None:
+            return None
+        if stuck < STUCK_FRACTION or norm <= STUCK_NORM_GROWTH * self.spectral_norm_reference:
+            return None
+        ratio = norm / self.spectral_norm_reference
+        return BlowUp(
+            step,
+            "saturated_hidden_fraction",
+            float(stuck),
+            STUCK_FRACTION,
+            "stuck",
+            "the stuck-unit limit",
+            f"with ‖W‖₂ {norm:.3g}, {ratio:.3g}× its reference {self.spectral_norm_reference:.3g}",
+        )
+
+    def _update(self, metrics: Mapping[str, Any], step: int) -> None:
+        self.observations += 1
+        error = metrics.get("reconstruction_error")
+        if error is not None and (
+            self.best_reconstruction_error is None or error < self.best_reconstruction_error
+        ):
+            self.best_reconstruction_error = float(error)
+            self.best_step = step
+        norm = metrics.get("spectral_norm")
+        if norm is not None and self.spectral_norm_reference is None:
+            self.spectral_norm_reference = max(float(norm), SPECTRAL_NORM_FLOOR)
+
+    # --- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The references as plain JSON types (finite floats, ints, None)."""
+        return {
+            "best_reconstruction_error": self.best_reconstruction_error,
+            "best_step": self.best_step,
+            "spectral_norm_reference": self.spectral_norm_reference,
+            "observations": self.observations,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (``ValueError`` naming a missing key)."""
+        missing = sorted(set(self.state_dict()) - set(state))
+        if missing:
+            raise ValueError(f"blow-up detector state lacks {missing}")
+        self.best_reconstruction_error = _optional_float(state["best_reconstruction_error"])
+        self.best_step = None if state["best_step"] is None else int(state["best_step"])
+        self.spectral_norm_reference = _optional_float(state["spectral_norm_reference"])
+        self.observations = int(state["observations"])
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _non_finite(metrics: Mapping[str, Any], step: int) -> BlowUp | None:
+    """The first measured metric that is NaN or Inf."""
+    for name, value in metrics.items():
+        if name in _NOT_MEASUREMENTS or isinstance(value, bool):
+            continue
+        if isinstance(value, int | float) and not math.isfinite(value):
+            return BlowUp(step, name, float(value), None, "non-finite")
+    return None
+
+
+def blowup_from_error(error: DivergenceError, step: int) -> BlowUp:
+    """The :class:`BlowUp` of a :class:`~ssdcore.DivergenceError` raised by training.
+
+    ``step`` is used when the error does not carry the step that failed (``error.step``).
+    """
+    failed = error.step if error.step is not None else step
+    return BlowUp(failed, "parameters", math.nan, None, "non-finite", detail=str(error))
+
+
+def suggested_lr(current_lr: float, factor: float = BACKOFF_FACTOR) -> float:
+    """The step size to suggest after a blow-up at ``current_lr``: one backoff smaller."""
+    if not (math.isfinite(current_lr) and current_lr > 0):
+        raise ValueError(f"current_lr must be a finite number > 0, got {current_lr!r}")
+    if not (math.isfinite(factor) and factor > 1):
+        raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
+    return current_lr / factor
