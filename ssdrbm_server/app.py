@@ -223,7 +223,7 @@ async def serve(
 def _start_worker(settings: Settings) -> tuple[Worker, asyncio.Task[None]]:
     from ssdrbm_server.worker import Worker  # the worker pulls in training; only when it runs here
 
-    worker = Worker.from_settings(settings, worker_id=settings.worker_id or default_worker_id())
+    worker = Worker(settings.replace(worker_id=settings.worker_id or default_worker_id()))
     logger.info("worker %s runs in this process", worker.worker_id)
     return worker, asyncio.create_task(worker.run())
 

@@ -1,7 +1,8 @@
 """The built-in datasets a job may name, with their options, widths and example counts.
 
-Validation needs a dataset's width (n_visible) and size (examples, for epochs → steps) before
-the job is queued, without loading it. Real datasets are read from the server's data directory.
+The resolver needs a dataset's width (n_visible) and size (examples, for epochs → steps) before
+the job is queued, without loading it. Real datasets are read from the server's data directory
+(``data_directory``: the one place it is decided, for the API and the training process alike).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ssdcore.data.paths import default_data_dir
+from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import FailedPreconditionError, InvalidArgumentError
 
+FREY_FACE_FILE = "frey_rawface.mat"
 FREY_FACE_EXAMPLES = 1965
 FREY_FACE_WIDTH = 20 * 28
 MNIST_WIDTH = 28 * 28
@@ -48,6 +52,16 @@ class DatasetShape:
 
     n_visible: int
     n_examples: int
+
+
+def data_directory(settings: Settings) -> Path:
+    """Where the real datasets are: SSDRBM_DATA_DIR, else ssdcore's default (../shared/data)."""
+    return Path(settings.data_dir) if settings.data_dir else default_data_dir()
+
+
+def is_image(name: str) -> bool:
+    """Whether built-in dataset ``name`` holds pixel intensities (its natural preprocessing)."""
+    return name in IMAGE_DATASETS
 
 
 def builtin_names() -> list[str]:
@@ -89,15 +103,15 @@ def parse_options(name: str, options: Mapping[str, str], field: str) -> dict[str
     return parsed
 
 
-def builtin_shape(name: str, options: Mapping[str, int], data_dir: str) -> DatasetShape:
+def builtin_shape(name: str, options: Mapping[str, int], settings: Settings) -> DatasetShape:
     """Width and example count of a built-in dataset, given its parsed options."""
     if name == "synthetic":
         return DatasetShape(options["n_visible"], options["n_samples"])
     if name == "mnist":
-        count = _mnist_count(Path(data_dir) / "mnist")
+        count = _mnist_count(mnist_directory(settings))
         width = MNIST_WIDTH
     else:
-        path = Path(data_dir) / "freyface" / "frey_rawface.mat"
+        path = frey_face_path(settings)
         if not path.is_file():
             raise FailedPreconditionError(
                 f"dataset 'freyface' is not installed on this server (missing {path}); "
@@ -108,6 +122,14 @@ def builtin_shape(name: str, options: Mapping[str, int], data_dir: str) -> Datas
     if limit:
         count = min(count, limit)
     return DatasetShape(width, count)
+
+
+def mnist_directory(settings: Settings) -> Path:
+    return data_directory(settings) / "mnist"
+
+
+def frey_face_path(settings: Settings) -> Path:
+    return data_directory(settings) / "freyface" / FREY_FACE_FILE
 
 
 def _mnist_count(directory: Path) -> int:

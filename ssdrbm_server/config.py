@@ -10,15 +10,11 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ssdrbm_server.cpus import beyond_host, parse_cpu_list
 
 ENV_PREFIX = "SSDRBM_"
-
-# ../shared/data relative to the repository, the same default ssdcore.data uses.
-DEFAULT_DATA_DIR = str(Path(__file__).resolve().parent.parent.parent / "shared" / "data")
 
 
 class ConfigError(ValueError):
@@ -39,7 +35,9 @@ class Settings:
     redis_prefix: str = "ssdrbm:"  # every key starts with it, so one Redis can host several
     # true: redis_url names one node of a Redis Cluster (the other nodes are discovered from it)
     redis_cluster: bool = False
-    data_dir: str = DEFAULT_DATA_DIR  # built-in real datasets (MNIST, Frey Face)
+    # built-in real datasets (MNIST, Frey Face); empty: ssdcore's default, ../shared/data next to
+    # the repository (ssdrbm_server/catalog.py data_directory decides, for every process)
+    data_dir: str = ""
 
     # Limits, each answered with its own RESOURCE_EXHAUSTED message
     max_message_bytes: int = 64 * 1024 * 1024  # one gRPC message, both directions
@@ -50,6 +48,7 @@ class Settings:
     max_string_length: int = 256  # names, ids and option values in requests
 
     # Training defaults filled into a job's spec when the request leaves them at zero
+    default_steps: int = 1000  # when the request gives neither steps nor epochs
     default_batch_size: int = 100
     default_eval_every: int = 100  # steps between metric events
     default_checkpoint_every: int = 500  # steps between checkpoints
@@ -79,6 +78,10 @@ class Settings:
     training_cpus: str = ""
     worker_id: str = ""  # empty: derived from host name and process id
     lease_seconds: float = 10.0  # a dead worker's job is taken over this long after it died
+    # lease renewal and cancel check while a job trains: a cancel lands within about this long
+    heartbeat_seconds: float = 0.5
+    worker_poll_ms: int = 500  # blocking queue read; bounds how long a stop waits for the loop
+    stop_timeout_seconds: float = 60.0  # a graceful stop waits this long for the checkpoint
     checkpoint_keep: int = 3  # checkpoints kept per job: the newest and older ones to fall back on
     torch_threads: int = 0  # CPU threads of each training process; 0: torch's default
 
@@ -120,15 +123,23 @@ class Settings:
             "max_streams",
             "stream_buffer_events",
             "max_string_length",
+            "default_steps",
             "default_batch_size",
             "default_eval_every",
             "default_checkpoint_every",
             "serving_threads",
             "model_cache_size",
+            "worker_poll_ms",
         ]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"SSDRBM_{name.upper()} must be at least 1")
+        if self.lease_seconds <= 2 * self.heartbeat_seconds:
+            raise ConfigError(
+                f"SSDRBM_LEASE_SECONDS ({self.lease_seconds}) must exceed twice "
+                f"SSDRBM_HEARTBEAT_SECONDS ({self.heartbeat_seconds}), or a healthy worker would "
+                "lose its lease"
+            )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("set both SSDRBM_TLS_CERT_FILE and SSDRBM_TLS_KEY_FILE, or neither")
         for name in ("serving_cpus", "training_cpus"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 from ssdrbm.v1 import rbm_pb2
 
@@ -52,19 +53,23 @@ def job_to_proto(record: JobRecord) -> rbm_pb2.Job:
     job.spec.ParseFromString(record.spec)
     if record.latest_metrics:
         job.latest_metrics.ParseFromString(record.latest_metrics)
+    job.backoffs = record.backoffs
+    if record.runtime:
+        json_format.Parse(record.runtime, job.runtime)
     return job
 
 
 def event_to_proto(
     job_id: str, token: str, kind: str, data: bytes, time_s: float | None = None
 ) -> rbm_pb2.MetricEvent:
-    """The wire MetricEvent for one stream entry (kind "metrics" or "state")."""
+    """The wire MetricEvent for one stream entry (kind "metrics", "state" or "backoff")."""
     event = rbm_pb2.MetricEvent(resume_token=token, job_id=job_id, time=_timestamp(time_s))
-    if kind == "state":
-        event.state.ParseFromString(data)
-    else:
-        event.metrics.ParseFromString(data)
+    getattr(event, _EVENT_FIELDS[kind]).ParseFromString(data)
     return event
+
+
+# stream entry kind -> the MetricEvent field that carries it
+_EVENT_FIELDS = {"metrics": "metrics", "state": "state", "backoff": "backoff"}
 
 
 def token_time(token: str) -> float:

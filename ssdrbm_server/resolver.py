@@ -1,30 +1,49 @@
-"""Validation of StartTrainingRequest, with every default filled in.
+"""The one place a StartTrainingRequest becomes a job's spec: every field resolved and checked.
 
-A job's stored spec is the request as validated here: zero values that mean "server default"
-are replaced by the actual defaults, so the worker never guesses. Each problem is reported as
-INVALID_ARGUMENT naming the field (``optimizer.lr``, ``training.cd_k``, ...) and the fix.
+``resolve`` is called once, in StartTraining. What it returns is stored with the job and used
+verbatim by the worker, which has no defaults of its own. Fields left unset take the server's
+defaults from their owners: step sizes from ssdcore's table (ssdcore/step_sizes.py), blow-up
+recovery from ssdcore/blowup.py, the server-tunable counts from ``Settings``, dataset options
+from the catalog. The one choice that depends on the worker's device, the SSD polar method,
+is stored as AUTO; the worker resolves it once and records what ran in the job's runtime.
+Fields that do not apply to the job (a Bernoulli model's variance, a non-SSD job's polar method)
+stay unset.
 
-Validation happens in two parts: ``check_request`` needs only the request, and
-``apply_dataset`` finishes the checks that depend on the dataset's width and size (the variance
-kind, batch size, epochs → total steps) once the servicer has resolved the dataset.
+Each problem is an INVALID_ARGUMENT naming the field (``optimizer.lr``, ``training.cd_k``, ...)
+and the fix.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
-from ssdrbm.v1 import rbm_pb2
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from ssdrbm.v1 import rbm_pb2 as pb
 
+from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
 from ssdcore.data import split_sizes
+from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
+from ssdcore.optim.config import DEFAULT_NESTEROV_MOMENTUM
+from ssdcore.step_sizes import default_lr, step_size_table
 from ssdcore.training import steps_per_epoch
 from ssdrbm_server import catalog
 from ssdrbm_server.catalog import DatasetShape
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import InvalidArgumentError
-
-pb = rbm_pb2
+from ssdrbm_server.request_checks import check_text, enum_value, finite
+from ssdrbm_server.store.datasets import DatasetInfo
+from ssdrbm_server.vocabulary import (
+    MODEL_NAMES,
+    MODELS_BY_NAME,
+    OPTIMIZER_NAMES,
+    OPTIMIZERS_BY_NAME,
+    SSD_KINDS,
+    VARIANCE_NAMES,
+    VARIANCES_BY_NAME,
+)
 
 MAX_HIDDEN = 1 << 16
 MAX_BATCH_SIZE = 1 << 16
@@ -32,10 +51,11 @@ MAX_CD_K = 10_000
 MAX_AIS_CHAINS = 100_000
 MAX_AIS_BETAS = 1_000_000
 MAX_REQUEST_ID_LENGTH = 128
-NESTEROV_DEFAULT_MOMENTUM = 0.9
+MAX_BACKOFFS = 100
 DEFAULT_CD_K = 1
+DEFAULT_DATASET = "synthetic"  # the paper's generator: needs no files, so it is always there
+INTEGER_DTYPES = frozenset({"uint8"})  # uploads that hold pixel intensities, not probabilities
 
-SSD_KINDS = (pb.OPTIMIZER_KIND_SSD, pb.OPTIMIZER_KIND_SSD_PRECONDITIONED)
 BASE_PARAMETERS = ("W", "b", "a")
 VARIANCE_PARAMETERS = {
     pb.VARIANCE_KIND_IDENTITY: (),
@@ -44,52 +64,348 @@ VARIANCE_PARAMETERS = {
     pb.VARIANCE_KIND_FULL: ("precision",),
 }
 
+UploadLookup = Callable[[str], Awaitable[DatasetInfo]]
+
 
 @dataclass(frozen=True)
-class ValidatedJob:
-    """A spec ready to store: defaults filled, consistent with its dataset."""
+class ResolvedJob:
+    """A spec ready to store: every default filled, consistent with its dataset."""
 
-    spec: rbm_pb2.StartTrainingRequest
+    spec: pb.StartTrainingRequest
     total_steps: int
     n_visible: int
     n_examples: int
 
 
-def check_request(
-    request: rbm_pb2.StartTrainingRequest, settings: Settings
-) -> rbm_pb2.StartTrainingRequest:
-    """A copy of ``request`` with defaults filled; raises InvalidArgumentError naming the field.
+async def resolve(
+    request: pb.StartTrainingRequest, settings: Settings, find_upload: UploadLookup
+) -> ResolvedJob:
+    """The fully resolved spec of ``request`` (which is left unchanged).
 
-    Checks everything that does not depend on the dataset's contents.
+    ``find_upload(dataset_id)`` gives an uploaded dataset's shape and dtype (NotFoundError when
+    the caller cannot see it).
     """
-    spec = rbm_pb2.StartTrainingRequest()
+    spec = pb.StartTrainingRequest()
     spec.CopyFrom(request)
-    _check_text(spec.request_id, "request_id", MAX_REQUEST_ID_LENGTH)
-    _check_text(spec.name, "name", settings.max_string_length)
-    _check_model(spec.model)
-    _check_optimizer(spec.optimizer, spec.model)
-    _check_training(spec.training, settings)
-    _check_eval(spec.eval, settings)
-    _check_dataset_ref(spec.dataset, spec.model, settings)
-    return spec
+    spec.validate_only = False  # how this call was made, not part of the job
+    check_text(spec.request_id, "request_id", MAX_REQUEST_ID_LENGTH)
+    check_text(spec.name, "name", settings.max_string_length)
+    _resolve_model(spec.model)
+    _resolve_optimizer(spec.optimizer, spec.model)
+    _resolve_training(spec.training, settings)
+    _resolve_eval(spec.eval, settings)
+    upload = await _resolve_dataset_ref(spec.dataset, settings, find_upload)
+    shape = (
+        DatasetShape(n_visible=math.prod(upload.shape[1:]), n_examples=upload.shape[0])
+        if upload is not None
+        else catalog.builtin_shape(spec.dataset.builtin.name, _options(spec), settings)
+    )
+    _resolve_preprocess(spec.dataset, spec.model, upload)
+    return _with_dataset(spec, shape, settings)
 
 
-def builtin_dataset_shape(spec: rbm_pb2.StartTrainingRequest, settings: Settings) -> DatasetShape:
-    """Width and size of the spec's built-in dataset (after ``check_request``)."""
-    builtin = spec.dataset.builtin
-    options = catalog.parse_options(builtin.name, builtin.options, "dataset.builtin")
-    return catalog.builtin_shape(builtin.name, options, settings.data_dir)
+def training_defaults(settings: Settings) -> pb.TrainingDefaults:
+    """The table GetTrainingDefaults answers with: step sizes and a resolved minimal request."""
+    table = pb.TrainingDefaults()
+    for entry in step_size_table():
+        table.step_sizes.add(
+            model=MODELS_BY_NAME[entry.model_kind],
+            variance=VARIANCES_BY_NAME.get(entry.variance, pb.VARIANCE_KIND_UNSPECIFIED),
+            optimizer=OPTIMIZERS_BY_NAME[entry.optimizer],
+            lr=entry.lr,
+            source=entry.source,
+        )
+    example = pb.StartTrainingRequest(model=pb.ModelSpec(n_hidden=16))
+    _resolve_model(example.model)
+    _resolve_optimizer(example.optimizer, example.model)
+    _resolve_training(example.training, settings)
+    _resolve_eval(example.eval, settings)
+    example.dataset.builtin.name = DEFAULT_DATASET
+    _resolve_builtin(example.dataset.builtin, settings)
+    _resolve_preprocess(example.dataset, example.model, None)
+    table.example.CopyFrom(example)
+    return table
 
 
-def uploaded_dataset_shape(shape: tuple[int, ...]) -> DatasetShape:
-    """Width and size of an uploaded dataset of ``shape`` (examples first, then features)."""
-    return DatasetShape(n_visible=math.prod(shape[1:]), n_examples=shape[0])
+def first_difference(a: Message, b: Message, prefix: str = "") -> str | None:
+    """The first field (in declaration order, dotted path) where two messages differ; a field
+    left unset differs from one set to its zero value."""
+    for field in a.DESCRIPTOR.fields:
+        name = f"{prefix}{field.name}"
+        left, right = getattr(a, field.name), getattr(b, field.name)
+        if _is_submessage(field):
+            difference = first_difference(left, right, f"{name}.")
+            if difference:
+                return difference
+        elif _is_map(field):
+            if dict(left) != dict(right):
+                return name
+        elif left != right or _presence(a, field) != _presence(b, field):
+            return name
+    return None
 
 
-def apply_dataset(
-    spec: rbm_pb2.StartTrainingRequest, dataset: DatasetShape, settings: Settings
-) -> ValidatedJob:
-    """Finish validation with the dataset's width and size; computes ``total_steps``."""
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
+
+
+def _is_submessage(field: FieldDescriptor) -> bool:
+    return field.message_type is not None and not field.is_repeated
+
+
+def _presence(message: Message, field: FieldDescriptor) -> bool | None:
+    return message.HasField(field.name) if field.has_presence else None
+
+
+def parameter_names(model: pb.ModelSpec) -> tuple[str, ...]:
+    """Names of the model's parameters, as optimizer.per_parameter uses them."""
+    if model.kind == pb.MODEL_KIND_GAUSSIAN:
+        return BASE_PARAMETERS + VARIANCE_PARAMETERS[model.variance]
+    return BASE_PARAMETERS
+
+
+# --- model ------------------------------------------------------------------------------------
+
+
+def _resolve_model(model: pb.ModelSpec) -> None:
+    enum_value(pb.ModelKind, model.kind, "model.kind")
+    enum_value(pb.VarianceKind, model.variance, "model.variance")
+    if model.kind == pb.MODEL_KIND_UNSPECIFIED:
+        model.kind = pb.MODEL_KIND_BERNOULLI
+    # The model's variances live in [min_variance, 1e4]; 1 is far above any useful floor.
+    if not 0 <= finite(model.min_variance, "model.min_variance") < 1:
+        raise InvalidArgumentError(
+            "model.min_variance",
+            f"must be in [0, 1) (0 = the default {DEFAULT_MIN_VARIANCE}), got {model.min_variance}",
+        )
+    if model.kind == pb.MODEL_KIND_GAUSSIAN:
+        if model.variance == pb.VARIANCE_KIND_UNSPECIFIED:
+            model.variance = pb.VARIANCE_KIND_DIAGONAL
+        if model.min_variance == 0:
+            model.min_variance = DEFAULT_MIN_VARIANCE
+    else:
+        for name, value in (("variance", model.variance), ("min_variance", model.min_variance)):
+            if value:
+                raise InvalidArgumentError(
+                    f"model.{name}", "applies to Gaussian models only; leave it unset for Bernoulli"
+                )
+    if model.n_hidden < 1:
+        raise InvalidArgumentError("model.n_hidden", "is required and must be at least 1")
+    if model.n_hidden > MAX_HIDDEN:
+        raise InvalidArgumentError(
+            "model.n_hidden", f"must be at most {MAX_HIDDEN}, got {model.n_hidden}"
+        )
+
+
+# --- optimizer --------------------------------------------------------------------------------
+
+
+def _resolve_optimizer(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> None:
+    enum_value(pb.OptimizerKind, optimizer.kind, "optimizer.kind")
+    enum_value(pb.PolarMethod, optimizer.method, "optimizer.method")
+    enum_value(pb.Preconditioner, optimizer.preconditioner, "optimizer.preconditioner")
+    if optimizer.kind == pb.OPTIMIZER_KIND_UNSPECIFIED:
+        optimizer.kind = pb.OPTIMIZER_KIND_SSD
+    _check_per_parameter(optimizer, model)
+    if not optimizer.HasField("lr"):
+        optimizer.lr = _default_lr(model, optimizer.kind)
+    # NaN fails every comparison, so `not lr > 0` also refuses it.
+    if not finite(optimizer.lr, "optimizer.lr") > 0:
+        raise InvalidArgumentError("optimizer.lr", f"must be > 0, got {optimizer.lr}")
+    for name, kind in optimizer.per_parameter.items():
+        if name not in optimizer.per_parameter_lr:
+            optimizer.per_parameter_lr[name] = _default_lr(model, kind)
+    kinds = {optimizer.kind, *optimizer.per_parameter.values()}
+    if not optimizer.HasField("momentum"):
+        nesterov = pb.OPTIMIZER_KIND_NESTEROV in kinds
+        optimizer.momentum = DEFAULT_NESTEROV_MOMENTUM if nesterov else 0.0
+    if not 0 <= finite(optimizer.momentum, "optimizer.momentum") < 1:
+        raise InvalidArgumentError(
+            "optimizer.momentum", f"must be in [0, 1), got {optimizer.momentum}"
+        )
+    if not finite(optimizer.weight_decay, "optimizer.weight_decay") >= 0:
+        raise InvalidArgumentError(
+            "optimizer.weight_decay", f"must be >= 0, got {optimizer.weight_decay}"
+        )
+    if not finite(optimizer.max_spectral_norm, "optimizer.max_spectral_norm") >= 0:
+        raise InvalidArgumentError(
+            "optimizer.max_spectral_norm",
+            f"must be >= 0 (0 = unbounded), got {optimizer.max_spectral_norm}",
+        )
+    if optimizer.rank > MAX_HIDDEN:
+        raise InvalidArgumentError("optimizer.rank", f"must be at most {MAX_HIDDEN}")
+    _resolve_spectral_choices(optimizer, kinds)
+
+
+def _default_lr(model: pb.ModelSpec, kind: int) -> float:
+    variance = VARIANCE_NAMES.get(model.variance) if model.kind == pb.MODEL_KIND_GAUSSIAN else None
+    return default_lr(MODEL_NAMES[model.kind], OPTIMIZER_NAMES[kind], variance)
+
+
+def _check_per_parameter(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> None:
+    allowed = parameter_names(model)
+    for name, kind in optimizer.per_parameter.items():
+        field = f"optimizer.per_parameter[{name}]"
+        _check_parameter_name(name, allowed, field)
+        if enum_value(pb.OptimizerKind, kind, field) == pb.OPTIMIZER_KIND_UNSPECIFIED:
+            raise InvalidArgumentError(field, "name an optimizer kind (SGD, NESTEROV, SSD, ...)")
+    for name, lr in optimizer.per_parameter_lr.items():
+        field = f"optimizer.per_parameter_lr[{name}]"
+        _check_parameter_name(name, allowed, field)
+        if not finite(lr, field) > 0:
+            raise InvalidArgumentError(field, f"must be > 0, got {lr}")
+
+
+def _check_parameter_name(name: str, allowed: tuple[str, ...], field: str) -> None:
+    if name not in allowed:
+        raise InvalidArgumentError(
+            field, f"unknown parameter {name!r}; this model has {list(allowed)}"
+        )
+
+
+def _resolve_spectral_choices(optimizer: pb.OptimizerSpec, kinds: set[int]) -> None:
+    """SSD jobs get AUTO for an unset polar method; the worker picks it for its device."""
+    if kinds & SSD_KINDS:
+        if optimizer.method == pb.POLAR_METHOD_UNSPECIFIED:
+            optimizer.method = pb.POLAR_METHOD_AUTO
+    elif optimizer.method != pb.POLAR_METHOD_UNSPECIFIED:
+        raise InvalidArgumentError(
+            "optimizer.method", "applies to SSD only; leave it unset for SGD and Nesterov"
+        )
+    if pb.OPTIMIZER_KIND_SSD_PRECONDITIONED in kinds:
+        if optimizer.preconditioner == pb.PRECONDITIONER_UNSPECIFIED:
+            optimizer.preconditioner = pb.PRECONDITIONER_RMSPROP
+    elif optimizer.preconditioner != pb.PRECONDITIONER_UNSPECIFIED:
+        raise InvalidArgumentError(
+            "optimizer.preconditioner",
+            "applies to SSD_PRECONDITIONED only; leave it unset for other optimizers",
+        )
+
+
+# --- training and evaluation ------------------------------------------------------------------
+
+
+def _resolve_training(training: pb.TrainingSpec, settings: Settings) -> None:
+    if not training.HasField("cd_k"):
+        training.cd_k = DEFAULT_CD_K
+    if not 1 <= training.cd_k <= MAX_CD_K:
+        raise InvalidArgumentError(
+            "training.cd_k", f"must be between 1 and {MAX_CD_K}, got {training.cd_k}"
+        )
+    if training.batch_size == 0:
+        training.batch_size = settings.default_batch_size
+    if training.batch_size > MAX_BATCH_SIZE:
+        raise InvalidArgumentError(
+            "training.batch_size", f"must be at most {MAX_BATCH_SIZE}, got {training.batch_size}"
+        )
+    if training.steps and training.epochs:
+        raise InvalidArgumentError(
+            "training.steps", "set one of training.steps and training.epochs, not both"
+        )
+    if not training.steps and not training.epochs:
+        training.steps = settings.default_steps
+    if training.steps > settings.max_total_steps:
+        raise InvalidArgumentError(
+            "training.steps", f"must be at most {settings.max_total_steps}, got {training.steps}"
+        )
+    if training.checkpoint_every == 0:
+        training.checkpoint_every = settings.default_checkpoint_every
+    if not training.HasField("max_backoffs"):
+        training.max_backoffs = DEFAULT_MAX_BACKOFFS
+    if training.max_backoffs > MAX_BACKOFFS:
+        raise InvalidArgumentError(
+            "training.max_backoffs", f"must be at most {MAX_BACKOFFS}, got {training.max_backoffs}"
+        )
+    if training.backoff_factor == 0:
+        training.backoff_factor = BACKOFF_FACTOR
+    if not finite(training.backoff_factor, "training.backoff_factor") > 1:
+        raise InvalidArgumentError(
+            "training.backoff_factor",
+            f"must be > 1 (each backoff divides the step sizes by it), got "
+            f"{training.backoff_factor}",
+        )
+
+
+def _resolve_eval(eval_spec: pb.EvalSpec, settings: Settings) -> None:
+    if eval_spec.every == 0:
+        eval_spec.every = settings.default_eval_every
+    if eval_spec.ais_chains == 0:
+        eval_spec.ais_chains = settings.default_ais_chains
+    if eval_spec.ais_chains > MAX_AIS_CHAINS:
+        raise InvalidArgumentError("eval.ais_chains", f"must be at most {MAX_AIS_CHAINS}")
+    if eval_spec.ais_betas == 0:
+        eval_spec.ais_betas = settings.default_ais_betas
+    if eval_spec.ais_betas > MAX_AIS_BETAS:
+        raise InvalidArgumentError("eval.ais_betas", f"must be at most {MAX_AIS_BETAS}")
+    fraction = finite(eval_spec.validation_fraction, "eval.validation_fraction")
+    if fraction == 0:
+        eval_spec.validation_fraction = settings.default_validation_fraction
+    elif not 0 < fraction < 1:
+        raise InvalidArgumentError(
+            "eval.validation_fraction", f"must be in (0, 1) (0 = default), got {fraction}"
+        )
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+
+async def _resolve_dataset_ref(
+    dataset: pb.DatasetRef, settings: Settings, find_upload: UploadLookup
+) -> DatasetInfo | None:
+    """The upload's facts for an uploaded dataset; None for a built-in one (options filled)."""
+    enum_value(pb.Preprocess, dataset.preprocess, "dataset.preprocess")
+    source = dataset.WhichOneof("source")
+    if source is None:
+        dataset.builtin.name = DEFAULT_DATASET
+        source = "builtin"
+    if source == "builtin":
+        _resolve_builtin(dataset.builtin, settings)
+        return None
+    if not dataset.dataset_id:
+        raise InvalidArgumentError("dataset.dataset_id", "is empty; use an UploadDataset id")
+    check_text(dataset.dataset_id, "dataset.dataset_id", settings.max_string_length)
+    return await find_upload(dataset.dataset_id)
+
+
+def _resolve_builtin(builtin: pb.BuiltinDataset, settings: Settings) -> None:
+    check_text(builtin.name, "dataset.builtin.name", settings.max_string_length)
+    for key, value in builtin.options.items():
+        check_text(key, "dataset.builtin.options", settings.max_string_length)
+        check_text(value, f"dataset.builtin.options[{key}]", settings.max_string_length)
+    parsed = catalog.parse_options(builtin.name, builtin.options, "dataset.builtin")
+    for key, value in parsed.items():  # stored too: the worker reads them as they are
+        builtin.options[key] = str(value)
+
+
+def _options(spec: pb.StartTrainingRequest) -> dict[str, int]:
+    return {key: int(value) for key, value in spec.dataset.builtin.options.items()}
+
+
+def _resolve_preprocess(
+    dataset: pb.DatasetRef, model: pb.ModelSpec, upload: DatasetInfo | None
+) -> None:
+    """The natural preprocessing, one rule for built-in and uploaded data: images (MNIST, Frey
+    Face, uint8 uploads) are binarized for binary units and standardized for Gaussian ones;
+    the synthetic data is binary already, and float uploads are taken as given."""
+    images = upload.dtype in INTEGER_DTYPES if upload else catalog.is_image(dataset.builtin.name)
+    gaussian = model.kind == pb.MODEL_KIND_GAUSSIAN
+    if dataset.preprocess == pb.PREPROCESS_UNSPECIFIED:
+        if images:
+            dataset.preprocess = pb.PREPROCESS_STANDARDIZE if gaussian else pb.PREPROCESS_BINARIZE
+        else:
+            dataset.preprocess = pb.PREPROCESS_NONE
+    elif images and not gaussian and dataset.preprocess == pb.PREPROCESS_NONE:
+        raise InvalidArgumentError(
+            "dataset.preprocess",
+            "NONE leaves pixel intensities (0…255), but a Bernoulli model's visible units are "
+            "probabilities in [0, 1]; use BINARIZE or SCALE, or leave it unset (BINARIZE)",
+        )
+
+
+def _with_dataset(
+    spec: pb.StartTrainingRequest, dataset: DatasetShape, settings: Settings
+) -> ResolvedJob:
+    """The checks that need the dataset's width and size; computes ``total_steps``."""
     model, training = spec.model, spec.training
     if (
         model.kind == pb.MODEL_KIND_GAUSSIAN
@@ -117,201 +433,4 @@ def apply_dataset(
             f"the job would run {total_steps} steps, more than this server's limit of "
             f"{settings.max_total_steps}",
         )
-    return ValidatedJob(spec, total_steps, dataset.n_visible, dataset.n_examples)
-
-
-def enum_value(enum: EnumTypeWrapper, value: int, field: str) -> int:
-    """``value`` if it is a member of ``enum``; an open proto3 enum may carry unknown numbers."""
-    if value not in enum.DESCRIPTOR.values_by_number:
-        names = [v.name for v in enum.DESCRIPTOR.values if not v.name.endswith("_UNSPECIFIED")]
-        raise InvalidArgumentError(field, f"unknown value {value}; use one of {names}")
-    return value
-
-
-def _check_text(value: str, field: str, max_length: int) -> None:
-    if len(value) > max_length:
-        raise InvalidArgumentError(
-            field, f"is {len(value)} characters long; at most {max_length} allowed"
-        )
-    if any(not char.isprintable() for char in value):
-        raise InvalidArgumentError(field, "contains control characters; use printable text")
-
-
-def _finite(value: float, field: str) -> float:
-    if not math.isfinite(value):
-        raise InvalidArgumentError(field, f"must be a finite number, got {value}")
-    return value
-
-
-def _check_model(model: rbm_pb2.ModelSpec) -> None:
-    enum_value(pb.ModelKind, model.kind, "model.kind")
-    enum_value(pb.VarianceKind, model.variance, "model.variance")
-    if model.kind == pb.MODEL_KIND_UNSPECIFIED:
-        model.kind = pb.MODEL_KIND_BERNOULLI
-    if model.kind == pb.MODEL_KIND_GAUSSIAN:
-        if model.variance == pb.VARIANCE_KIND_UNSPECIFIED:
-            model.variance = pb.VARIANCE_KIND_DIAGONAL
-    elif model.variance != pb.VARIANCE_KIND_UNSPECIFIED:
-        raise InvalidArgumentError(
-            "model.variance", "applies to Gaussian models only; leave it unset for Bernoulli"
-        )
-    # The model's variances live in [min_variance, 1e4]; 1 is far above any useful floor.
-    if not 0 <= _finite(model.min_variance, "model.min_variance") < 1:
-        raise InvalidArgumentError(
-            "model.min_variance",
-            f"must be in [0, 1) (0 = the default 1e-4), got {model.min_variance}",
-        )
-    if model.min_variance and model.kind != pb.MODEL_KIND_GAUSSIAN:
-        raise InvalidArgumentError(
-            "model.min_variance", "applies to Gaussian models only; leave it unset for Bernoulli"
-        )
-    if model.n_hidden < 1:
-        raise InvalidArgumentError("model.n_hidden", "is required and must be at least 1")
-    if model.n_hidden > MAX_HIDDEN:
-        raise InvalidArgumentError(
-            "model.n_hidden", f"must be at most {MAX_HIDDEN}, got {model.n_hidden}"
-        )
-
-
-def parameter_names(model: rbm_pb2.ModelSpec) -> tuple[str, ...]:
-    """Names of the model's parameters, as optimizer.per_parameter uses them."""
-    if model.kind == pb.MODEL_KIND_GAUSSIAN:
-        return BASE_PARAMETERS + VARIANCE_PARAMETERS[model.variance]
-    return BASE_PARAMETERS
-
-
-def _check_optimizer(optimizer: rbm_pb2.OptimizerSpec, model: rbm_pb2.ModelSpec) -> None:
-    enum_value(pb.OptimizerKind, optimizer.kind, "optimizer.kind")
-    enum_value(pb.PolarMethod, optimizer.method, "optimizer.method")
-    enum_value(pb.Preconditioner, optimizer.preconditioner, "optimizer.preconditioner")
-    if optimizer.kind == pb.OPTIMIZER_KIND_UNSPECIFIED:
-        optimizer.kind = pb.OPTIMIZER_KIND_SSD
-    # NaN fails every comparison, so `not lr > 0` also refuses it.
-    if not _finite(optimizer.lr, "optimizer.lr") > 0:
-        raise InvalidArgumentError("optimizer.lr", f"must be > 0, got {optimizer.lr}")
-    if not 0 <= _finite(optimizer.momentum, "optimizer.momentum") < 1:
-        raise InvalidArgumentError(
-            "optimizer.momentum", f"must be in [0, 1), got {optimizer.momentum}"
-        )
-    if not _finite(optimizer.weight_decay, "optimizer.weight_decay") >= 0:
-        raise InvalidArgumentError(
-            "optimizer.weight_decay", f"must be >= 0, got {optimizer.weight_decay}"
-        )
-    if not _finite(optimizer.max_spectral_norm, "optimizer.max_spectral_norm") >= 0:
-        raise InvalidArgumentError(
-            "optimizer.max_spectral_norm",
-            f"must be >= 0 (0 = unbounded), got {optimizer.max_spectral_norm}",
-        )
-    if optimizer.rank > MAX_HIDDEN:
-        raise InvalidArgumentError("optimizer.rank", f"must be at most {MAX_HIDDEN}")
-    allowed = parameter_names(model)
-    for name, kind in optimizer.per_parameter.items():
-        field = f"optimizer.per_parameter[{name}]"
-        if name not in allowed:
-            raise InvalidArgumentError(
-                field, f"unknown parameter {name!r}; this model has {list(allowed)}"
-            )
-        if enum_value(pb.OptimizerKind, kind, field) == pb.OPTIMIZER_KIND_UNSPECIFIED:
-            raise InvalidArgumentError(field, "name an optimizer kind (SGD, NESTEROV, SSD, ...)")
-    for name, lr in optimizer.per_parameter_lr.items():
-        field = f"optimizer.per_parameter_lr[{name}]"
-        if name not in allowed:
-            raise InvalidArgumentError(
-                field, f"unknown parameter {name!r}; this model has {list(allowed)}"
-            )
-        if not _finite(lr, field) > 0:
-            raise InvalidArgumentError(field, f"must be > 0, got {lr}")
-    kinds = {optimizer.kind, *optimizer.per_parameter.values()}
-    if kinds & set(SSD_KINDS) and optimizer.method == pb.POLAR_METHOD_UNSPECIFIED:
-        optimizer.method = pb.POLAR_METHOD_LOWRANK
-    if (
-        pb.OPTIMIZER_KIND_SSD_PRECONDITIONED in kinds
-        and optimizer.preconditioner == pb.PRECONDITIONER_UNSPECIFIED
-    ):
-        optimizer.preconditioner = pb.PRECONDITIONER_RMSPROP
-    if optimizer.kind == pb.OPTIMIZER_KIND_NESTEROV and optimizer.momentum == 0:
-        optimizer.momentum = NESTEROV_DEFAULT_MOMENTUM
-
-
-def _check_training(training: rbm_pb2.TrainingSpec, settings: Settings) -> None:
-    if not training.HasField("cd_k"):
-        training.cd_k = DEFAULT_CD_K
-    if not 1 <= training.cd_k <= MAX_CD_K:
-        raise InvalidArgumentError(
-            "training.cd_k", f"must be between 1 and {MAX_CD_K}, got {training.cd_k}"
-        )
-    if training.batch_size == 0:
-        training.batch_size = settings.default_batch_size
-    if training.batch_size > MAX_BATCH_SIZE:
-        raise InvalidArgumentError(
-            "training.batch_size", f"must be at most {MAX_BATCH_SIZE}, got {training.batch_size}"
-        )
-    if bool(training.steps) == bool(training.epochs):
-        raise InvalidArgumentError(
-            "training.steps",
-            "set exactly one of training.steps and training.epochs (both are "
-            f"{'set' if training.steps else 'zero'})",
-        )
-    if training.steps > settings.max_total_steps:
-        raise InvalidArgumentError(
-            "training.steps", f"must be at most {settings.max_total_steps}, got {training.steps}"
-        )
-    if training.checkpoint_every == 0:
-        training.checkpoint_every = settings.default_checkpoint_every
-
-
-def _check_eval(eval_spec: rbm_pb2.EvalSpec, settings: Settings) -> None:
-    if eval_spec.every == 0:
-        eval_spec.every = settings.default_eval_every
-    if eval_spec.ais_chains == 0:
-        eval_spec.ais_chains = settings.default_ais_chains
-    if eval_spec.ais_chains > MAX_AIS_CHAINS:
-        raise InvalidArgumentError("eval.ais_chains", f"must be at most {MAX_AIS_CHAINS}")
-    if eval_spec.ais_betas == 0:
-        eval_spec.ais_betas = settings.default_ais_betas
-    if eval_spec.ais_betas > MAX_AIS_BETAS:
-        raise InvalidArgumentError("eval.ais_betas", f"must be at most {MAX_AIS_BETAS}")
-    fraction = _finite(eval_spec.validation_fraction, "eval.validation_fraction")
-    if fraction == 0:
-        eval_spec.validation_fraction = settings.default_validation_fraction
-    elif not 0 < fraction < 1:
-        raise InvalidArgumentError(
-            "eval.validation_fraction", f"must be in (0, 1) (0 = default), got {fraction}"
-        )
-
-
-def _check_dataset_ref(
-    dataset: rbm_pb2.DatasetRef, model: rbm_pb2.ModelSpec, settings: Settings
-) -> None:
-    enum_value(pb.Preprocess, dataset.preprocess, "dataset.preprocess")
-    source = dataset.WhichOneof("source")
-    if source is None:
-        raise InvalidArgumentError(
-            "dataset", f"set dataset.builtin (one of {catalog.builtin_names()}) or dataset_id"
-        )
-    if source == "dataset_id":
-        if not dataset.dataset_id:
-            raise InvalidArgumentError("dataset.dataset_id", "is empty; use an UploadDataset id")
-        _check_text(dataset.dataset_id, "dataset.dataset_id", settings.max_string_length)
-    else:
-        builtin = dataset.builtin
-        _check_text(builtin.name, "dataset.builtin.name", settings.max_string_length)
-        for key, value in builtin.options.items():
-            _check_text(key, "dataset.builtin.options", settings.max_string_length)
-            _check_text(value, f"dataset.builtin.options[{key}]", settings.max_string_length)
-        parsed = catalog.parse_options(builtin.name, builtin.options, "dataset.builtin")
-        for key, value in parsed.items():  # store the defaults too: the worker never guesses
-            builtin.options[key] = str(value)
-    if dataset.preprocess == pb.PREPROCESS_UNSPECIFIED:
-        dataset.preprocess = _natural_preprocess(dataset, model)
-
-
-def _natural_preprocess(dataset: rbm_pb2.DatasetRef, model: rbm_pb2.ModelSpec) -> int:
-    """Binary units want binary images; Gaussian units want standardized ones."""
-    if dataset.WhichOneof("source") == "builtin" and dataset.builtin.name in (
-        catalog.IMAGE_DATASETS
-    ):
-        if model.kind == pb.MODEL_KIND_GAUSSIAN:
-            return pb.PREPROCESS_STANDARDIZE
-        return pb.PREPROCESS_BINARIZE
-    return pb.PREPROCESS_NONE
+    return ResolvedJob(spec, total_steps, dataset.n_visible, dataset.n_examples)

@@ -19,16 +19,22 @@ import grpc
 import numpy as np
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
-from ssdrbm_server import convert, validation
+from ssdrbm_server import convert, resolver
 from ssdrbm_server.auth import current_tenant
 from ssdrbm_server.config import Settings
-from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from ssdrbm_server.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from ssdrbm_server.event_fanout import EventFanout
 from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.recent_jobs import RecentJobs
+from ssdrbm_server.request_checks import enum_value
 from ssdrbm_server.serving import ModelServer
 from ssdrbm_server.store.checkpoints import CheckpointStore
-from ssdrbm_server.store.datasets import DatasetStore
+from ssdrbm_server.store.datasets import DatasetInfo, DatasetStore
 from ssdrbm_server.store.events import EventStore
 from ssdrbm_server.store.jobs import JobStore
 from ssdrbm_server.store.records import JobRecord
@@ -90,18 +96,19 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self, request: pb.StartTrainingRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartTrainingResponse:
         tenant = current_tenant()
-        spec = validation.check_request(request, self.settings)
-        if spec.dataset.WhichOneof("source") == "dataset_id":
-            info = await self.stores.datasets.info(tenant, spec.dataset.dataset_id)
-            shape = validation.uploaded_dataset_shape(tuple(info.shape))
-        else:
-            shape = validation.builtin_dataset_shape(spec, self.settings)
-        job = validation.apply_dataset(spec, shape, self.settings)
+
+        async def find_upload(dataset_id: str) -> DatasetInfo:
+            return await self.stores.datasets.info(tenant, dataset_id)
+
+        job = await resolver.resolve(request, self.settings, find_upload)
+        if request.validate_only:
+            return pb.StartTrainingResponse(job=_unsubmitted(job), created=False)
         record, created = await self.stores.jobs.submit(
             tenant,
             job.spec.SerializeToString(),
             name=job.spec.name,
             total_steps=job.total_steps,
+            n_visible=job.n_visible,
             request_id=job.spec.request_id or None,
             # Checked in the same atomic step as the insert; a repeated request_id still
             # returns its job even at the limit.
@@ -111,7 +118,14 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             logger.info(
                 "job %s queued for tenant %s (%d steps)", record.id, tenant, job.total_steps
             )
+        else:
+            _check_same_spec(record, job.spec)
         return pb.StartTrainingResponse(job=convert.job_to_proto(record), created=created)
+
+    async def GetTrainingDefaults(
+        self, request: pb.GetTrainingDefaultsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TrainingDefaults:
+        return resolver.training_defaults(self.settings)
 
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
         return convert.job_to_proto(await self._job(request.job_id))
@@ -124,7 +138,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             raise InvalidArgumentError(
                 "page_size", f"must be at most {MAX_PAGE_SIZE}, got {request.page_size}"
             )
-        validation.enum_value(pb.JobState, request.state, "state")
+        enum_value(pb.JobState, request.state, "state")
         _check_id(request.page_token, "page_token", required=False)
         records, next_token = await self.stores.jobs.list(
             current_tenant(),
@@ -265,7 +279,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self, request: pb.SampleHiddenRequest, context: grpc.aio.ServicerContext
     ) -> pb.SampleHiddenResponse:
         job = await self._serving_job(request.job_id)
-        mode = validation.enum_value(pb.HiddenMode, request.mode, "mode")
+        mode = enum_value(pb.HiddenMode, request.mode, "mode")
         v = self._input(request.input)
         loaded = await self.models.model_for(job, request.checkpoint_step)
         out = await self.models.hidden(
@@ -341,7 +355,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
 
     def _check_dataset_header(self, header: pb.DatasetHeader) -> int:
         """Byte size the header describes, after checking its fields."""
-        validation.enum_value(pb.DType, header.dtype, "header.dtype")
+        enum_value(pb.DType, header.dtype, "header.dtype")
         shape = list(header.shape)
         if len(shape) not in (2, 3) or any(dim < 1 for dim in shape):
             raise InvalidArgumentError(
@@ -392,6 +406,29 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def _job(self, job_id: str) -> JobRecord:
         _check_id(job_id, "job_id")
         return await self.stores.jobs.get(current_tenant(), job_id)
+
+
+def _unsubmitted(job: resolver.ResolvedJob) -> pb.Job:
+    """What StartTraining would create for a validate_only request: no id, nothing stored."""
+    return pb.Job(
+        name=job.spec.name,
+        spec=job.spec,
+        total_steps=job.total_steps,
+        n_visible=job.n_visible,
+        checkpoint_step=-1,
+    )
+
+
+def _check_same_spec(record: JobRecord, spec: pb.StartTrainingRequest) -> None:
+    """A reused request_id must come with the spec it was first used with."""
+    first = pb.StartTrainingRequest.FromString(record.spec)
+    difference = resolver.first_difference(first, spec)
+    if difference is not None:
+        raise AlreadyExistsError(
+            f"request_id {spec.request_id!r} was already used for job {record.id} with a "
+            f"different spec (first difference: {difference}); use a new request_id for a new "
+            "job, or repeat the original request to get that job"
+        )
 
 
 def _check_id(value: str, field: str, *, required: bool = True) -> None:

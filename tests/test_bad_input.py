@@ -267,7 +267,12 @@ START_CASES = {
         "training.batch_size",
     ),
     "batch huge": (start(**{"training.batch_size": U32}), INVALID, "training.batch_size"),
-    "neither steps nor epochs": (start(**{"training.steps": 0}), INVALID, "training.steps"),
+    "backoff factor one": (
+        start(**{"training.backoff_factor": 1.0}),
+        INVALID,
+        "training.backoff_factor",
+    ),
+    "backoffs huge": (start(**{"training.max_backoffs": U32}), INVALID, "training.max_backoffs"),
     "both steps and epochs": (start(**{"training.epochs": 3}), INVALID, "training.steps"),
     "steps huge": (start(**{"training.steps": U64}), INVALID, "training.steps"),
     "epochs huge": (
@@ -297,7 +302,20 @@ START_CASES = {
     ),
     "AIS chains huge": (start(**{"eval.ais_chains": U32}), INVALID, "eval.ais_chains"),
     "AIS temperatures huge": (start(**{"eval.ais_betas": U32}), INVALID, "eval.ais_betas"),
-    "no dataset": (start_with(lambda r: r.ClearField("dataset")), INVALID, "dataset"),
+    "raw pixels for binary units": (
+        start(
+            dataset=pb.DatasetRef(
+                builtin=pb.BuiltinDataset(name="mnist"), preprocess=pb.PREPROCESS_NONE
+            )
+        ),
+        INVALID,
+        "dataset.preprocess",
+    ),
+    "polar method without SSD": (
+        start(**{"optimizer.kind": pb.OPTIMIZER_KIND_SGD, "optimizer.method": 1}),
+        INVALID,
+        "optimizer.method",
+    ),
     "builtin unknown": (
         start(**{"dataset.builtin.name": "imagenet"}),
         INVALID,

@@ -374,15 +374,41 @@ def test_cli_errors_name_the_job_and_the_field(service, capsys) -> None:
     assert ERROR_LINE.match(err.strip()) and "job 'no-such-job' not found —" in err
     assert "ssdrbm jobs" in err
 
-    code, _, err = run_cli(capsys, *target, "train", "--lr", "-1")
+    code, _, err = run_cli(capsys, *target, "train", "--hidden", "4", "--lr", "-1")
     assert code == ExitCode.USAGE
     assert ERROR_LINE.match(err.strip()) and "invalid argument: " in err and "lr" in err
+    code, _, err = run_cli(capsys, *target, "train")
+    assert code == ExitCode.USAGE and "model.n_hidden" in err and "required" in err
 
     code, _, err = run_cli(capsys, *target, "watch", "no-such-job")
     assert code == ExitCode.NOT_FOUND and "no-such-job" in err
 
     code, _, err = run_cli(capsys, *target, "upload", "/nonexistent/x.npy")
     assert code == ExitCode.ERROR and "/nonexistent/x.npy" in err and ERROR_LINE.match(err.strip())
+
+
+def test_defaults_and_dry_run_show_what_the_server_fills_in(service, capsys) -> None:
+    target = ["--target", service.target]
+    code, out, _ = run_cli(capsys, *target, "defaults")
+    assert code == ExitCode.OK
+    assert "default step sizes" in out and "gaussian" in out and "ssd-preconditioned" in out
+    assert "optimizer.method:" in out and "auto" in out  # resolved per device by the worker
+    code, out, _ = run_cli(capsys, *target, "defaults", "--json")
+    table = json.loads(out)
+    gaussian_ssd = [
+        e["lr"]
+        for e in table["step_sizes"]
+        if (e["model"], e["variance"], e["optimizer"]) == ("gaussian", "diagonal", "ssd")
+    ]
+    assert len(gaussian_ssd) == 1
+    code, out, _ = run_cli(
+        capsys, *target, "train", "--hidden", "4", "--model", "gaussian", "--dry-run", "--json"
+    )
+    job = json.loads(out)
+    assert code == ExitCode.OK and job["id"] == ""  # nothing was created
+    assert job["spec"]["optimizer"]["lr"] == gaussian_ssd[0]
+    code, out, _ = run_cli(capsys, *target, "jobs", "--json")
+    assert json.loads(out) == []
 
 
 def test_serve_runs_the_service_until_sigterm(redis_url: str, capsys) -> None:

@@ -109,16 +109,20 @@ def test_upload_messages_carry_header_then_exact_bytes() -> None:
 # --- training requests --------------------------------------------------------------------------
 
 
-def test_training_request_defaults_and_names() -> None:
-    request = training_request()
-    assert request.model.kind == rbm_pb2.MODEL_KIND_BERNOULLI
-    assert request.optimizer.kind == rbm_pb2.OPTIMIZER_KIND_SSD
-    assert request.optimizer.method == rbm_pb2.POLAR_METHOD_LOWRANK
-    assert request.training.steps == 1000 and request.training.epochs == 0
-    assert not request.training.HasField("cd_k")  # unset: the server's default of 1
-    assert request.dataset.builtin.name == "synthetic"
+def test_training_request_sends_unset_fields_unset() -> None:
+    """The SDK holds no defaults: what the caller leaves out is left to the server."""
+    request = training_request(n_hidden=8)
+    assert request.model.n_hidden == 8
+    expected = rbm_pb2.StartTrainingRequest(
+        model=rbm_pb2.ModelSpec(n_hidden=8), request_id=request.request_id
+    )
+    assert request == expected  # nothing else set: no lr, no method, no steps, no dataset
+    assert not request.optimizer.HasField("lr") and not request.training.HasField("cd_k")
     assert re.fullmatch(r"[0-9a-f]{32}", request.request_id)
     assert training_request().request_id != request.request_id
+    explicit = training_request(momentum=0.0, max_backoffs=0, lr=0.5, persistent=False)
+    assert explicit.optimizer.HasField("momentum") and explicit.optimizer.momentum == 0.0
+    assert explicit.training.HasField("max_backoffs") and explicit.optimizer.lr == 0.5
 
     hybrid = training_request(
         model="gaussian",
@@ -155,6 +159,8 @@ def test_training_request_defaults_and_names() -> None:
         ({"n_hidden": -1}, "n_hidden"),
         ({"batch_size": 2.5}, "batch_size"),
         ({"steps": 10, "epochs": 1}, "steps, epochs"),
+        ({"dataset": "mnist", "dataset_id": "x"}, "dataset, dataset_id"),
+        ({"dataset_options": {"limit": 3}}, "dataset_options"),
     ],
 )
 def test_training_request_names_the_bad_field(kwargs, field) -> None:
@@ -347,7 +353,9 @@ def test_sdk_end_to_end_with_the_metric_stream_cut_mid_flight(
             dataset_id=dataset_id, name="sdk", request_id="r-1", **small_job()
         )
         assert job.state in (JobState.QUEUED, JobState.RUNNING) and job.name == "sdk"
-        repeat = client.start_training(dataset_id=dataset_id, request_id="r-1", **small_job())
+        repeat = client.start_training(
+            dataset_id=dataset_id, name="sdk", request_id="r-1", **small_job()
+        )
         assert repeat.id == job.id  # idempotent: what makes retrying StartTraining safe
 
         # A second job, cancelled while it waits behind the first (the worker runs one at a time).
@@ -403,7 +411,7 @@ def test_sdk_end_to_end_with_the_metric_stream_cut_mid_flight(
         with pytest.raises(NotFound):
             client.get_job("no-such-job")
         with pytest.raises(InvalidArgument, match="lr"):
-            client.start_training(lr=-1.0)
+            client.start_training(n_hidden=4, lr=-1.0)
         with pytest.raises(InvalidArgument):
             client.sample_hidden(job.id, np.ones((2, 5)))  # the model has 16 visible units
 

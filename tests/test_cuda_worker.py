@@ -1,11 +1,17 @@
-"""The worker's training process on a CUDA device: a job over its pipe, as the worker runs it.
+"""The worker's training process as the worker runs it: a job over its pipe, on the device the
+process finds (CUDA when present).
 
-Skipped without a CUDA device. No Redis is involved: the test plays the worker's side of the
-pipe protocol (ssdrbm_server/worker/protocol.py), so it runs wherever the CUDA tests run.
+No Redis is involved: the test plays the worker's side of the pipe protocol
+(ssdrbm_server/worker/protocol.py), so it runs wherever the CUDA tests run. The CPU case runs
+everywhere: an unset polar method reaches a CPU worker as lowrank and a CUDA one as
+Newton–Schulz, and the STARTED message says so (the runner records it in the job).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import multiprocessing
 import threading
 
@@ -14,25 +20,33 @@ import torch
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore.checkpoint import model_from_bytes
+from ssdrbm_server.config import Settings
+from ssdrbm_server.resolver import resolve
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.child import train_one
-from ssdrbm_server.worker.defaults import PlanDefaults
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def start_message(tmp_path, optimizer: rbm_pb2.OptimizerSpec) -> protocol.Message:
     request = rbm_pb2.StartTrainingRequest(
         model=rbm_pb2.ModelSpec(kind=rbm_pb2.MODEL_KIND_BERNOULLI, n_hidden=12),
         optimizer=optimizer,
-        training=rbm_pb2.TrainingSpec(epochs=2, batch_size=50, seed=3),
+        training=rbm_pb2.TrainingSpec(epochs=2, batch_size=50, seed=3, checkpoint_every=20),
+        eval=rbm_pb2.EvalSpec(every=10),
         dataset=rbm_pb2.DatasetRef(
             builtin=rbm_pb2.BuiltinDataset(name="synthetic", options={"n_samples": "1000"})
         ),
     )
-    defaults = PlanDefaults(eval_every=10, checkpoint_every=20)
-    fields = {"data_dir": str(tmp_path), "defaults": vars(defaults), "torch_threads": 0}
-    return protocol.Message(protocol.START, fields, {"spec": request.SerializeToString()})
+    settings = Settings(data_dir=str(tmp_path))
+    job = asyncio.run(resolve(request, settings, find_upload=None))
+    fields = {
+        "settings": dataclasses.asdict(settings),
+        "backoffs": 0,
+        "total_steps": job.total_steps,
+        "n_visible": job.n_visible,
+    }
+    return protocol.Message(protocol.START, fields, {"spec": job.spec.SerializeToString()})
 
 
 def run_job(tmp_path, optimizer: rbm_pb2.OptimizerSpec) -> list[protocol.Message]:
@@ -48,6 +62,21 @@ def run_job(tmp_path, optimizer: rbm_pb2.OptimizerSpec) -> list[protocol.Message
     return messages
 
 
+def test_an_unset_polar_method_runs_as_the_device_s_automatic_choice(tmp_path):
+    messages = run_job(tmp_path, rbm_pb2.OptimizerSpec(kind=rbm_pb2.OPTIMIZER_KIND_SSD))
+    assert messages[-1].kind == protocol.FINISHED, messages[-1].fields
+    runtime = json.loads(messages[0].fields["runtime"])
+    if torch.cuda.is_available():
+        assert runtime["device"].startswith("cuda")
+        assert runtime["method"] == "POLAR_METHOD_NEWTON_SCHULZ"
+        assert "newton-schulz (auto on cuda)" in runtime["summary"]
+    else:
+        assert runtime["device"] == "cpu"
+        assert runtime["method"] == "POLAR_METHOD_LOWRANK"
+        assert "lowrank (auto on cpu)" in runtime["summary"]
+
+
+@needs_cuda
 @pytest.mark.parametrize(
     "optimizer",
     [
@@ -63,7 +92,7 @@ def test_the_worker_process_trains_a_job_on_cuda(tmp_path, optimizer):
     messages = run_job(tmp_path, optimizer)
     kinds = [m.kind for m in messages]
     assert kinds[0] == protocol.STARTED and kinds[-1] == protocol.FINISHED, messages[-1].fields
-    assert messages[0].fields["device"].startswith("cuda")
+    assert json.loads(messages[0].fields["runtime"])["device"].startswith("cuda")
     metrics = [
         rbm_pb2.Metrics.FromString(m.blobs["metrics"]) for m in messages if m.kind == "metrics"
     ]

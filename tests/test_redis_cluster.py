@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from ssdrbm import Client, MetricsEvent
 from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server.errors import FailedPreconditionError, ResourceExhaustedError
@@ -30,6 +31,7 @@ from ssdrbm_server.store import (
     LeaseStore,
 )
 from tests.fixtures.redis import RedisClusterNodes
+from tests.fixtures.service import RunningService, make_settings
 from tests.test_store import metrics, read_all, run, states_of, submit
 
 JOBS = 16  # enough that all of them landing on one of 3 nodes is out of the question (3^-15)
@@ -212,3 +214,21 @@ def test_events_queue_and_datasets_on_a_cluster(redis_cluster_url: str) -> None:
             await CheckpointStore(redis).latest(job.id)
 
     run_on_cluster(redis_cluster_url, scenario)
+
+
+def test_the_whole_service_runs_a_job_on_the_cluster(redis_cluster_url: str) -> None:
+    """The gRPC server and its worker on the cluster (SSDRBM_REDIS_CLUSTER=1): a job is
+    submitted, trained, followed to its end and served."""
+    settings = make_settings(redis_cluster_url, redis_cluster=True)
+    with RunningService(settings) as service, Client(service.target) as client:
+        job = client.start_training(n_hidden=4, steps=40, eval_every=10, batch_size=20)
+        done = client.wait(job.id, timeout=120)
+        assert done.state == JobState.SUCCEEDED.value.lower(), done.error
+        steps = [
+            event.metrics.step
+            for event in client.stream_metrics(job.id, follow=False)
+            if isinstance(event, MetricsEvent)
+        ]
+        assert steps == [10, 20, 30, 40]
+        features = client.sample_hidden(job.id, np.zeros((3, 100), dtype=np.float32))
+        assert features.shape == (3, 4)

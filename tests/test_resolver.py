@@ -1,23 +1,27 @@
-"""StartTrainingRequest validation: defaults filled in, and each bad field named in its error."""
+"""The resolver: every unset field of a StartTrainingRequest filled from its one owner, and
+each bad field named in its error."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 from ssdrbm.v1 import rbm_pb2 as pb
 
-from ssdrbm_server.catalog import DatasetShape
+from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
+from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
+from ssdcore.step_sizes import default_lr
 from ssdrbm_server.config import Settings
-from ssdrbm_server.errors import FailedPreconditionError, InvalidArgumentError
-from ssdrbm_server.validation import (
-    apply_dataset,
-    builtin_dataset_shape,
-    check_request,
-    uploaded_dataset_shape,
-)
+from ssdrbm_server.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ssdrbm_server.resolver import ResolvedJob, first_difference, resolve, training_defaults
+from ssdrbm_server.store.datasets import DatasetInfo
 
 SETTINGS = Settings(max_full_variance_visibles=256)
+UPLOADS = {
+    "ab" * 32: DatasetInfo("ab" * 32, (50, 7), "float32", "floats", 50 * 7 * 4),
+    "cd" * 32: DatasetInfo("cd" * 32, (60, 28, 20), "uint8", "images", 60 * 560),
+}
 
 
 def request(**fields: object) -> pb.StartTrainingRequest:
@@ -33,9 +37,13 @@ def request(**fields: object) -> pb.StartTrainingRequest:
     return base
 
 
-def validate(req: pb.StartTrainingRequest, settings: Settings = SETTINGS):
-    spec = check_request(req, settings)
-    return apply_dataset(spec, builtin_dataset_shape(spec, settings), settings)
+def validate(req: pb.StartTrainingRequest, settings: Settings = SETTINGS) -> ResolvedJob:
+    async def find_upload(dataset_id: str) -> DatasetInfo:
+        if dataset_id not in UPLOADS:
+            raise NotFoundError(f"dataset {dataset_id} not found")
+        return UPLOADS[dataset_id]
+
+    return asyncio.run(resolve(req, settings, find_upload))
 
 
 def field_of(req: pb.StartTrainingRequest) -> str:
@@ -45,18 +53,25 @@ def field_of(req: pb.StartTrainingRequest) -> str:
     return caught.value.field
 
 
-def test_defaults_are_filled_in() -> None:
-    job = validate(request())
+def test_a_request_with_only_n_hidden_is_resolved_in_full() -> None:
+    job = validate(pb.StartTrainingRequest(model=pb.ModelSpec(n_hidden=8)))
     spec = job.spec
     assert spec.model.kind == pb.MODEL_KIND_BERNOULLI
     assert spec.optimizer.kind == pb.OPTIMIZER_KIND_SSD
-    assert spec.optimizer.method == pb.POLAR_METHOD_LOWRANK
+    assert spec.optimizer.lr == default_lr("bernoulli", "ssd", None)
+    assert spec.optimizer.HasField("momentum") and spec.optimizer.momentum == 0
+    # The one device-dependent choice stays explicit; the worker resolves it for its device.
+    assert spec.optimizer.method == pb.POLAR_METHOD_AUTO
     assert spec.training.cd_k == 1 and spec.training.HasField("cd_k")
+    assert spec.training.steps == SETTINGS.default_steps
     assert spec.training.batch_size == SETTINGS.default_batch_size
     assert spec.training.checkpoint_every == SETTINGS.default_checkpoint_every
+    assert spec.training.max_backoffs == DEFAULT_MAX_BACKOFFS
+    assert spec.training.backoff_factor == BACKOFF_FACTOR
     assert spec.eval.every == SETTINGS.default_eval_every
     assert spec.eval.validation_fraction == pytest.approx(0.1)
     assert (spec.eval.ais_chains, spec.eval.ais_betas) == (100, 1000)
+    assert spec.dataset.builtin.name == "synthetic"
     assert spec.dataset.preprocess == pb.PREPROCESS_NONE
     assert dict(spec.dataset.builtin.options) == {
         "n_visible": "100",
@@ -64,7 +79,14 @@ def test_defaults_are_filled_in() -> None:
         "n_samples": "5000",
         "seed": "0",
     }
-    assert (job.total_steps, job.n_visible, job.n_examples) == (100, 100, 5000)
+    assert (job.total_steps, job.n_visible, job.n_examples) == (1000, 100, 5000)
+    assert not spec.validate_only
+
+
+def test_resolving_twice_changes_nothing() -> None:
+    """The stored spec is a fixed point: the worker can read it with no defaults of its own."""
+    once = validate(request()).spec
+    assert first_difference(once, validate(once).spec) is None
 
 
 def test_request_itself_is_not_modified() -> None:
@@ -74,16 +96,63 @@ def test_request_itself_is_not_modified() -> None:
     assert not req.training.HasField("cd_k")
 
 
-def test_gaussian_and_optimizer_defaults() -> None:
+def test_step_size_defaults_follow_model_variance_and_optimizer() -> None:
     req = request(model=pb.ModelSpec(kind=pb.MODEL_KIND_GAUSSIAN, n_hidden=4))
+    req.optimizer.ClearField("lr")
     req.optimizer.kind = pb.OPTIMIZER_KIND_NESTEROV
     spec = validate(req).spec
     assert spec.model.variance == pb.VARIANCE_KIND_DIAGONAL
+    assert spec.model.min_variance == DEFAULT_MIN_VARIANCE
+    assert spec.optimizer.lr == default_lr("gaussian", "nesterov", "diagonal")
     assert spec.optimizer.momentum == pytest.approx(0.9)
     assert spec.optimizer.method == pb.POLAR_METHOD_UNSPECIFIED  # no SSD group: not needed
     req.optimizer.kind = pb.OPTIMIZER_KIND_SSD_PRECONDITIONED
     spec = validate(req).spec
     assert spec.optimizer.preconditioner == pb.PRECONDITIONER_RMSPROP
+    assert spec.optimizer.lr == default_lr("gaussian", "ssd-preconditioned", "diagonal")
+    # A hybrid's override takes the step size of its own geometry.
+    req.optimizer.kind = pb.OPTIMIZER_KIND_SGD
+    req.optimizer.per_parameter["W"] = pb.OPTIMIZER_KIND_SSD
+    spec = validate(req).spec
+    assert spec.optimizer.lr == default_lr("gaussian", "sgd", "diagonal")
+    assert spec.optimizer.per_parameter_lr["W"] == default_lr("gaussian", "ssd", "diagonal")
+    assert spec.optimizer.method == pb.POLAR_METHOD_AUTO
+
+
+def test_explicit_zeros_are_kept() -> None:
+    req = request()
+    req.optimizer.kind = pb.OPTIMIZER_KIND_NESTEROV
+    req.optimizer.momentum = 0.0
+    req.training.max_backoffs = 0
+    spec = validate(req).spec
+    assert spec.optimizer.momentum == 0.0 and spec.training.max_backoffs == 0
+
+
+def test_training_defaults_table_covers_every_combination() -> None:
+    table = training_defaults(SETTINGS)
+    combos = {(e.model, e.variance, e.optimizer) for e in table.step_sizes}
+    assert len(combos) == len(table.step_sizes) == 4 + 4 * 4  # Bernoulli + 4 Gaussian variances
+    for entry in table.step_sizes:
+        assert entry.lr > 0
+    example = table.example
+    assert example.optimizer.lr == default_lr("bernoulli", "ssd", None)
+    assert example.training.steps == SETTINGS.default_steps
+    assert example.optimizer.method == pb.POLAR_METHOD_AUTO
+
+
+def test_first_difference_names_the_field() -> None:
+    a = validate(request()).spec
+    b = pb.StartTrainingRequest()
+    b.CopyFrom(a)
+    assert first_difference(a, b) is None
+    b.optimizer.lr *= 2
+    assert first_difference(a, b) == "optimizer.lr"
+    b.CopyFrom(a)
+    b.dataset.builtin.options["seed"] = "7"
+    assert first_difference(a, b) == "dataset.builtin.options"
+    b.CopyFrom(a)
+    b.training.ClearField("cd_k")  # unset differs from an explicit value
+    assert first_difference(a, b) == "training.cd_k"
 
 
 def test_epochs_give_total_steps_from_the_training_split() -> None:
@@ -107,6 +176,27 @@ def test_missing_real_dataset_is_failed_precondition(tmp_path) -> None:
     req = request(dataset=pb.DatasetRef(builtin=pb.BuiltinDataset(name="freyface")))
     with pytest.raises(FailedPreconditionError, match="SSDRBM_DATA_DIR"):
         validate(req, SETTINGS.replace(data_dir=str(tmp_path)))
+
+
+def test_uploads_follow_the_same_preprocessing_rule_as_builtin_images() -> None:
+    floats = request(dataset=pb.DatasetRef(dataset_id="ab" * 32))
+    floats.training.batch_size = 10
+    job = validate(floats)
+    assert (job.n_visible, job.spec.dataset.preprocess) == (7, pb.PREPROCESS_NONE)
+    images = request(dataset=pb.DatasetRef(dataset_id="cd" * 32))
+    images.training.batch_size = 10
+    job = validate(images)  # uint8 (60, 28, 20) images, flattened
+    assert (job.n_visible, job.spec.dataset.preprocess) == (560, pb.PREPROCESS_BINARIZE)
+    images.model.kind = pb.MODEL_KIND_GAUSSIAN
+    assert validate(images).spec.dataset.preprocess == pb.PREPROCESS_STANDARDIZE
+    images.model.kind = pb.MODEL_KIND_BERNOULLI
+    images.dataset.preprocess = pb.PREPROCESS_NONE  # raw 0…255 cannot feed binary units
+    assert field_of(images) == "dataset.preprocess"
+    mnist = request(dataset=pb.DatasetRef(builtin=pb.BuiltinDataset(name="mnist")))
+    mnist.dataset.preprocess = pb.PREPROCESS_NONE
+    assert field_of(mnist) == "dataset.preprocess"
+    with pytest.raises(NotFoundError):
+        validate(request(dataset=pb.DatasetRef(dataset_id="ef" * 32)))
 
 
 def bad(**changes: object) -> pb.StartTrainingRequest:
@@ -141,8 +231,11 @@ def bad(**changes: object) -> pb.StartTrainingRequest:
         ({"optimizer.momentum": -0.1}, "optimizer.momentum"),
         ({"optimizer.weight_decay": -1.0}, "optimizer.weight_decay"),
         ({"optimizer.max_spectral_norm": math.nan}, "optimizer.max_spectral_norm"),
-        ({"training.steps": 0}, "training.steps"),  # neither steps nor epochs
         ({"training.epochs": 2}, "training.steps"),  # both
+        ({"training.max_backoffs": 1000}, "training.max_backoffs"),
+        ({"training.backoff_factor": 1.0}, "training.backoff_factor"),
+        ({"training.backoff_factor": math.nan}, "training.backoff_factor"),
+        ({"optimizer.method": pb.POLAR_METHOD_SVD, "optimizer.kind": 1}, "optimizer.method"),
         ({"training.batch_size": 10**6}, "training.batch_size"),
         ({"training.batch_size": 4600}, "training.batch_size"),  # more than the training split
         ({"training.steps": 10**12}, "training.steps"),
@@ -176,10 +269,10 @@ def test_bad_dataset_options_are_named(options: dict[str, str], field: str) -> N
     assert field_of(req) == field
 
 
-def test_dataset_source_is_required() -> None:
+def test_an_unset_dataset_is_the_synthetic_one() -> None:
     req = request()
     req.dataset.ClearField("builtin")
-    assert field_of(req) == "dataset"
+    assert validate(req).spec.dataset.builtin.name == "synthetic"
 
 
 def test_per_parameter_hybrid_is_checked_against_the_model() -> None:
@@ -187,7 +280,7 @@ def test_per_parameter_hybrid_is_checked_against_the_model() -> None:
     req.optimizer.kind = pb.OPTIMIZER_KIND_SGD
     req.optimizer.per_parameter["W"] = pb.OPTIMIZER_KIND_SSD
     spec = validate(req).spec  # the paper's SSD_W/SGD
-    assert spec.optimizer.method == pb.POLAR_METHOD_LOWRANK
+    assert spec.optimizer.method == pb.POLAR_METHOD_AUTO
     req.optimizer.per_parameter["log_var"] = pb.OPTIMIZER_KIND_SGD  # Bernoulli has no log_var
     assert field_of(req) == "optimizer.per_parameter[log_var]"
     del req.optimizer.per_parameter["log_var"]
@@ -229,12 +322,3 @@ def test_full_variance_is_refused_for_wide_data_only() -> None:
         validate(req)
     assert caught.value.field == "model.variance"
     assert "DIAGONAL" in caught.value.message
-
-
-def test_uploaded_dataset_shapes_flatten_images() -> None:
-    assert uploaded_dataset_shape((50, 28, 20)) == DatasetShape(n_visible=560, n_examples=50)
-    req = request(dataset=pb.DatasetRef(dataset_id="ab" * 32))
-    req.training.batch_size = 10
-    spec = check_request(req, SETTINGS)
-    job = apply_dataset(spec, uploaded_dataset_shape((50, 7)), SETTINGS)
-    assert (job.n_visible, job.spec.dataset.preprocess) == (7, pb.PREPROCESS_NONE)

@@ -161,6 +161,7 @@ def test_full_job_runs_through_every_rpc(trained: Trained) -> None:
     assert (job.step, job.total_steps, job.checkpoint_step) == (STEPS, STEPS, STEPS)
     assert job.n_visible == N_VISIBLE and job.attempt >= 1 and job.worker
     assert job.spec.training.cd_k == 1  # stored with defaults filled in
+    assert job.runtime.device and job.runtime.summary.startswith("device: ")  # what ran
     assert job.latest_metrics.step == STEPS
     # The stream: QUEUED, RUNNING, metrics at every eval step in order, SUCCEEDED last.
     assert states(history) == ["QUEUED", "RUNNING", "SUCCEEDED"]
@@ -263,6 +264,36 @@ def test_start_training_is_idempotent_by_request_id(service_factory) -> None:
     assert stub.StartTraining(other, timeout=30).job.id != first.job.id
     listed = stub.ListJobs(pb.ListJobsRequest(), timeout=10).jobs
     assert len(listed) == 2
+    # The same key with another spec is a client bug: refused, naming what differs.
+    changed = pb.StartTrainingRequest()
+    changed.CopyFrom(request)
+    changed.optimizer.lr = 0.07
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.StartTraining(changed, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "optimizer.lr" in caught.value.details() and first.job.id in caught.value.details()
+    # Leaving a field unset that resolves to the stored value is the same spec.
+    same = pb.StartTrainingRequest()
+    same.CopyFrom(request)
+    same.training.cd_k = 1  # the default, now explicit
+    assert stub.StartTraining(same, timeout=30).job.id == first.job.id
+
+
+def test_validate_only_resolves_without_creating(service_factory) -> None:
+    stub = service_factory(run_worker=False).stub()
+    request = pb.StartTrainingRequest(model=pb.ModelSpec(n_hidden=4), validate_only=True)
+    response = stub.StartTraining(request, timeout=30)
+    assert not response.created and not response.job.id
+    spec = response.job.spec
+    assert spec.optimizer.method == pb.POLAR_METHOD_AUTO and spec.optimizer.HasField("lr")
+    assert response.job.total_steps == spec.training.steps > 0 and response.job.n_visible == 100
+    assert not stub.ListJobs(pb.ListJobsRequest(), timeout=10).jobs
+    request.optimizer.lr = -1.0
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.StartTraining(request, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    defaults = stub.GetTrainingDefaults(pb.GetTrainingDefaultsRequest(), timeout=10)
+    assert len(defaults.step_sizes) == 20 and defaults.example.optimizer.lr == spec.optimizer.lr
 
 
 def test_cancel_stops_a_running_job(module_service: RunningService) -> None:
@@ -549,7 +580,7 @@ def wait_for_health(health, status: int, timeout_s: float = 15.0) -> bool:
 
 def test_diverging_job_fails_with_its_reason(module_service: RunningService) -> None:
     stub = module_service.stub()
-    request = synthetic_request(steps=2000, checkpoint_every=1)
+    request = synthetic_request(steps=2000, checkpoint_every=1, max_backoffs=0)
     request.model.kind = pb.MODEL_KIND_GAUSSIAN
     request.model.variance = pb.VARIANCE_KIND_IDENTITY
     request.optimizer.lr = 1e30  # far beyond any stable step size
@@ -558,7 +589,7 @@ def test_diverging_job_fails_with_its_reason(module_service: RunningService) -> 
     assert states(history)[-1] == "FAILED"
     final = stub.GetJob(pb.GetJobRequest(job_id=job.id), timeout=10)
     assert final.state == pb.JOB_STATE_FAILED
-    assert final.error and "diverge" in final.error.lower()
+    assert "blew up" in final.error and "optimizer.lr" in final.error
     failed = next(e.state for e in history if e.state.state == pb.JOB_STATE_FAILED)
     assert failed.message
     if final.checkpoint_step >= 0:

@@ -27,7 +27,9 @@ from ssdrbm.v1 import rbm_pb2
 
 from ssdcore.checkpoint import model_from_bytes
 from ssdcore.optim import OptimizerConfig
+from ssdrbm_server.config import Settings
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.resolver import resolve
 from ssdrbm_server.store import (
     CheckpointStore,
     DatasetStore,
@@ -37,9 +39,10 @@ from ssdrbm_server.store import (
     JobStore,
     connect,
 )
+from ssdrbm_server.store.datasets import DatasetInfo
 from ssdrbm_server.worker import Worker
 from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
-from ssdrbm_server.worker.spec import PlanDefaults, plan_from_request
+from ssdrbm_server.worker.spec import model_config, optimizer_config
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ def spec(
     dataset: rbm_pb2.DatasetRef | None = None,
     gaussian: bool = False,
     variance: int = rbm_pb2.VARIANCE_KIND_DIAGONAL,
+    max_backoffs: int | None = None,
 ) -> rbm_pb2.StartTrainingRequest:
     """A small job on the synthetic dataset (16 visibles)."""
     builtin = rbm_pb2.BuiltinDataset(
@@ -68,26 +72,34 @@ def spec(
         model=rbm_pb2.ModelSpec(
             kind=rbm_pb2.MODEL_KIND_GAUSSIAN if gaussian else rbm_pb2.MODEL_KIND_BERNOULLI,
             n_hidden=8,
-            variance=variance,
+            variance=variance if gaussian else rbm_pb2.VARIANCE_KIND_UNSPECIFIED,
         ),
         optimizer=rbm_pb2.OptimizerSpec(kind=optimizer, lr=lr),
         training=rbm_pb2.TrainingSpec(
-            batch_size=20, steps=steps, seed=3, checkpoint_every=checkpoint_every
+            batch_size=20,
+            steps=steps,
+            seed=3,
+            checkpoint_every=checkpoint_every,
+            max_backoffs=max_backoffs,
         ),
         eval=rbm_pb2.EvalSpec(every=eval_every, validation_fraction=0.2),
         dataset=dataset or rbm_pb2.DatasetRef(builtin=builtin),
     )
 
 
+SETTINGS = Settings(
+    lease_seconds=LEASE_S, heartbeat_seconds=0.25, worker_poll_ms=200, torch_threads=1
+)
+
+
+def pb_copy(message: rbm_pb2.StartTrainingRequest) -> rbm_pb2.StartTrainingRequest:
+    copy = rbm_pb2.StartTrainingRequest()
+    copy.CopyFrom(message)
+    return copy
+
+
 def make_worker(redis_url: str, worker_id: str) -> Worker:
-    return Worker(
-        redis_url,
-        worker_id=worker_id,
-        lease_seconds=LEASE_S,
-        heartbeat_seconds=0.25,
-        poll_ms=200,
-        torch_threads=1,
-    )
+    return Worker(SETTINGS.replace(redis_url=redis_url, worker_id=worker_id))
 
 
 class Harness:
@@ -101,12 +113,25 @@ class Harness:
         self.datasets = DatasetStore(self.redis)
 
     async def submit(self, request: rbm_pb2.StartTrainingRequest) -> str:
+        """Resolve the request as StartTraining does, then queue it."""
+
+        async def find_upload(dataset_id: str):
+            return await self.datasets.info(TENANT, dataset_id)
+
+        job = await resolve(request, SETTINGS, find_upload)
+        return await self.submit_resolved(
+            job.spec.SerializeToString(), job.total_steps, job.n_visible
+        )
+
+    async def submit_resolved(self, spec: bytes, total_steps: int, n_visible: int = 0) -> str:
+        """Queue a spec as it is (the worker uses stored specs verbatim)."""
         job, _ = await self.jobs.submit(
             TENANT,
-            request.SerializeToString(),
+            spec,
             name="test",
-            total_steps=request.training.steps,
+            total_steps=total_steps,
             request_id=None,
+            n_visible=n_visible,
         )
         return job.id
 
@@ -248,49 +273,94 @@ def test_cancel_stops_a_running_job_and_its_training_process(redis_url: str) -> 
 DIVERGING_LR = 2.0
 
 
-def test_divergence_fails_the_job_and_keeps_the_last_good_checkpoint(redis_url: str) -> None:
-    """A diverging job ends FAILED with the reason and keeps its last good checkpoint; jobs
-    whose data cannot be found or whose spec is unreadable fail with their reason too."""
+def diverging_spec(*, steps: int, max_backoffs: int | None = None):
+    """A Gaussian RBM at DIVERGING_LR, evaluated and checkpointed every 5 steps."""
+    return spec(
+        steps=steps,
+        checkpoint_every=5,
+        eval_every=5,
+        lr=DIVERGING_LR,
+        optimizer=rbm_pb2.OPTIMIZER_KIND_SGD,
+        gaussian=True,
+        variance=rbm_pb2.VARIANCE_KIND_IDENTITY,
+        max_backoffs=max_backoffs,
+    )
+
+
+def test_a_blow_up_fails_the_job_when_backoff_is_off(redis_url: str) -> None:
+    """A job that blows up with max_backoffs 0 ends FAILED, the message naming the step, the
+    metric and a step size to try; jobs whose data cannot be found or whose spec was not
+    resolved fail with their reason too."""
 
     async def scenario(h: Harness, workers: list[Worker]) -> None:
-        job_id = await h.submit(
-            spec(
-                steps=2000,
-                checkpoint_every=5,
-                eval_every=5,
-                lr=DIVERGING_LR,
-                optimizer=rbm_pb2.OPTIMIZER_KIND_SGD,
-                gaussian=True,
-                variance=rbm_pb2.VARIANCE_KIND_IDENTITY,
-            )
-        )
+        job_id = await h.submit(diverging_spec(steps=2000, max_backoffs=0))
         record = await h.wait_for(job_id, lambda r: r.state.is_terminal)
-        assert record.state is JobState.FAILED
-        assert "diverged" in record.error and f"step {record.checkpoint_step}" in record.error
-        assert record.checkpoint_step >= 5
-        checkpoint = await h.checkpoints.latest(job_id)
-        assert checkpoint.step == record.checkpoint_step
-        model = model_from_bytes(checkpoint.data)
-        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert record.state is JobState.FAILED and record.backoffs == 0
+        assert "blew up at step" in record.error and "with backoff off" in record.error
+        assert "reconstruction_error" in record.error
+        assert f"try optimizer.lr = {DIVERGING_LR / 10:.3g}" in record.error
+        kept = f"step {record.checkpoint_step}" if record.checkpoint_step >= 0 else "none"
+        assert f"the last good checkpoint is {kept}" in record.error
+        for step in await h.checkpoints.list_steps(job_id):  # only healthy models were saved
+            model = model_from_bytes((await h.checkpoints.get(job_id, step)).data)
+            assert all(torch.isfinite(p).all() for p in model.parameters())
         assert state_names(await h.state_changes(job_id))[-1] == "FAILED"
 
-        # Jobs that cannot start fail with their reason; the same worker goes on.
-        missing = rbm_pb2.DatasetRef(dataset_id="0" * 64)
-        unknown = rbm_pb2.DatasetRef(builtin=rbm_pb2.BuiltinDataset(name="imagenet"))
+        # Jobs that cannot start fail with their reason; the same worker goes on. (StartTraining
+        # refuses such specs; these stand for data deleted or a spec stored by another version.)
+        resolved = await resolve(spec(steps=10), SETTINGS, h.datasets.info)
+        missing, unknown, unresolved = (pb_copy(resolved.spec) for _ in range(3))
+        missing.dataset.dataset_id = "0" * 64
+        unknown.dataset.builtin.name = "imagenet"
+        unresolved.optimizer.ClearField("lr")
         reasons = []
-        for request in (spec(steps=10, dataset=missing), spec(steps=10, dataset=unknown)):
-            failed_id = await h.submit(request)
+        for request in (missing, unknown, unresolved):
+            failed_id = await h.submit_resolved(request.SerializeToString(), 10)
             failed = await h.wait_for(failed_id, lambda r: r.state.is_terminal)
             assert failed.state is JobState.FAILED
             reasons.append(failed.error)
         assert "dataset" in reasons[0] and "not found" in reasons[0]
-        assert "imagenet" in reasons[1] and "synthetic" in reasons[1]
+        assert "imagenet" in reasons[1]
+        assert "optimizer.lr" in reasons[2] and "submit the job again" in reasons[2]
         garbage, _ = await h.jobs.submit(
             TENANT, b"\xff\xff not a spec", name="bad", total_steps=1, request_id=None
         )
         failed = await h.wait_for(garbage.id, lambda r: r.state.is_terminal)
         assert failed.state is JobState.FAILED and "internal error" in failed.error
-        assert [outcome for _, outcome in workers[0].jobs_run] == ["FAILED"] * 4
+        assert [outcome for _, outcome in workers[0].jobs_run] == ["FAILED"] * 5
+
+    run_with_workers(redis_url, ["w1"], scenario)
+
+
+def test_a_blow_up_is_rolled_back_and_trained_on_with_smaller_steps(redis_url: str) -> None:
+    """The same blow-up with backoff on: the run goes back to its last good state, every step
+    size is divided by the backoff factor, and the job succeeds. The stream says so: a backoff
+    event, then metrics from the rollback step on, each step once per side of the event."""
+
+    async def scenario(h: Harness, workers: list[Worker]) -> None:
+        job_id = await h.submit(diverging_spec(steps=60))
+        record = await h.wait_for(job_id, lambda r: r.state.is_terminal)
+        assert record.state is JobState.SUCCEEDED, record.error
+        assert record.backoffs >= 1 and record.step == 60
+        events = await h.events_of(job_id)
+        backoffs = [
+            (index, rbm_pb2.Backoff.FromString(data))
+            for index, (kind, data, _) in enumerate(events)
+            if kind == "backoff"
+        ]
+        assert len(backoffs) == record.backoffs
+        index, first = backoffs[0]
+        assert first.backoff == 1 and first.max_backoffs == 3
+        assert first.old_lr == DIVERGING_LR and first.new_lr == pytest.approx(DIVERGING_LR / 10)
+        assert first.rollback_step < first.step and "reconstruction_error" in first.reason
+        # Before the event: only steps up to the rollback; after it, the run from there on.
+        steps = [rbm_pb2.Metrics.FromString(d).step for k, d, _ in events[:index] if k == "metrics"]
+        assert all(step <= first.rollback_step for step in steps)
+        after = [rbm_pb2.Metrics.FromString(d).step for k, d, _ in events[index:] if k == "metrics"]
+        assert after == list(range(first.rollback_step + 5, 61, 5))
+        checkpoint = await h.checkpoints.latest(job_id)
+        model = model_from_bytes(checkpoint.data)
+        assert checkpoint.step == 60 and all(torch.isfinite(p).all() for p in model.parameters())
 
     run_with_workers(redis_url, ["w1"], scenario)
 
@@ -444,7 +514,16 @@ def test_sigterm_checkpoints_releases_and_exits_cleanly(redis_url: str, processe
 # --- spec mapping ----------------------------------------------------------------------------
 
 
-def test_spec_maps_to_optimizer_config_and_plan() -> None:
+def resolved(request: rbm_pb2.StartTrainingRequest, upload=None) -> rbm_pb2.StartTrainingRequest:
+    """``request`` as StartTraining stores it (``upload``: the DatasetInfo of its dataset_id)."""
+
+    async def find_upload(dataset_id: str):
+        return upload
+
+    return asyncio.run(resolve(request, SETTINGS, find_upload)).spec
+
+
+def test_resolved_spec_maps_to_the_model_and_optimizer_configs() -> None:
     request = rbm_pb2.StartTrainingRequest(
         model=rbm_pb2.ModelSpec(
             kind=rbm_pb2.MODEL_KIND_GAUSSIAN, variance=rbm_pb2.VARIANCE_KIND_ISOTROPIC, n_hidden=5
@@ -453,33 +532,35 @@ def test_spec_maps_to_optimizer_config_and_plan() -> None:
             kind=rbm_pb2.OPTIMIZER_KIND_SGD,
             lr=0.1,
             per_parameter={"W": rbm_pb2.OPTIMIZER_KIND_SSD},
+            per_parameter_lr={"W": 1e-3},
             method=rbm_pb2.POLAR_METHOD_NEWTON_SCHULZ,
         ),
         training=rbm_pb2.TrainingSpec(epochs=3, batch_size=30),
     )
-    plan = plan_from_request(request, PlanDefaults(eval_every=7, checkpoint_every=70))
-    assert plan.optimizer == OptimizerConfig(
-        name="sgd", lr=0.1, method="newton-schulz", per_parameter={"W": "ssd"}
+    spec = resolved(request)
+    assert optimizer_config(spec.optimizer) == OptimizerConfig(
+        name="sgd",
+        lr=0.1,
+        momentum=0.0,
+        method="newton-schulz",
+        per_parameter={"W": "ssd"},
+        per_parameter_lr={"W": 1e-3},
     )
-    assert plan.optimizer.momentum is None and plan.optimizer.max_spectral_norm is None
-    assert (plan.cd_k, plan.eval_every, plan.checkpoint_every) == (1, 7, 70)
-    assert plan.total_steps(n_train=100) == 9  # 3 whole batches of 30 per epoch
-    assert plan.model_config(12) == {
+    assert model_config(spec, 12) == {
         "type": "gaussian",
         "n_visible": 12,
         "n_hidden": 5,
         "variance": "isotropic",
+        "min_variance": spec.model.min_variance,
     }
-    request.model.min_variance = 0.01
-    request.optimizer.per_parameter_lr["W"] = 1e-3
-    plan = plan_from_request(request)
-    assert plan.model_config(12)["min_variance"] == 0.01
-    assert plan.optimizer.per_parameter_lr == {"W": 1e-3}
-    request.training.cd_k = 3
     request.optimizer.kind = rbm_pb2.OPTIMIZER_KIND_NESTEROV
-    request.optimizer.momentum = 0.5
-    plan = plan_from_request(request)
-    assert plan.cd_k == 3 and plan.optimizer.name == "nesterov" and plan.optimizer.momentum == 0.5
+    request.optimizer.ClearField("per_parameter")
+    request.optimizer.ClearField("per_parameter_lr")
+    request.optimizer.ClearField("method")
+    config = optimizer_config(resolved(request).optimizer)
+    assert config.name == "nesterov" and config.momentum == 0.9  # the resolver's default
+    request.optimizer.momentum = 0.0  # an explicit zero is kept, not taken for "unset"
+    assert optimizer_config(resolved(request).optimizer).momentum == 0.0
 
 
 # --- dataset resolution ----------------------------------------------------------------------
@@ -491,51 +572,49 @@ def builtin(name: str, preprocess: int = rbm_pb2.PREPROCESS_UNSPECIFIED, **optio
     )
 
 
-def test_builtin_datasets_resolve_with_their_natural_preprocessing() -> None:
-    data_dir = Worker("redis://unused").options.data_dir
+def load(ref: rbm_pb2.DatasetRef, model: int = rbm_pb2.MODEL_KIND_BERNOULLI, uploaded=None):
+    """The training data of a resolved job on ``ref`` (validation share 0.1 or 0.25)."""
+    info = None
+    if uploaded is not None:
+        info = DatasetInfo(ref.dataset_id, uploaded.shape, uploaded.dtype, "", len(uploaded.data))
+    request = rbm_pb2.StartTrainingRequest(
+        model=rbm_pb2.ModelSpec(kind=model, n_hidden=2),
+        training=rbm_pb2.TrainingSpec(steps=1, batch_size=1),
+        eval=rbm_pb2.EvalSpec(validation_fraction=0.25 if uploaded else 0.1),
+        dataset=ref,
+    )
+    return prepare(resolved(request, info), SETTINGS, uploaded)
 
-    def load(ref: rbm_pb2.DatasetRef, model_kind: str = "bernoulli"):
-        return prepare(
-            ref,
-            model_kind=model_kind,
-            data_dir=data_dir,
-            uploaded=None,
-            validation_fraction=0.1,
-            seed=0,
-        )
 
-    # Options are read as the server validated them: limit 0 (the default it fills in) is all.
-    all_mnist = load(builtin("mnist", limit="0"))
+def test_datasets_load_as_the_resolved_spec_says() -> None:
+    # Options are read as the server resolved them: limit 0 (the default it fills in) is all.
+    all_mnist = load(builtin("mnist"))
     assert all_mnist.train.shape[0] + all_mnist.valid.shape[0] == 10_000
     mnist = load(builtin("mnist", limit="200"))
     assert mnist.train.shape == (180, 784) and mnist.valid.shape == (20, 784)
     assert set(torch.unique(mnist.train).tolist()) == {0.0, 1.0}  # binarized for a BRBM
-    faces = load(builtin("freyface", limit="300"), model_kind="gaussian")
+    faces = load(builtin("freyface", limit="300"), rbm_pb2.MODEL_KIND_GAUSSIAN)
     assert faces.n_visible == 560
     everything = torch.cat([faces.train, faces.valid])  # standardized per pixel for a GRBM
     assert torch.allclose(everything.mean(0), torch.zeros(560), atol=1e-4)
-    scaled = load(builtin("freyface", rbm_pb2.PREPROCESS_SCALE, limit="50"), "gaussian")
+    scaled = load(
+        builtin("freyface", rbm_pb2.PREPROCESS_SCALE, limit="50"), rbm_pb2.MODEL_KIND_GAUSSIAN
+    )
     assert float(scaled.train.min()) >= 0.0 and float(scaled.train.max()) <= 1.0
     synthetic = load(builtin("synthetic", n_visible="12", n_samples="50", seed="4"))
     assert synthetic.n_visible == 12 and synthetic.train.shape[0] + synthetic.valid.shape[0] == 50
 
-    uploaded = Uploaded("uint8", (4, 2, 3), bytes(range(24)))
-    images = prepare(
-        rbm_pb2.DatasetRef(dataset_id="f" * 64, preprocess=rbm_pb2.PREPROCESS_NONE),
-        model_kind="gaussian",
-        data_dir=data_dir,
-        uploaded=uploaded,
-        validation_fraction=0.25,
-        seed=0,
-    )
-    rows = torch.cat([images.train, images.valid])  # (4, 2, 3) flattened to (4, 6), unchanged
-    assert sorted(rows[:, 0].tolist()) == [0.0, 6.0, 12.0, 18.0]
+    # Uploaded uint8 images follow the same rule as the built-in ones.
+    uploaded = Uploaded("uint8", (4, 2, 3), bytes(range(0, 240, 10)))
+    upload_ref = rbm_pb2.DatasetRef(dataset_id="f" * 64)
+    images = load(upload_ref, uploaded=uploaded)
+    rows = torch.cat([images.train, images.valid])  # (4, 2, 3) flattened to (4, 6), binarized
+    assert rows.shape == (4, 6) and set(torch.unique(rows).tolist()) == {0.0, 1.0}
+    upload_ref.preprocess = rbm_pb2.PREPROCESS_NONE
+    raw = load(upload_ref, rbm_pb2.MODEL_KIND_GAUSSIAN, uploaded)
+    assert sorted(torch.cat([raw.train, raw.valid])[:, 0].tolist()) == [0, 60, 120, 180]
 
-    for ref, fix in [
-        (builtin("imagenet"), "synthetic"),
-        (builtin("mnist", size="3"), "limit"),
-        (builtin("synthetic", n_visible="many"), "integer"),
-        (builtin("mnist", limit="-1"), "between"),
-    ]:
-        with pytest.raises(DatasetError, match=fix):
-            load(ref)
+    # Float data outside [0, 1] cannot feed binary units: the job says which preprocessing fits.
+    floats = Uploaded("float32", (4, 1), np.array([0, 0.5, 1, 3], "<f4").tobytes())
+    with pytest.raises(DatasetError, match="SCALE or BINARIZE"):
+        load(rbm_pb2.DatasetRef(dataset_id="e" * 64), uploaded=floats)

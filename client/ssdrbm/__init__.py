@@ -9,6 +9,7 @@ from ssdrbm.client import Client
 from ssdrbm.connection import TLS
 from ssdrbm.datasets import UploadedDataset
 from ssdrbm.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
     IntegrityError,
@@ -21,7 +22,15 @@ from ssdrbm.errors import (
     Unauthenticated,
     Unavailable,
 )
-from ssdrbm.events import Job, JobState, MetricEvent, Metrics, MetricsEvent, StateEvent
+from ssdrbm.events import (
+    BackoffEvent,
+    Job,
+    JobState,
+    MetricEvent,
+    Metrics,
+    MetricsEvent,
+    StateEvent,
+)
 from ssdrbm.model_file import ExportedModel, read_safetensors
 from ssdrbm.retry import RetryPolicy
 
@@ -29,6 +38,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TLS",
+    "AlreadyExists",
+    "BackoffEvent",
     "Client",
     "DeadlineExceeded",
     "ExportedModel",

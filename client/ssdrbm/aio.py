@@ -28,7 +28,7 @@ from ssdrbm.errors import ResourceExhausted, Unavailable, from_rpc_error
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, acall_with_retry, is_retryable
-from ssdrbm.spec import training_request
+from ssdrbm.spec import TrainingDefaults, training_request
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
@@ -91,6 +91,13 @@ class AsyncClient:
         """Submit a training job; see :meth:`ssdrbm.Client.start_training` for the arguments."""
         request = training_request(**kwargs)
         return Job.from_proto((await self._call("StartTraining", request)).job)
+
+    async def training_defaults(self) -> TrainingDefaults:
+        """The defaults the service fills into unset fields: step sizes per model and
+        optimizer, and a minimal request resolved (every other default)."""
+        return TrainingDefaults.from_proto(
+            await self._call("GetTrainingDefaults", rbm_pb2.GetTrainingDefaultsRequest())
+        )
 
     async def get_job(self, job_id: str) -> Job:
         """The job's current record."""

@@ -25,7 +25,7 @@ from ssdrbm.errors import ResourceExhausted, SSDRBMError, Unavailable, from_rpc_
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, call_with_retry, is_retryable
-from ssdrbm.spec import training_request
+from ssdrbm.spec import TrainingDefaults, training_request
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
@@ -123,6 +123,13 @@ class Client:
         request = training_request(**kwargs)
         # The request_id makes a repeat return the original job, so retrying cannot duplicate it.
         return Job.from_proto(self._call("StartTraining", request).job)
+
+    def training_defaults(self) -> TrainingDefaults:
+        """The defaults the service fills into unset fields: step sizes per model and
+        optimizer, and a minimal request resolved (every other default)."""
+        return TrainingDefaults.from_proto(
+            self._call("GetTrainingDefaults", rbm_pb2.GetTrainingDefaultsRequest())
+        )
 
     def get_job(self, job_id: str) -> Job:
         """The job's current record; :class:`~ssdrbm.errors.NotFound` when it does not exist."""

@@ -72,6 +72,12 @@ class PermissionDenied(SSDRBMError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class AlreadyExists(SSDRBMError):
+    """The thing to create exists already, e.g. a request_id reused with a different spec."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class Cancelled(SSDRBMError):
     """The call was cancelled before it completed."""
 
@@ -97,6 +103,7 @@ _BY_CODE: dict[grpc.StatusCode, type[SSDRBMError]] = {
         ResourceExhausted,
         Unauthenticated,
         PermissionDenied,
+        AlreadyExists,
         Cancelled,
     )
     if cls.code is not None

@@ -70,6 +70,7 @@ class Metrics:
     log_likelihood: float | None = None
     log_likelihood_stderr: float | None = None
     log_likelihood_method: str | None = None  # "exact" or "ais"
+    saturated_hidden_fraction: float | None = None  # share of hidden units stuck at 0 or 1
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Metrics) -> Metrics:
@@ -89,6 +90,7 @@ class Metrics:
             log_likelihood=_optional(message, "log_likelihood"),
             log_likelihood_stderr=_optional(message, "log_likelihood_stderr"),
             log_likelihood_method=None if method == "unspecified" else method,
+            saturated_hidden_fraction=_optional(message, "saturated_hidden_fraction"),
         )
 
 
@@ -115,7 +117,25 @@ class StateEvent:
     step: int
 
 
-MetricEvent = MetricsEvent | StateEvent
+@dataclass(frozen=True)
+class BackoffEvent:
+    """The run blew up at ``step`` and was rolled back to ``rollback_step``: the steps after it
+    are trained again with every step size scaled from ``old_lr`` to ``new_lr``, and their
+    metric events follow this one (so a step may appear twice, this event between)."""
+
+    job_id: str
+    resume_token: str
+    time: datetime | None
+    step: int
+    rollback_step: int
+    reason: str
+    old_lr: float
+    new_lr: float
+    backoff: int  # 1 for the job's first
+    max_backoffs: int
+
+
+MetricEvent = MetricsEvent | StateEvent | BackoffEvent
 
 
 def event_from_proto(message: rbm_pb2.MetricEvent) -> MetricEvent | None:
@@ -135,6 +155,18 @@ def event_from_proto(message: rbm_pb2.MetricEvent) -> MetricEvent | None:
             message=change.message,
             attempt=change.attempt,
             step=change.step,
+            **common,
+        )
+    if kind == "backoff":
+        backoff = message.backoff
+        return BackoffEvent(
+            step=backoff.step,
+            rollback_step=backoff.rollback_step,
+            reason=backoff.reason,
+            old_lr=backoff.old_lr,
+            new_lr=backoff.new_lr,
+            backoff=backoff.backoff,
+            max_backoffs=backoff.max_backoffs,
             **common,
         )
     return None
@@ -158,7 +190,11 @@ class Job:
     started_at: datetime | None
     finished_at: datetime | None
     latest_metrics: Metrics | None
-    spec: dict[str, Any] = field(default_factory=dict)  # the request, defaults filled in
+    spec: dict[str, Any] = field(default_factory=dict)  # the request, every default filled in
+    backoffs: int = 0  # blow-ups recovered from by rolling back with smaller step sizes
+    # what the worker chose for its device, e.g. "device: cuda:0, method: newton-schulz (auto on
+    # cuda), CUDA graph"
+    runtime: str = ""
 
     @property
     def done(self) -> bool:
@@ -188,6 +224,8 @@ class Job:
                 else None
             ),
             spec=json_format.MessageToDict(message.spec, preserving_proto_field_name=True),
+            backoffs=message.backoffs,
+            runtime=message.runtime.summary,
         )
 
     def to_dict(self) -> dict[str, Any]:

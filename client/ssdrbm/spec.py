@@ -1,20 +1,24 @@
-"""Build a ``StartTrainingRequest`` from plain keyword arguments with sensible defaults.
+"""Build a ``StartTrainingRequest`` from plain keyword arguments.
 
-Enum-valued options are given by their lower-case names ("gaussian", "newton-schulz", ...); an
-unknown name raises :class:`~ssdrbm.errors.InvalidArgument` naming the field and the choices, before
-anything is sent. Numeric ranges are checked by the service, which names the field in its answer.
+Every argument left out (None) is sent unset, so the service fills in its own default: the
+defaults live on the server, in one table (``Client.training_defaults()`` and
+``ssdrbm defaults`` show them; the job's ``spec`` shows what was filled in). Enum-valued
+options are given by their lower-case names ("gaussian", "newton-schulz", ...); an unknown name
+raises :class:`~ssdrbm.errors.InvalidArgument` naming the field and the choices, before anything
+is sent. Numeric ranges are checked by the service, which names the field in its answer.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from google.protobuf import json_format
 
 from ssdrbm.errors import InvalidArgument
 from ssdrbm.v1 import rbm_pb2
-
-DEFAULT_STEPS = 1000
 
 
 def enum_choices(enum_type: Any, prefix: str) -> dict[str, int]:
@@ -47,6 +51,55 @@ def choose(field: str, value: str | None, choices: Mapping[str, int]) -> int:
     return choices[key]
 
 
+def enum_name(enum_type: Any, prefix: str, number: int) -> str | None:
+    """The lower-case, dash-separated name of an enum value; None for UNSPECIFIED."""
+    short = enum_type.Name(number).removeprefix(prefix)
+    return None if short == "UNSPECIFIED" else short.lower().replace("_", "-")
+
+
+@dataclass(frozen=True)
+class StepSizeDefault:
+    """The server's default step size for one model, variance and optimizer."""
+
+    model: str
+    variance: str | None  # Gaussian models only
+    optimizer: str
+    lr: float
+    source: str = ""  # the tuning the value comes from
+
+
+@dataclass(frozen=True)
+class TrainingDefaults:
+    """What the server fills into a training request's unset fields."""
+
+    step_sizes: list[StepSizeDefault]
+    example: dict[str, Any]  # a minimal request (n_hidden only) as the server resolves it
+
+    @classmethod
+    def from_proto(cls, message: rbm_pb2.TrainingDefaults) -> TrainingDefaults:
+        return cls(
+            step_sizes=[
+                StepSizeDefault(
+                    model=enum_name(rbm_pb2.ModelKind, "MODEL_KIND_", entry.model) or "",
+                    variance=enum_name(rbm_pb2.VarianceKind, "VARIANCE_KIND_", entry.variance),
+                    optimizer=enum_name(rbm_pb2.OptimizerKind, "OPTIMIZER_KIND_", entry.optimizer)
+                    or "",
+                    lr=entry.lr,
+                    source=entry.source,
+                )
+                for entry in message.step_sizes
+            ],
+            example=json_format.MessageToDict(message.example, preserving_proto_field_name=True),
+        )
+
+    def lr(self, model: str, optimizer: str, variance: str | None = None) -> float:
+        """The default step size of one combination (KeyError when the table lacks it)."""
+        for entry in self.step_sizes:
+            if (entry.model, entry.optimizer, entry.variance) == (model, optimizer, variance):
+                return entry.lr
+        raise KeyError((model, optimizer, variance))
+
+
 def new_request_id() -> str:
     """A fresh idempotency key, so that a retried StartTraining never creates a second job."""
     return uuid.uuid4().hex
@@ -55,115 +108,147 @@ def new_request_id() -> str:
 def _check_unsigned(**values: Any) -> None:
     """Refuse negative or non-integer counts here: protobuf's own error would not name the field."""
     for field, value in values.items():
+        if value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InvalidArgument(f"{field}: must be a non-negative integer, got {value!r}")
 
 
+def _set(message: Any, **values: Any) -> Any:
+    """Set the fields whose value is not None; the others stay unset (the server's default)."""
+    for field, value in values.items():
+        if value is not None:
+            setattr(message, field, value)
+    return message
+
+
 def training_request(
     *,
-    model: str = "bernoulli",
+    model: str | None = None,
     variance: str | None = None,
-    min_variance: float = 0.0,
-    n_hidden: int = 64,
-    optimizer: str = "ssd",
-    method: str | None = "lowrank",
+    min_variance: float | None = None,
+    n_hidden: int | None = None,
+    optimizer: str | None = None,
+    method: str | None = None,
     preconditioner: str | None = None,
-    lr: float = 0.01,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    max_spectral_norm: float = 0.0,
-    rank: int = 0,
+    lr: float | None = None,
+    momentum: float | None = None,
+    weight_decay: float | None = None,
+    max_spectral_norm: float | None = None,
+    rank: int | None = None,
     per_parameter: Mapping[str, str] | None = None,
     per_parameter_lr: Mapping[str, float] | None = None,
     cd_k: int | None = None,
-    persistent: bool = False,
-    batch_size: int = 100,
+    persistent: bool | None = None,
+    batch_size: int | None = None,
     steps: int | None = None,
     epochs: int | None = None,
-    seed: int = 0,
-    checkpoint_every: int = 0,
-    eval_every: int = 0,
-    ais: bool = False,
-    ais_chains: int = 0,
-    ais_betas: int = 0,
-    validation_fraction: float = 0.0,
-    dataset: str = "synthetic",
+    seed: int | None = None,
+    checkpoint_every: int | None = None,
+    max_backoffs: int | None = None,
+    backoff_factor: float | None = None,
+    eval_every: int | None = None,
+    ais: bool | None = None,
+    ais_chains: int | None = None,
+    ais_betas: int | None = None,
+    validation_fraction: float | None = None,
+    dataset: str | None = None,
     dataset_id: str | None = None,
     dataset_options: Mapping[str, Any] | None = None,
     preprocess: str | None = None,
     request_id: str | None = None,
-    name: str = "",
+    name: str | None = None,
+    validate_only: bool | None = None,
 ) -> rbm_pb2.StartTrainingRequest:
     """The request for :meth:`ssdrbm.Client.start_training`; see that method for the arguments.
 
-    Zeros mean "server default" as in the proto. With neither ``steps`` nor ``epochs`` the job runs
-    ``DEFAULT_STEPS`` steps. A missing ``request_id`` is generated, which makes retries safe.
+    Arguments left as None are sent unset: the server fills in its defaults. A missing
+    ``request_id`` is generated, which makes retries safe.
     """
     _check_unsigned(
         n_hidden=n_hidden,
         rank=rank,
-        cd_k=1 if cd_k is None else cd_k,
+        cd_k=cd_k,
         batch_size=batch_size,
-        steps=steps or 0,
-        epochs=epochs or 0,
+        steps=steps,
+        epochs=epochs,
         seed=seed,
         checkpoint_every=checkpoint_every,
+        max_backoffs=max_backoffs,
         eval_every=eval_every,
         ais_chains=ais_chains,
         ais_betas=ais_betas,
     )
     if steps is not None and epochs is not None:
         raise InvalidArgument("steps, epochs: give one of them, not both")
-    if steps is None and epochs is None:
-        steps = DEFAULT_STEPS
-    per_parameter_kinds = {
-        parameter: choose(f"per_parameter[{parameter}]", kind, OPTIMIZERS)
-        for parameter, kind in (per_parameter or {}).items()
-    }
-    if dataset_id:
-        dataset_ref = rbm_pb2.DatasetRef(dataset_id=dataset_id)
-    else:
-        options = {str(key): str(value) for key, value in (dataset_options or {}).items()}
-        dataset_ref = rbm_pb2.DatasetRef(
-            builtin=rbm_pb2.BuiltinDataset(name=dataset, options=options)
-        )
-    dataset_ref.preprocess = choose("preprocess", preprocess, PREPROCESSING)
-    return rbm_pb2.StartTrainingRequest(
-        model=rbm_pb2.ModelSpec(
-            kind=choose("model", model, MODELS),
-            variance=choose("variance", variance, VARIANCES),
-            n_hidden=n_hidden,
-            min_variance=min_variance,
-        ),
-        optimizer=rbm_pb2.OptimizerSpec(
-            kind=choose("optimizer", optimizer, OPTIMIZERS),
-            lr=lr,
-            momentum=momentum,
-            method=choose("method", method, METHODS),
-            preconditioner=choose("preconditioner", preconditioner, PRECONDITIONERS),
-            weight_decay=weight_decay,
-            max_spectral_norm=max_spectral_norm,
-            rank=rank,
-            per_parameter=per_parameter_kinds,
-            per_parameter_lr={str(k): float(v) for k, v in (per_parameter_lr or {}).items()},
-        ),
-        training=rbm_pb2.TrainingSpec(
-            cd_k=cd_k,  # None leaves it unset: the server's default of 1
-            persistent=persistent,
-            batch_size=batch_size,
-            steps=steps or 0,
-            epochs=epochs or 0,
-            seed=seed,
-            checkpoint_every=checkpoint_every,
-        ),
-        eval=rbm_pb2.EvalSpec(
-            every=eval_every,
-            ais=ais,
-            ais_chains=ais_chains,
-            ais_betas=ais_betas,
-            validation_fraction=validation_fraction,
-        ),
-        dataset=dataset_ref,
-        request_id=request_id or new_request_id(),
-        name=name,
+    if dataset is not None and dataset_id is not None:
+        raise InvalidArgument("dataset, dataset_id: give one of them, not both")
+    request = rbm_pb2.StartTrainingRequest(request_id=request_id or new_request_id())
+    _set(request, name=name, validate_only=validate_only)
+    _set(
+        request.model,
+        kind=_choice("model", model, MODELS),
+        variance=_choice("variance", variance, VARIANCES),
+        n_hidden=n_hidden,
+        min_variance=min_variance,
     )
+    _set(
+        request.optimizer,
+        kind=_choice("optimizer", optimizer, OPTIMIZERS),
+        lr=lr,
+        momentum=momentum,
+        method=_choice("method", method, METHODS),
+        preconditioner=_choice("preconditioner", preconditioner, PRECONDITIONERS),
+        weight_decay=weight_decay,
+        max_spectral_norm=max_spectral_norm,
+        rank=rank,
+    )
+    for parameter, kind in (per_parameter or {}).items():
+        request.optimizer.per_parameter[parameter] = choose(
+            f"per_parameter[{parameter}]", kind, OPTIMIZERS
+        )
+    for parameter, value in (per_parameter_lr or {}).items():
+        request.optimizer.per_parameter_lr[str(parameter)] = float(value)
+    _set(
+        request.training,
+        cd_k=cd_k,
+        persistent=persistent,
+        batch_size=batch_size,
+        steps=steps,
+        epochs=epochs,
+        seed=seed,
+        checkpoint_every=checkpoint_every,
+        max_backoffs=max_backoffs,
+        backoff_factor=backoff_factor,
+    )
+    _set(
+        request.eval,
+        every=eval_every,
+        ais=ais,
+        ais_chains=ais_chains,
+        ais_betas=ais_betas,
+        validation_fraction=validation_fraction,
+    )
+    _set_dataset(request.dataset, dataset, dataset_id, dataset_options)
+    _set(request.dataset, preprocess=_choice("preprocess", preprocess, PREPROCESSING))
+    return request
+
+
+def _choice(field: str, value: str | None, choices: Mapping[str, int]) -> int | None:
+    return None if value is None else choose(field, value, choices)
+
+
+def _set_dataset(
+    ref: rbm_pb2.DatasetRef,
+    dataset: str | None,
+    dataset_id: str | None,
+    options: Mapping[str, Any] | None,
+) -> None:
+    if dataset_id is not None:
+        ref.dataset_id = dataset_id
+    elif dataset is not None or options:
+        if dataset is None:
+            raise InvalidArgument("dataset_options: name the built-in dataset they are for")
+        ref.builtin.name = dataset
+        for key, value in (options or {}).items():
+            ref.builtin.options[str(key)] = str(value)

@@ -187,6 +187,7 @@ class JobStore:
         name: str,
         total_steps: int,
         request_id: str | None,
+        n_visible: int = 0,
         max_active: int = 0,
     ) -> tuple[JobRecord, bool]:
         """Record and enqueue a job; returns (job, created).
@@ -197,7 +198,12 @@ class JobStore:
         """
         job_id = new_job_id()
         fields = new_job_fields(
-            tenant=tenant, name=name, spec=spec, total_steps=total_steps, created_at=time.time()
+            tenant=tenant,
+            name=name,
+            spec=spec,
+            total_steps=total_steps,
+            n_visible=n_visible,
+            created_at=time.time(),
         )
         event = state_event_fields(JobState.QUEUED, attempt=0, step=0, message="submitted")
         args: list[bytes | str | int | float] = [ADMISSION_TTL_S, *event_values(event)]

@@ -99,7 +99,7 @@ def record_from_hash(job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
 
 
 def new_job_fields(
-    *, tenant: str, name: str, spec: bytes, total_steps: int, created_at: float
+    *, tenant: str, name: str, spec: bytes, total_steps: int, n_visible: int, created_at: float
 ) -> dict[str, bytes | str | int | float]:
     """Hash fields of a freshly submitted job (QUEUED, attempt 0, no checkpoint)."""
     return {
@@ -116,7 +116,7 @@ def new_job_fields(
         "created_at": repr(created_at),
         "started_at": "",
         "finished_at": "",
-        "n_visible": 0,
+        "n_visible": n_visible,
         "latest_metrics": b"",
         "cancel_requested": 0,
         "metric_step": -1,

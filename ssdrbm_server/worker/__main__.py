@@ -20,7 +20,7 @@ logger = logging.getLogger("ssdrbm_server.worker")
 
 async def main(settings: Settings) -> None:
     """Run a worker until SIGTERM or SIGINT."""
-    worker = Worker.from_settings(settings)
+    worker = Worker(settings)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
 

@@ -15,19 +15,21 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch
+from google.protobuf import json_format
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore import checkpoint as ssdcheckpoint
+from ssdcore.blowup import BlowUp, BlowUpDetector, blowup_from_error, suggested_lr
 from ssdcore.errors import DivergenceError
 from ssdcore.models import model_from_config
 from ssdcore.training import Trainer
+from ssdrbm_server.config import Settings
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
-from ssdrbm_server.worker.spec import PlanDefaults, TrainingPlan, plan_from_request
+from ssdrbm_server.worker.spec import check_resolved, model_config, optimizer_config, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -116,18 +118,17 @@ def pick_device() -> torch.device:
 
 
 class Training:
-    """One job's training loop in the child."""
+    """One job's training loop in the child: its spec, data, trainer and blow-up recovery."""
 
     def __init__(self, conn: Connection, start: protocol.Message) -> None:
         if start.kind != protocol.START:
             raise ValueError(f"expected a start message, got {start.kind!r}")
         self.conn = conn
         fields: dict[str, Any] = start.fields
-        self.request = rbm_pb2.StartTrainingRequest.FromString(start.blobs["spec"])
-        self.plan: TrainingPlan = plan_from_request(
-            self.request, PlanDefaults(**fields["defaults"])
-        )
-        self.data_dir = Path(fields["data_dir"])
+        self.spec = rbm_pb2.StartTrainingRequest.FromString(start.blobs["spec"])
+        check_resolved(self.spec)
+        self.settings = Settings(**fields["settings"])
+        self.backoffs = int(fields.get("backoffs", 0))
         self.uploaded = (
             Uploaded(
                 fields["dataset_dtype"], tuple(fields["dataset_shape"]), start.blobs["dataset"]
@@ -136,62 +137,66 @@ class Training:
             else None
         )
         self.resume = start.blobs.get("resume", b"")
-        if fields.get("torch_threads"):
-            torch.set_num_threads(int(fields["torch_threads"]))
+        if self.settings.torch_threads:
+            torch.set_num_threads(self.settings.torch_threads)
+        self.total = int(fields["total_steps"])
+        self.n_visible = int(fields.get("n_visible", 0))  # as resolved when the job was accepted
         self.last_checkpoint = -1
+        self.detector = BlowUpDetector()
 
     def run(self) -> None:
-        torch.manual_seed(self.plan.seed)
+        spec = self.spec
+        torch.manual_seed(spec.training.seed)
         device = pick_device()
-        data = prepare(
-            self.request.dataset,
-            model_kind=self.plan.model_kind,
-            data_dir=self.data_dir,
-            uploaded=self.uploaded,
-            validation_fraction=self.plan.validation_fraction,
-            seed=self.plan.seed,
-        )
-        self.model = model_from_config(self.plan.model_config(data.n_visible), device=device)
+        data = prepare(spec, self.settings, self.uploaded)
+        if self.n_visible and data.n_visible != self.n_visible:
+            raise DatasetError(
+                f"the dataset now has {data.n_visible} visible units, but the job was accepted "
+                f"for {self.n_visible}; its data changed on this server since — submit it again"
+            )
+        self.model = model_from_config(model_config(spec, data.n_visible), device=device)
         self.trainer = Trainer(
             self.model,
             data.train.to(device),
-            optimizer=self.plan.optimizer,
-            batch_size=self.plan.batch_size,
-            cd_k=self.plan.cd_k,
-            persistent=self.plan.persistent,
-            seed=self.plan.seed,
+            optimizer=optimizer_config(spec.optimizer),
+            batch_size=spec.training.batch_size,
+            cd_k=spec.training.cd_k,
+            persistent=spec.training.persistent,
+            seed=spec.training.seed,
             valid_data=None if data.valid is None else data.valid.to(device),
         )
         if self.resume:
             ssdcheckpoint.load_trainer_state(self.trainer, self.resume)
             self.last_checkpoint = self.trainer.step_count
-        total = self.plan.total_steps(int(data.train.shape[0]))
-        self.total = total
+        self.trainer.set_lr_scale(self._lr_scale(self.backoffs))
+        # Where a blow-up rolls back to until the first checkpoint: this attempt's start.
+        self.good_state = ssdcheckpoint.trainer_to_bytes(self.trainer)
+        self.good_step = self.trainer.step_count
+        self.detector.observe(self._evaluate(with_ais=False))  # the baseline before training
         self._send(
             protocol.STARTED,
-            n_visible=data.n_visible,
-            total_steps=total,
             start_step=self.trainer.step_count,
-            device=str(device),
+            runtime=json.dumps(self._runtime(device)),
         )
-        try:
-            self._loop()
-        except DivergenceError as exc:
-            self._diverged(exc)
+        self._loop()
 
-    def _diverged(self, exc: Exception) -> None:
-        step = self.trainer.step_count
-        kept = (
-            f"the last good checkpoint (step {self.last_checkpoint}) is kept"
-            if self.last_checkpoint >= 0
-            else "no checkpoint was written before it"
+    def _runtime(self, device: torch.device) -> dict[str, Any]:
+        weight_group = next(g for g in self.trainer.optimizer.param_groups if g["name"] == "W")
+        spectral = weight_group.get("geometry") == "spectral"
+        described = runtime(
+            self.spec.optimizer,
+            device=str(device),
+            weight_method=weight_group["method"] if spectral else None,
+            cuda_graph=bool(self.trainer.cuda_graph),
         )
-        hint = "" if isinstance(exc, DivergenceError) else " Lower optimizer.lr."
-        reason = f"training diverged at step {step}: {exc} ({kept}).{hint}"
-        _report_failure(self.conn, reason, step=step, diverged=True)
+        return json_format.MessageToDict(described, preserving_proto_field_name=True)
+
+    def _lr_scale(self, backoffs: int) -> float:
+        return self.spec.training.backoff_factor ** (-backoffs)
 
     def _loop(self) -> None:
-        plan = self.plan
+        every = self.spec.eval.every
+        checkpoint_every = self.spec.training.checkpoint_every
         while self.trainer.step_count < self.total:
             if self._stop_requested():
                 self._checkpoint()
@@ -199,19 +204,75 @@ class Training:
                 return
             step = self.trainer.step_count
             boundary = min(
-                _next_multiple(step, plan.eval_every),
-                _next_multiple(step, plan.checkpoint_every),
-                self.total,
+                _next_multiple(step, every), _next_multiple(step, checkpoint_every), self.total
             )
-            n = min(boundary - step, MAX_STEPS_BETWEEN_POLLS)
-            self.trainer.train_steps(n)
+            try:
+                self.trainer.train_steps(min(boundary - step, MAX_STEPS_BETWEEN_POLLS))
+            except DivergenceError as exc:
+                if not self._recover(blowup_from_error(exc, self.trainer.step_count)):
+                    return
+                continue
             step = self.trainer.step_count
-            at_checkpoint = step % plan.checkpoint_every == 0 or step == self.total
-            if step % plan.eval_every == 0 or step == self.total:
-                self._metrics(with_ais=at_checkpoint and plan.ais)
+            at_checkpoint = step % checkpoint_every == 0 or step == self.total
+            # A checkpoint is taken only of a model that passed the blow-up check, so every
+            # checkpoint step is also an evaluation step.
+            if step % every == 0 or at_checkpoint:
+                values = self._evaluate(with_ais=at_checkpoint and self.spec.eval.ais)
+                blowup = self.detector.observe(values)
+                if blowup is not None:
+                    if not self._recover(blowup):
+                        return
+                    continue
+                self._publish(values)
             if at_checkpoint:
                 self._checkpoint()
         self._send(protocol.FINISHED, step=self.trainer.step_count)
+
+    def _recover(self, blowup: BlowUp) -> bool:
+        """Roll back and continue with smaller steps (True), or fail the job (False)."""
+        lr = self.spec.optimizer.lr * self._lr_scale(self.backoffs)
+        limit = self.spec.training.max_backoffs
+        if self.backoffs >= limit:
+            spent = f"after {limit} backoffs" if limit else "with backoff off"
+            suggestion = suggested_lr(lr, self.spec.training.backoff_factor)
+            _report_failure(
+                self.conn,
+                f"training blew up at step {blowup.step} {spent}: {blowup.describe()}; the step "
+                f"size was optimizer.lr × scale = {lr:.3g}; try optimizer.lr = {suggestion:.3g} "
+                f"or smaller (the last good checkpoint is {self._kept()})",
+                step=blowup.step,
+                diverged=True,
+            )
+            return False
+        self.backoffs += 1
+        ssdcheckpoint.load_trainer_state(self.trainer, self.good_state)
+        self.trainer.set_lr_scale(self._lr_scale(self.backoffs))
+        new_lr = self.spec.optimizer.lr * self._lr_scale(self.backoffs)
+        event = rbm_pb2.Backoff(
+            step=blowup.step,
+            rollback_step=self.good_step,
+            reason=blowup.describe(),
+            old_lr=lr,
+            new_lr=new_lr,
+            backoff=self.backoffs,
+            max_backoffs=limit,
+        )
+        logger.warning(
+            "blow-up at step %d (%s): back to step %d with lr %.3g",
+            blowup.step,
+            event.reason,
+            self.good_step,
+            new_lr,
+        )
+        self._send(
+            protocol.BACKOFF,
+            blobs={"backoff": event.SerializeToString()},
+            rollback_step=self.good_step,
+        )
+        return True
+
+    def _kept(self) -> str:
+        return f"step {self.last_checkpoint}" if self.last_checkpoint >= 0 else "none"
 
     def _stop_requested(self) -> bool:
         if not self.conn.poll():
@@ -219,16 +280,20 @@ class Training:
         message = protocol.receive(self.conn)
         return message.kind == protocol.STOP
 
-    def _metrics(self, *, with_ais: bool) -> None:
+    def _evaluate(self, *, with_ais: bool) -> dict[str, Any]:
         if with_ais:
             method = "ais"
-        elif self.plan.n_hidden <= EXACT_LL_MAX_HIDDEN:
+        elif self.spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN:
             method = "exact"
         else:
             method = "none"
-        values = self.trainer.evaluate(
-            log_likelihood=method, ais_chains=self.plan.ais_chains, ais_betas=self.plan.ais_betas
+        return self.trainer.evaluate(
+            log_likelihood=method,
+            ais_chains=self.spec.eval.ais_chains,
+            ais_betas=self.spec.eval.ais_betas,
         )
+
+    def _publish(self, values: dict[str, Any]) -> None:
         # wall_time_s and samples_per_second come from the trainer: its training time is part
         # of its state, so they continue across a resume.
         metrics = metrics_message(values, step=self.trainer.step_count, total=self.total)
@@ -242,16 +307,15 @@ class Training:
         step = self.trainer.step_count
         if step == self.last_checkpoint:
             return
+        trainer_state = ssdcheckpoint.trainer_to_bytes(self.trainer)
         self._send(
             protocol.CHECKPOINT,
-            blobs={
-                "model": ssdcheckpoint.model_to_bytes(self.model),
-                "trainer": ssdcheckpoint.trainer_to_bytes(self.trainer),
-            },
+            blobs={"model": ssdcheckpoint.model_to_bytes(self.model), "trainer": trainer_state},
             step=step,
             config_json=json.dumps(self.model.config(), sort_keys=True),
         )
         self.last_checkpoint = step
+        self.good_state, self.good_step = trainer_state, step
 
     def _send(self, kind: str, *, blobs: dict[str, bytes] | None = None, **fields: Any) -> None:
         protocol.send(self.conn, protocol.Message(kind, fields, blobs or {}))

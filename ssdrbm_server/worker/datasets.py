@@ -2,14 +2,14 @@
 
 Built-ins: "synthetic" (the paper's generator; options n_visible, n_hidden, n_samples, seed),
 "mnist" and "freyface" (read from the data directory; option limit). Uploaded arrays arrive as
-raw little-endian bytes with dtype and shape and are rebuilt with numpy.frombuffer.
+raw little-endian bytes with dtype and shape and are rebuilt with numpy.frombuffer. The spec was
+resolved (options and preprocessing filled in) before the job was queued; it is read as it is.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,19 +17,13 @@ from ssdrbm.v1 import rbm_pb2
 
 from ssdcore import data as ssdata
 from ssdrbm_server import catalog
-from ssdrbm_server.errors import InvalidArgumentError
+from ssdrbm_server.config import Settings
+from ssdrbm_server.vocabulary import PREPROCESS_NAMES
 
 logger = logging.getLogger(__name__)
 
-FREYFACE_FILE = "frey_rawface.mat"
 # numpy dtypes of the upload formats, explicitly little-endian.
 UPLOAD_DTYPES = {"float32": "<f4", "float64": "<f8", "uint8": "u1"}
-PREPROCESS_MODES = {
-    rbm_pb2.PREPROCESS_NONE: "none",
-    rbm_pb2.PREPROCESS_BINARIZE: "binarize",
-    rbm_pb2.PREPROCESS_SCALE: "scale",
-    rbm_pb2.PREPROCESS_STANDARDIZE: "standardize",
-}
 
 
 class DatasetError(ValueError):
@@ -57,23 +51,17 @@ class SplitData:
         return int(self.train.shape[1])
 
 
-def load_builtin(builtin: rbm_pb2.BuiltinDataset, data_dir: Path) -> torch.Tensor:
-    """Examples (N, V) of a built-in dataset, before preprocessing.
-
-    Options are parsed by the same catalog that validated the request, so a spec the server
-    accepted (defaults filled in, e.g. limit 0 = every example) is read the same way here.
-    """
-    name = builtin.name
-    try:
-        options = catalog.parse_options(name, builtin.options, "dataset.builtin")
-    except InvalidArgumentError as error:
-        raise DatasetError(error.message) from None
-    if name == "synthetic":
+def load_builtin(builtin: rbm_pb2.BuiltinDataset, settings: Settings) -> torch.Tensor:
+    """Examples (N, V) of a built-in dataset, before preprocessing."""
+    options = {key: int(value) for key, value in builtin.options.items()}
+    if builtin.name == "synthetic":
         return ssdata.synthetic_rbm_data(**options)
-    if name == "mnist":
-        examples = ssdata.load_mnist(data_dir / "mnist")
+    if builtin.name == "mnist":
+        examples = ssdata.load_mnist(catalog.mnist_directory(settings))
+    elif builtin.name == "freyface":
+        examples = ssdata.load_frey_face(catalog.frey_face_path(settings))
     else:
-        examples = ssdata.load_frey_face(data_dir / "freyface" / FREYFACE_FILE)
+        raise DatasetError(f"unknown built-in dataset {builtin.name!r}")
     limit = options["limit"]
     return examples[:limit] if limit else examples
 
@@ -87,41 +75,23 @@ def load_uploaded(uploaded: Uploaded) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def preprocess_mode(ref: rbm_pb2.DatasetRef, model_kind: str) -> str:
-    """The preprocessing to apply: as asked, or the dataset's natural default.
-
-    Synthetic data is already binary. Images (MNIST, Frey Face, uploads) are binarized for a
-    Bernoulli RBM and standardized per pixel for a Gaussian one.
-    """
-    if ref.preprocess in PREPROCESS_MODES:
-        return PREPROCESS_MODES[ref.preprocess]
-    if ref.WhichOneof("source") == "builtin" and ref.builtin.name == "synthetic":
-        return "none"
-    return "binarize" if model_kind == "bernoulli" else "standardize"
-
-
 def prepare(
-    ref: rbm_pb2.DatasetRef,
-    *,
-    model_kind: str,
-    data_dir: Path,
-    uploaded: Uploaded | None,
-    validation_fraction: float,
-    seed: int,
+    spec: rbm_pb2.StartTrainingRequest, settings: Settings, uploaded: Uploaded | None
 ) -> SplitData:
     """Load, preprocess and split a job's data."""
+    ref = spec.dataset
     if ref.WhichOneof("source") == "dataset_id":
         if uploaded is None:
             raise DatasetError(f"dataset {ref.dataset_id!r} was not provided to the trainer")
         examples = load_uploaded(uploaded)
-    elif ref.WhichOneof("source") == "builtin":
-        examples = load_builtin(ref.builtin, data_dir)
     else:
-        raise DatasetError("the job names no dataset; set dataset.builtin or dataset.dataset_id")
+        examples = load_builtin(ref.builtin, settings)
     if not torch.isfinite(examples).all():
         raise DatasetError("the dataset holds NaN or infinite values")
-    examples = ssdata.preprocess(examples, preprocess_mode(ref, model_kind))
-    train, valid = ssdata.split(examples, validation_fraction, seed)
+    examples = ssdata.preprocess(examples, PREPROCESS_NAMES[ref.preprocess])
+    if spec.model.kind == rbm_pb2.MODEL_KIND_BERNOULLI:
+        _check_probabilities(examples)
+    train, valid = ssdata.split(examples, spec.eval.validation_fraction, spec.training.seed)
     if train.shape[0] == 0:
         raise DatasetError("no training examples remain after the validation split")
     logger.info(
@@ -131,3 +101,14 @@ def prepare(
         train.shape[1],
     )
     return SplitData(train, valid if valid is not None and valid.shape[0] > 0 else None)
+
+
+def _check_probabilities(examples: torch.Tensor) -> None:
+    """Binary visible units model values in [0, 1]; anything else would train on nonsense."""
+    low, high = float(examples.min()), float(examples.max())
+    if low < 0 or high > 1:
+        raise DatasetError(
+            f"a Bernoulli model needs visible values in [0, 1], but this dataset holds values "
+            f"from {low:g} to {high:g}; set dataset.preprocess to SCALE or BINARIZE, or use a "
+            "Gaussian model"
+        )

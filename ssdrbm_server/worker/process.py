@@ -14,6 +14,7 @@ import os
 import threading
 from multiprocessing.connection import Connection
 
+from ssdrbm_server.config import Settings
 from ssdrbm_server.cpus import pin_this_process
 from ssdrbm_server.worker import protocol
 
@@ -60,6 +61,11 @@ class ChildProcess:
         loop = asyncio.get_running_loop()
         self._reader = threading.Thread(target=self._pump, args=(loop,), daemon=True)
         self._reader.start()
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> ChildProcess:
+        """A training process with the settings' log level and CPU pinning."""
+        return cls(settings.log_level, settings.training_cpu_set)
 
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         try:

@@ -5,14 +5,16 @@ by its binary parts as raw byte frames. Nothing is pickled: both ends only ever 
 copy bytes.
 
 Child -> worker:
-    started      n_visible, total_steps, start_step       the data is loaded, training begins
+    started      start_step, runtime                      the data is loaded, training begins
     metrics      step                   + metrics         a serialized ssdrbm.v1.Metrics
+    backoff      rollback_step          + backoff         a blow-up, rolled back (ssdrbm.v1.Backoff)
     checkpoint   step, config_json      + model, trainer  safetensors bytes
     finished     step                                     the last step is trained and saved
     stopped      step                                     stopped on request, after a checkpoint
     failed       step, reason, diverged                   training cannot go on
 Worker -> child:
-    start        spec fields, settings  + spec, dataset, resume
+    start        settings, backoffs, total_steps, n_visible, upload info
+                                            + spec, dataset, resume
     stop                                                  checkpoint now, end with "stopped"
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 # Message kinds, child -> worker
 STARTED = "started"
 METRICS = "metrics"
+BACKOFF = "backoff"
 CHECKPOINT = "checkpoint"
 FINISHED = "finished"
 STOPPED = "stopped"

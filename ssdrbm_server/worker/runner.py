@@ -10,26 +10,26 @@ at once without writing anything more.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions
 from ssdrbm.v1 import rbm_pb2
 
+from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import FailedPreconditionError, NotFoundError
 from ssdrbm_server.keys import Keys
-from ssdrbm_server.store.checkpoints import DEFAULT_KEEP, CheckpointStore
+from ssdrbm_server.store.checkpoints import CheckpointStore
 from ssdrbm_server.store.datasets import DatasetStore
 from ssdrbm_server.store.fencing import FencedJob, LeaseLostError
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.records import JobRecord, JobState
 from ssdrbm_server.worker import protocol
-from ssdrbm_server.worker.defaults import PlanDefaults
 from ssdrbm_server.worker.process import ChildProcess
 
 logger = logging.getLogger(__name__)
@@ -42,25 +42,6 @@ REDIS_DOWN = (
     redis.exceptions.BusyLoadingError,
 )
 RETRY_DELAY_S = 0.5
-
-
-@dataclass
-class RunnerOptions:
-    """How a worker runs its jobs."""
-
-    data_dir: Path
-    lease_ms: int = 10_000
-    heartbeat_s: float = 0.5  # lease renewal and cancel check; a cancel lands within ~this
-    checkpoint_keep: int = DEFAULT_KEEP
-    stop_timeout_s: float = 60.0  # a graceful stop waits this long for the final checkpoint
-    torch_threads: int = 0  # 0: torch's default
-    training_cpus: frozenset[int] = frozenset()  # pin the training process (ssdrbm_server/cpus.py)
-    log_level: str = "INFO"
-    plan_defaults: PlanDefaults = field(default_factory=PlanDefaults)
-
-    def spawn_child(self) -> ChildProcess:
-        """A new training process with these options (log level, CPU pinning)."""
-        return ChildProcess(self.log_level, self.training_cpus)
 
 
 @dataclass
@@ -78,7 +59,7 @@ class JobRunner:
         self,
         redis: aioredis.Redis,
         lease: Lease,
-        options: RunnerOptions,
+        settings: Settings,
         stop: StopRequest,
         *,
         keys: Keys | None = None,
@@ -87,7 +68,7 @@ class JobRunner:
         self.redis = redis
         self.keys = keys or Keys()
         self.lease = lease
-        self.options = options
+        self.settings = settings
         self.stop = stop
         self.job = FencedJob(redis, lease, keys=self.keys)
         self.record: JobRecord = lease.record
@@ -138,7 +119,7 @@ class JobRunner:
             await self._finish(JobState.FAILED, error=exc.message)
             return JobState.FAILED.value
         if self.child is None or not self.child.process.is_alive():
-            self.child = self.options.spawn_child()
+            self.child = ChildProcess.for_settings(self.settings)
         self._child_idle = False
         self.child.send(start)
         return await self._supervise(self.child)
@@ -146,9 +127,10 @@ class JobRunner:
     async def _start_message(self) -> protocol.Message:
         request = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
         fields: dict[str, Any] = {
-            "data_dir": str(self.options.data_dir),
-            "defaults": vars(self.options.plan_defaults),
-            "torch_threads": self.options.torch_threads,
+            "settings": dataclasses.asdict(self.settings),
+            "backoffs": self.record.backoffs,
+            "total_steps": self.record.total_steps,
+            "n_visible": self.record.n_visible,
         }
         blobs = {"spec": self.record.spec}
         if request.dataset.WhichOneof("source") == "dataset_id":
@@ -179,7 +161,7 @@ class JobRunner:
         while True:
             now = time.monotonic()
             if now >= next_beat:
-                next_beat = now + self.options.heartbeat_s
+                next_beat = now + self.settings.heartbeat_seconds
                 if await self._retry(self.job.heartbeat):
                     await child.kill()
                     await self._finish(JobState.CANCELLED, message="cancelled on request")
@@ -191,7 +173,7 @@ class JobRunner:
                     return "released"
                 if stop_deadline is None:
                     child.send(protocol.Message(protocol.STOP))
-                    stop_deadline = now + self.options.stop_timeout_s
+                    stop_deadline = now + self.settings.stop_timeout_seconds
             try:
                 timeout = max(0.01, next_beat - time.monotonic())
                 message = await asyncio.wait_for(child.inbox.get(), timeout)
@@ -216,21 +198,24 @@ class JobRunner:
         fields, kind = message.fields, message.kind
         if kind == protocol.STARTED:
             self.step = int(fields["start_step"])
-            await self._retry(
-                lambda: self.job.update(
-                    n_visible=int(fields["n_visible"]), total_steps=int(fields["total_steps"])
-                )
-            )
+            await self._retry(lambda: self.job.update(runtime=fields["runtime"]))
             logger.info(
-                "job %s training on %s from step %d of %d",
+                "job %s training from step %d of %d (%s)",
                 self.lease.job_id,
-                fields.get("device"),
                 self.step,
-                fields["total_steps"],
+                self.record.total_steps,
+                fields["runtime"],
             )
         elif kind == protocol.METRICS:
             self.step = int(fields["step"])
             await self._retry(lambda: self.job.publish_metrics(self.step, message.blobs["metrics"]))
+        elif kind == protocol.BACKOFF:
+            self.step = int(fields["rollback_step"])
+            await self._retry(
+                lambda: self.job.backoff(
+                    rollback_step=self.step, event_data=message.blobs["backoff"]
+                )
+            )
         elif kind == protocol.CHECKPOINT:
             await self._retry(
                 lambda: self.job.put_checkpoint(
@@ -238,7 +223,7 @@ class JobRunner:
                     data=message.blobs["model"],
                     config_json=fields["config_json"],
                     trainer_state=message.blobs["trainer"],
-                    keep=self.options.checkpoint_keep,
+                    keep=self.settings.checkpoint_keep,
                 )
             )
         elif kind == protocol.FINISHED:

@@ -16,20 +16,17 @@ import contextlib
 import logging
 import os
 import socket
-from pathlib import Path
-from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from ssdrbm_server.config import DEFAULT_DATA_DIR, Settings
-from ssdrbm_server.keys import DEFAULT_PREFIX, Keys
+from ssdrbm_server.config import Settings
+from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.connection import connect
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.queue import JobQueue
-from ssdrbm_server.worker.defaults import PlanDefaults
 from ssdrbm_server.worker.process import ChildProcess
-from ssdrbm_server.worker.runner import REDIS_DOWN, JobRunner, RunnerOptions, StopRequest
+from ssdrbm_server.worker.runner import REDIS_DOWN, JobRunner, StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -43,45 +40,13 @@ def default_worker_id() -> str:
 
 
 class Worker:
-    """One worker: runs at most one job at a time (one per GPU)."""
+    """One worker: runs at most one job at a time (one per GPU), configured by ``Settings``."""
 
-    def __init__(
-        self,
-        redis_url: str,
-        *,
-        worker_id: str | None = None,
-        data_dir: str | Path | None = None,
-        lease_seconds: float = 10.0,
-        heartbeat_seconds: float = 0.5,
-        poll_ms: int = 500,
-        checkpoint_keep: int = 3,
-        stop_timeout_seconds: float = 60.0,
-        plan_defaults: PlanDefaults | None = None,
-        torch_threads: int = 0,
-        training_cpus: frozenset[int] = frozenset(),
-        prefix: str = DEFAULT_PREFIX,
-        log_level: str = "INFO",
-    ) -> None:
-        if lease_seconds <= heartbeat_seconds * 2:
-            raise ValueError(
-                f"lease_seconds ({lease_seconds}) must exceed twice heartbeat_seconds "
-                f"({heartbeat_seconds}), or a healthy worker would lose its lease"
-            )
-        self.redis_url = redis_url
-        self.worker_id = worker_id or default_worker_id()
-        self.keys = Keys(prefix)
-        self.poll_ms = poll_ms
-        self.options = RunnerOptions(
-            data_dir=Path(data_dir or os.environ.get("SSDRBM_DATA_DIR") or DEFAULT_DATA_DIR),
-            lease_ms=int(lease_seconds * 1000),
-            heartbeat_s=heartbeat_seconds,
-            checkpoint_keep=checkpoint_keep,
-            stop_timeout_s=stop_timeout_seconds,
-            torch_threads=torch_threads,
-            training_cpus=training_cpus,
-            log_level=log_level,
-            plan_defaults=plan_defaults or PlanDefaults(),
-        )
+    def __init__(self, settings: Settings) -> None:
+        settings.check()
+        self.settings = settings
+        self.worker_id = settings.worker_id or default_worker_id()
+        self.keys = Keys(settings.redis_prefix)
         self.jobs_run: list[tuple[str, str]] = []  # (job id, outcome), for logs and tests
         # asyncio events bind to a loop only when first awaited: safe to create here.
         self._stop = StopRequest()
@@ -89,40 +54,16 @@ class Worker:
         self._started = False
         self._spare: ChildProcess | None = None  # a training process started ahead of its job
 
-    @classmethod
-    def from_settings(cls, settings: Settings, **overrides: Any) -> Worker:
-        """A worker configured from the service's Settings (keyword arguments override)."""
-        options: dict[str, Any] = {
-            "worker_id": settings.worker_id or None,
-            "data_dir": settings.data_dir,
-            "lease_seconds": settings.lease_seconds,
-            "checkpoint_keep": settings.checkpoint_keep,
-            "torch_threads": settings.torch_threads,
-            "training_cpus": settings.training_cpu_set,
-            "prefix": settings.redis_prefix,
-            "log_level": settings.log_level,
-            "plan_defaults": PlanDefaults(
-                batch_size=settings.default_batch_size,
-                eval_every=settings.default_eval_every,
-                checkpoint_every=settings.default_checkpoint_every,
-                validation_fraction=settings.default_validation_fraction,
-                ais_chains=settings.default_ais_chains,
-                ais_betas=settings.default_ais_betas,
-            ),
-        }
-        options.update(overrides)
-        return cls(settings.redis_url, **options)
-
     async def run(self) -> None:
         """Take and run jobs until `stop()`."""
         if self._started:
             raise RuntimeError(f"worker {self.worker_id} is already running")
         self._started = True
-        client = connect(self.redis_url)
+        client = connect(self.settings.redis_url, cluster=self.settings.redis_cluster)
         queue = JobQueue(client, keys=self.keys)
         leases = LeaseStore(client, keys=self.keys)
-        self._spare = self.options.spawn_child()
-        logger.info("worker %s started (data in %s)", self.worker_id, self.options.data_dir)
+        self._spare = ChildProcess.for_settings(self.settings)
+        logger.info("worker %s started", self.worker_id)
         check_pending = True
         try:
             while not self._stop.event.is_set():
@@ -155,7 +96,7 @@ class Worker:
 
     async def _run_job(self, client: aioredis.Redis, lease: Lease) -> None:
         child, self._spare = self._spare, None
-        runner = JobRunner(client, lease, self.options, self._stop, keys=self.keys, child=child)
+        runner = JobRunner(client, lease, self.settings, self._stop, keys=self.keys, child=child)
         outcome = await runner.run()
         self.jobs_run.append((lease.job_id, outcome))
         self._spare = runner.idle_child
@@ -164,12 +105,12 @@ class Worker:
             self._spare.close()
             self._spare = None
         if self._spare is None and not self._stop.event.is_set():
-            self._spare = self.options.spawn_child()  # ready for the next job
+            self._spare = ChildProcess.for_settings(self.settings)  # ready for the next job
 
     async def _next_lease(
         self, queue: JobQueue, leases: LeaseStore, check_pending: bool
     ) -> Lease | None:
-        lease_ms = self.options.lease_ms
+        lease_ms = int(self.settings.lease_seconds * 1000)
         for job_id in await leases.lapsed():
             lease = await leases.claim(job_id, self.worker_id, lease_ms=lease_ms)
             if lease is not None:
@@ -177,7 +118,7 @@ class Worker:
                 return lease
         entries = await queue.pending(self.worker_id, count=1) if check_pending else []
         entries = entries or await queue.autoclaim(self.worker_id, min_idle_ms=lease_ms, count=1)
-        entries = entries or await queue.read(self.worker_id, block_ms=self.poll_ms)
+        entries = entries or await queue.read(self.worker_id, block_ms=self.settings.worker_poll_ms)
         for entry_id, job_id in entries:
             lease = await leases.claim(job_id, self.worker_id, lease_ms=lease_ms)
             # Acknowledge either way: a claimed job is now tracked by its lease, and an

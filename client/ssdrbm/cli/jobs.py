@@ -11,9 +11,9 @@ from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.output import print_json
 from ssdrbm.cli.progress import ProgressDisplay
-from ssdrbm.cli.tables import job_details, jobs_table
+from ssdrbm.cli.tables import defaults_table, job_details, jobs_table
 from ssdrbm.client import Client
-from ssdrbm.events import Job, JobState, MetricsEvent, to_jsonable
+from ssdrbm.events import BackoffEvent, Job, JobState, MetricEvent, MetricsEvent, to_jsonable
 
 FINAL_EXIT_CODES = {
     JobState.SUCCEEDED: ExitCode.OK,
@@ -29,8 +29,19 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     )
     _add_training_options(train)
     train.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve and check the job on the server and show it, without creating it",
+    )
     train.add_argument("--json", action="store_true", help="print the job as JSON")
     train.set_defaults(run=run_train)
+
+    defaults = commands.add_parser(
+        "defaults", parents=parents, help="show the server's defaults for unset training options"
+    )
+    defaults.add_argument("--json", action="store_true", help="print them as JSON")
+    defaults.set_defaults(run=run_defaults)
 
     watch = commands.add_parser("watch", parents=parents, help="follow a job's progress live")
     watch.add_argument("job", metavar="JOB")
@@ -55,23 +66,32 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     cancel.set_defaults(run=run_cancel)
 
 
+TRAINING_EPILOG = (
+    "Options left out are sent unset and take the server's defaults: 'ssdrbm defaults' lists "
+    "them (step sizes per model and optimizer included), and 'ssdrbm train ... --dry-run' "
+    "shows the job exactly as it would run."
+)
+SERVER_DEFAULT = " [server default]"
+
+
 def _add_training_options(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = TRAINING_EPILOG
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default="bernoulli", choices=list(spec.MODELS))
+    model.add_argument("--model", choices=list(spec.MODELS), help="[bernoulli]")
     model.add_argument("--variance", choices=list(spec.VARIANCES), help="Gaussian models")
+    model.add_argument("--min-variance", type=float, help="Gaussian: variance floor")
     model.add_argument(
-        "--min-variance", type=float, default=0.0, help="Gaussian: variance floor [1e-4]"
+        "--hidden", "--n-hidden", dest="n_hidden", type=int, help="hidden units (required)"
     )
-    model.add_argument("--hidden", "--n-hidden", dest="n_hidden", type=int, default=64)
     opt = parser.add_argument_group("optimizer")
-    opt.add_argument("--optimizer", default="ssd", choices=list(spec.OPTIMIZERS))
-    opt.add_argument("--method", default="lowrank", choices=list(spec.METHODS))
+    opt.add_argument("--optimizer", choices=list(spec.OPTIMIZERS), help="[ssd]")
+    opt.add_argument("--method", choices=list(spec.METHODS), help="SSD polar method [auto]")
     opt.add_argument("--preconditioner", choices=list(spec.PRECONDITIONERS))
-    opt.add_argument("--lr", type=float, default=0.01)
-    opt.add_argument("--momentum", type=float, default=0.0)
-    opt.add_argument("--weight-decay", type=float, default=0.0)
-    opt.add_argument("--max-spectral-norm", type=float, default=0.0)
-    opt.add_argument("--rank", type=int, default=0, help="randomized method's sketch rank")
+    opt.add_argument("--lr", type=float, help="step size [the server's, per model and optimizer]")
+    opt.add_argument("--momentum", type=float, help="[0; 0.9 for nesterov]")
+    opt.add_argument("--weight-decay", type=float, help=SERVER_DEFAULT.strip())
+    opt.add_argument("--max-spectral-norm", type=float, help="bound on ||W||2 [unbounded]")
+    opt.add_argument("--rank", type=int, help="randomized method's sketch rank [automatic]")
     opt.add_argument(
         "--per-parameter",
         action="append",
@@ -88,22 +108,31 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     )
     train = parser.add_argument_group("training")
     train.add_argument("--cd-k", type=int, help="Gibbs steps per gradient [1]")
-    train.add_argument("--persistent", action="store_true", help="PCD instead of CD")
-    train.add_argument("--batch-size", type=int, default=100)
+    train.add_argument("--persistent", action="store_true", default=None, help="PCD instead of CD")
+    train.add_argument("--batch-size", type=int, help=SERVER_DEFAULT.strip())
     length = train.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help=f"iterations [{spec.DEFAULT_STEPS}]")
+    length.add_argument("--steps", type=int, help="iterations" + SERVER_DEFAULT)
     length.add_argument("--epochs", type=int)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--checkpoint-every", type=int, default=0)
+    train.add_argument("--seed", type=int, help="[0]")
+    train.add_argument("--checkpoint-every", type=int, help=SERVER_DEFAULT.strip())
+    train.add_argument(
+        "--max-backoffs",
+        type=int,
+        help="blow-ups to recover from by rolling back with smaller steps (0: fail at once)"
+        + SERVER_DEFAULT,
+    )
+    train.add_argument(
+        "--backoff-factor", type=float, help="each backoff divides the step sizes by it"
+    )
     evaluation = parser.add_argument_group("evaluation")
-    evaluation.add_argument("--eval-every", type=int, default=0, help="steps between metrics")
-    evaluation.add_argument("--ais", action="store_true", help="AIS log-likelihood")
-    evaluation.add_argument("--ais-chains", type=int, default=0)
-    evaluation.add_argument("--ais-betas", type=int, default=0)
-    evaluation.add_argument("--validation-fraction", type=float, default=0.0)
+    evaluation.add_argument("--eval-every", type=int, help="steps between metrics")
+    evaluation.add_argument("--ais", action="store_true", default=None, help="AIS log-likelihood")
+    evaluation.add_argument("--ais-chains", type=int)
+    evaluation.add_argument("--ais-betas", type=int)
+    evaluation.add_argument("--validation-fraction", type=float)
     data = parser.add_argument_group("data")
     source = data.add_mutually_exclusive_group()
-    source.add_argument("--dataset", default="synthetic", help="synthetic, mnist or freyface")
+    source.add_argument("--dataset", help="synthetic, mnist or freyface [synthetic]")
     source.add_argument("--dataset-id", help="an id from 'ssdrbm upload'")
     source.add_argument("--data", metavar="FILE.npy", help="upload this array and train on it")
     data.add_argument(
@@ -113,8 +142,12 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="built-in dataset option, e.g. n_samples=2000 (repeatable)",
     )
-    data.add_argument("--preprocess", choices=list(spec.PREPROCESSING))
-    parser.add_argument("--name", default="", help="label shown in listings")
+    data.add_argument(
+        "--preprocess",
+        choices=list(spec.PREPROCESSING),
+        help="[binarize images for bernoulli, standardize them for gaussian; none otherwise]",
+    )
+    parser.add_argument("--name", help="label shown in listings")
     parser.add_argument("--request-id", help="idempotency key (generated when missing)")
 
 
@@ -153,8 +186,8 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "weight_decay": args.weight_decay,
         "max_spectral_norm": args.max_spectral_norm,
         "rank": args.rank,
-        "per_parameter": _pairs(args.per_parameter, "--per-parameter"),
-        "per_parameter_lr": _step_sizes(args.per_parameter_lr),
+        "per_parameter": _pairs(args.per_parameter, "--per-parameter") or None,
+        "per_parameter_lr": _step_sizes(args.per_parameter_lr) or None,
         "cd_k": args.cd_k,
         "persistent": args.persistent,
         "batch_size": args.batch_size,
@@ -162,6 +195,8 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "epochs": args.epochs,
         "seed": args.seed,
         "checkpoint_every": args.checkpoint_every,
+        "max_backoffs": args.max_backoffs,
+        "backoff_factor": args.backoff_factor,
         "eval_every": args.eval_every,
         "ais": args.ais,
         "ais_chains": args.ais_chains,
@@ -169,7 +204,7 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "validation_fraction": args.validation_fraction,
         "dataset": args.dataset,
         "dataset_id": args.dataset_id,
-        "dataset_options": _pairs(args.option, "--option"),
+        "dataset_options": _pairs(args.option, "--option") or None,
         "preprocess": args.preprocess,
         "request_id": args.request_id,
         "name": args.name,
@@ -182,6 +217,13 @@ def run_train(args: argparse.Namespace) -> ExitCode:
     with client_from_args(args) as client:
         if args.data:
             kwargs["dataset_id"] = client.upload_dataset(args.data)
+        if args.dry_run:
+            job = client.start_training(validate_only=True, **kwargs)
+            if args.json:
+                print_json(job)
+            else:
+                print(job_details(job))
+            return ExitCode.OK
         job = client.start_training(**kwargs)
         args.job = job.id  # lets an error or Ctrl-C name the job
         if args.json:
@@ -200,8 +242,7 @@ def follow(client: Client, job_id: str, *, as_json: bool, after: str | None = No
         display.start(client.get_job(job_id))  # the total is known before the first metrics
     for event in client.stream_metrics(job_id, after=after):
         if display is None:
-            kind = "metrics" if isinstance(event, MetricsEvent) else "state"
-            print_json({"event": kind, **to_jsonable(event)}, lines=True)
+            print_json({"event": event_kind(event), **to_jsonable(event)}, lines=True)
         else:
             display.on_event(event)
     job = client.get_job(job_id)
@@ -210,6 +251,24 @@ def follow(client: Client, job_id: str, *, as_json: bool, after: str | None = No
     else:
         display.finish(job)
     return FINAL_EXIT_CODES.get(job.state, ExitCode.ERROR)
+
+
+def event_kind(event: MetricEvent) -> str:
+    """The ``event`` field of a JSON line: metrics, state or backoff."""
+    if isinstance(event, MetricsEvent):
+        return "metrics"
+    return "backoff" if isinstance(event, BackoffEvent) else "state"
+
+
+def run_defaults(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm defaults``: the step-size table and the other defaults of the server."""
+    with client_from_args(args) as client:
+        defaults = client.training_defaults()
+    if args.json:
+        print_json(defaults)
+    else:
+        print(defaults_table(defaults))
+    return ExitCode.OK
 
 
 def run_watch(args: argparse.Namespace) -> ExitCode:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ssdrbm.cli.output import format_duration, format_number, format_rate
-from ssdrbm.events import Job, JobState, MetricEvent, MetricsEvent, StateEvent
+from ssdrbm.events import BackoffEvent, Job, JobState, MetricEvent, MetricsEvent, StateEvent
 
 REDRAW_INTERVAL_S = 0.1  # redrawing faster than this only costs terminal bandwidth
 BAR_WIDTH = 20
@@ -49,6 +49,8 @@ class ProgressState:
             self.state = event.state
             self.step = max(self.step, event.step)
             self.message = event.message
+        elif isinstance(event, BackoffEvent):
+            self.step = event.rollback_step  # training goes back; the bar follows it
 
     @property
     def fraction(self) -> float:
@@ -94,6 +96,8 @@ def render_log_line(progress: ProgressState, event: MetricEvent) -> str:
     if isinstance(event, StateEvent):
         detail = f": {event.message}" if event.message else ""
         return f"{progress.job_id} {event.state.value} at step {event.step}{detail}"
+    if isinstance(event, BackoffEvent):
+        return render_backoff(progress.job_id, event)
     fields = [
         f"step={progress.step}/{progress.total_steps or '?'}",
         f"recon={format_number(progress.reconstruction_error)}",
@@ -103,6 +107,15 @@ def render_log_line(progress: ProgressState, event: MetricEvent) -> str:
     fields.append(f"samples/s={format_rate(progress.samples_per_second)}")
     fields.append(f"eta={format_duration(progress.eta_s())}")
     return f"{progress.job_id} " + " ".join(fields)
+
+
+def render_backoff(job_id: str, event: BackoffEvent) -> str:
+    """A blow-up and the rollback that answered it, on a line of its own."""
+    return (
+        f"{job_id} blew up at step {event.step} ({event.reason}); backoff "
+        f"{event.backoff}/{event.max_backoffs}: back to step {event.rollback_step}, lr "
+        f"{format_number(event.old_lr)} → {format_number(event.new_lr)}"
+    )
 
 
 def render_summary(job: Job) -> str:
@@ -119,6 +132,8 @@ def render_summary(job: Job) -> str:
         line += f" — recon {format_number(metrics.reconstruction_error)}"
         if metrics.log_likelihood is not None:
             line += f", LL {format_number(metrics.log_likelihood)}"
+    if job.backoffs:
+        line += f" — {job.backoffs} backoff{'s' if job.backoffs > 1 else ''}"
     if job.error:
         line += f" — {job.error}"
     return line
@@ -143,6 +158,8 @@ class ProgressDisplay:
     def on_event(self, event: MetricEvent) -> None:
         """Update with one event: redraw the line (TTY) or print a log line."""
         self.progress.update(event)
+        if self.tty and isinstance(event, BackoffEvent):  # worth a line of its own
+            self.stream.write("\r\x1b[2K" + render_backoff(self.progress.job_id, event) + "\n")
         if not self.tty:
             print(render_log_line(self.progress, event), file=self.stream, flush=True)
             return

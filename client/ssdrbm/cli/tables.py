@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from typing import Any
 
 from ssdrbm.cli.output import format_number
 from ssdrbm.events import Job
+from ssdrbm.spec import TrainingDefaults
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -43,6 +46,26 @@ def jobs_table(jobs: Sequence[Job]) -> str:
     return render_table(JOB_HEADERS, [job_row(job) for job in jobs])
 
 
+def flatten_spec(spec: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """A job's resolved spec as (dotted field, value) pairs, enum names without their prefix."""
+    pairs: list[tuple[str, str]] = []
+    for key, value in spec.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and key not in ("options", "per_parameter", "per_parameter_lr"):
+            pairs += flatten_spec(value, f"{name}.")
+        elif isinstance(value, str) and _ENUM_PREFIX.match(value):
+            pairs.append((name, _ENUM_PREFIX.sub("", value).lower().replace("_", "-")))
+        else:
+            pairs.append((name, str(value)))
+    return pairs
+
+
+# MODEL_KIND_, POLAR_METHOD_, ...: the enum's own name before the value's
+_ENUM_PREFIX = re.compile(
+    r"^(MODEL_KIND|VARIANCE_KIND|OPTIMIZER_KIND|POLAR_METHOD|PRECONDITIONER|PREPROCESS)_"
+)
+
+
 def job_details(job: Job) -> str:
     """``key: value`` lines describing one job, for ``ssdrbm get``."""
     metrics = job.latest_metrics
@@ -66,7 +89,27 @@ def job_details(job: Job) -> str:
             ("spectral norm", format_number(metrics.spectral_norm)),
             ("samples/s", format_number(metrics.samples_per_second)),
         ]
+    if job.runtime:
+        fields.append(("runtime", job.runtime))
+    if job.backoffs:
+        fields.append(("backoffs", str(job.backoffs)))
     if job.error:
         fields.append(("error", job.error))
+    fields += [(f"spec.{key}", value) for key, value in flatten_spec(job.spec)]
     width = max(len(key) for key, _ in fields)
     return "\n".join(f"{key + ':':<{width + 1}} {value}" for key, value in fields)
+
+
+def defaults_table(defaults: TrainingDefaults) -> str:
+    """The server's default step sizes as a table, then every other default as spec lines."""
+    rows = [
+        (entry.model, entry.variance or "-", entry.optimizer, format_number(entry.lr))
+        for entry in defaults.step_sizes
+    ]
+    table = render_table(("model", "variance", "optimizer", "lr"), rows)
+    lines = ["default step sizes (--lr):", *("  " + line for line in table.splitlines())]
+    lines.append("other defaults (a request giving only --hidden 16, as the server resolves it):")
+    pairs = [(key, value) for key, value in flatten_spec(defaults.example) if key != "request_id"]
+    width = max(len(key) for key, _ in pairs)
+    lines += [f"  {key + ':':<{width + 1}} {value}" for key, value in pairs]
+    return "\n".join(lines)

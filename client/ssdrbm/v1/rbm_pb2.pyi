@@ -39,6 +39,7 @@ class PolarMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POLAR_METHOD_LOWRANK: _ClassVar[PolarMethod]
     POLAR_METHOD_RANDOMIZED: _ClassVar[PolarMethod]
     POLAR_METHOD_NEWTON_SCHULZ: _ClassVar[PolarMethod]
+    POLAR_METHOD_AUTO: _ClassVar[PolarMethod]
 
 class Preconditioner(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -99,6 +100,7 @@ POLAR_METHOD_SVD: PolarMethod
 POLAR_METHOD_LOWRANK: PolarMethod
 POLAR_METHOD_RANDOMIZED: PolarMethod
 POLAR_METHOD_NEWTON_SCHULZ: PolarMethod
+POLAR_METHOD_AUTO: PolarMethod
 PRECONDITIONER_UNSPECIFIED: Preconditioner
 PRECONDITIONER_RMSPROP: Preconditioner
 PRECONDITIONER_ADAM: Preconditioner
@@ -175,7 +177,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, kind: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., preconditioner: _Optional[_Union[Preconditioner, str]] = ..., weight_decay: _Optional[float] = ..., max_spectral_norm: _Optional[float] = ..., rank: _Optional[int] = ..., per_parameter: _Optional[_Mapping[str, OptimizerKind]] = ..., per_parameter_lr: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("cd_k", "persistent", "batch_size", "steps", "epochs", "seed", "checkpoint_every")
+    __slots__ = ("cd_k", "persistent", "batch_size", "steps", "epochs", "seed", "checkpoint_every", "max_backoffs", "backoff_factor")
     CD_K_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +185,8 @@ class TrainingSpec(_message.Message):
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    MAX_BACKOFFS_FIELD_NUMBER: _ClassVar[int]
+    BACKOFF_FACTOR_FIELD_NUMBER: _ClassVar[int]
     cd_k: int
     persistent: bool
     batch_size: int
@@ -190,7 +194,9 @@ class TrainingSpec(_message.Message):
     epochs: int
     seed: int
     checkpoint_every: int
-    def __init__(self, cd_k: _Optional[int] = ..., persistent: _Optional[bool] = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    max_backoffs: int
+    backoff_factor: float
+    def __init__(self, cd_k: _Optional[int] = ..., persistent: _Optional[bool] = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., max_backoffs: _Optional[int] = ..., backoff_factor: _Optional[float] = ...) -> None: ...
 
 class EvalSpec(_message.Message):
     __slots__ = ("every", "ais", "ais_chains", "ais_betas", "validation_fraction")
@@ -232,7 +238,7 @@ class DatasetRef(_message.Message):
     def __init__(self, builtin: _Optional[_Union[BuiltinDataset, _Mapping]] = ..., dataset_id: _Optional[str] = ..., preprocess: _Optional[_Union[Preprocess, str]] = ...) -> None: ...
 
 class StartTrainingRequest(_message.Message):
-    __slots__ = ("model", "optimizer", "training", "eval", "dataset", "request_id", "name")
+    __slots__ = ("model", "optimizer", "training", "eval", "dataset", "request_id", "name", "validate_only")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +246,7 @@ class StartTrainingRequest(_message.Message):
     DATASET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
     model: ModelSpec
     optimizer: OptimizerSpec
     training: TrainingSpec
@@ -247,7 +254,8 @@ class StartTrainingRequest(_message.Message):
     dataset: DatasetRef
     request_id: str
     name: str
-    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., eval: _Optional[_Union[EvalSpec, _Mapping]] = ..., dataset: _Optional[_Union[DatasetRef, _Mapping]] = ..., request_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    validate_only: bool
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., eval: _Optional[_Union[EvalSpec, _Mapping]] = ..., dataset: _Optional[_Union[DatasetRef, _Mapping]] = ..., request_id: _Optional[str] = ..., name: _Optional[str] = ..., validate_only: _Optional[bool] = ...) -> None: ...
 
 class StartTrainingResponse(_message.Message):
     __slots__ = ("job", "created")
@@ -258,7 +266,7 @@ class StartTrainingResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics")
+    __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics", "runtime", "backoffs")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +282,8 @@ class Job(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     N_VISIBLE_FIELD_NUMBER: _ClassVar[int]
     LATEST_METRICS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    BACKOFFS_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -289,7 +299,21 @@ class Job(_message.Message):
     finished_at: _timestamp_pb2.Timestamp
     n_visible: int
     latest_metrics: Metrics
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempt: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., n_visible: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ...) -> None: ...
+    runtime: Runtime
+    backoffs: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempt: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., n_visible: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., runtime: _Optional[_Union[Runtime, _Mapping]] = ..., backoffs: _Optional[int] = ...) -> None: ...
+
+class Runtime(_message.Message):
+    __slots__ = ("device", "method", "cuda_graph", "summary")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPH_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    method: PolarMethod
+    cuda_graph: bool
+    summary: str
+    def __init__(self, device: _Optional[str] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., cuda_graph: _Optional[bool] = ..., summary: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -322,7 +346,7 @@ class CancelJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class Metrics(_message.Message):
-    __slots__ = ("step", "total_steps", "reconstruction_error", "train_reconstruction_error", "free_energy_gap", "pseudo_log_likelihood", "log_likelihood", "log_likelihood_stderr", "log_likelihood_method", "spectral_norm", "wall_time_s", "samples_per_second")
+    __slots__ = ("step", "total_steps", "reconstruction_error", "train_reconstruction_error", "free_energy_gap", "pseudo_log_likelihood", "log_likelihood", "log_likelihood_stderr", "log_likelihood_method", "spectral_norm", "wall_time_s", "samples_per_second", "saturated_hidden_fraction")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     RECONSTRUCTION_ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +359,7 @@ class Metrics(_message.Message):
     SPECTRAL_NORM_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SATURATED_HIDDEN_FRACTION_FIELD_NUMBER: _ClassVar[int]
     step: int
     total_steps: int
     reconstruction_error: float
@@ -347,7 +372,26 @@ class Metrics(_message.Message):
     spectral_norm: float
     wall_time_s: float
     samples_per_second: float
-    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., reconstruction_error: _Optional[float] = ..., train_reconstruction_error: _Optional[float] = ..., free_energy_gap: _Optional[float] = ..., pseudo_log_likelihood: _Optional[float] = ..., log_likelihood: _Optional[float] = ..., log_likelihood_stderr: _Optional[float] = ..., log_likelihood_method: _Optional[_Union[LogLikelihoodMethod, str]] = ..., spectral_norm: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., samples_per_second: _Optional[float] = ...) -> None: ...
+    saturated_hidden_fraction: float
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., reconstruction_error: _Optional[float] = ..., train_reconstruction_error: _Optional[float] = ..., free_energy_gap: _Optional[float] = ..., pseudo_log_likelihood: _Optional[float] = ..., log_likelihood: _Optional[float] = ..., log_likelihood_stderr: _Optional[float] = ..., log_likelihood_method: _Optional[_Union[LogLikelihoodMethod, str]] = ..., spectral_norm: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., saturated_hidden_fraction: _Optional[float] = ...) -> None: ...
+
+class Backoff(_message.Message):
+    __slots__ = ("step", "rollback_step", "reason", "old_lr", "new_lr", "backoff", "max_backoffs")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    OLD_LR_FIELD_NUMBER: _ClassVar[int]
+    NEW_LR_FIELD_NUMBER: _ClassVar[int]
+    BACKOFF_FIELD_NUMBER: _ClassVar[int]
+    MAX_BACKOFFS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rollback_step: int
+    reason: str
+    old_lr: float
+    new_lr: float
+    backoff: int
+    max_backoffs: int
+    def __init__(self, step: _Optional[int] = ..., rollback_step: _Optional[int] = ..., reason: _Optional[str] = ..., old_lr: _Optional[float] = ..., new_lr: _Optional[float] = ..., backoff: _Optional[int] = ..., max_backoffs: _Optional[int] = ...) -> None: ...
 
 class StateChange(_message.Message):
     __slots__ = ("state", "message", "attempt", "step")
@@ -372,18 +416,20 @@ class StreamMetricsRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., after: _Optional[str] = ..., history_only: _Optional[bool] = ...) -> None: ...
 
 class MetricEvent(_message.Message):
-    __slots__ = ("resume_token", "job_id", "time", "metrics", "state")
+    __slots__ = ("resume_token", "job_id", "time", "metrics", "state", "backoff")
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    BACKOFF_FIELD_NUMBER: _ClassVar[int]
     resume_token: str
     job_id: str
     time: _timestamp_pb2.Timestamp
     metrics: Metrics
     state: StateChange
-    def __init__(self, resume_token: _Optional[str] = ..., job_id: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ..., state: _Optional[_Union[StateChange, _Mapping]] = ...) -> None: ...
+    backoff: Backoff
+    def __init__(self, resume_token: _Optional[str] = ..., job_id: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ..., state: _Optional[_Union[StateChange, _Mapping]] = ..., backoff: _Optional[_Union[Backoff, _Mapping]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("shape", "data")
@@ -498,3 +544,29 @@ class ExportModelResponse(_message.Message):
     header: ModelExportHeader
     chunk: bytes
     def __init__(self, header: _Optional[_Union[ModelExportHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class GetTrainingDefaultsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StepSizeDefault(_message.Message):
+    __slots__ = ("model", "variance", "optimizer", "lr", "source")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VARIANCE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    model: ModelKind
+    variance: VarianceKind
+    optimizer: OptimizerKind
+    lr: float
+    source: str
+    def __init__(self, model: _Optional[_Union[ModelKind, str]] = ..., variance: _Optional[_Union[VarianceKind, str]] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+
+class TrainingDefaults(_message.Message):
+    __slots__ = ("step_sizes", "example")
+    STEP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_FIELD_NUMBER: _ClassVar[int]
+    step_sizes: _containers.RepeatedCompositeFieldContainer[StepSizeDefault]
+    example: StartTrainingRequest
+    def __init__(self, step_sizes: _Optional[_Iterable[_Union[StepSizeDefault, _Mapping]]] = ..., example: _Optional[_Union[StartTrainingRequest, _Mapping]] = ...) -> None: ...

@@ -80,6 +80,11 @@ class RBMServiceStub:
                 request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.ExportModelRequest.SerializeToString,
                 response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.ExportModelResponse.FromString,
                 _registered_method=True)
+        self.GetTrainingDefaults = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/GetTrainingDefaults',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.GetTrainingDefaultsRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.TrainingDefaults.FromString,
+                _registered_method=True)
 
 
 class RBMServiceServicer:
@@ -87,8 +92,11 @@ class RBMServiceServicer:
     """
 
     def StartTraining(self, request, context):
-        """/ Validates a training request, records and enqueues the job, and returns it at once.
-        / A repeat with the same request_id returns the original job (created = false).
+        """/ Resolves a training request (every unset field takes the server's default), checks it,
+        / records and enqueues the job, and returns it at once. A repeat with the same request_id
+        / and the same spec returns the original job (created = false); the same request_id with a
+        / different spec is ALREADY_EXISTS naming the first differing field. With validate_only the
+        / resolved job is returned and nothing is created.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,6 +161,14 @@ class RBMServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrainingDefaults(self, request, context):
+        """/ The defaults this server fills into unset request fields: the default step size of every
+        / (model, variance, optimizer) and the other training defaults.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RBMServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -200,6 +216,11 @@ def add_RBMServiceServicer_to_server(servicer, server):
                     servicer.ExportModel,
                     request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.ExportModelRequest.FromString,
                     response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.ExportModelResponse.SerializeToString,
+            ),
+            'GetTrainingDefaults': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrainingDefaults,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.GetTrainingDefaultsRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.TrainingDefaults.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +467,33 @@ class RBMService:
             '/ssdrbm.v1.RBMService/ExportModel',
             ssdrbm_dot_v1_dot_rbm__pb2.ExportModelRequest.SerializeToString,
             ssdrbm_dot_v1_dot_rbm__pb2.ExportModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrainingDefaults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/GetTrainingDefaults',
+            ssdrbm_dot_v1_dot_rbm__pb2.GetTrainingDefaultsRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.TrainingDefaults.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,39 @@
+"""The README's table of default step sizes is the table the server uses (ssdcore/step_sizes.py).
+
+The README shows it for readers; this test keeps that copy honest. On a mismatch it prints the
+block to paste between the README's ``step-sizes`` markers.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ssdcore.step_sizes import step_size_table
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCK = re.compile(r"<!-- step-sizes:begin -->\n(.*?)<!-- step-sizes:end -->", re.DOTALL)
+
+
+def rendered_table() -> str:
+    """The step-size table as Markdown, one row per (model, variance) and a column per optimizer."""
+    entries = step_size_table()
+    optimizers = list(dict.fromkeys(entry.optimizer for entry in entries))
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    for entry in entries:
+        rows.setdefault((entry.model_kind, entry.variance or "-"), {})[entry.optimizer] = entry.lr
+    lines = [
+        "| model | variance | " + " | ".join(f"`{name}`" for name in optimizers) + " |",
+        "| --- | --- |" + " ---: |" * len(optimizers),
+    ]
+    for (model, variance), values in rows.items():
+        cells = " | ".join(f"{values[name]:g}" for name in optimizers)
+        lines.append(f"| {model} | {variance} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_readme_step_size_table_is_the_servers() -> None:
+    match = BLOCK.search(README.read_text())
+    assert match, "README.md lost its <!-- step-sizes:begin/end --> markers"
+    expected = rendered_table()
+    assert match.group(1) == expected, f"update README.md's step-size table to:\n{expected}"
