@@ -227,3 +227,15 @@ def test_report_renders_missed_and_unmeasured_targets():
     assert records[1]["ratios"]["ratio"] is None  # NaN is not valid JSON
     assert [r["met"] for r in records[2:]] == [False, None]
     assert render_text(read_json_lines(report.json_lines())) == text
+
+
+def test_service_job_compares_the_service_with_the_library():
+    from bench import service_job
+
+    result = service_job.run(quick=True)
+    assert result.service_ms_per_step > 0 and result.library_ms_per_step > 0
+    # On this CPU the unset polar method ran as the exact low-rank step, and the job says so.
+    expected = (
+        "newton-schulz (auto on cuda)" if torch.cuda.is_available() else "lowrank (auto on cpu)"
+    )
+    assert expected in result.runtime
