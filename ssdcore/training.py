@@ -54,6 +54,7 @@ from ssdcore.evaluation import (
     spectral_norm,
 )
 from ssdcore.evaluation import log_likelihood as mean_log_likelihood
+from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, DEFAULT_AIS_CHAINS
 from ssdcore.gradients import CDEstimator
 from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
@@ -66,6 +67,9 @@ logger = logging.getLogger(__name__)
 LOG_LIKELIHOOD_METHODS = ("none", "exact", "ais")
 # Evaluation looks at most this many training rows, so metrics stay cheap on large data sets.
 DEFAULT_EVAL_EXAMPLES = 10_000
+# Mini-batch size and Gibbs steps per gradient when the caller gives none (the service's too).
+DEFAULT_BATCH_SIZE = 100
+DEFAULT_CD_K = 1
 EXACT_PLL_MAX_VISIBLE = 256
 # Offsets the estimator's seed from the shuffling seed so the two streams never coincide.
 _ESTIMATOR_SEED_OFFSET = 0x5EED
@@ -124,8 +128,8 @@ class Trainer:
         train_data: Tensor,
         *,
         optimizer: OptimizerConfig | str = "ssd",
-        batch_size: int = 100,
-        cd_k: int = 1,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        cd_k: int = DEFAULT_CD_K,
         persistent: bool = False,
         seed: int = 0,
         valid_data: Tensor | None = None,
@@ -343,8 +347,8 @@ class Trainer:
         self,
         log_likelihood: str = "none",
         *,
-        ais_chains: int = 100,
-        ais_betas: int = 1000,
+        ais_chains: int = DEFAULT_AIS_CHAINS,
+        ais_betas: int = DEFAULT_AIS_BETAS,
         ais_seed: int = 0,
         max_examples: int = DEFAULT_EVAL_EXAMPLES,
     ) -> dict[str, Any]:
@@ -463,8 +467,8 @@ def fit(
     data: Tensor,
     *,
     steps: int,
-    batch_size: int = 100,
-    cd_k: int = 1,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    cd_k: int = DEFAULT_CD_K,
     optimizer: OptimizerConfig | str = "ssd",
     lr: float | None = None,
     persistent: bool = False,

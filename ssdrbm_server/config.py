@@ -47,14 +47,13 @@ class Settings:
     max_streams: int = 1000  # concurrent StreamMetrics calls of the whole server
     max_string_length: int = 256  # names, ids and option values in requests
 
-    # Training defaults filled into a job's spec when the request leaves them at zero
+    # Service-side training defaults, filled into a job's spec when the request leaves them
+    # unset (ssdrbm_server/resolver.py); the model-side ones (step sizes, batch size, CD steps,
+    # AIS settings, backoff) are ssdcore's, so the library and the service agree
     default_steps: int = 1000  # when the request gives neither steps nor epochs
-    default_batch_size: int = 100
     default_eval_every: int = 100  # steps between metric events
     default_checkpoint_every: int = 500  # steps between checkpoints
     default_validation_fraction: float = 0.1
-    default_ais_chains: int = 100
-    default_ais_betas: int = 1000
     max_total_steps: int = 10_000_000  # refuse jobs that would never end
     max_full_variance_visibles: int = 256  # a full precision matrix is V×V and O(V³) per step
 
@@ -124,7 +123,6 @@ class Settings:
             "stream_buffer_events",
             "max_string_length",
             "default_steps",
-            "default_batch_size",
             "default_eval_every",
             "default_checkpoint_every",
             "serving_threads",

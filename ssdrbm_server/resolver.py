@@ -25,10 +25,11 @@ from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
 from ssdcore.data import split_sizes
+from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, DEFAULT_AIS_CHAINS
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
 from ssdcore.optim.config import DEFAULT_NESTEROV_MOMENTUM
 from ssdcore.step_sizes import default_lr, step_size_table
-from ssdcore.training import steps_per_epoch
+from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, steps_per_epoch
 from ssdrbm_server import catalog
 from ssdrbm_server.catalog import DatasetShape
 from ssdrbm_server.config import Settings
@@ -52,7 +53,6 @@ MAX_AIS_CHAINS = 100_000
 MAX_AIS_BETAS = 1_000_000
 MAX_REQUEST_ID_LENGTH = 128
 MAX_BACKOFFS = 100
-DEFAULT_CD_K = 1
 DEFAULT_DATASET = "synthetic"  # the paper's generator: needs no files, so it is always there
 INTEGER_DTYPES = frozenset({"uint8"})  # uploads that hold pixel intensities, not probabilities
 
@@ -293,7 +293,7 @@ def _resolve_training(training: pb.TrainingSpec, settings: Settings) -> None:
             "training.cd_k", f"must be between 1 and {MAX_CD_K}, got {training.cd_k}"
         )
     if training.batch_size == 0:
-        training.batch_size = settings.default_batch_size
+        training.batch_size = DEFAULT_BATCH_SIZE
     if training.batch_size > MAX_BATCH_SIZE:
         raise InvalidArgumentError(
             "training.batch_size", f"must be at most {MAX_BATCH_SIZE}, got {training.batch_size}"
@@ -330,11 +330,11 @@ def _resolve_eval(eval_spec: pb.EvalSpec, settings: Settings) -> None:
     if eval_spec.every == 0:
         eval_spec.every = settings.default_eval_every
     if eval_spec.ais_chains == 0:
-        eval_spec.ais_chains = settings.default_ais_chains
+        eval_spec.ais_chains = DEFAULT_AIS_CHAINS
     if eval_spec.ais_chains > MAX_AIS_CHAINS:
         raise InvalidArgumentError("eval.ais_chains", f"must be at most {MAX_AIS_CHAINS}")
     if eval_spec.ais_betas == 0:
-        eval_spec.ais_betas = settings.default_ais_betas
+        eval_spec.ais_betas = DEFAULT_AIS_BETAS
     if eval_spec.ais_betas > MAX_AIS_BETAS:
         raise InvalidArgumentError("eval.ais_betas", f"must be at most {MAX_AIS_BETAS}")
     fraction = finite(eval_spec.validation_fraction, "eval.validation_fraction")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from ssdrbm import Client, JobState, MetricsEvent
+from ssdrbm import BackoffEvent, Client, JobState, MetricsEvent
 
 from ssdcore.data import default_data_dir
 
@@ -114,3 +114,27 @@ def test_the_readme_frey_face_gaussian_command_trains(service) -> None:
         assert compared.state is JobState.SUCCEEDED, compared.error
         error = compared.latest_metrics.reconstruction_error
         assert error <= 2 * RESULTS_FREY_GRBM_500, error
+
+
+def test_a_step_size_far_too_large_is_backed_off_then_failed_with_advice(service) -> None:
+    """`--lr 1e6` on the same command: each blow-up is rolled back and retried ten times
+    smaller; 1e6 / 10³ still blows up, so the job ends FAILED, naming what to try."""
+    with Client(service.target) as client:
+        job = client.start_training(
+            dataset="freyface",
+            model="gaussian",
+            n_hidden=200,
+            lr=1e6,
+            steps=200,
+            eval_every=10,
+        )
+        backoffs = []
+        done = client.wait(
+            job.id,
+            timeout=WAIT_S,
+            on_event=lambda e: backoffs.append(e) if isinstance(e, BackoffEvent) else None,
+        )
+    assert done.state is JobState.FAILED and done.backoffs == 3
+    assert [b.new_lr for b in backoffs] == pytest.approx([1e5, 1e4, 1e3])
+    assert "blew up" in done.error and "after 3 backoffs" in done.error
+    assert "try optimizer.lr = 100" in done.error

@@ -12,6 +12,7 @@ from ssdrbm.v1 import rbm_pb2 as pb
 from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
 from ssdcore.step_sizes import default_lr
+from ssdcore.training import DEFAULT_BATCH_SIZE
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from ssdrbm_server.resolver import ResolvedJob, first_difference, resolve, training_defaults
@@ -64,7 +65,7 @@ def test_a_request_with_only_n_hidden_is_resolved_in_full() -> None:
     assert spec.optimizer.method == pb.POLAR_METHOD_AUTO
     assert spec.training.cd_k == 1 and spec.training.HasField("cd_k")
     assert spec.training.steps == SETTINGS.default_steps
-    assert spec.training.batch_size == SETTINGS.default_batch_size
+    assert spec.training.batch_size == DEFAULT_BATCH_SIZE
     assert spec.training.checkpoint_every == SETTINGS.default_checkpoint_every
     assert spec.training.max_backoffs == DEFAULT_MAX_BACKOFFS
     assert spec.training.backoff_factor == BACKOFF_FACTOR

@@ -33,6 +33,10 @@ from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.sampling import RandomSource
 
+# AIS settings when the caller gives none: chains averaged, intermediate temperatures.
+DEFAULT_AIS_CHAINS = 100
+DEFAULT_AIS_BETAS = 1000
+
 
 @dataclass(frozen=True)
 class AISResult:
@@ -65,8 +69,8 @@ def annealing_schedule(n_betas: int) -> torch.Tensor:
 @torch.no_grad()
 def ais_log_partition(
     model: RBM,
-    n_chains: int = 100,
-    n_betas: int = 1000,
+    n_chains: int = DEFAULT_AIS_CHAINS,
+    n_betas: int = DEFAULT_AIS_BETAS,
     seed: int = 0,
     *,
     base_visible_bias: torch.Tensor | None = None,
