@@ -90,6 +90,9 @@ DEFAULT_MAX_BACKOFFS = 3
 # One backoff divides every step size by this: a decade, the granularity of the tuning grids.
 BACKOFF_FACTOR = 10.0
 
+# The "metric" of a blow-up seen by the trainer's own check: a parameter turned NaN or Inf.
+PARAMETERS = "parameters"
+
 # Metrics that are bookkeeping rather than measurements of the model.
 _NOT_MEASUREMENTS = frozenset({"step", "total_steps", "wall_time_s", "samples_per_second"})
 
@@ -115,6 +118,8 @@ class BlowUp:
         """One line for logs and error messages, e.g. "reconstruction_error 4.1e+26 at step 300
         is 1.02e+24× its best so far (step 0) 402.1"."""
         where = f"{self.metric} {self.value:.3g} at step {self.step}"
+        if self.criterion == "non-finite" and self.metric == PARAMETERS:
+            return f"{self.detail or 'the parameters became NaN or Inf'} at step {self.step}"
         if self.criterion == "non-finite":
             text = f"{where} is not finite"
         elif self.criterion == "growth" and self.reference:
@@ -261,7 +266,7 @@ def blowup_from_error(error: DivergenceError, step: int) -> BlowUp:
     ``step`` is used when the error does not carry the step that failed (``error.step``).
     """
     failed = error.step if error.step is not None else step
-    return BlowUp(failed, "parameters", math.nan, None, "non-finite", detail=str(error))
+    return BlowUp(failed, PARAMETERS, math.nan, None, "non-finite", detail=error.what or str(error))
 
 
 def suggested_lr(current_lr: float, factor: float = BACKOFF_FACTOR) -> float:

@@ -12,12 +12,14 @@ class DivergenceError(RuntimeError):
     """A training step produced NaN or Inf in a parameter, gradient or metric, or blew up.
 
     Raised instead of silently training on garbage; lower the learning rate or check the data.
-    ``step`` is the step at which it was seen, when known.
+    ``step`` is the step at which it was seen, when known; ``what`` says what went wrong in a
+    few words (e.g. "parameters ['W'] became NaN or Inf"), without the advice of the message.
     """
 
-    def __init__(self, message: str, *, step: int | None = None) -> None:
+    def __init__(self, message: str, *, step: int | None = None, what: str = "") -> None:
         super().__init__(message)
         self.step = step
+        self.what = what
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only fields do not survive the default exception pickling (which calls the

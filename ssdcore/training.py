@@ -338,6 +338,7 @@ class Trainer:
             f"{self._last_good_step}. Lower the learning rate (lr={self.lr:.3g}) "
             "or bound ‖W‖₂ with max_spectral_norm",
             step=failed_step,
+            what=what,
         )
 
     # --- evaluation -----------------------------------------------------------------------

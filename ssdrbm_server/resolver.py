@@ -400,6 +400,23 @@ def _resolve_preprocess(
             "NONE leaves pixel intensities (0…255), but a Bernoulli model's visible units are "
             "probabilities in [0, 1]; use BINARIZE or SCALE, or leave it unset (BINARIZE)",
         )
+    _check_probabilities(dataset, gaussian, upload)
+
+
+def _check_probabilities(
+    dataset: pb.DatasetRef, gaussian: bool, upload: DatasetInfo | None
+) -> None:
+    """Binary units take values in [0, 1]: an upload outside it, used as it is, is refused."""
+    if gaussian or upload is None or upload.value_range is None:
+        return
+    low, high = upload.value_range
+    if dataset.preprocess == pb.PREPROCESS_NONE and (low < 0 or high > 1):
+        raise InvalidArgumentError(
+            "dataset.preprocess",
+            f"the uploaded data holds values from {low:g} to {high:g}, but a Bernoulli model's "
+            "visible units are probabilities in [0, 1]; use SCALE or BINARIZE, or a Gaussian "
+            "model",
+        )
 
 
 def _with_dataset(

@@ -341,13 +341,14 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                 f"received {received} bytes, but header.shape and header.dtype need {expected}",
             )
         data = b"".join(chunks)
-        _check_upload_content(header, data)
+        value_range = _check_upload_content(header, data)
         info, created = await self.stores.datasets.put(
             tenant,
             shape=tuple(header.shape),
             dtype=DTYPE_NAMES[header.dtype],
             name=header.name,
             data=data,
+            value_range=value_range,
         )
         return pb.UploadDatasetResponse(
             dataset_id=info.id, shape=list(info.shape), size_bytes=info.size_bytes, created=created
@@ -438,7 +439,8 @@ def _check_id(value: str, field: str, *, required: bool = True) -> None:
         raise InvalidArgumentError(field, f"is longer than {MAX_ID_LENGTH} characters")
 
 
-def _check_upload_content(header: pb.DatasetHeader, data: bytes) -> None:
+def _check_upload_content(header: pb.DatasetHeader, data: bytes) -> tuple[float, float]:
+    """Check the received bytes; returns the smallest and largest value they hold."""
     if header.sha256:
         actual = hashlib.sha256(data).hexdigest()
         if actual != header.sha256:
@@ -447,6 +449,7 @@ def _check_upload_content(header: pb.DatasetHeader, data: bytes) -> None:
                 f"the received bytes hash to {actual}, not {header.sha256}; the upload was "
                 "corrupted or the header is wrong",
             )
-    dtype = DTYPES[header.dtype]
-    if dtype.kind == "f" and not np.isfinite(np.frombuffer(data, dtype=dtype)).all():
+    values = np.frombuffer(data, dtype=DTYPES[header.dtype])
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
         raise InvalidArgumentError("chunk", "the data contains NaN or Inf; send finite values")
+    return float(values.min()), float(values.max())

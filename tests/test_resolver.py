@@ -20,7 +20,8 @@ from ssdrbm_server.store.datasets import DatasetInfo
 
 SETTINGS = Settings(max_full_variance_visibles=256)
 UPLOADS = {
-    "ab" * 32: DatasetInfo("ab" * 32, (50, 7), "float32", "floats", 50 * 7 * 4),
+    "ab" * 32: DatasetInfo("ab" * 32, (50, 7), "float32", "floats", 50 * 7 * 4, (0.0, 1.0)),
+    "ef" * 32: DatasetInfo("ef" * 32, (50, 7), "float32", "normal", 50 * 7 * 4, (-3.2, 2.9)),
     "cd" * 32: DatasetInfo("cd" * 32, (60, 28, 20), "uint8", "images", 60 * 560),
 }
 
@@ -197,7 +198,16 @@ def test_uploads_follow_the_same_preprocessing_rule_as_builtin_images() -> None:
     mnist.dataset.preprocess = pb.PREPROCESS_NONE
     assert field_of(mnist) == "dataset.preprocess"
     with pytest.raises(NotFoundError):
-        validate(request(dataset=pb.DatasetRef(dataset_id="ef" * 32)))
+        validate(request(dataset=pb.DatasetRef(dataset_id="99" * 32)))
+    # Float values outside [0, 1] cannot feed binary units as they are: refused on submit.
+    normal = request(dataset=pb.DatasetRef(dataset_id="ef" * 32))
+    normal.training.batch_size = 10
+    assert field_of(normal) == "dataset.preprocess"
+    normal.dataset.preprocess = pb.PREPROCESS_SCALE
+    assert validate(normal).spec.dataset.preprocess == pb.PREPROCESS_SCALE
+    normal.model.kind = pb.MODEL_KIND_GAUSSIAN
+    normal.dataset.preprocess = pb.PREPROCESS_UNSPECIFIED
+    assert validate(normal).spec.dataset.preprocess == pb.PREPROCESS_NONE
 
 
 def bad(**changes: object) -> pb.StartTrainingRequest:

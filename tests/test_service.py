@@ -344,6 +344,16 @@ def test_upload_is_content_addressed_and_checked(service_factory) -> None:
     nan[3, 3] = np.nan
     code, message = status_of(lambda: upload(stub, nan))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in message
+    # The value range is measured on upload: data outside [0, 1] for binary units is refused
+    # when the job is submitted, not when it runs.
+    scaled = upload(stub, data * 4 - 1)
+    request = synthetic_request(steps=10)
+    request.dataset.CopyFrom(pb.DatasetRef(dataset_id=scaled.dataset_id))
+    code, message = status_of(lambda: stub.StartTraining(request, timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "dataset.preprocess" in message
+    assert "from -1 to 3" in message
+    request.dataset.preprocess = pb.PREPROCESS_SCALE
+    assert stub.StartTraining(request, timeout=30).created
 
 
 def test_health_and_reflection_are_served(module_service: RunningService) -> None:

@@ -46,6 +46,8 @@ class DatasetInfo:
     dtype: str
     name: str
     size_bytes: int
+    # smallest and largest value, as measured on upload (None for arrays stored without it)
+    value_range: tuple[float, float] | None = None
 
 
 def dataset_id(shape: Sequence[int], dtype: str, data: bytes) -> str:
@@ -85,7 +87,14 @@ class DatasetStore:
         self._store = redis.register_script(_STORE)
 
     async def put(
-        self, tenant: str, *, shape: Sequence[int], dtype: str, name: str, data: bytes
+        self,
+        tenant: str,
+        *,
+        shape: Sequence[int],
+        dtype: str,
+        name: str,
+        data: bytes,
+        value_range: tuple[float, float] | None = None,
     ) -> tuple[DatasetInfo, bool]:
         """Store an array (once per content); returns (info, created for this tenant)."""
         dims = check_array(shape, dtype, len(data))
@@ -96,6 +105,8 @@ class DatasetStore:
             "size_bytes": len(data),
             "data": data,
         }
+        if value_range is not None:
+            fields["value_range"] = json.dumps(list(value_range))
         args: list[str | bytes | int] = []
         for field, value in fields.items():
             args += [field, value]
@@ -112,8 +123,10 @@ class DatasetStore:
             raise _not_found(dataset_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hget(self.keys.tenant_datasets(tenant), dataset_id)
-            pipe.hmget(self.keys.dataset(dataset_id), ["shape", "dtype", "size_bytes"])
-            name, (shape, dtype, size_bytes) = await pipe.execute()
+            pipe.hmget(
+                self.keys.dataset(dataset_id), ["shape", "dtype", "size_bytes", "value_range"]
+            )
+            name, (shape, dtype, size_bytes, value_range) = await pipe.execute()
         if name is None or shape is None:
             raise _not_found(dataset_id)
         return DatasetInfo(
@@ -122,6 +135,7 @@ class DatasetStore:
             dtype=dtype.decode(),
             name=name.decode(),
             size_bytes=int(size_bytes),
+            value_range=tuple(json.loads(value_range)) if value_range else None,
         )
 
     async def load(self, tenant: str, dataset_id: str) -> tuple[DatasetInfo, bytes]:

@@ -233,16 +233,7 @@ class Training:
         lr = self.spec.optimizer.lr * self._lr_scale(self.backoffs)
         limit = self.spec.training.max_backoffs
         if self.backoffs >= limit:
-            spent = f"after {limit} backoffs" if limit else "with backoff off"
-            suggestion = suggested_lr(lr, self.spec.training.backoff_factor)
-            _report_failure(
-                self.conn,
-                f"training blew up at step {blowup.step} {spent}: {blowup.describe()}; the step "
-                f"size was optimizer.lr × scale = {lr:.3g}; try optimizer.lr = {suggestion:.3g} "
-                f"or smaller (the last good checkpoint is {self._kept()})",
-                step=blowup.step,
-                diverged=True,
-            )
+            _report_failure(self.conn, self._failure(blowup, lr), step=blowup.step, diverged=True)
             return False
         self.backoffs += 1
         ssdcheckpoint.load_trainer_state(self.trainer, self.good_state)
@@ -270,6 +261,27 @@ class Training:
             rollback_step=self.good_step,
         )
         return True
+
+    def _failure(self, blowup: BlowUp, lr: float) -> str:
+        """Why the job failed, with the step size that blew up and one to try instead."""
+        training = self.spec.training
+        spent = (
+            f"after {self.backoffs} backoffs"
+            if training.max_backoffs
+            else "with backoff off (training.max_backoffs 0)"
+        )
+        scaled = (
+            f" (optimizer.lr {self.spec.optimizer.lr:.3g} / {training.backoff_factor:g}^"
+            f"{self.backoffs})"
+            if self.backoffs
+            else ""
+        )
+        suggestion = suggested_lr(lr, training.backoff_factor)
+        return (
+            f"training blew up {spent}: {blowup.describe()}; its step size was {lr:.3g}{scaled}; "
+            f"try optimizer.lr = {suggestion:.3g} or smaller (the last good checkpoint is "
+            f"{self._kept()})"
+        )
 
     def _kept(self) -> str:
         return f"step {self.last_checkpoint}" if self.last_checkpoint >= 0 else "none"

@@ -114,7 +114,7 @@ def render_backoff(job_id: str, event: BackoffEvent) -> str:
     return (
         f"{job_id} blew up at step {event.step} ({event.reason}); backoff "
         f"{event.backoff}/{event.max_backoffs}: back to step {event.rollback_step}, lr "
-        f"{format_number(event.old_lr)} → {format_number(event.new_lr)}"
+        f"{event.old_lr:g} → {event.new_lr:g}"
     )
 
 

@@ -70,9 +70,9 @@ def job_details(job: Job) -> str:
     """``key: value`` lines describing one job, for ``ssdrbm get``."""
     metrics = job.latest_metrics
     fields = [
-        ("id", job.id),
+        ("id", job.id or "- (dry run: nothing was created)"),
         ("name", job.name or "-"),
-        ("state", job.state.value),
+        ("state", job.state.value if job.id else "-"),
         ("step", f"{job.step}/{job.total_steps}"),
         ("checkpoint step", str(job.checkpoint_step) if job.checkpoint_step >= 0 else "none"),
         ("attempt", str(job.attempt)),
@@ -103,7 +103,7 @@ def job_details(job: Job) -> str:
 def defaults_table(defaults: TrainingDefaults) -> str:
     """The server's default step sizes as a table, then every other default as spec lines."""
     rows = [
-        (entry.model, entry.variance or "-", entry.optimizer, format_number(entry.lr))
+        (entry.model, entry.variance or "-", entry.optimizer, f"{entry.lr:g}")
         for entry in defaults.step_sizes
     ]
     table = render_table(("model", "variance", "optimizer", "lr"), rows)
