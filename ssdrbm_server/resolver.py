@@ -104,7 +104,7 @@ async def resolve(
     return _with_dataset(spec, shape, settings)
 
 
-def training_defaults(settings: Settings) -> pb.TrainingDefaults:
+async def training_defaults(settings: Settings) -> pb.TrainingDefaults:
     """The table GetTrainingDefaults answers with: step sizes and a resolved minimal request."""
     table = pb.TrainingDefaults()
     for entry in step_size_table():
@@ -115,16 +115,13 @@ def training_defaults(settings: Settings) -> pb.TrainingDefaults:
             lr=entry.lr,
             source=entry.source,
         )
-    example = pb.StartTrainingRequest(model=pb.ModelSpec(n_hidden=16))
-    _resolve_model(example.model)
-    _resolve_optimizer(example.optimizer, example.model)
-    _resolve_training(example.training, settings)
-    _resolve_eval(example.eval, settings)
-    example.dataset.builtin.name = DEFAULT_DATASET
-    _resolve_builtin(example.dataset.builtin, settings)
-    _resolve_preprocess(example.dataset, example.model, None)
-    table.example.CopyFrom(example)
+    minimal = pb.StartTrainingRequest(model=pb.ModelSpec(n_hidden=16))
+    table.example.CopyFrom((await resolve(minimal, settings, _no_uploads)).spec)
     return table
+
+
+async def _no_uploads(dataset_id: str) -> DatasetInfo:
+    raise AssertionError("a request without a dataset_id looks none up")
 
 
 def first_difference(a: Message, b: Message, prefix: str = "") -> str | None:

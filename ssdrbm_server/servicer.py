@@ -125,7 +125,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def GetTrainingDefaults(
         self, request: pb.GetTrainingDefaultsRequest, context: grpc.aio.ServicerContext
     ) -> pb.TrainingDefaults:
-        return resolver.training_defaults(self.settings)
+        return await resolver.training_defaults(self.settings)
 
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
         return convert.job_to_proto(await self._job(request.job_id))

@@ -131,7 +131,7 @@ def test_explicit_zeros_are_kept() -> None:
 
 
 def test_training_defaults_table_covers_every_combination() -> None:
-    table = training_defaults(SETTINGS)
+    table = asyncio.run(training_defaults(SETTINGS))
     combos = {(e.model, e.variance, e.optimizer) for e in table.step_sizes}
     assert len(combos) == len(table.step_sizes) == 4 + 4 * 4  # Bernoulli + 4 Gaussian variances
     for entry in table.step_sizes:
