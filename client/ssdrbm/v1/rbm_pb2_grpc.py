@@ -85,6 +85,21 @@ class RBMServiceStub:
                 request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.GetTrainingDefaultsRequest.SerializeToString,
                 response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.TrainingDefaults.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/DeleteJob',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
+        self.ListDatasets = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/ListDatasets',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.ListDatasetsRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.ListDatasetsResponse.FromString,
+                _registered_method=True)
+        self.DeleteDataset = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/DeleteDataset',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetResponse.FromString,
+                _registered_method=True)
 
 
 class RBMServiceServicer:
@@ -169,6 +184,29 @@ class RBMServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteJob(self, request, context):
+        """/ Deletes a finished job and everything it owns (record, metric stream, checkpoints).
+        / A QUEUED or RUNNING job is FAILED_PRECONDITION unless `force` (cancel, then delete).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDatasets(self, request, context):
+        """/ The caller's uploaded datasets, newest first, a page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteDataset(self, request, context):
+        """/ Removes an uploaded dataset from the caller's datasets; its bytes go once no tenant and
+        / no queued or running job needs them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RBMServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +259,21 @@ def add_RBMServiceServicer_to_server(servicer, server):
                     servicer.GetTrainingDefaults,
                     request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.GetTrainingDefaultsRequest.FromString,
                     response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.TrainingDefaults.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteJobRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteJobResponse.SerializeToString,
+            ),
+            'ListDatasets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDatasets,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.ListDatasetsRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.ListDatasetsResponse.SerializeToString,
+            ),
+            'DeleteDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteDataset,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -494,6 +547,87 @@ class RBMService:
             '/ssdrbm.v1.RBMService/GetTrainingDefaults',
             ssdrbm_dot_v1_dot_rbm__pb2.GetTrainingDefaultsRequest.SerializeToString,
             ssdrbm_dot_v1_dot_rbm__pb2.TrainingDefaults.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/DeleteJob',
+            ssdrbm_dot_v1_dot_rbm__pb2.DeleteJobRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.DeleteJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDatasets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/ListDatasets',
+            ssdrbm_dot_v1_dot_rbm__pb2.ListDatasetsRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.ListDatasetsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/DeleteDataset',
+            ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetResponse.FromString,
             options,
             channel_credentials,
             insecure,
