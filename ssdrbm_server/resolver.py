@@ -10,7 +10,9 @@ Fields that do not apply to the job (a Bernoulli model's variance, a non-SSD job
 stay unset.
 
 Each problem is an INVALID_ARGUMENT naming the field (``optimizer.lr``, ``training.cd_k``, ...)
-and the fix.
+and the fix. A job too big for this server (model, checkpoint, per-step or evaluation cost, see
+``check_budgets``) is RESOURCE_EXHAUSTED naming the limit, the computed value and the fix, refused
+on submit: the worker would otherwise allocate it first and fail at run time.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, steps_per_epoch
 from ssdrbm_server import catalog
 from ssdrbm_server.catalog import DatasetShape
 from ssdrbm_server.config import Settings
-from ssdrbm_server.errors import InvalidArgumentError
+from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError
 from ssdrbm_server.request_checks import check_text, enum_value, finite
 from ssdrbm_server.store.datasets import DatasetInfo
 from ssdrbm_server.vocabulary import (
@@ -431,6 +433,7 @@ def _with_dataset(
             f"FULL needs a {dataset.n_visible}×{dataset.n_visible} precision matrix; this server "
             f"allows it up to {settings.max_full_variance_visibles} visible units — use DIAGONAL",
         )
+    check_budgets(spec, dataset.n_visible, settings)
     try:
         n_train, _ = split_sizes(dataset.n_examples, spec.eval.validation_fraction)
     except ValueError as error:
@@ -448,3 +451,101 @@ def _with_dataset(
             f"{settings.max_total_steps}",
         )
     return ResolvedJob(spec, total_steps, dataset.n_visible, dataset.n_examples)
+
+
+# --- budgets ------------------------------------------------------------------------------------
+
+# The trainer state holds the parameters and up to three buffers of their size (momentum or the
+# preconditioner's two moments, the last finite parameters kept for a blow-up's restore).
+TRAINER_STATE_COPIES = 4
+MIB = 1024 * 1024
+
+
+def check_budgets(spec: pb.StartTrainingRequest, n_visible: int, settings: Settings) -> None:
+    """Refuse a job whose size or cost exceeds this server's budgets, before anything is
+    allocated; each is RESOURCE_EXHAUSTED naming the limit, the computed value and the fix."""
+    model, training = spec.model, spec.training
+    n_hidden = model.n_hidden
+    if n_visible > settings.max_visibles:
+        _exhausted(
+            "dataset width",
+            f"{n_visible} visible units",
+            f"{settings.max_visibles}",
+            "max_visibles",
+            "reduce the data's dimension (crop, downsample, PCA) before uploading",
+        )
+    params = model_bytes(model, n_visible)
+    if params > settings.max_model_bytes:
+        _exhausted(
+            "model size",
+            f"{params / MIB:.1f} MiB for {n_visible}×{n_hidden}",
+            f"{settings.max_model_bytes / MIB:.1f} MiB",
+            "max_model_bytes",
+            "lower model.n_hidden",
+        )
+    state = checkpoint_bytes(model, n_visible, training)
+    if state > settings.max_value_bytes:
+        _exhausted(
+            "checkpoint size",
+            f"about {state / MIB:.1f} MiB of trainer state (model, optimizer buffers, chains)",
+            f"{settings.max_value_bytes / MIB:.1f} MiB, the store's largest value",
+            "max_value_bytes",
+            "lower model.n_hidden (or training.batch_size for PCD)",
+        )
+    flops = step_flops(n_visible, n_hidden, training.batch_size, training.cd_k)
+    if flops > settings.max_step_flops:
+        _exhausted(
+            "training step cost",
+            f"about {flops:.3g} FLOPs per step (2·B·V·H·(2·cd_k+2) with B={training.batch_size}, "
+            f"V={n_visible}, H={n_hidden}, cd_k={training.cd_k})",
+            f"{settings.max_step_flops:.3g}",
+            "max_step_flops",
+            "lower training.cd_k, training.batch_size or model.n_hidden",
+        )
+    if spec.eval.ais:
+        cost = eval_flops(n_visible, n_hidden, spec.eval.ais_chains, spec.eval.ais_betas)
+        if cost > settings.max_eval_flops:
+            _exhausted(
+                "AIS evaluation cost",
+                f"about {cost:.3g} FLOPs per evaluation (2·chains·betas·V·H with chains="
+                f"{spec.eval.ais_chains}, betas={spec.eval.ais_betas})",
+                f"{settings.max_eval_flops:.3g}",
+                "max_eval_flops",
+                "lower eval.ais_chains or eval.ais_betas, or turn eval.ais off",
+            )
+
+
+def model_bytes(model: pb.ModelSpec, n_visible: int) -> int:
+    """float32 bytes of the model's parameters: W, both biases and any variance parameters."""
+    count = n_visible * model.n_hidden + n_visible + model.n_hidden
+    if model.kind == pb.MODEL_KIND_GAUSSIAN:
+        count += {
+            pb.VARIANCE_KIND_ISOTROPIC: 1,
+            pb.VARIANCE_KIND_DIAGONAL: n_visible,
+            pb.VARIANCE_KIND_FULL: n_visible * n_visible,
+        }.get(model.variance, 0)
+    return 4 * count
+
+
+def checkpoint_bytes(model: pb.ModelSpec, n_visible: int, training: pb.TrainingSpec) -> int:
+    """The trainer state's size, the largest value a checkpoint writes (an estimate that errs
+    high): the parameters and their buffers, and the PCD chains (B, V) and (B, H)."""
+    chains = 4 * training.batch_size * (n_visible + model.n_hidden) if training.persistent else 0
+    return TRAINER_STATE_COPIES * model_bytes(model, n_visible) + chains
+
+
+def step_flops(n_visible: int, n_hidden: int, batch_size: int, cd_k: int) -> int:
+    """FLOPs of one CD-k step: 2k+2 (B, V)×(V, H)-sized products (the data's hidden units, k
+    Gibbs sweeps each way, the gradient), two FLOPs per multiply-add."""
+    return 2 * batch_size * n_visible * n_hidden * (2 * cd_k + 2)
+
+
+def eval_flops(n_visible: int, n_hidden: int, chains: int, betas: int) -> int:
+    """FLOPs of one AIS estimate: a Gibbs sweep (two products) per chain and temperature."""
+    return 2 * chains * betas * n_visible * n_hidden
+
+
+def _exhausted(what: str, value: str, limit: str, setting: str, fix: str) -> None:
+    raise ResourceExhaustedError(
+        f"{what}: {value} is over this server's limit of {limit} (SSDRBM_{setting.upper()}); {fix}"
+    )

@@ -383,6 +383,26 @@ START_CASES = {
     "name oversized": (start(name="n" * 100_000), INVALID, "name"),
     "name newline": (start(name="two\nlines"), INVALID, "name"),
     "unicode name and request id": (start(name="模型 ☃", request_id="请求-😀"), OK, ""),
+    "model over the byte budget": (
+        start(**{"model.n_hidden": 65_536, "dataset.builtin.options": {"n_visible": "4096"}}),
+        EXHAUSTED,
+        "SSDRBM_MAX_MODEL_BYTES",
+    ),
+    "checkpoint over the store's value limit": (
+        start(**{"model.n_hidden": 12_000, "dataset.builtin.options": {"n_visible": "4096"}}),
+        EXHAUSTED,
+        "SSDRBM_MAX_VALUE_BYTES",
+    ),
+    "cd_k at its bound on a wide hidden layer": (
+        start(**{"model.n_hidden": 65_536, "training.cd_k": 10_000}),
+        EXHAUSTED,
+        "SSDRBM_MAX_STEP_FLOPS",
+    ),
+    "AIS settings at their bounds": (
+        start(**{"eval.ais": True, "eval.ais_chains": 100_000, "eval.ais_betas": 1_000_000}),
+        EXHAUSTED,
+        "SSDRBM_MAX_EVAL_FLOPS",
+    ),
 }
 
 

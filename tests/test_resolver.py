@@ -14,8 +14,20 @@ from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
 from ssdcore.step_sizes import default_lr
 from ssdcore.training import DEFAULT_BATCH_SIZE
 from ssdrbm_server.config import Settings
-from ssdrbm_server.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from ssdrbm_server.resolver import ResolvedJob, first_difference, resolve, training_defaults
+from ssdrbm_server.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from ssdrbm_server.resolver import (
+    ResolvedJob,
+    first_difference,
+    model_bytes,
+    resolve,
+    step_flops,
+    training_defaults,
+)
 from ssdrbm_server.store.datasets import DatasetInfo
 
 SETTINGS = Settings(max_full_variance_visibles=256)
@@ -333,3 +345,89 @@ def test_full_variance_is_refused_for_wide_data_only() -> None:
         validate(req)
     assert caught.value.field == "model.variance"
     assert "DIAGONAL" in caught.value.message
+
+
+# --- budgets: refused on submit, naming the limit, the value and the fix ------------------------
+
+WIDE = "fa" * 32  # a (2000, 784) upload: MNIST's width, enough rows for batch 1000
+WIDE_UPLOADS = {WIDE: DatasetInfo(WIDE, (2000, 784), "float32", "wide", 2000 * 784 * 4, (0, 1))}
+
+
+def validate_upload(req: pb.StartTrainingRequest, uploads: dict[str, DatasetInfo]) -> ResolvedJob:
+    async def find_upload(dataset_id: str) -> DatasetInfo:
+        return uploads[dataset_id]
+
+    return asyncio.run(resolve(req, SETTINGS, find_upload))
+
+
+def exhausted(req: pb.StartTrainingRequest, uploads: dict[str, DatasetInfo] | None = None) -> str:
+    with pytest.raises(ResourceExhaustedError) as caught:
+        validate_upload(req, uploads or UPLOADS)
+    return caught.value.message
+
+
+def on_upload(dataset_id: str, **fields: object) -> pb.StartTrainingRequest:
+    return request(dataset=pb.DatasetRef(dataset_id=dataset_id), **fields)
+
+
+def test_default_budgets_admit_mnist_sized_cd10_with_batch_1000() -> None:
+    req = on_upload(
+        WIDE,
+        model=pb.ModelSpec(n_hidden=2000),
+        training=pb.TrainingSpec(steps=10, cd_k=10, batch_size=1000, persistent=True),
+        eval=pb.EvalSpec(ais=True),
+    )
+    assert validate_upload(req, WIDE_UPLOADS).n_visible == 784
+
+
+def test_an_unbounded_upload_width_is_refused_before_anything_is_allocated() -> None:
+    width = 1 << 20
+    uploads = {WIDE: DatasetInfo(WIDE, (50, width), "float32", "w", 50 * width * 4, (0, 1))}
+    message = exhausted(on_upload(WIDE), uploads)
+    assert "1048576 visible units" in message
+    assert "SSDRBM_MAX_VISIBLES" in message and "65536" in message
+
+
+def test_a_model_over_the_byte_budget_names_its_size_and_the_fix() -> None:
+    req = request(model=pb.ModelSpec(n_hidden=65_536))
+    req.dataset.builtin.options["n_visible"] = "4096"
+    message = exhausted(req)
+    assert "model size: 1024.3 MiB for 4096×65536" in message
+    assert "SSDRBM_MAX_MODEL_BYTES" in message and "model.n_hidden" in message
+
+
+def test_full_variance_parameters_count_towards_the_model_size() -> None:
+    gaussian = pb.ModelSpec(kind=pb.MODEL_KIND_GAUSSIAN, variance=pb.VARIANCE_KIND_FULL, n_hidden=8)
+    assert model_bytes(gaussian, 100) == 4 * (100 * 8 + 100 + 8 + 100 * 100)
+    assert model_bytes(pb.ModelSpec(n_hidden=8), 100) == 4 * (100 * 8 + 100 + 8)
+
+
+def test_a_checkpoint_over_the_stores_value_limit_is_refused_on_submit() -> None:
+    # 196 MB of parameters fit the model budget; four copies of them do not fit one value.
+    req = request(model=pb.ModelSpec(n_hidden=12_000))
+    req.dataset.builtin.options["n_visible"] = "4096"
+    message = exhausted(req)
+    assert "checkpoint size" in message and "SSDRBM_MAX_VALUE_BYTES" in message
+    small_store = SETTINGS.replace(max_value_bytes=4 * model_bytes(req.model, 4096) - 1)
+    req.model.n_hidden = 8
+    assert validate(req, small_store).n_visible == 4096
+
+
+def test_a_huge_cd_k_is_refused_by_the_step_cost_budget() -> None:
+    req = on_upload(
+        WIDE,
+        model=pb.ModelSpec(n_hidden=2000),
+        training=pb.TrainingSpec(steps=10, cd_k=10_000, batch_size=100),
+    )
+    message = exhausted(req, WIDE_UPLOADS)
+    assert "training step cost" in message and "cd_k=10000" in message
+    assert "SSDRBM_MAX_STEP_FLOPS" in message and "lower training.cd_k" in message
+    assert step_flops(784, 2000, 100, 10_000) > SETTINGS.max_step_flops
+
+
+def test_huge_ais_settings_are_refused_only_when_ais_runs() -> None:
+    huge = pb.EvalSpec(ais=True, ais_chains=100_000, ais_betas=1_000_000)
+    message = exhausted(request(eval=huge))
+    assert "AIS evaluation cost" in message and "SSDRBM_MAX_EVAL_FLOPS" in message
+    huge.ais = False
+    assert validate(request(eval=huge)).spec.eval.ais_chains == 100_000
