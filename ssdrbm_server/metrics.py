@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import prometheus_client
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ssdrbm_server.errors import status_for
 from ssdrbm_server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
@@ -47,6 +47,13 @@ class ServiceMetrics:
         )
         self.streams = Gauge(
             "ssdrbm_metric_streams", "Open StreamMetrics calls", registry=self.registry
+        )
+        self.serving_chunks = Counter(
+            "ssdrbm_serving_chunks",
+            "Row chunks of pooled Reconstruct/SampleHidden calls: computed, or abandoned because "
+            "the client cancelled or its deadline passed",
+            ["outcome"],
+            registry=self.registry,
         )
         self._http: Any = None
         self.set_job_counts({})  # every state's series exists from the first scrape on
