@@ -60,14 +60,31 @@ class Service:
         self.redis = (
             redis
             if redis is not None
-            else connect(settings.redis_url, cluster=settings.redis_cluster)
+            else connect(
+                settings.redis_url,
+                cluster=settings.redis_cluster,
+                max_connections=settings.redis_connections,
+            )
+        )
+        # Live StreamMetrics reads (XREAD BLOCK) wait on their own pool: one connection per
+        # allowed stream (+1 for the job's shared follower), never one of the ordinary calls'.
+        self.blocking_redis = connect(
+            settings.redis_url,
+            cluster=settings.redis_cluster,
+            max_connections=settings.max_streams + 1,
         )
         self.keys = Keys(settings.redis_prefix)
         self.stores = Stores(
             jobs=JobStore(self.redis, keys=self.keys),
-            events=EventStore(self.redis, keys=self.keys),
+            events=EventStore(self.redis, keys=self.keys, blocking=self.blocking_redis),
             checkpoints=CheckpointStore(self.redis, keys=self.keys),
-            datasets=DatasetStore(self.redis, keys=self.keys),
+            datasets=DatasetStore(
+                self.redis,
+                keys=self.keys,
+                chunk_bytes=settings.dataset_chunk_bytes,
+                idle_seconds=settings.upload_idle_seconds,
+                tenant_quota=settings.max_dataset_bytes_per_tenant,
+            ),
         )
         self.metrics = metrics or ServiceMetrics()
         self.models = ModelServer(
@@ -144,6 +161,7 @@ class Service:
         self.models.close()
         if self._owns_redis:
             await self.redis.aclose()
+        await self.blocking_redis.aclose()
         logger.info("gRPC server stopped")
 
     async def running_samples_per_second(self) -> float:

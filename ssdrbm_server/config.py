@@ -43,6 +43,20 @@ class Settings:
     max_message_bytes: int = 64 * 1024 * 1024  # one gRPC message, both directions
     max_tensor_elements: int = 16 * 1024 * 1024  # elements of one Reconstruct/SampleHidden input
     max_dataset_bytes: int = 512 * 1024 * 1024  # one uploaded dataset
+    # Stored datasets of one tenant, summed (content shared with other tenants counts for each)
+    max_dataset_bytes_per_tenant: int = 2 * 1024 * 1024 * 1024
+    # UploadDataset calls in progress at once, per API process: each buffers one chunk and
+    # writes to Redis; excess calls are refused rather than queued
+    max_concurrent_uploads: int = 2
+    # Largest single Redis value of an uploaded dataset: the array is stored in chunks of this
+    # size, so no one write or read blocks Redis for long (a multiple of 8, the widest dtype)
+    dataset_chunk_bytes: int = 4 * 1024 * 1024
+    # The chunks of an upload that stopped (client gone, server died) expire this long after
+    # the last one was written
+    upload_idle_seconds: float = 600.0
+    # Redis connections for ordinary calls; blocking metric reads (XREAD BLOCK) get their own
+    # pool of max_streams + 1 connections, so live StreamMetrics followers never starve these
+    redis_connections: int = 100
     max_jobs_per_tenant: int = 16  # QUEUED + RUNNING jobs of one tenant
     max_streams: int = 1000  # concurrent StreamMetrics calls of the whole server
     max_string_length: int = 256  # names, ids and option values in requests
@@ -118,6 +132,10 @@ class Settings:
             "max_message_bytes",
             "max_tensor_elements",
             "max_dataset_bytes",
+            "max_dataset_bytes_per_tenant",
+            "max_concurrent_uploads",
+            "dataset_chunk_bytes",
+            "redis_connections",
             "max_jobs_per_tenant",
             "max_streams",
             "stream_buffer_events",
@@ -138,6 +156,13 @@ class Settings:
                 f"SSDRBM_HEARTBEAT_SECONDS ({self.heartbeat_seconds}), or a healthy worker would "
                 "lose its lease"
             )
+        if self.dataset_chunk_bytes % 8:
+            raise ConfigError(
+                f"SSDRBM_DATASET_CHUNK_BYTES ({self.dataset_chunk_bytes}) must be a multiple of 8, "
+                "so no array element straddles two chunks"
+            )
+        if self.upload_idle_seconds <= 0:
+            raise ConfigError("SSDRBM_UPLOAD_IDLE_SECONDS must be positive")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("set both SSDRBM_TLS_CERT_FILE and SSDRBM_TLS_KEY_FILE, or neither")
         for name in ("serving_cpus", "training_cpus"):

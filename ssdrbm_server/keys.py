@@ -18,17 +18,22 @@ keys with the same tag live together and one Lua script may use them all.
 | `tenant:{<t>}:seq`                | string | counter giving the tenant's jobs their position   |
 | `tenant:{<t>}:active`             | set    | the tenant's QUEUED + RUNNING job ids (limits)    |
 | `tenant:{<t>}:idem:<sha256(rid)>` | string | job id created for that StartTraining request_id  |
-| `tenant:{<t>}:datasets`           | hash   | dataset id -> the name this tenant gave it        |
-| `dataset:<sha256>`                | hash   | uploaded array: raw bytes, dtype, shape           |
+| `tenant:{<t>}:datasets`           | hash   | dataset id -> JSON: this tenant's name, size, time |
+| `tenant:{<t>}:dataset_bytes`      | string | bytes of the tenant's datasets (per-tenant quota) |
+| `dataset:{<sha256>}`              | hash   | uploaded array: dtype, shape, blob, `complete`    |
+| `dataset:{<sha256>}:tenants`      | set    | tenants referencing it (bytes go when empty)      |
+| `upload:{<uid>}`                  | hash   | an upload's bytes: field `<i>` = chunk i (bounded) |
 
-Three kinds of slot, so no script or MULTI ever spans two: one job's keys (`{<id>}`), one
-tenant's keys (`{<t>}`), and the global job indexes (`{jobs}`). The job hash is the source of
+Five kinds of slot, so no script or MULTI ever spans two: one job's keys (`{<id>}`), one
+tenant's keys (`{<t>}`), the global job indexes (`{jobs}`), one dataset's record and
+references (`{<sha256>}`) and one upload's chunks (`{<uid>}`; ssdrbm_server/store/datasets.py
+explains the order of the steps between them). The job hash is the source of
 truth for a job's state, attempt and lease; `{jobs}:*` and `tenant:{<t>}:active` are indexes
 that follow it in separate steps (ssdrbm_server/store/indexes.py explains the order).
 
-Job ids are 32 hex digits and dataset ids 64; ids from clients are checked against those forms
-before any key is built, so a crafted id cannot name another key (e.g. `x:metrics`). No part
-of a key may contain a brace: it would move the hash tag.
+Job and upload ids are 32 hex digits and dataset ids 64; ids from clients are checked against
+those forms before any key is built, so a crafted id cannot name another key (e.g.
+`x:metrics`). No part of a key may contain a brace: it would move the hash tag.
 """
 
 from __future__ import annotations
@@ -116,6 +121,16 @@ class Keys:
         digest = hashlib.sha256(request_id.encode()).hexdigest()
         return f"{self._tenant(tenant)}:idem:{digest}"
 
-    # --- datasets (one key each, no tag needed) ---
+    def tenant_dataset_bytes(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:dataset_bytes"
+
+    # --- one dataset: hash tag {<sha256>} ---
     def dataset(self, dataset_id: str) -> str:
-        return f"{self.prefix}dataset:{dataset_id}"
+        return f"{self.prefix}dataset:{{{_no_braces('dataset id', dataset_id)}}}"
+
+    def dataset_tenants(self, dataset_id: str) -> str:
+        return f"{self.dataset(dataset_id)}:tenants"
+
+    # --- one upload's chunks: hash tag {<uid>} ---
+    def upload(self, upload_id: str) -> str:
+        return f"{self.prefix}upload:{{{_no_braces('upload id', upload_id)}}}"

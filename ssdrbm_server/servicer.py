@@ -24,7 +24,9 @@ from ssdrbm_server.auth import current_tenant
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
     AlreadyExistsError,
+    FailedPreconditionError,
     InvalidArgumentError,
+    NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -34,7 +36,7 @@ from ssdrbm_server.recent_jobs import RecentJobs
 from ssdrbm_server.request_checks import enum_value
 from ssdrbm_server.serving import ModelServer
 from ssdrbm_server.store.checkpoints import CheckpointStore
-from ssdrbm_server.store.datasets import DatasetInfo, DatasetStore
+from ssdrbm_server.store.datasets import DatasetInfo, DatasetStore, Upload
 from ssdrbm_server.store.events import EventStore
 from ssdrbm_server.store.jobs import JobStore
 from ssdrbm_server.store.records import JobRecord
@@ -58,6 +60,11 @@ DTYPES = {
     pb.DTYPE_UINT8: np.dtype("u1"),
 }
 DTYPE_NAMES = {number: dtype.name for number, dtype in DTYPES.items()}
+DTYPE_NUMBERS = {
+    "float32": pb.DTYPE_FLOAT32,
+    "float64": pb.DTYPE_FLOAT64,
+    "uint8": pb.DTYPE_UINT8,
+}
 
 
 @dataclass
@@ -87,6 +94,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self.metrics = metrics
         self.recent_jobs = recent_jobs if recent_jobs is not None else RecentJobs()
         self._open_streams = 0
+        self._uploads = 0  # UploadDataset calls in progress (max_concurrent_uploads)
         self._draining = False
         self.fanout = EventFanout(self._poll, buffer_events=settings.stream_buffer_events)
 
@@ -311,48 +319,109 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> pb.UploadDatasetResponse:
         tenant = current_tenant()
-        header: pb.DatasetHeader | None = None
-        expected = 0
-        chunks: list[bytes] = []
-        received = 0
-        async for part in request_iterator:
-            which = part.WhichOneof("part")
-            if header is None:
-                if which != "header":
-                    raise InvalidArgumentError("header", "send the header as the first message")
-                header = part.header
-                expected = self._check_dataset_header(header)
-                continue
-            if which != "chunk":
-                raise InvalidArgumentError("header", "send the header only once, first")
-            received += len(part.chunk)
-            if received > expected:
-                raise InvalidArgumentError(
-                    "chunk",
-                    f"received more than the {expected} bytes that header.shape and "
-                    "header.dtype describe",
-                )
-            chunks.append(part.chunk)
-        if header is None:
-            raise InvalidArgumentError("header", "the upload was empty; send a header first")
-        if received != expected:
-            raise InvalidArgumentError(
-                "chunk",
-                f"received {received} bytes, but header.shape and header.dtype need {expected}",
+        # Per API process: each upload holds a chunk buffer and keeps Redis writing.
+        if self._uploads >= self.settings.max_concurrent_uploads:
+            raise ResourceExhaustedError(
+                f"this server already receives {self._uploads} uploads (max_concurrent_uploads "
+                f"= {self.settings.max_concurrent_uploads}, SSDRBM_MAX_CONCURRENT_UPLOADS); retry "
+                "in a moment"
             )
-        data = b"".join(chunks)
-        value_range = _check_upload_content(header, data)
-        info, created = await self.stores.datasets.put(
-            tenant,
-            shape=tuple(header.shape),
-            dtype=DTYPE_NAMES[header.dtype],
-            name=header.name,
-            data=data,
-            value_range=value_range,
-        )
+        self._uploads += 1
+        try:
+            info, created = await self._receive_upload(tenant, request_iterator)
+        finally:
+            self._uploads -= 1
         return pb.UploadDatasetResponse(
             dataset_id=info.id, shape=list(info.shape), size_bytes=info.size_bytes, created=created
         )
+
+    async def _receive_upload(
+        self, tenant: str, request_iterator: AsyncIterator[pb.UploadDatasetRequest]
+    ) -> tuple[DatasetInfo, bool]:
+        """Stream the chunks into Redis as they come; the whole array is never held here."""
+        upload: Upload | None = None
+        content: UploadContent | None = None
+        try:
+            async for part in request_iterator:
+                which = part.WhichOneof("part")
+                if upload is None:
+                    if which != "header":
+                        raise InvalidArgumentError("header", "send the header as the first message")
+                    self._check_dataset_header(part.header)
+                    content = UploadContent(part.header)
+                    upload = self.stores.datasets.begin(
+                        tenant,
+                        shape=tuple(part.header.shape),
+                        dtype=DTYPE_NAMES[part.header.dtype],
+                        name=part.header.name,
+                        on_chunk=content.update,
+                    )
+                    continue
+                if which != "chunk":
+                    raise InvalidArgumentError("header", "send the header only once, first")
+                await upload.write(part.chunk)
+            if upload is None or content is None:
+                raise InvalidArgumentError("header", "the upload was empty; send a header first")
+            if upload.received != upload.size_bytes:
+                raise InvalidArgumentError(
+                    "chunk",
+                    f"received {upload.received} bytes, but header.shape and header.dtype need "
+                    f"{upload.size_bytes}",
+                )
+            await upload.finish()
+            return await upload.commit(content.value_range())
+        except BaseException:
+            if upload is not None:
+                await upload.abort()
+            raise
+
+    async def ListDatasets(
+        self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListDatasetsResponse:
+        page_size = request.page_size or DEFAULT_PAGE_SIZE
+        if page_size > MAX_PAGE_SIZE:
+            raise InvalidArgumentError(
+                "page_size", f"must be at most {MAX_PAGE_SIZE}, got {request.page_size}"
+            )
+        _check_id(request.page_token, "page_token", required=False)
+        page, next_token = await self.stores.datasets.list(
+            current_tenant(), page_size=page_size, page_token=request.page_token
+        )
+        return pb.ListDatasetsResponse(
+            datasets=[_dataset_to_proto(info) for info in page], next_page_token=next_token
+        )
+
+    async def DeleteDataset(
+        self, request: pb.DeleteDatasetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteDatasetResponse:
+        _check_id(request.dataset_id, "dataset_id")
+        tenant = current_tenant()
+        await self.stores.datasets.info(tenant, request.dataset_id)  # NOT_FOUND first
+        # A queued job loads the bytes when it starts (and again when it is resumed), so the
+        # dataset stays while one of the tenant's QUEUED or RUNNING jobs trains on it.
+        job = await self._active_job_using(tenant, request.dataset_id)
+        if job is not None:
+            raise FailedPreconditionError(
+                f"dataset {request.dataset_id} is used by job {job.id} ({job.state.value}); "
+                "wait for it to finish or cancel it (ssdrbm cancel), then delete the dataset"
+            )
+        await self.stores.datasets.delete(tenant, request.dataset_id)
+        return pb.DeleteDatasetResponse(dataset_id=request.dataset_id)
+
+    async def _active_job_using(self, tenant: str, dataset_id: str) -> JobRecord | None:
+        """One of the tenant's QUEUED or RUNNING jobs (at most max_jobs_per_tenant) that
+        trains on the dataset, if any."""
+        jobs = self.stores.jobs
+        members = await jobs.redis.smembers(jobs.keys.tenant_active(tenant))
+        for job_id in sorted(member.decode() for member in members):
+            try:
+                job = await jobs.get(tenant, job_id)
+            except NotFoundError:
+                continue  # the active set is an index; the job may be gone already
+            spec = pb.StartTrainingRequest.FromString(job.spec)
+            if not job.state.is_terminal and spec.dataset.dataset_id == dataset_id:
+                return job
+        return None
 
     def _check_dataset_header(self, header: pb.DatasetHeader) -> int:
         """Byte size the header describes, after checking its fields."""
@@ -439,17 +508,46 @@ def _check_id(value: str, field: str, *, required: bool = True) -> None:
         raise InvalidArgumentError(field, f"is longer than {MAX_ID_LENGTH} characters")
 
 
-def _check_upload_content(header: pb.DatasetHeader, data: bytes) -> tuple[float, float]:
-    """Check the received bytes; returns the smallest and largest value they hold."""
-    if header.sha256:
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != header.sha256:
+class UploadContent:
+    """Checks an upload's bytes chunk by chunk (finite values, the header's sha256) and keeps
+    the smallest and largest value, which the resolver uses; chunks hold whole elements."""
+
+    def __init__(self, header: pb.DatasetHeader) -> None:
+        self.header = header
+        self.dtype = DTYPES[header.dtype]
+        self._digest = hashlib.sha256()
+        self._low = math.inf
+        self._high = -math.inf
+
+    def update(self, chunk: bytes) -> None:
+        self._digest.update(chunk)
+        values = np.frombuffer(chunk, dtype=self.dtype)
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            raise InvalidArgumentError("chunk", "the data contains NaN or Inf; send finite values")
+        if values.size:
+            self._low = min(self._low, float(values.min()))
+            self._high = max(self._high, float(values.max()))
+
+    def value_range(self) -> tuple[float, float]:
+        """The range, after checking the header's sha256 against every byte received."""
+        expected = self.header.sha256
+        if expected and self._digest.hexdigest() != expected:
             raise InvalidArgumentError(
                 "header.sha256",
-                f"the received bytes hash to {actual}, not {header.sha256}; the upload was "
-                "corrupted or the header is wrong",
+                f"the received bytes hash to {self._digest.hexdigest()}, not {expected}; the "
+                "upload was corrupted or the header is wrong",
             )
-    values = np.frombuffer(data, dtype=DTYPES[header.dtype])
-    if values.dtype.kind == "f" and not np.isfinite(values).all():
-        raise InvalidArgumentError("chunk", "the data contains NaN or Inf; send finite values")
-    return float(values.min()), float(values.max())
+        return self._low, self._high
+
+
+def _dataset_to_proto(info: DatasetInfo) -> pb.Dataset:
+    dataset = pb.Dataset(
+        dataset_id=info.id,
+        name=info.name,
+        shape=list(info.shape),
+        dtype=DTYPE_NUMBERS[info.dtype],
+        size_bytes=info.size_bytes,
+    )
+    if info.created_at:
+        dataset.created_at.FromNanoseconds(int(info.created_at * 1e9))
+    return dataset

@@ -1,13 +1,36 @@
-"""Uploaded datasets: raw little-endian arrays with dtype and shape, content-addressed.
+"""Uploaded datasets: raw little-endian arrays with dtype and shape, content-addressed, chunked.
 
 The id is the sha256 of the dtype, the shape and the bytes, so the same upload always gives the
-same id and is stored once (`dataset:<id>`), however many tenants upload it. Each tenant sees
-only the datasets it uploaded itself (`tenant:{<t>}:datasets`, id -> the name it gave). The
-bytes are never unpickled: readers rebuild the array with numpy.frombuffer.
+same id and is stored once, however many tenants upload it. The bytes are never unpickled:
+readers rebuild the array with numpy.frombuffer.
 
-The two keys are in different Cluster slots, so an upload stores the array first and then adds
-it to the tenant's datasets. Dying in between leaves an array no tenant sees; the next upload
-of the same content finds it stored and adds the tenant's entry.
+Bounded values. No Redis value is larger than `Settings.dataset_chunk_bytes`: one huge value
+blocks Redis for seconds while it is written, read or freed. An upload writes its chunks as
+they arrive to `upload:{<uid>}` (field `<i>` = chunk i), expiring `upload_idle_seconds` after
+the last write, so an upload that stops midway leaves nothing behind for long. The content
+address is known only at the end, so the record `dataset:{<id>}` points at the upload's chunks
+(`blob` = uid) instead of them being renamed (a RENAME may not cross Cluster slots).
+
+Keys live in four slots, so committing takes these single-slot steps, in an order that is safe
+to die between (readers see a dataset only once `complete` is set and the tenant's entry is
+there):
+
+1. COMMIT on `{<id>}`: when the record is already complete, add the tenant to
+   `dataset:{<id>}:tenants` (this upload's chunks are then dropped); otherwise point the record
+   at this upload (`blob`, no `complete`), returning the upload it replaced. A record left
+   incomplete by a dead upload is taken over this way; its chunks are dropped.
+2. SEAL on `{<uid>}`: check every chunk is there and make them permanent (PERSIST).
+3. COMPLETE on `{<id>}`: if the record still points at this upload, set `complete` and add the
+   tenant's reference. Losing to a concurrent upload of the same bytes answers "retry"
+   (UNAVAILABLE), and the retry finds the content stored.
+4. ADD on `{<t>}`: the tenant's entry (`tenant:{<t>}:datasets`, id -> JSON name, size, time)
+   and its stored bytes (`tenant:{<t>}:dataset_bytes`), refused over the tenant's quota, in
+   which case the reference from step 1 or 3 is released again.
+
+Deleting is the reverse: drop the tenant's entry (`{<t>}`), then its reference (`{<id>}`); the
+last reference takes the record with it and the chunks are unlinked. Dying between steps leaves
+either a reference the tenant no longer lists (uploading and deleting the same bytes again
+clears it) or chunks no record points at; neither is ever read.
 """
 
 from __future__ import annotations
@@ -16,10 +39,17 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Sequence
+import time
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ssdrbm_server.errors import InvalidArgumentError, NotFoundError
+from ssdrbm_server.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from ssdrbm_server.keys import Keys, is_dataset_id
 from ssdrbm_server.store.connection import RedisClient
 
@@ -27,13 +57,76 @@ logger = logging.getLogger(__name__)
 
 # Element size in bytes of each accepted dtype (numpy names; all little-endian).
 ITEM_SIZES = {"float32": 4, "float64": 8, "uint8": 1}
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_IDLE_SECONDS = 600.0
+DEFAULT_TENANT_QUOTA = 2 * 1024 * 1024 * 1024
 
-# KEYS: dataset. ARGV: the dataset's fields as pairs. Content-addressed: stored once, whole.
-_STORE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], unpack(ARGV))
+# KEYS: dataset, its tenants. ARGV: upload id, tenant, then the record's fields as pairs.
+_COMMIT = """
+if redis.call('HGET', KEYS[1], 'complete') == '1' then
+  redis.call('SADD', KEYS[2], ARGV[2])
+  return {'exists', ''}
+end
+local old = redis.call('HGET', KEYS[1], 'blob') or ''
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'blob', ARGV[1], unpack(ARGV, 3))
+return {'pending', old}
+"""
+
+# KEYS: upload. ARGV: number of chunks. All chunks there: keep them for good.
+_SEAL = """
+if redis.call('HLEN', KEYS[1]) ~= tonumber(ARGV[1]) then
+  return 0
+end
+redis.call('PERSIST', KEYS[1])
+return 1
+"""
+
+# KEYS: dataset, its tenants. ARGV: upload id, tenant.
+_COMPLETE = """
+if redis.call('HGET', KEYS[1], 'blob') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'complete', '1')
+redis.call('SADD', KEYS[2], ARGV[2])
+return 1
+"""
+
+# KEYS: tenant datasets, tenant bytes. ARGV: id, entry JSON, size, quota.
+# Returns {1, used} added, {0, used} already there, {-1, used} over the quota.
+_ADD = """
+local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+  return {0, used}
+end
+if used + tonumber(ARGV[3]) > tonumber(ARGV[4]) then
+  return {-1, used}
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('INCRBY', KEYS[2], ARGV[3])
+return {1, used + tonumber(ARGV[3])}
+"""
+
+# KEYS: tenant datasets, tenant bytes. ARGV: id, size. 1 removed, 0 was not there.
+_REMOVE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
+  return 0
+end
+if tonumber(redis.call('DECRBY', KEYS[2], ARGV[2])) < 0 then
+  redis.call('SET', KEYS[2], 0)
 end
 return 1
+"""
+
+# KEYS: dataset, its tenants. ARGV: tenant. Returns the upload id to unlink, '' while referenced.
+_RELEASE = """
+redis.call('SREM', KEYS[2], ARGV[1])
+if redis.call('SCARD', KEYS[2]) > 0 then
+  return ''
+end
+local blob = redis.call('HGET', KEYS[1], 'blob') or ''
+redis.call('DEL', KEYS[1], KEYS[2])
+return blob
 """
 
 
@@ -48,18 +141,24 @@ class DatasetInfo:
     size_bytes: int
     # smallest and largest value, as measured on upload (None for arrays stored without it)
     value_range: tuple[float, float] | None = None
+    created_at: float = 0.0  # when this tenant first stored it (Unix seconds)
 
 
 def dataset_id(shape: Sequence[int], dtype: str, data: bytes) -> str:
     """Content address of an array: sha256 over its dtype, shape and bytes."""
-    digest = hashlib.sha256()
-    digest.update(f"{dtype}:{','.join(str(n) for n in shape)}\n".encode())
+    digest = _content_digest(shape, dtype)
     digest.update(data)
     return digest.hexdigest()
 
 
-def check_array(shape: Sequence[int], dtype: str, size_bytes: int) -> tuple[int, ...]:
-    """Validate dtype and shape against the byte count; returns the shape as a tuple."""
+def _content_digest(shape: Sequence[int], dtype: str) -> hashlib._Hash:
+    digest = hashlib.sha256()
+    digest.update(f"{dtype}:{','.join(str(n) for n in shape)}\n".encode())
+    return digest
+
+
+def check_array(shape: Sequence[int], dtype: str, size_bytes: int | None) -> tuple[int, ...]:
+    """Validate dtype and shape (and, when given, the byte count); returns the shape."""
     if dtype not in ITEM_SIZES:
         raise InvalidArgumentError("dtype", f"must be one of {sorted(ITEM_SIZES)}, not {dtype!r}")
     dims = tuple(int(n) for n in shape)
@@ -70,7 +169,7 @@ def check_array(shape: Sequence[int], dtype: str, size_bytes: int) -> tuple[int,
             f"dimension >= 1, not {list(dims)}",
         )
     expected = math.prod(dims) * ITEM_SIZES[dtype]
-    if expected != size_bytes:
+    if size_bytes is not None and expected != size_bytes:
         raise InvalidArgumentError(
             "data",
             f"shape {list(dims)} of {dtype} needs {expected} bytes but {size_bytes} were sent",
@@ -79,12 +178,44 @@ def check_array(shape: Sequence[int], dtype: str, size_bytes: int) -> tuple[int,
 
 
 class DatasetStore:
-    """Stores and loads uploaded arrays, scoped to the tenant that uploaded them."""
+    """Stores and loads uploaded arrays, scoped to the tenants that uploaded them."""
 
-    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
+    def __init__(
+        self,
+        redis: RedisClient,
+        *,
+        keys: Keys | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        idle_seconds: float = DEFAULT_IDLE_SECONDS,
+        tenant_quota: int = DEFAULT_TENANT_QUOTA,
+    ) -> None:
         self.redis = redis
         self.keys = keys or Keys()
-        self._store = redis.register_script(_STORE)
+        self.chunk_bytes = chunk_bytes
+        self.idle_ms = max(1, int(idle_seconds * 1000))
+        self.tenant_quota = tenant_quota
+        self._commit = redis.register_script(_COMMIT)
+        self._seal = redis.register_script(_SEAL)
+        self._complete = redis.register_script(_COMPLETE)
+        self._add = redis.register_script(_ADD)
+        self._remove = redis.register_script(_REMOVE)
+        self._release = redis.register_script(_RELEASE)
+
+    def begin(
+        self,
+        tenant: str,
+        *,
+        shape: Sequence[int],
+        dtype: str,
+        name: str,
+        on_chunk: Callable[[bytes], None] | None = None,
+    ) -> Upload:
+        """An upload to feed with `write` and finish with `commit` (or `abort`)."""
+        dims = check_array(shape, dtype, None)
+        size = math.prod(dims) * ITEM_SIZES[dtype]
+        if size > self.tenant_quota:
+            raise _over_quota(size, 0, self.tenant_quota)
+        return Upload(self, tenant, dims, dtype, name, on_chunk)
 
     async def put(
         self,
@@ -96,26 +227,19 @@ class DatasetStore:
         data: bytes,
         value_range: tuple[float, float] | None = None,
     ) -> tuple[DatasetInfo, bool]:
-        """Store an array (once per content); returns (info, created for this tenant)."""
-        dims = check_array(shape, dtype, len(data))
-        new_id = dataset_id(dims, dtype, data)
-        fields: dict[str, str | bytes | int] = {
-            "shape": json.dumps(list(dims)),
-            "dtype": dtype,
-            "size_bytes": len(data),
-            "data": data,
-        }
-        if value_range is not None:
-            fields["value_range"] = json.dumps(list(value_range))
-        args: list[str | bytes | int] = []
-        for field, value in fields.items():
-            args += [field, value]
-        await self._store(keys=[self.keys.dataset(new_id)], args=args)
-        # Only after the array is stored: a tenant never sees a dataset that is not there.
-        added = await self.redis.hsetnx(self.keys.tenant_datasets(tenant), new_id, name)
-        if added:
-            logger.info("dataset %s %s %s stored for tenant %s", new_id, dtype, dims, tenant)
-        return await self.info(tenant, new_id), bool(added)
+        """Store a whole array at once (tests, small arrays); see `begin` for streaming."""
+        check_array(shape, dtype, len(data))
+        upload = self.begin(tenant, shape=shape, dtype=dtype, name=name)
+        try:
+            await upload.write(data)
+            return await upload.commit(value_range)
+        except BaseException:
+            await upload.abort()
+            raise
+
+    async def used_bytes(self, tenant: str) -> int:
+        """Bytes of the tenant's stored datasets (what the quota counts)."""
+        return int(await self.redis.get(self.keys.tenant_dataset_bytes(tenant)) or 0)
 
     async def info(self, tenant: str, dataset_id: str) -> DatasetInfo:
         """Shape, dtype, name and size; NotFoundError when the tenant has no such dataset."""
@@ -123,28 +247,251 @@ class DatasetStore:
             raise _not_found(dataset_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hget(self.keys.tenant_datasets(tenant), dataset_id)
-            pipe.hmget(
-                self.keys.dataset(dataset_id), ["shape", "dtype", "size_bytes", "value_range"]
-            )
-            name, (shape, dtype, size_bytes, value_range) = await pipe.execute()
-        if name is None or shape is None:
+            pipe.hmget(self.keys.dataset(dataset_id), _RECORD_FIELDS)
+            entry, record = await pipe.execute()
+        info = _info(dataset_id, entry, record)
+        if info is None:
             raise _not_found(dataset_id)
-        return DatasetInfo(
-            id=dataset_id,
-            shape=tuple(json.loads(shape)),
-            dtype=dtype.decode(),
-            name=name.decode(),
-            size_bytes=int(size_bytes),
-            value_range=tuple(json.loads(value_range)) if value_range else None,
-        )
+        return info
 
     async def load(self, tenant: str, dataset_id: str) -> tuple[DatasetInfo, bytes]:
-        """Info and raw bytes of a dataset the tenant uploaded."""
+        """Info and raw bytes of a dataset the tenant uploaded, read one chunk at a time (a
+        pipeline of them all would hold Redis as long as one huge value)."""
         info = await self.info(tenant, dataset_id)
-        data = await self.redis.hget(self.keys.dataset(dataset_id), "data")
-        if data is None:
+        blob, chunks = await self.redis.hmget(self.keys.dataset(dataset_id), ["blob", "chunks"])
+        if blob is None or chunks is None:
+            raise _not_found(dataset_id)
+        upload_key = self.keys.upload(blob.decode())
+        parts: list[bytes] = []
+        for index in range(int(chunks)):
+            part = await self.redis.hget(upload_key, str(index))
+            if part is None:
+                raise _not_found(dataset_id)
+            parts.append(part)
+        data = b"".join(parts)
+        if len(data) != info.size_bytes:
             raise _not_found(dataset_id)
         return info, data
+
+    async def list(
+        self, tenant: str, *, page_size: int, page_token: str
+    ) -> tuple[list[DatasetInfo], str]:
+        """One page of the tenant's datasets ordered by id, and the next page's token ("" at
+        the end): the token is the last id returned, so paging survives deletions."""
+        if page_token and not is_dataset_id(page_token):
+            raise InvalidArgumentError("page_token", "is not a token from ListDatasets")
+        entries = await self.redis.hgetall(self.keys.tenant_datasets(tenant))
+        ids = sorted(key.decode() for key in entries)
+        ids = [i for i in ids if i > page_token][: page_size + 1]
+        page_ids, more = ids[:page_size], len(ids) > page_size
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for item in page_ids:
+                pipe.hmget(self.keys.dataset(item), _RECORD_FIELDS)
+            records = await pipe.execute() if page_ids else []
+        page = []
+        for item, record in zip(page_ids, records, strict=True):
+            info = _info(item, entries[item.encode()], record)
+            if info is not None:
+                page.append(info)
+        return page, (page_ids[-1] if more else "")
+
+    async def delete(self, tenant: str, dataset_id: str) -> DatasetInfo:
+        """Drop the tenant's dataset; its bytes go once no tenant references them."""
+        info = await self.info(tenant, dataset_id)
+        await self._remove(
+            keys=[self.keys.tenant_datasets(tenant), self.keys.tenant_dataset_bytes(tenant)],
+            args=[dataset_id, info.size_bytes],
+        )
+        await self._drop_reference(tenant, dataset_id)
+        logger.info("dataset %s deleted for tenant %s", dataset_id, tenant)
+        return info
+
+    async def _drop_reference(self, tenant: str, dataset_id: str) -> None:
+        blob = await self._release(
+            keys=[self.keys.dataset(dataset_id), self.keys.dataset_tenants(dataset_id)],
+            args=[tenant],
+        )
+        if blob:
+            # UNLINK: the chunks are freed off Redis's main thread.
+            await self.redis.unlink(self.keys.upload(blob.decode()))
+            logger.info("dataset %s: no tenant references it; its bytes were removed", dataset_id)
+
+
+_RECORD_FIELDS = ["shape", "dtype", "size_bytes", "value_range", "complete"]
+
+
+def _info(dataset_id: str, entry: bytes | None, record: list[bytes | None]) -> DatasetInfo | None:
+    """The info from a tenant's entry and the dataset's record; None unless both are there and
+    the upload completed."""
+    shape, dtype, size_bytes, value_range, complete = record
+    if entry is None or shape is None or complete != b"1":
+        return None
+    details = _entry(entry)
+    return DatasetInfo(
+        id=dataset_id,
+        shape=tuple(json.loads(shape)),
+        dtype=dtype.decode(),
+        name=str(details.get("name", "")),
+        size_bytes=int(size_bytes),
+        value_range=tuple(json.loads(value_range)) if value_range else None,
+        created_at=float(details.get("created_at", 0.0)),
+    )
+
+
+def _entry(raw: bytes) -> dict[str, object]:
+    """A tenant's entry: JSON, or (stored before chunking) the bare name."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    return value if isinstance(value, dict) else {"name": raw.decode(errors="replace")}
+
+
+class Upload:
+    """One upload in progress: chunks are written to Redis as they fill, the content address
+    is computed on the way, and nothing is visible until `commit`."""
+
+    def __init__(
+        self,
+        store: DatasetStore,
+        tenant: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        name: str,
+        on_chunk: Callable[[bytes], None] | None,
+    ) -> None:
+        self.store = store
+        self.tenant = tenant
+        self.shape = shape
+        self.dtype = dtype
+        self.name = name
+        self.size_bytes = math.prod(shape) * ITEM_SIZES[dtype]
+        self.upload_id = uuid.uuid4().hex
+        self.received = 0
+        self._on_chunk = on_chunk
+        self._digest = _content_digest(shape, dtype)
+        self._buffer = bytearray()
+        self._chunks = 0
+        self._key = store.keys.upload(self.upload_id)
+        self._created = False
+        # Set before the chunks are made permanent: from then on they may be the stored
+        # content, and only the commit steps may remove them.
+        self._kept = False
+
+    async def write(self, data: bytes) -> None:
+        """Append bytes; every full chunk goes to Redis at once."""
+        self.received += len(data)
+        if self.received > self.size_bytes:
+            raise InvalidArgumentError(
+                "chunk",
+                f"received more than the {self.size_bytes} bytes that the shape and dtype describe",
+            )
+        self._buffer += data
+        size = self.store.chunk_bytes
+        while len(self._buffer) >= size:
+            chunk = bytes(self._buffer[:size])
+            del self._buffer[:size]
+            await self._flush(chunk)
+
+    async def _flush(self, chunk: bytes) -> None:
+        if self._on_chunk is not None:
+            self._on_chunk(chunk)
+        self._digest.update(chunk)
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self._key, str(self._chunks), chunk)
+            # Refreshed with every chunk: a slow upload keeps its earlier chunks.
+            pipe.pexpire(self._key, self.store.idle_ms)
+            await pipe.execute()
+        self._chunks += 1
+
+    async def finish(self) -> None:
+        """Check every byte arrived and write the last, partial, chunk (so `on_chunk` has seen
+        all the bytes); `commit` calls it too."""
+        if self.received != self.size_bytes:
+            raise InvalidArgumentError(
+                "chunk",
+                f"received {self.received} bytes, but the shape and dtype need {self.size_bytes}",
+            )
+        if self._buffer:
+            await self._flush(bytes(self._buffer))
+            self._buffer.clear()
+
+    async def commit(
+        self, value_range: tuple[float, float] | None = None
+    ) -> tuple[DatasetInfo, bool]:
+        """Make the upload visible to its tenant; returns (info, created for this tenant)."""
+        await self.finish()
+        new_id = self._digest.hexdigest()
+        store, keys = self.store, self.store.keys
+        dataset_keys = [keys.dataset(new_id), keys.dataset_tenants(new_id)]
+        outcome, replaced = await store._commit(
+            keys=dataset_keys, args=[self.upload_id, self.tenant, *self._record(value_range)]
+        )
+        if outcome == b"exists":
+            await self.abort()  # the same bytes are stored already
+        else:
+            if replaced and replaced.decode() != self.upload_id:
+                await store.redis.unlink(keys.upload(replaced.decode()))
+            await self._seal_and_complete(new_id, dataset_keys)
+        await self._add_for_tenant(new_id)
+        return await store.info(self.tenant, new_id), self._created
+
+    def _record(self, value_range: tuple[float, float] | None) -> list[str | int]:
+        fields: list[str | int] = [
+            "shape",
+            json.dumps(list(self.shape)),
+            "dtype",
+            self.dtype,
+            "size_bytes",
+            self.size_bytes,
+            "chunks",
+            self._chunks,
+        ]
+        if value_range is not None:
+            fields += ["value_range", json.dumps(list(value_range))]
+        return fields
+
+    async def _seal_and_complete(self, new_id: str, dataset_keys: list[str]) -> None:
+        store = self.store
+        self._kept = True
+        sealed = await store._seal(keys=[self._key], args=[self._chunks])
+        completed = sealed and await store._complete(
+            keys=dataset_keys, args=[self.upload_id, self.tenant]
+        )
+        if not completed:
+            await store.redis.unlink(self._key)
+            raise UnavailableError(
+                f"a concurrent upload of the same content (dataset {new_id}) took over while "
+                "this one was being stored; retry the upload, it will find the content stored"
+            )
+        logger.info("dataset %s %s %s stored", new_id, self.dtype, self.shape)
+
+    async def _add_for_tenant(self, new_id: str) -> None:
+        store, keys = self.store, self.store.keys
+        entry = json.dumps({"name": self.name, "created_at": time.time()})
+        code, used = await store._add(
+            keys=[keys.tenant_datasets(self.tenant), keys.tenant_dataset_bytes(self.tenant)],
+            args=[new_id, entry, self.size_bytes, store.tenant_quota],
+        )
+        if int(code) < 0:
+            await store._drop_reference(self.tenant, new_id)
+            raise _over_quota(self.size_bytes, int(used), store.tenant_quota)
+        self._created = int(code) == 1
+        if self._created:
+            logger.info("dataset %s added for tenant %s", new_id, self.tenant)
+
+    async def abort(self) -> None:
+        """Drop this upload's chunks, unless they may already be the stored content."""
+        if not self._kept:
+            await self.store.redis.unlink(self._key)
+
+
+def _over_quota(size: int, used: int, quota: int) -> ResourceExhaustedError:
+    return ResourceExhaustedError(
+        f"this dataset ({size} bytes) would take the tenant's stored datasets to {used + size} "
+        f"bytes, over max_dataset_bytes_per_tenant ({quota}, SSDRBM_MAX_DATASET_BYTES_PER_TENANT); "
+        "delete datasets you no longer need (ssdrbm delete-dataset ID) or upload a smaller subset"
+    )
 
 
 def _not_found(dataset_id: str) -> NotFoundError:

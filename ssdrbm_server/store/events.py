@@ -100,9 +100,14 @@ def token_order(token: str) -> tuple[int, int]:
 class EventStore:
     """Reads a job's event stream (replay from a token, or follow it live)."""
 
-    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
+    def __init__(
+        self, redis: RedisClient, *, keys: Keys | None = None, blocking: RedisClient | None = None
+    ) -> None:
         self.redis = redis
         self.keys = keys or Keys()
+        # Blocking reads hold a connection for up to a second each: with their own pool (sized
+        # to the stream limit) they cannot use up the connections of ordinary calls.
+        self.blocking = blocking if blocking is not None else redis
 
     async def read(
         self, job_id: str, *, after: str, count: int, block_ms: int | None
@@ -117,7 +122,8 @@ class EventStore:
         if count < 1:
             raise InvalidArgumentError("count", "must be at least 1")
         block = min(block_ms, MAX_BLOCK_MS) if block_ms and block_ms > 0 else None
-        reply = await self.redis.xread({self.keys.events(job_id): start}, count=count, block=block)
+        client = self.blocking if block is not None else self.redis
+        reply = await client.xread({self.keys.events(job_id): start}, count=count, block=block)
         events: list[tuple[str, str, bytes]] = []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
