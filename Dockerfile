@@ -8,6 +8,13 @@
 # `python -m ssdrbm_server` runs the gRPC server with a worker (SSDRBM_RUN_WORKER=0 for API only);
 # `python -m ssdrbm_server.worker` runs a worker alone. Configuration: SSDRBM_* environment variables
 # (ssdrbm_server/config.py). Real datasets are read from SSDRBM_DATA_DIR (mount them at /data).
+#
+# A container is only reachable on 0.0.0.0, so the image listens there, and the server then
+# refuses to start until it is told who may call it: SSDRBM_AUTH_MODE=token with
+# SSDRBM_AUTH_TOKENS_FILE (and SSDRBM_TLS_CERT_FILE / SSDRBM_TLS_KEY_FILE, or
+# SSDRBM_ALLOW_PLAINTEXT_TOKENS=1 behind a TLS-terminating proxy), or
+# SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE=1 when only trusted machines reach the published ports
+# (docker-compose.yml publishes them on the host's loopback and sets it).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
@@ -20,6 +27,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SSDRBM_LISTEN_ADDRESS=0.0.0.0:50051 \
+    SSDRBM_METRICS_ADDRESS=0.0.0.0 \
     SSDRBM_METRICS_PORT=9108 \
     SSDRBM_DATA_DIR=/data
 

@@ -16,6 +16,7 @@ import sys
 from ssdrbm_server.app import serve
 from ssdrbm_server.config import ConfigError, Settings
 from ssdrbm_server.cpus import pin_this_process
+from ssdrbm_server.exposure import check_exposure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides["listen_address"] = args.listen
     try:
         settings = Settings.from_env(**overrides)
+        check_exposure(settings)  # refused here with exit code 2, before anything starts
     except ConfigError as exc:
         print(f"ssdrbm server: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ from ssdrbm_server.allocator import keep_freed_memory
 from ssdrbm_server.auth import AuthInterceptor
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import ErrorMappingInterceptor
+from ssdrbm_server.exposure import check_exposure, keep_warning
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.metrics import LatencyInterceptor, ServiceMetrics, refresh_job_gauges
 from ssdrbm_server.readiness import follow_redis
@@ -55,6 +56,7 @@ class Service:
         metrics: ServiceMetrics | None = None,
     ) -> None:
         settings.check()  # also when built in code rather than by Settings.from_env
+        check_exposure(settings)  # loopback unless auth (or an explicit setting) says otherwise
         self.settings = settings
         self._owns_redis = redis is None
         self.redis = (
@@ -207,6 +209,7 @@ async def serve(
             loop.add_signal_handler(signum, stop.set)
     keep_freed_memory()  # large request buffers are reused, not faulted in again each time
     service, _port = await create_server(settings)
+    warning = asyncio.create_task(keep_warning(settings))  # exposure, repeated each minute
     if settings.metrics_port:
         metrics_port = service.metrics.start_http(settings.metrics_port, settings.metrics_address)
         logger.info(
@@ -230,6 +233,7 @@ async def serve(
         stopping.append(_stop_worker(worker, worker_task))
     await asyncio.gather(*stopping, return_exceptions=True)
     waiters[0].cancel()
+    warning.cancel()
     service.metrics.stop_http()
     if worker_failed:
         # A process without its worker would accept jobs it never runs: fail loudly instead.

@@ -26,9 +26,11 @@ class Settings:
     """Everything the server and its in-process worker need; see ``from_env``."""
 
     # Network
-    listen_address: str = "0.0.0.0:50051"  # host:port for gRPC; port 0 picks a free port
+    # host:port for gRPC; port 0 picks a free port. Loopback unless told otherwise: another
+    # address needs tokens or SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE (ssdrbm_server/exposure.py)
+    listen_address: str = "127.0.0.1:50051"
     metrics_port: int = 9108  # Prometheus /metrics over HTTP; 0 disables the endpoint
-    metrics_address: str = "0.0.0.0"
+    metrics_address: str = "127.0.0.1"
 
     # Storage
     redis_url: str = "redis://127.0.0.1:6379/0"  # redis:// or rediss:// (TLS), may hold a password
@@ -102,6 +104,13 @@ class Settings:
     auth_mode: str = "none"
     auth_tokens_file: str = ""  # lines "token tenant" (or JSON {"token": "tenant"})
     auth_tokens: str = ""  # inline "token1=tenant1,token2=tenant2", for tests and small setups
+    # A non-loopback listen or metrics address with auth_mode "none" is refused at start unless
+    # this is set (only trusted machines can reach it, e.g. ports published on the host's
+    # loopback); then logged as a WARNING at start and every minute (ssdrbm_server/exposure.py)
+    allow_unauthenticated_remote: bool = False
+    # Tokens over plaintext on a non-loopback address are refused unless this is set (a proxy in
+    # front terminates TLS): anyone on the path could read them
+    allow_plaintext_tokens: bool = False
 
     # TLS for the gRPC listener; empty = plaintext
     tls_cert_file: str = ""

@@ -1,6 +1,7 @@
 """Deployment files and the process entry points.
 
-- docker-compose.yml: Redis with AOF and a health check, the gRPC port published, workers.
+- docker-compose.yml: Redis with AOF and a health check, the gRPC port published on the host's
+  loopback only (auth is off there), workers; the image alone refuses to serve without auth.
 - Dockerfile: installs the same packages as scripts/install, torch at the pinned version.
 - ``python -m ssdrbm_server``: starts, reports SERVING to
   ``python -m ssdrbm_server.healthcheck``, serves Prometheus metrics, and on SIGTERM shuts down
@@ -22,6 +23,8 @@ import pytest
 import yaml
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
+from ssdrbm_server.config import ConfigError, Settings
+from ssdrbm_server.exposure import check_exposure
 from ssdrbm_server.healthcheck import check
 from tests.fixtures.redis import free_port
 from tests.fixtures.server_process import ROOT, python_m_server, stop_gracefully, wait_until
@@ -62,7 +65,7 @@ def test_compose_runs_redis_with_aof_and_health_checks() -> None:
 def test_compose_publishes_grpc_and_checks_its_health() -> None:
     services = compose()["services"]
     api = services["ssdrbm"]
-    assert "50051:50051" in api["ports"]
+    assert "127.0.0.1:50051:50051" in api["ports"]
     assert api["command"] == ["python", "-m", "ssdrbm_server"]
     assert "ssdrbm_server.healthcheck" in api["healthcheck"]["test"]
     assert api["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -71,6 +74,44 @@ def test_compose_publishes_grpc_and_checks_its_health() -> None:
     assert worker["deploy"]["replicas"] >= 1
     for service in (api, worker):
         assert service["environment"]["SSDRBM_REDIS_URL"] == "redis://redis:6379/0"
+
+
+def image_environment() -> dict[str, str]:
+    """The SSDRBM_* variables the Dockerfile's ENV sets."""
+    env_lines = re.findall(r"^ENV (.*)$", dockerfile(), re.MULTILINE)
+    return dict(re.findall(r"(SSDRBM_\w+)=(\S+)", " ".join(env_lines)))
+
+
+def test_compose_publishes_without_auth_on_the_host_loopback_only() -> None:
+    """Auth is off in the development stack: every published port is bound to 127.0.0.1, and
+    the server is told explicitly that it may listen on 0.0.0.0 inside its container."""
+    api = compose()["services"]["ssdrbm"]
+    environment = api["environment"]
+    assert environment.get("SSDRBM_AUTH_MODE", "none") == "none"
+    assert environment["SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE"] == "1"
+    for port in api["ports"]:
+        assert port.startswith("127.0.0.1:"), f"{port} is published on every host address"
+    settings = Settings.from_env({**image_environment(), **environment})
+    check_exposure(settings)  # starts as composed
+
+
+def test_image_alone_refuses_to_serve_unauthenticated_on_every_address() -> None:
+    image = image_environment()
+    assert image["SSDRBM_LISTEN_ADDRESS"].startswith("0.0.0.0:")  # reachable in a container
+    with pytest.raises(ConfigError, match="SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE"):
+        check_exposure(Settings.from_env(image))
+    tokens = {**image, "SSDRBM_AUTH_MODE": "token", "SSDRBM_AUTH_TOKENS": "t=alice"}
+    with pytest.raises(ConfigError, match="SSDRBM_TLS_CERT_FILE"):
+        check_exposure(Settings.from_env(tokens))  # tokens, but in plaintext
+    check_exposure(Settings.from_env({**tokens, "SSDRBM_ALLOW_PLAINTEXT_TOKENS": "1"}))
+
+
+def test_python_m_server_refuses_a_remote_address_without_auth(redis_url: str) -> None:
+    with python_m_server(redis_url, free_port(), listen_address="0.0.0.0:0") as process:
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode == 2, output
+    assert "SSDRBM_LISTEN_ADDRESS=0.0.0.0:0 is not a loopback address" in output
+    assert "SSDRBM_AUTH_MODE=token" in output and "SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE=1" in output
 
 
 def test_compose_commands_name_modules_that_exist() -> None:
