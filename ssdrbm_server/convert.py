@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 from ssdrbm.v1 import rbm_pb2
@@ -33,6 +35,16 @@ def _timestamp(seconds: float | None) -> Timestamp | None:
     return stamp
 
 
+def worker_label(worker_id: str) -> str:
+    """What tenants see of the worker that ran a job: a stable opaque label ("w-" and 8 hex
+    digits of the id's sha256; "" for none). The id holds the host name and process id, which
+    tell tenants about the deployment; records and logs keep it, and an operator matches the
+    two by hashing the id."""
+    if not worker_id:
+        return ""
+    return "w-" + hashlib.sha256(worker_id.encode()).hexdigest()[:8]
+
+
 def job_to_proto(record: JobRecord) -> rbm_pb2.Job:
     """The wire Job for a stored record."""
     job = rbm_pb2.Job(
@@ -44,7 +56,7 @@ def job_to_proto(record: JobRecord) -> rbm_pb2.Job:
         attempt=record.attempt,
         error=record.error,
         checkpoint_step=record.checkpoint_step,
-        worker=record.worker,
+        worker=worker_label(record.worker),
         created_at=_timestamp(record.created_at),
         started_at=_timestamp(record.started_at),
         finished_at=_timestamp(record.finished_at),

@@ -55,6 +55,11 @@ MAX_AIS_CHAINS = 100_000
 MAX_AIS_BETAS = 1_000_000
 MAX_REQUEST_ID_LENGTH = 128
 MAX_BACKOFFS = 100
+# The trainer seeds its estimator with seed + an offset, and torch takes seeds below 2^64, so
+# seeds from 2^64 - 0x5EED fail in the training process (measured: "Overflow when unpacking long
+# long"). The contract is the signed 64-bit range: every client language can hold it, and it
+# stays valid if the offset changes.
+MAX_SEED = 2**63 - 1
 DEFAULT_DATASET = "synthetic"  # the paper's generator: needs no files, so it is always there
 INTEGER_DTYPES = frozenset({"uint8"})  # uploads that hold pixel intensities, not probabilities
 
@@ -306,6 +311,10 @@ def _resolve_training(training: pb.TrainingSpec, settings: Settings) -> None:
     if training.steps > settings.max_total_steps:
         raise InvalidArgumentError(
             "training.steps", f"must be at most {settings.max_total_steps}, got {training.steps}"
+        )
+    if training.seed > MAX_SEED:
+        raise InvalidArgumentError(
+            "training.seed", f"must be between 0 and {MAX_SEED} (2^63 - 1), got {training.seed}"
         )
     if training.checkpoint_every == 0:
         training.checkpoint_every = settings.default_checkpoint_every

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
+from ssdrbm_server.store.page_tokens import encode_page_token
 from tests.fixtures.jobs import N_VISIBLE, finish_with_checkpoint, tiny_request
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.service import RunningService, make_settings
@@ -275,6 +276,9 @@ START_CASES = {
     "backoffs huge": (start(**{"training.max_backoffs": U32}), INVALID, "training.max_backoffs"),
     "both steps and epochs": (start(**{"training.epochs": 3}), INVALID, "training.steps"),
     "steps huge": (start(**{"training.steps": U64}), INVALID, "training.steps"),
+    "seed largest": (start(**{"training.seed": I64}), OK, ""),
+    "seed past int64": (start(**{"training.seed": I64 + 1}), INVALID, "training.seed"),
+    "seed huge": (start(**{"training.seed": U64}), INVALID, "training.seed"),
     "epochs huge": (
         start(**{"training.steps": 0, "training.epochs": U32}),
         INVALID,
@@ -451,7 +455,13 @@ JOB_CASES |= {
     "ListJobs token negative": (listing(page_token="-1"), INVALID, "page_token"),
     "ListJobs token oversized": (listing(page_token="9" * 100_000), INVALID, "page_token"),
     "ListJobs token unicode": (listing(page_token="١٢٣"), INVALID, "page_token"),
-    "ListJobs token far away": (listing(page_token="9" * 18), OK, ""),
+    "ListJobs token a bare position": (listing(page_token="9" * 18), INVALID, "page_token"),
+    "ListJobs token of another tenant": (
+        listing(page_token=encode_page_token("someone-else", 5)),
+        INVALID,
+        "page_token",
+    ),
+    "ListJobs token far away": (listing(page_token=encode_page_token("default", 10**17)), OK, ""),
     "StreamMetrics token garbage": (stream(after="garbage"), INVALID, "after"),
     "StreamMetrics token overflow": (stream(after=f"{U64 + 1}-0"), INVALID, "after"),
     "StreamMetrics token three parts": (stream(after="1-2-3"), INVALID, "after"),

@@ -27,6 +27,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
+from ssdrbm_server.convert import worker_label
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.servicer import RBMServicer, Stores
 from ssdrbm_server.store import (
@@ -232,7 +233,8 @@ def test_stalled_worker_cannot_overwrite_the_job_after_a_takeover(
     slow_log = tmp_path / "slow.log"
     slow = start_worker(redis_url, "slow", slow_log)
     workers.append(slow)
-    wait_for_job(stub, job.id, lambda j: j.checkpoint_step >= 50 and j.worker == "slow")
+    slow_label = worker_label("slow")  # clients see a label, not the worker's id
+    wait_for_job(stub, job.id, lambda j: j.checkpoint_step >= 50 and j.worker == slow_label)
     stale_trainers = trainers_of(slow.pid)
     assert len(stale_trainers) == 1, "expected the worker's training process"
     frozen = [slow.pid, *children_of(slow.pid)]  # with its helper processes
@@ -251,7 +253,8 @@ def test_stalled_worker_cannot_overwrite_the_job_after_a_takeover(
     assert metric_steps(follower.events) == list(range(every, total + 1, every))
     assert final_state(follower.events) == rbm_pb2.JOB_STATE_SUCCEEDED
     finished = stub.GetJob(rbm_pb2.GetJobRequest(job_id=job.id))
-    assert finished.state == rbm_pb2.JOB_STATE_SUCCEEDED and finished.worker == "eager"
+    assert finished.state == rbm_pb2.JOB_STATE_SUCCEEDED
+    assert finished.worker == worker_label("eager")
     assert finished.attempt == 2 and finished.checkpoint_step == total
 
     # Nothing of attempt 1 was written after attempt 2 began.

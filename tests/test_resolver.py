@@ -21,6 +21,7 @@ from ssdrbm_server.errors import (
     ResourceExhaustedError,
 )
 from ssdrbm_server.resolver import (
+    MAX_SEED,
     ResolvedJob,
     first_difference,
     model_bytes,
@@ -262,6 +263,8 @@ def bad(**changes: object) -> pb.StartTrainingRequest:
         ({"training.batch_size": 10**6}, "training.batch_size"),
         ({"training.batch_size": 4600}, "training.batch_size"),  # more than the training split
         ({"training.steps": 10**12}, "training.steps"),
+        ({"training.seed": 2**63}, "training.seed"),  # past the signed 64-bit range
+        ({"training.seed": 2**64 - 1}, "training.seed"),  # torch would fail at run time
         ({"eval.validation_fraction": 1.0}, "eval.validation_fraction"),
         ({"eval.validation_fraction": -0.5}, "eval.validation_fraction"),
         ({"eval.validation_fraction": 1e-9}, "eval.validation_fraction"),  # no example held out
@@ -290,6 +293,13 @@ def test_bad_dataset_options_are_named(options: dict[str, str], field: str) -> N
     req = request()
     req.dataset.builtin.options.update(options)
     assert field_of(req) == field
+
+
+def test_seeds_up_to_the_signed_64_bit_limit_are_accepted() -> None:
+    assert validate(bad(**{"training.seed": MAX_SEED})).spec.training.seed == 2**63 - 1
+    with pytest.raises(InvalidArgumentError) as caught:
+        validate(bad(**{"training.seed": 2**63}))
+    assert "between 0 and 9223372036854775807 (2^63 - 1)" in caught.value.message
 
 
 def test_an_unset_dataset_is_the_synthetic_one() -> None:

@@ -43,6 +43,7 @@ from ssdrbm_server.keys import Keys, is_job_id
 from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.events import event_values, state_event_fields, xadd_event
 from ssdrbm_server.store.indexes import JobIndex
+from ssdrbm_server.store.page_tokens import decode_page_token, encode_page_token
 from ssdrbm_server.store.records import JobRecord, JobState, new_job_fields, record_from_hash
 
 logger = logging.getLogger(__name__)
@@ -150,17 +151,6 @@ def new_job_id() -> str:
 
 def _not_found(job_id: str) -> NotFoundError:
     return NotFoundError(f"job {job_id[:64]!r} not found; check the id (ListJobs shows your jobs)")
-
-
-def _parse_page_token(page_token: str) -> int | None:
-    """The listing position to continue below, or None for the first page."""
-    if page_token == "":
-        return None
-    if not (page_token.isascii() and page_token.isdigit()) or len(page_token) > 18:
-        raise InvalidArgumentError(
-            "page_token", "not a token from ListJobs; pass next_page_token unchanged or leave empty"
-        )
-    return int(page_token)
 
 
 class JobStore:
@@ -318,7 +308,7 @@ class JobStore:
         the end). With `state`, only jobs in that state."""
         if page_size < 1:
             raise InvalidArgumentError("page_size", "must be at least 1")
-        below = _parse_page_token(page_token)
+        below = decode_page_token(tenant, page_token)
         listing = self.keys.tenant_jobs(tenant)
         page: list[JobRecord] = []
         while len(page) < page_size:
@@ -340,7 +330,7 @@ class JobStore:
             if len(ids) < batch and len(page) < page_size:
                 return page, ""
         more = await self.redis.zrevrangebyscore(listing, f"({below}", "-inf", start=0, num=1)
-        return page, (str(below) if more else "")
+        return page, (encode_page_token(tenant, below) if more else "")
 
     async def _load_many(self, job_ids: list[str]) -> list[JobRecord | None]:
         async with self.redis.pipeline(transaction=False) as pipe:
