@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import re
 import socket
 import struct
@@ -457,6 +458,58 @@ def test_calls_wait_out_a_service_that_is_still_starting(service_factory) -> Non
             assert [j.id for j in client.list_jobs()] == [job.id]  # created exactly once
     finally:
         starter.join()
+
+
+class _RetryWatch(logging.Handler):
+    """Sets ``retrying`` when the SDK logs that it will send a call again."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.retrying = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("retrying"):
+            self.retrying.set()
+
+
+def test_the_default_retry_window_outlasts_a_restart(service_factory, monkeypatch) -> None:
+    """The service stops and comes back on the same port while a call is being retried: the
+    call succeeds, once. SSDRBM_RETRY_S sets the default window (the default is 30 s)."""
+    assert RetryPolicy().max_wait_s >= 30  # longer than a measured API restart (16-21 s)
+    monkeypatch.setenv("SSDRBM_RETRY_S", "60")
+    assert RetryPolicy().max_wait_s == 60
+    port = free_port()
+    first = service_factory(listen_address=f"127.0.0.1:{port}", run_worker=False)
+    watch = _RetryWatch()
+    retry_logger = logging.getLogger("ssdrbm.retry")
+    retry_logger.addHandler(watch)
+    previous_level = retry_logger.level
+    retry_logger.setLevel(logging.DEBUG)
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            assert list(client.list_jobs()) == []
+            first.stop()
+            result: dict = {}
+            call = threading.Thread(
+                target=lambda: result.update(job=client.start_training(**small_job()))
+            )
+            call.start()
+            assert watch.retrying.wait(30), "the call was not retried"
+            service_factory(listen_address=f"127.0.0.1:{port}", run_worker=False)
+            call.join(90)
+            assert "job" in result, "the call did not succeed after the restart"
+            assert [j.id for j in client.list_jobs()] == [result["job"].id]  # created once
+    finally:
+        retry_logger.removeHandler(watch)
+        retry_logger.setLevel(previous_level)
+
+
+def test_a_bad_retry_window_names_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv("SSDRBM_RETRY_S", "soon")
+    with pytest.raises(ValueError, match="SSDRBM_RETRY_S"):
+        RetryPolicy()
+    monkeypatch.setenv("SSDRBM_RETRY_S", "0")
+    assert list(RetryPolicy().delays()) == []  # 0: a single attempt
 
 
 def test_readme_sdk_example_runs_as_written(service, monkeypatch, tmp_path: Path) -> None:

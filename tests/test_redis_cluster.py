@@ -232,3 +232,30 @@ def test_the_whole_service_runs_a_job_on_the_cluster(redis_cluster_url: str) -> 
         assert steps == [10, 20, 30, 40]
         features = client.sample_hidden(job.id, np.zeros((3, 100), dtype=np.float32))
         assert features.shape == (3, 4)
+
+
+def test_chunked_datasets_on_a_cluster(redis_cluster_url: str) -> None:
+    keys = Keys()
+
+    async def scenario(redis: RedisCluster) -> None:
+        datasets = DatasetStore(redis, chunk_bytes=64)
+        array = np.random.default_rng(0).random((40, 10), dtype=np.float32)
+        info, created = await datasets.put(
+            "t1", shape=(40, 10), dtype="float32", name="x", data=array.tobytes()
+        )
+        theirs, created_theirs = await datasets.put(
+            "t2", shape=(40, 10), dtype="float32", name="y", data=array.tobytes()
+        )
+        assert created and created_theirs and theirs.id == info.id
+        slots = {
+            key_slot(k.encode()) for k in (keys.dataset(info.id), keys.dataset_tenants(info.id))
+        }
+        assert len(slots) == 1
+        assert (await datasets.load("t1", info.id))[1] == array.tobytes()
+        page, _ = await datasets.list("t2", page_size=5, page_token="")
+        assert [d.name for d in page] == ["y"]
+        await datasets.delete("t1", info.id)
+        await datasets.delete("t2", info.id)
+        assert await redis.exists(keys.dataset(info.id)) == 0
+
+    run_on_cluster(redis_cluster_url, scenario)

@@ -618,3 +618,44 @@ def test_a_late_index_step_cannot_undo_a_newer_state(redis_url: str) -> None:
         assert await queue.length() == 1  # the submit's entry only
 
     run(redis_url, scenario)
+
+
+def test_chunked_uploads_commit_once_and_a_dead_upload_stays_invisible(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        keys = Keys()
+        datasets = DatasetStore(redis, chunk_bytes=16, idle_seconds=60)
+        array = np.arange(30, dtype="<f4").reshape(5, 6)
+        # Two uploads of the same bytes at once: one stores them, both tenants reference them.
+        first = datasets.begin("t1", shape=(5, 6), dtype="float32", name="a")
+        second = datasets.begin("t2", shape=(5, 6), dtype="float32", name="b")
+        for upload in (first, second):
+            await upload.write(array.tobytes())
+        (info, created), (theirs, created_theirs) = await asyncio.gather(
+            first.commit((0.0, 29.0)), second.commit((0.0, 29.0))
+        )
+        assert created and created_theirs and info.id == theirs.id
+        assert len(await redis.keys("*upload:*")) == 1
+        assert (
+            max(len(v) for v in (await redis.hgetall((await redis.keys("*upload:*"))[0])).values())
+            <= 16
+        )
+        # An upload that dies midway is never visible and its chunks expire.
+        dead = datasets.begin("t1", shape=(5, 6), dtype="float32", name="dead")
+        await dead.write(array.tobytes()[:50])
+        assert 0 < await redis.pttl(keys.upload(dead.upload_id)) <= 60_000
+        page, token = await datasets.list("t1", page_size=10, page_token="")
+        assert [d.id for d in page] == [info.id] and token == ""
+        # A record whose upload never completed is not a dataset.
+        await redis.hset(keys.dataset("f" * 64), mapping={"blob": dead.upload_id, "shape": "[1,1]"})
+        with pytest.raises(NotFoundError):
+            await datasets.info("t1", "f" * 64)
+        await datasets.delete("t1", info.id)
+        assert (await datasets.load("t2", info.id))[1] == array.tobytes()
+        await datasets.delete("t2", info.id)
+        assert await redis.exists(keys.dataset(info.id), keys.dataset_tenants(info.id)) == 0
+        assert await datasets.used_bytes("t1") == 0 == await datasets.used_bytes("t2")
+        quota = DatasetStore(redis, chunk_bytes=16, tenant_quota=100)
+        with pytest.raises(ResourceExhaustedError, match="max_dataset_bytes_per_tenant"):
+            await quota.put("t3", shape=(5, 6), dtype="float32", name="", data=array.tobytes())
+
+    run(redis_url, scenario)

@@ -3,6 +3,10 @@
 Only UNAVAILABLE is retried: it means the request did not reach a server that could answer it
 (connection refused, dropped, server draining), so sending it again cannot do anything twice for
 calls that are idempotent. Every other code is the server's answer and is returned at once.
+
+Calls are retried for a window of time rather than a number of tries: a restarted service is
+unreachable for tens of seconds (16-21 s measured for the API process), so the default window,
+``SSDRBM_RETRY_S`` or 30 s, outlasts a restart; ``SSDRBM_RETRY_S=0`` turns retries off.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -24,17 +29,39 @@ T = TypeVar("T")
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 
+ENV_RETRY_S = "SSDRBM_RETRY_S"
+DEFAULT_RETRY_S = 30.0  # longer than a service restart
+
+
+def retry_window_from_env() -> float:
+    """Seconds to keep retrying: ``$SSDRBM_RETRY_S``, else 30."""
+    raw = os.environ.get(ENV_RETRY_S, "").strip()
+    if not raw:
+        return DEFAULT_RETRY_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(
+            f"{ENV_RETRY_S} must be a number of seconds (0 turns retries off), not {raw!r}"
+        )
+    return seconds
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and how patiently to retry a call that failed with UNAVAILABLE."""
 
-    attempts: int = 5  # total tries, the first included; 1 disables retries
+    # total tries, the first included; 1 disables retries. By default the window below is the
+    # limit, not the count
+    attempts: int = 1_000_000
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
     multiplier: float = 2.0
     jitter: float = 0.2  # each delay is scaled by a random factor in [1 - jitter, 1 + jitter]
-    max_wait_s: float | None = None  # stop once the sleeps add up to this much
+    # stop once the sleeps add up to this much (None: attempts alone); $SSDRBM_RETRY_S or 30 s
+    max_wait_s: float | None = field(default_factory=retry_window_from_env)
 
     @classmethod
     def waiting(cls, seconds: float) -> RetryPolicy:

@@ -29,7 +29,9 @@ def connect(url: str, *, cluster: bool = False, **options: object) -> RedisClien
     with `cluster`, a Redis Cluster client that discovers the other nodes from that one.
 
     Replies stay bytes (`decode_responses=False`): specs, checkpoints and datasets are binary.
-    Blocking reads (XREAD BLOCK) pass their own, longer, wait.
+    Blocking reads (XREAD BLOCK) pass their own, longer, wait. With `max_connections`, at
+    most that many connections (per node on a cluster); a single Redis then makes further
+    calls wait for a free one.
     """
     settings: dict[str, object] = {
         "socket_timeout": SOCKET_TIMEOUT_S,
@@ -52,4 +54,11 @@ def connect(url: str, *, cluster: bool = False, **options: object) -> RedisClien
         }
     )
     settings.update(options)
+    if "max_connections" in options:
+        # A bounded pool: a call that finds every connection busy waits (up to the socket
+        # timeout) for one to come free instead of failing at once with "Too many connections".
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, decode_responses=False, timeout=SOCKET_TIMEOUT_S, **settings
+        )
+        return aioredis.Redis.from_pool(pool)
     return aioredis.Redis.from_url(url, decode_responses=False, **settings)

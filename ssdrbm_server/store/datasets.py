@@ -16,9 +16,10 @@ to die between (readers see a dataset only once `complete` is set and the tenant
 there):
 
 1. COMMIT on `{<id>}`: when the record is already complete, add the tenant to
-   `dataset:{<id>}:tenants` (this upload's chunks are then dropped); otherwise point the record
-   at this upload (`blob`, no `complete`), returning the upload it replaced. A record left
-   incomplete by a dead upload is taken over this way; its chunks are dropped.
+   `dataset:{<id>}:tenants` (this upload's chunks are then dropped); while another upload of the
+   same bytes is committing, wait for it; otherwise point the record at this upload (`blob`,
+   `pending_since`, no `complete`), returning the upload it replaced. A record left incomplete
+   by a dead upload (pending for PENDING_STALE_MS) is taken over; its chunks are dropped.
 2. SEAL on `{<uid>}`: check every chunk is there and make them permanent (PERSIST).
 3. COMPLETE on `{<id>}`: if the record still points at this upload, set `complete` and add the
    tenant's reference. Losing to a concurrent upload of the same bytes answers "retry"
@@ -35,6 +36,7 @@ clears it) or chunks no record points at; neither is ever read.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -61,17 +63,30 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_IDLE_SECONDS = 600.0
 DEFAULT_TENANT_QUOTA = 2 * 1024 * 1024 * 1024
 
-# KEYS: dataset, its tenants. ARGV: upload id, tenant, then the record's fields as pairs.
+# KEYS: dataset, its tenants. ARGV: upload id, tenant, how long (ms) another upload's pending
+# commit is waited for before it counts as dead, then the record's fields as pairs.
 _COMMIT = """
 if redis.call('HGET', KEYS[1], 'complete') == '1' then
   redis.call('SADD', KEYS[2], ARGV[2])
   return {'exists', ''}
 end
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local old = redis.call('HGET', KEYS[1], 'blob') or ''
+local since = tonumber(redis.call('HGET', KEYS[1], 'pending_since') or '0')
+if old ~= '' and old ~= ARGV[1] and now_ms - since < tonumber(ARGV[3]) then
+  return {'busy', old}
+end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'blob', ARGV[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], 'blob', ARGV[1], 'pending_since', now_ms, unpack(ARGV, 4))
 return {'pending', old}
 """
+# A commit in progress finishes within milliseconds (SEAL and COMPLETE); one pending longer than
+# this died, and the next upload of the same bytes takes the record over.
+PENDING_STALE_MS = 30_000
+# How long an upload waits for another one's commit of the same bytes before answering "retry".
+BUSY_WAIT_S = 0.05
+BUSY_TRIES = 100
 
 # KEYS: upload. ARGV: number of chunks. All chunks there: keep them for good.
 _SEAL = """
@@ -424,9 +439,13 @@ class Upload:
         new_id = self._digest.hexdigest()
         store, keys = self.store, self.store.keys
         dataset_keys = [keys.dataset(new_id), keys.dataset_tenants(new_id)]
-        outcome, replaced = await store._commit(
-            keys=dataset_keys, args=[self.upload_id, self.tenant, *self._record(value_range)]
-        )
+        outcome, replaced = await self._commit_record(dataset_keys, value_range)
+        if outcome == b"busy":
+            await self.abort()
+            raise UnavailableError(
+                f"another upload of the same content (dataset {new_id}) is being stored; retry "
+                "the upload, it will find the content stored"
+            )
         if outcome == b"exists":
             await self.abort()  # the same bytes are stored already
         else:
@@ -435,6 +454,18 @@ class Upload:
             await self._seal_and_complete(new_id, dataset_keys)
         await self._add_for_tenant(new_id)
         return await store.info(self.tenant, new_id), self._created
+
+    async def _commit_record(
+        self, dataset_keys: list[str], value_range: tuple[float, float] | None
+    ) -> tuple[bytes, bytes]:
+        """Step 1; while another upload of the same bytes is committing, wait for it."""
+        args = [self.upload_id, self.tenant, PENDING_STALE_MS, *self._record(value_range)]
+        for _ in range(BUSY_TRIES):
+            outcome, replaced = await self.store._commit(keys=dataset_keys, args=args)
+            if outcome != b"busy":
+                break
+            await asyncio.sleep(BUSY_WAIT_S)
+        return outcome, replaced
 
     def _record(self, value_range: tuple[float, float] | None) -> list[str | int]:
         fields: list[str | int] = [
