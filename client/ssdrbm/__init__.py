@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ssdrbm.client import Client
 from ssdrbm.connection import TLS
-from ssdrbm.datasets import UploadedDataset
+from ssdrbm.datasets import Dataset, UploadedDataset
 from ssdrbm.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -41,6 +41,7 @@ __all__ = [
     "AlreadyExists",
     "BackoffEvent",
     "Client",
+    "Dataset",
     "DeadlineExceeded",
     "ExportedModel",
     "FailedPrecondition",

@@ -23,7 +23,13 @@ import numpy as np
 from ssdrbm import export, reconnect, serving
 from ssdrbm.client import DEFAULT_PAGE_SIZE
 from ssdrbm.connection import TLS, Connection
-from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, UploadedDataset, load_array, upload_messages
+from ssdrbm.datasets import (
+    DEFAULT_CHUNK_BYTES,
+    Dataset,
+    UploadedDataset,
+    load_array,
+    upload_messages,
+)
 from ssdrbm.errors import ResourceExhausted, Unavailable, from_rpc_error
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
@@ -293,6 +299,23 @@ class AsyncClient:
             size_bytes=response.size_bytes,
             created=response.created,
         )
+
+    async def list_datasets(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> AsyncIterator[Dataset]:
+        """The caller's uploaded datasets, ordered by id, page by page."""
+        token = ""
+        while True:
+            request = rbm_pb2.ListDatasetsRequest(page_size=page_size, page_token=token)
+            response = await self._call("ListDatasets", request)
+            for message in response.datasets:
+                yield Dataset.from_proto(message)
+            token = response.next_page_token
+            if not token:
+                return
+
+    async def delete_dataset(self, dataset_id: str) -> None:
+        """Remove a dataset from the caller's datasets (FailedPrecondition while a queued or
+        running job of the caller trains on it)."""
+        await self._call("DeleteDataset", rbm_pb2.DeleteDatasetRequest(dataset_id=dataset_id))
 
     async def _download(self, job_id: str, checkpoint_step: int) -> export.ModelDownload:
         request = rbm_pb2.ExportModelRequest(job_id=job_id, checkpoint_step=checkpoint_step)

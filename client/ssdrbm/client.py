@@ -20,7 +20,13 @@ import numpy as np
 
 from ssdrbm import export, reconnect, serving
 from ssdrbm.connection import TLS, Connection
-from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, UploadedDataset, load_array, upload_messages
+from ssdrbm.datasets import (
+    DEFAULT_CHUNK_BYTES,
+    Dataset,
+    UploadedDataset,
+    load_array,
+    upload_messages,
+)
 from ssdrbm.errors import ResourceExhausted, SSDRBMError, Unavailable, from_rpc_error
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
@@ -334,6 +340,25 @@ class Client:
             size_bytes=response.size_bytes,
             created=response.created,
         )
+
+    def list_datasets(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[Dataset]:
+        """The caller's uploaded datasets, ordered by id, fetching pages as the iteration goes."""
+        token = ""
+        while True:
+            request = rbm_pb2.ListDatasetsRequest(page_size=page_size, page_token=token)
+            response = self._call("ListDatasets", request)
+            for message in response.datasets:
+                yield Dataset.from_proto(message)
+            token = response.next_page_token
+            if not token:
+                return
+
+    def delete_dataset(self, dataset_id: str) -> None:
+        """Remove a dataset from the caller's datasets; its bytes go once no tenant uses them.
+        :class:`~ssdrbm.errors.FailedPrecondition` while a queued or running job of the
+        caller trains on it; :class:`~ssdrbm.errors.NotFound` for an unknown id. Deleting
+        again is NotFound, so a retried delete may report that."""
+        self._call("DeleteDataset", rbm_pb2.DeleteDatasetRequest(dataset_id=dataset_id))
 
     def _download(self, job_id: str, checkpoint_step: int) -> export.ModelDownload:
         request = rbm_pb2.ExportModelRequest(job_id=job_id, checkpoint_step=checkpoint_step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,40 @@ class UploadedDataset:
     shape: tuple[int, ...]
     size_bytes: int
     created: bool  # False when the same content was already stored
+
+
+_DTYPE_NAMES = {
+    rbm_pb2.DTYPE_UNSPECIFIED: "float32",
+    rbm_pb2.DTYPE_FLOAT32: "float32",
+    rbm_pb2.DTYPE_FLOAT64: "float64",
+    rbm_pb2.DTYPE_UINT8: "uint8",
+}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """An uploaded dataset as the caller sees it (``Client.list_datasets``)."""
+
+    id: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    size_bytes: int
+    created_at: datetime | None
+
+    @classmethod
+    def from_proto(cls, message: rbm_pb2.Dataset) -> Dataset:
+        created = (
+            message.created_at.ToDatetime(tzinfo=UTC) if message.HasField("created_at") else None
+        )
+        return cls(
+            id=message.dataset_id,
+            name=message.name,
+            shape=tuple(message.shape),
+            dtype=_DTYPE_NAMES.get(message.dtype, "float32"),
+            size_bytes=message.size_bytes,
+            created_at=created,
+        )
 
 
 def load_array(source: np.ndarray | str | Path) -> np.ndarray:

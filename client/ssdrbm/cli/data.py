@@ -1,4 +1,4 @@
-"""Commands about data: ``upload``."""
+"""Commands about data: ``upload``, ``datasets``, ``delete-dataset``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import argparse
 from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.output import print_json
+from ssdrbm.cli.tables import render_table
+from ssdrbm.datasets import Dataset
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
@@ -18,6 +20,16 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     upload.add_argument("--name", default="", help="label stored with the dataset")
     upload.add_argument("--json", action="store_true", help="print id, shape and size as JSON")
     upload.set_defaults(run=run_upload)
+    listing = commands.add_parser("datasets", parents=parents, help="list your uploaded datasets")
+    listing.add_argument("--json", action="store_true", help="print them as a JSON list")
+    listing.set_defaults(run=run_datasets)
+    delete = commands.add_parser(
+        "delete-dataset",
+        parents=parents,
+        help="delete an uploaded dataset (refused while a queued or running job uses it)",
+    )
+    delete.add_argument("dataset", metavar="ID", help="dataset id from 'ssdrbm upload'")
+    delete.set_defaults(run=run_delete_dataset)
 
 
 def run_upload(args: argparse.Namespace) -> ExitCode:
@@ -28,4 +40,41 @@ def run_upload(args: argparse.Namespace) -> ExitCode:
         print_json(dataset)
     else:
         print(dataset.id)
+    return ExitCode.OK
+
+
+def run_datasets(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm datasets``: a table (or JSON list) of the caller's datasets."""
+    with client_from_args(args) as client:
+        datasets = list(client.list_datasets())
+    if args.json:
+        print_json(datasets)
+    elif datasets:
+        print(datasets_table(datasets))
+    else:
+        print("no datasets yet — upload one with 'ssdrbm upload FILE'")
+    return ExitCode.OK
+
+
+def datasets_table(datasets: list[Dataset]) -> str:
+    """One row per dataset: id, name, shape, dtype, size, upload time."""
+    rows = [
+        [
+            dataset.id,
+            dataset.name or "-",
+            "x".join(str(n) for n in dataset.shape),
+            dataset.dtype,
+            str(dataset.size_bytes),
+            dataset.created_at.strftime("%Y-%m-%d %H:%M:%S") if dataset.created_at else "-",
+        ]
+        for dataset in datasets
+    ]
+    return render_table(("ID", "NAME", "SHAPE", "DTYPE", "BYTES", "CREATED"), rows)
+
+
+def run_delete_dataset(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm delete-dataset ID``: removes it from your datasets; prints what was deleted."""
+    with client_from_args(args) as client:
+        client.delete_dataset(args.dataset)
+    print(f"{args.dataset} deleted")
     return ExitCode.OK
