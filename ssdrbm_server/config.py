@@ -97,6 +97,15 @@ class Settings:
     heartbeat_seconds: float = 0.5
     worker_poll_ms: int = 500  # blocking queue read; bounds how long a stop waits for the loop
     stop_timeout_seconds: float = 60.0  # a graceful stop waits this long for the checkpoint
+    # A training process silent this long is taken for hung, killed and its job retried. It
+    # beats between chunks of at most 10 steps and around each evaluation, so this must cover
+    # the longest of those: the largest AIS estimate a job may ask for (about 1e12 FLOPs)
+    # takes a minute or two on one slow CPU core; 5 minutes leaves room for that
+    child_heartbeat_timeout_seconds: float = 300.0
+    # A job whose training process dies (a signal such as the OOM killer's SIGKILL, an
+    # unexpected exit) or hangs this many times ends FAILED; fewer are retried from the last
+    # checkpoint. 3: a one-off crash is retried, a job that kills its process every time is not
+    max_training_process_failures: int = 3
     checkpoint_keep: int = 3  # checkpoints kept per job: the newest and older ones to fall back on
     torch_threads: int = 0  # CPU threads of each training process; 0: torch's default
 
@@ -172,6 +181,16 @@ class Settings:
             )
         if self.upload_idle_seconds <= 0:
             raise ConfigError("SSDRBM_UPLOAD_IDLE_SECONDS must be positive")
+        if self.child_heartbeat_timeout_seconds <= 0:
+            raise ConfigError(
+                "SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS must be above 0, not "
+                f"{self.child_heartbeat_timeout_seconds}"
+            )
+        if self.max_training_process_failures < 1:
+            raise ConfigError(
+                "SSDRBM_MAX_TRAINING_PROCESS_FAILURES must be at least 1 (1: fail on the first "
+                f"crash), not {self.max_training_process_failures}"
+            )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("set both SSDRBM_TLS_CERT_FILE and SSDRBM_TLS_KEY_FILE, or neither")
         for name in ("serving_cpus", "training_cpus"):

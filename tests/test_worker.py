@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,8 +99,9 @@ def pb_copy(message: rbm_pb2.StartTrainingRequest) -> rbm_pb2.StartTrainingReque
     return copy
 
 
-def make_worker(redis_url: str, worker_id: str) -> Worker:
-    return Worker(SETTINGS.replace(redis_url=redis_url, worker_id=worker_id))
+def make_worker(redis_url: str, worker_id: str, **overrides) -> Worker:
+    """A worker with the test settings (``overrides``: fields to change)."""
+    return Worker(SETTINGS.replace(redis_url=redis_url, worker_id=worker_id, **overrides))
 
 
 class Harness:
@@ -174,10 +176,11 @@ class Harness:
 
 
 def run_with_workers(
-    redis_url: str, worker_ids: list[str], scenario: Callable[..., Awaitable[None]]
+    redis_url: str, worker_ids: list[str], scenario: Callable[..., Awaitable[None]], **overrides
 ) -> list[Worker]:
-    """Run `scenario(harness, workers)` while in-process workers serve the queue."""
-    workers = [make_worker(redis_url, worker_id) for worker_id in worker_ids]
+    """Run `scenario(harness, workers)` while in-process workers serve the queue (``overrides``:
+    settings to change)."""
+    workers = [make_worker(redis_url, worker_id, **overrides) for worker_id in worker_ids]
 
     async def main() -> None:
         harness = Harness(redis_url)
@@ -618,3 +621,102 @@ def test_datasets_load_as_the_resolved_spec_says() -> None:
     floats = Uploaded("float32", (4, 1), np.array([0, 0.5, 1, 3], "<f4").tobytes())
     with pytest.raises(DatasetError, match="SCALE or BINARIZE"):
         load(rbm_pb2.DatasetRef(dataset_id="e" * 64), uploaded=floats)
+
+
+# --- training process failures -------------------------------------------------------------
+
+
+def new_trainers(known: set[int]) -> list[int]:
+    """Live training processes of this test process that are not in ``known``."""
+    return [pid for pid in training_processes_of(os.getpid()) if pid not in known]
+
+
+async def signal_the_trainer(h: Harness, total: int, signum: int) -> tuple[str, int]:
+    """Submit a job of ``total`` steps and send ``signum`` to its training process once it has
+    trained past a checkpoint; the job's id and the process's pid."""
+    known = set(training_processes_of(os.getpid()))  # other tests' spawned processes
+    job_id = await h.submit(spec(steps=total, checkpoint_every=50))
+    await h.wait_for(job_id, lambda r: 50 <= r.checkpoint_step < r.step)
+    trainers = new_trainers(known)
+    assert len(trainers) == 1, trainers  # no spare is started while the job runs
+    os.kill(trainers[0], signum)
+    return job_id, trainers[0]
+
+
+async def assert_resumed_with_each_step_once(h: Harness, job_id: str, total: int) -> str:
+    """The job went QUEUED again after its training process failed, was resumed from a
+    checkpoint under the next attempt and published every step once; the release message."""
+    changes = await h.state_changes(job_id)
+    assert state_names(changes) == ["QUEUED", "RUNNING", "QUEUED", "RUNNING", "SUCCEEDED"]
+    released, resumed = changes[2], changes[3]
+    assert released.attempt == 1 and "failure 1 of 3" in released.message
+    assert resumed.attempt == 2 and resumed.step % 50 == 0 and resumed.step >= 50
+    steps = [step for step, _ in await h.metric_steps(job_id)]
+    assert steps == list(range(10, total + 1, 10))
+    return released.message
+
+
+def test_a_sigkilled_training_process_is_retried_from_the_checkpoint(redis_url: str) -> None:
+    """SIGKILL the training process mid-job (as the OOM killer would): the job is not FAILED
+    but released and resumed from its last checkpoint in a fresh process; it SUCCEEDS with
+    every metric step once and the crash counted in `child_failures`."""
+    total = 2000
+
+    async def scenario(h: Harness, workers: list[Worker]) -> None:
+        job_id, _ = await signal_the_trainer(h, total, signal.SIGKILL)
+        final = await h.wait_for(job_id, lambda r: r.state.is_terminal)
+        assert final.state is JobState.SUCCEEDED, final.error
+        assert final.child_failures == 1 and final.attempt == 2 and final.step == total
+        message = await assert_resumed_with_each_step_once(h, job_id, total)
+        assert "killed by SIGKILL" in message and "resumes from the last checkpoint" in message
+
+    workers = run_with_workers(redis_url, ["w1"], scenario)
+    assert [outcome for _, outcome in workers[0].jobs_run] == ["released", "SUCCEEDED"]
+
+
+def test_a_training_process_killed_too_often_fails_the_job_with_its_memory(
+    redis_url: str,
+) -> None:
+    """SIGKILL every training process the job gets: after the bound (2 here) the job ends
+    FAILED, saying how often, the signal, that it is likely out of memory and how much the
+    model needs."""
+
+    async def scenario(h: Harness, workers: list[Worker]) -> None:
+        known = set(training_processes_of(os.getpid()))
+        job_id = await h.submit(spec(steps=1_000_000, checkpoint_every=50))
+        while not (record := await h.jobs.get(TENANT, job_id)).state.is_terminal:
+            if record.state is JobState.RUNNING:
+                for pid in new_trainers(known):  # a spare not yet given the job is not counted
+                    os.kill(pid, signal.SIGKILL)
+                    known.add(pid)
+            await asyncio.sleep(0.05)
+        assert record.state is JobState.FAILED and record.child_failures == 2
+        assert "the training process failed 2 times" in record.error
+        assert "killed by SIGKILL" in record.error and "likely out of memory" in record.error
+        assert re.search(r"needs about \d+ MB", record.error), record.error
+        assert "SSDRBM_MAX_TRAINING_PROCESS_FAILURES" in record.error
+        names = state_names(await h.state_changes(job_id))
+        assert names == ["QUEUED", "RUNNING", "QUEUED", "RUNNING", "FAILED"]
+
+    run_with_workers(redis_url, ["w1"], scenario, max_training_process_failures=2)
+
+
+def test_a_hung_training_process_is_killed_and_the_job_retried(redis_url: str) -> None:
+    """SIGSTOP the training process (hung: no progress, no heartbeat): after the heartbeat
+    deadline (short here) the worker kills it and the job resumes from its checkpoint in a
+    fresh process and SUCCEEDS, every metric step once."""
+    total = 2000
+
+    async def scenario(h: Harness, workers: list[Worker]) -> None:
+        job_id, victim = await signal_the_trainer(h, total, signal.SIGSTOP)
+        try:
+            final = await h.wait_for(job_id, lambda r: r.state.is_terminal)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the worker should have killed it
+                os.kill(victim, signal.SIGKILL)
+        assert final.state is JobState.SUCCEEDED, final.error
+        assert final.child_failures == 1 and final.attempt == 2
+        message = await assert_resumed_with_each_step_once(h, job_id, total)
+        assert "killed as hung" in message and "SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS" in message
+
+    run_with_workers(redis_url, ["w1"], scenario, child_heartbeat_timeout_seconds=4.0)

@@ -53,6 +53,9 @@ class JobRecord:
     seq: int = 0  # position in the tenant's listing (creation order)
     backoffs: int = 0  # times the worker rolled the job back to a checkpoint and went on
     runtime: str = ""  # JSON set by the worker: the device-dependent choices of this run
+    # times its training process died (a signal, an unexpected exit) or hung; the job is
+    # retried from its last checkpoint until SSDRBM_MAX_TRAINING_PROCESS_FAILURES
+    child_failures: int = 0
 
 
 def _text(raw: dict[bytes, bytes], field: str, default: str = "") -> str:
@@ -95,6 +98,7 @@ def record_from_hash(job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
         # Records written before these fields existed decode with the defaults.
         backoffs=_int(raw, "backoffs"),
         runtime=_text(raw, "runtime"),
+        child_failures=_int(raw, "child_failures"),
     )
 
 

@@ -3,6 +3,11 @@
 Started with the spawn method (never fork after CUDA, gRPC or Redis are initialised). It has no
 Redis connection: everything it produces (metrics, checkpoints, the outcome) goes to its worker,
 which writes it with fencing. It exits by itself when its worker dies.
+
+Liveness: the child sends an `alive` heartbeat once warm and then from the training loop itself
+(between step chunks, and before and after each evaluation and checkpoint), never from a thread:
+a thread would keep beating while the training it vouches for is stuck in a torch call. A child
+silent for SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS is taken for hung by its worker and killed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ PARENT_CHECK_S = 0.25  # how often the child looks whether its worker is still a
 MAX_STEPS_BETWEEN_POLLS = 10  # train at most this many steps before looking for a stop request
 EXACT_LL_MAX_HIDDEN = 16  # 2^16 hidden states: exact log Z is cheap enough for every event
 EXIT_PARENT_GONE = 70
+# Heartbeats go out at most this often, and at least four times per heartbeat deadline.
+ALIVE_MAX_INTERVAL_S = 1.0
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -62,6 +69,7 @@ def child_main(conn: Connection, parent_pid: int, log_level: str = "INFO") -> No
     watch_parent(parent_pid)
     warm_up()
     try:
+        protocol.send(conn, protocol.Message(protocol.ALIVE))  # warm: ready for a job
         while True:
             message = protocol.receive(conn)
             if message.kind == protocol.START:  # a stop that arrives after its job is ignored
@@ -143,12 +151,18 @@ class Training:
         self.n_visible = int(fields.get("n_visible", 0))  # as resolved when the job was accepted
         self.last_checkpoint = -1
         self.detector = BlowUpDetector()
+        self.alive_interval = min(
+            ALIVE_MAX_INTERVAL_S, self.settings.child_heartbeat_timeout_seconds / 4
+        )
+        self.last_sent = time.monotonic()
 
     def run(self) -> None:
         spec = self.spec
         torch.manual_seed(spec.training.seed)
         device = pick_device()
+        self._beat(force=True)  # loading the data (a built-in set from disk) may take a while
         data = prepare(spec, self.settings, self.uploaded)
+        self._beat(force=True)
         if self.n_visible and data.n_visible != self.n_visible:
             raise DatasetError(
                 f"the dataset now has {data.n_visible} visible units, but the job was accepted "
@@ -206,6 +220,7 @@ class Training:
             boundary = min(
                 _next_multiple(step, every), _next_multiple(step, checkpoint_every), self.total
             )
+            self._beat()
             try:
                 self.trainer.train_steps(min(boundary - step, MAX_STEPS_BETWEEN_POLLS))
             except DivergenceError as exc:
@@ -293,6 +308,14 @@ class Training:
         return message.kind == protocol.STOP
 
     def _evaluate(self, *, with_ais: bool) -> dict[str, Any]:
+        # An AIS estimate may run for minutes without a chance to beat: it starts with the
+        # whole deadline, which SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS is sized for.
+        self._beat(force=with_ais)
+        values = self._evaluate_now(with_ais=with_ais)
+        self._beat()
+        return values
+
+    def _evaluate_now(self, *, with_ais: bool) -> dict[str, Any]:
         if with_ais:
             method = "ais"
         elif self.spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN:
@@ -319,6 +342,7 @@ class Training:
         step = self.trainer.step_count
         if step == self.last_checkpoint:
             return
+        self._beat()
         trainer_state = ssdcheckpoint.trainer_to_bytes(self.trainer)
         self._send(
             protocol.CHECKPOINT,
@@ -331,6 +355,12 @@ class Training:
 
     def _send(self, kind: str, *, blobs: dict[str, bytes] | None = None, **fields: Any) -> None:
         protocol.send(self.conn, protocol.Message(kind, fields, blobs or {}))
+        self.last_sent = time.monotonic()  # any message tells the worker this process lives
+
+    def _beat(self, *, force: bool = False) -> None:
+        """Send a heartbeat when nothing was sent for a while (or now, before a long phase)."""
+        if force or time.monotonic() - self.last_sent >= self.alive_interval:
+            self._send(protocol.ALIVE)
 
 
 def _next_multiple(step: int, every: int) -> int:

@@ -11,7 +11,9 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import threading
+import time
 from multiprocessing.connection import Connection
 
 from ssdrbm_server.config import Settings
@@ -21,6 +23,9 @@ from ssdrbm_server.worker import protocol
 logger = logging.getLogger(__name__)
 
 CHILD_JOIN_TIMEOUT_S = 10.0
+# How long a training process may take to start (spawn, import torch, warm up, create a CUDA
+# context) before its silence counts as a hang: a cold GPU host takes tens of seconds.
+STARTUP_ALLOWANCE_S = 120.0
 
 
 def run_child(
@@ -56,6 +61,10 @@ class ChildProcess:
         )
         self.process.start()
         self.jobs_started = 0
+        # Liveness, written by the reader thread: when anything last came from the process,
+        # and whether it has finished warming up (its first heartbeat).
+        self.last_heard = time.monotonic()
+        self.ready = False
         child_conn.close()  # so that the child's exit reads as EOF here
         self.inbox: asyncio.Queue[protocol.Message | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -71,6 +80,10 @@ class ChildProcess:
         try:
             while True:
                 message = protocol.receive(self.conn)
+                self.last_heard = time.monotonic()
+                if message.kind == protocol.ALIVE:
+                    self.ready = True  # heartbeats only feed the silence check, not the inbox
+                    continue
                 loop.call_soon_threadsafe(self.inbox.put_nowait, message)
         except (EOFError, OSError):
             pass
@@ -89,6 +102,16 @@ class ChildProcess:
                 "training process %s is gone; message %s dropped", self.process.pid, message.kind
             )
 
+    def silent_for(self, since: float) -> float:
+        """Seconds without a message from the process, counted from ``since`` at the earliest
+        (a monotonic time: when it was given its job)."""
+        return time.monotonic() - max(self.last_heard, since)
+
+    def allowed_silence(self, timeout_s: float) -> float:
+        """The silence after which the process counts as hung: ``timeout_s`` once it is warm,
+        at least STARTUP_ALLOWANCE_S while it is still starting."""
+        return timeout_s if self.ready else max(timeout_s, STARTUP_ALLOWANCE_S)
+
     async def kill(self) -> None:
         """Kill the process (no-op if it has exited) and reap it."""
         if self.process.is_alive():
@@ -102,3 +125,15 @@ class ChildProcess:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, in words: "killed by SIGKILL", "exited with code 1"."""
+    if code is None:
+        return "closed its pipe but did not exit"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

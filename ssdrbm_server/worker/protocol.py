@@ -12,6 +12,8 @@ Child -> worker:
     finished     step                                     the last step is trained and saved
     stopped      step                                     stopped on request, after a checkpoint
     failed       step, reason, diverged                   training cannot go on
+    alive                                                 a heartbeat: still making progress
+                                                          (also sent once warm, before a job)
 Worker -> child:
     start        settings, backoffs, total_steps, n_visible, upload info
                                             + spec, dataset, resume
@@ -33,6 +35,7 @@ CHECKPOINT = "checkpoint"
 FINISHED = "finished"
 STOPPED = "stopped"
 FAILED = "failed"
+ALIVE = "alive"
 # worker -> child
 START = "start"
 STOP = "stop"

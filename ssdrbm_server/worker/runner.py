@@ -5,6 +5,19 @@ While the child trains, the runner renews the lease and reads the cancel flag ev
 sends: metric events, checkpoints, the final state. Redis outages are ridden out by retrying
 (the child keeps training meanwhile); a lost lease (another worker took over) stops the child
 at once without writing anything more.
+
+A training process that dies (a signal such as the OOM killer's SIGKILL, or any exit without
+reporting the job's end) or goes silent past SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS (it is
+killed first) is a retry, not the job's failure: the runner counts it in the job's
+`child_failures` (a fenced update) and releases the job to the queue with the fenced `release`
+write, exactly as a graceful stop does. The next claim, by any worker, raises the attempt and
+resumes from the last checkpoint with a fresh training process, so the existing guarantees
+carry over unchanged: the dead process's attempt can write nothing more (fencing), and the
+steps it had already published are dropped when recomputed (each step once in the stream).
+Restarting in place under the same attempt would have needed its own resume path; going
+through the queue also lets a job that ran out of memory here land on a roomier worker. The
+job ends FAILED at SSDRBM_MAX_TRAINING_PROCESS_FAILURES, with the cause and, for SIGKILL, the
+memory the model needs.
 """
 
 from __future__ import annotations
@@ -12,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,7 +44,7 @@ from ssdrbm_server.store.fencing import FencedJob, LeaseLostError
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.records import JobRecord, JobState
 from ssdrbm_server.worker import protocol
-from ssdrbm_server.worker.process import ChildProcess
+from ssdrbm_server.worker.process import ChildProcess, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +56,11 @@ REDIS_DOWN = (
     redis.exceptions.BusyLoadingError,
 )
 RETRY_DELAY_S = 0.5
+# Rough memory of a training process (training_memory_mb): the interpreter with torch loaded,
+# and the parameter-sized arrays alive at once: the model, its gradient, up to two optimizer
+# buffers, the polar step's work space, and the trainer states a checkpoint serialises.
+PROCESS_BASE_MB = 400
+PARAMETER_COPIES = 8
 
 
 @dataclass
@@ -77,6 +96,7 @@ class JobRunner:
         # The child may take another job: it never got this one, or it reported the job's end.
         self._child_idle = True
         self.idle_child: ChildProcess | None = None  # after run(): the child, if reusable
+        self._given_at = 0.0  # monotonic time the child got this job; its silence counts from it
 
     async def run(self) -> str:
         """Run the job; returns how it ended (a JobState value, "released" or "lost")."""
@@ -121,6 +141,7 @@ class JobRunner:
         if self.child is None or not self.child.process.is_alive():
             self.child = ChildProcess.for_settings(self.settings)
         self._child_idle = False
+        self._given_at = time.monotonic()
         self.child.send(start)
         return await self._supervise(self.child)
 
@@ -174,6 +195,9 @@ class JobRunner:
                 if stop_deadline is None:
                     child.send(protocol.Message(protocol.STOP))
                     stop_deadline = now + self.settings.stop_timeout_seconds
+            silence = child.silent_for(self._given_at)
+            if silence > child.allowed_silence(self.settings.child_heartbeat_timeout_seconds):
+                return await self._child_hung(child, silence)
             try:
                 timeout = max(0.01, next_beat - time.monotonic())
                 message = await asyncio.wait_for(child.inbox.get(), timeout)
@@ -186,13 +210,69 @@ class JobRunner:
                 return outcome
 
     async def _child_exited(self, child: ChildProcess) -> str:
+        """The pipe closed before the job's end was reported: the process died."""
         code = await child.join()
-        if self.stop.event.is_set():
+        if code is None:  # closed its pipe but lives on: not to be trusted with the job
+            await child.kill()
+        hint = self._memory_hint() if code == -signal.SIGKILL else ""
+        return await self._child_failed(describe_exit(code), hint=hint)
+
+    async def _child_hung(self, child: ChildProcess, silence: float) -> str:
+        logger.error(
+            "job %s: the training process %s sent nothing for %.1f s; killing it",
+            self.lease.job_id,
+            child.process.pid,
+            silence,
+        )
+        await child.kill()
+        cause = (
+            f"sent nothing for {silence:.0f} s (SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS "
+            f"{self.settings.child_heartbeat_timeout_seconds:g}) and was killed as hung"
+        )
+        hint = (
+            "if one evaluation legitimately takes longer, raise "
+            "SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS or lower eval.ais_betas"
+        )
+        return await self._child_failed(cause, hint=hint)
+
+    async def _child_failed(self, cause: str, *, hint: str) -> str:
+        """Count a dead or hung training process against the job: release it to resume from
+        its last checkpoint, or end it FAILED once the failures reach the limit (the reason
+        ends with ``hint``, what to change)."""
+        if self.stop.event.is_set():  # the worker is stopping: not the job's fault
             await self._release("worker stopped; resumes from the last checkpoint")
             return "released"
-        reason = f"the training process exited unexpectedly (exit code {code})"
-        await self._finish(JobState.FAILED, error=reason)
-        return JobState.FAILED.value
+        failures = self.record.child_failures + 1
+        limit = self.settings.max_training_process_failures
+        await self._retry(lambda: self.job.update(child_failures=failures))
+        logger.warning(
+            "job %s: the training process %s (failure %d of %d)",
+            self.lease.job_id,
+            cause,
+            failures,
+            limit,
+        )
+        if failures >= limit:
+            reason = (
+                f"the training process failed {failures} times "
+                f"(SSDRBM_MAX_TRAINING_PROCESS_FAILURES), the last time it {cause}"
+            )
+            await self._finish(JobState.FAILED, error=f"{reason}; {hint}" if hint else reason)
+            return JobState.FAILED.value
+        await self._release(
+            f"the training process {cause} (failure {failures} of {limit}); "
+            "resumes from the last checkpoint"
+        )
+        return "released"
+
+    def _memory_hint(self) -> str:
+        """What a SIGKILL most likely means (the OOM killer), with the memory the job needs."""
+        request = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
+        needed = training_memory_mb(request, self.record.n_visible)
+        return (
+            f"likely out of memory: the model needs about {needed} MB to train (plus its "
+            "dataset); give the worker more memory or lower model.n_hidden or training.batch_size"
+        )
 
     async def _handle(self, message: protocol.Message) -> str | None:
         fields, kind = message.fields, message.kind
@@ -289,3 +369,19 @@ class JobRunner:
             raise LeaseLostError(f"job {self.lease.job_id}: Redis unreachable while stopping")
         logger.warning("job %s: Redis unreachable (%s); retrying", self.lease.job_id, exc)
         await asyncio.sleep(RETRY_DELAY_S)
+
+
+def training_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) -> int:
+    """A rough estimate of a training process's memory for a job, dataset excluded (MB).
+
+    PROCESS_BASE_MB + 4 bytes × (PARAMETER_COPIES × P + (2·cd_k + 4) · B · (V + H)), where P
+    counts the parameters (V·H + V + H, plus V·V for a full Gaussian precision) and the second
+    term the CD chains (a visible and a hidden sample and mean per Gibbs sweep) and the
+    low-rank gradient factors, for batch B.
+    """
+    n_hidden, training = request.model.n_hidden, request.training
+    params = n_visible * n_hidden + n_visible + n_hidden
+    if request.model.variance == rbm_pb2.VARIANCE_KIND_FULL:
+        params += n_visible * n_visible
+    chains = (2 * training.cd_k + 4) * training.batch_size * (n_visible + n_hidden)
+    return PROCESS_BASE_MB + round(4 * (PARAMETER_COPIES * params + chains) / 1e6)
