@@ -41,6 +41,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
+from ssdrbm_server.convert import worker_label
+
 logger = logging.getLogger("bench.load")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -390,9 +392,11 @@ def chaos(
         time.sleep(0.02)
     if job.step > job.total_steps // 2:
         raise AssertionError(f"the chaos job trained too fast to kill mid-run: {job.step}")
+    # Tenants see an opaque label of the worker (convert.worker_label), not its id.
+    worker = next(name for name in cluster.processes if worker_label(name) == job.worker)
     killed_at = time.perf_counter()
-    cluster.kill(job.worker)
-    cluster.start_worker(f"{job.worker}-replacement")
+    cluster.kill(worker)
+    cluster.start_worker(f"{worker}-replacement")
     wait_for(stub, job_id, lambda j: j.attempt > job.attempt, deadline, 0.02)
     recovery = time.perf_counter() - killed_at
     logger.info("killed %s under job %s; resumed after %.2f s", job.worker, job_id, recovery)
@@ -450,8 +454,8 @@ def drive(cluster: Cluster, config: LoadConfig, report: LoadReport, deadline: De
             def kill_one() -> None:
                 try:
                     chaos_result.append(chaos(cluster, stub, chaos_job, deadline))
-                except (AssertionError, DeadlineExceeded, grpc.RpcError) as exc:
-                    report.failures.append(f"chaos step: {exc}"[:300])
+                except (AssertionError, DeadlineExceeded, grpc.RpcError, StopIteration) as exc:
+                    report.failures.append(f"chaos step: {exc!r}"[:300])
 
             chaos_thread = threading.Thread(target=kill_one, daemon=True)
             chaos_thread.start()

@@ -181,6 +181,7 @@ def service_process(
         "SSDRBM_REDIS_URL": redis_url,
         "SSDRBM_DATA_DIR": str(default_data_dir()),
         "SSDRBM_AUTH_MODE": "none",
+        "SSDRBM_ALLOW_NO_PERSISTENCE": "1",  # its throw-away Redis keeps no AOF
         "SSDRBM_LOG_LEVEL": "WARNING",
         "SSDRBM_STREAM_BLOCK_MS": str(STREAM_BLOCK_MS),
         "SSDRBM_MAX_JOBS_PER_TENANT": "64",

@@ -32,9 +32,11 @@ from ssdrbm_server.exposure import check_exposure, keep_warning
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.metrics import LatencyInterceptor, ServiceMetrics, refresh_job_gauges
 from ssdrbm_server.readiness import follow_redis
+from ssdrbm_server.redis_checks import check_redis_config
 from ssdrbm_server.servicer import RBMServicer, Stores
-from ssdrbm_server.serving import ModelServer
+from ssdrbm_server.serving import ModelServer, ServingLimits
 from ssdrbm_server.store import CheckpointStore, DatasetStore, EventStore, JobStore, connect
+from ssdrbm_server.store.lifecycle import Retention
 from ssdrbm_server.store.records import JobState
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ class Service:
         )
         self.keys = Keys(settings.redis_prefix)
         self.stores = Stores(
-            jobs=JobStore(self.redis, keys=self.keys),
+            jobs=JobStore(self.redis, keys=self.keys, retention=Retention.from_settings(settings)),
             events=EventStore(self.redis, keys=self.keys, blocking=self.blocking_redis),
             checkpoints=CheckpointStore(self.redis, keys=self.keys),
             datasets=DatasetStore(
@@ -93,6 +95,13 @@ class Service:
             self.stores.checkpoints,
             threads=settings.serving_threads,
             cache_size=settings.model_cache_size,
+            limits=ServingLimits(
+                max_output_elements=settings.max_serving_output_elements,
+                chunk_rows=settings.serving_chunk_rows,
+                calls_per_tenant=settings.max_serving_calls_per_tenant,
+                wait_s=settings.serving_wait_seconds,
+            ),
+            metrics=self.metrics,
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
@@ -117,6 +126,7 @@ class Service:
         self.port = self._bind(settings)
         self._refresh: asyncio.Task[None] | None = None
         self._readiness: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     def _bind(self, settings: Settings) -> int:
         address = settings.listen_address
@@ -136,7 +146,9 @@ class Service:
         return port
 
     async def start(self) -> int:
-        """Start serving; returns the bound port."""
+        """Start serving; returns the bound port. Refuses (RedisConfigError) a Redis that would
+        lose jobs (ssdrbm_server/redis_checks.py)."""
+        await check_redis_config(self.redis, self.settings)
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -148,6 +160,8 @@ class Service:
             )
         )
         self._readiness = asyncio.create_task(follow_redis(self.redis, self.health, SERVICE_NAME))
+        # Expired jobs and deletes a dead process left half done (store/lifecycle.py).
+        self._sweeper = asyncio.create_task(self.stores.jobs.lifecycle.sweep_forever())
         logger.info("gRPC server listening on port %d", self.port)
         return self.port
 
@@ -156,7 +170,7 @@ class Service:
         grace = self.settings.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         self.servicer.begin_shutdown()
-        for task in (self._refresh, self._readiness):
+        for task in (self._refresh, self._readiness, self._sweeper):
             if task is not None:
                 task.cancel()
         await self.server.stop(grace)

@@ -72,6 +72,24 @@ class Settings:
     default_validation_fraction: float = 0.1
     max_total_steps: int = 10_000_000  # refuse jobs that would never end
     max_full_variance_visibles: int = 256  # a full precision matrix is V×V and O(V³) per step
+    # Budgets checked on submit, before anything is allocated (resolver.py, RESOURCE_EXHAUSTED):
+    # an upload's width is otherwise unbounded, and V·H alone sizes the model and every step.
+    max_visibles: int = 1 << 16  # dataset width (n_visible); MNIST is 784
+    max_model_bytes: int = 256 * 1024 * 1024  # float32 parameters; serving caches whole models
+    # Redis's proto-max-bulk-len: the largest value it stores; a checkpoint's trainer state
+    # (parameters, optimizer buffers, PCD chains) is one value, so a bigger one never saves
+    max_value_bytes: int = 512 * 1024 * 1024
+    # ≈ 2·B·V·H·(2·cd_k+2) per training step; 1e11 admits 784×2000, CD-10, batch 1000 (6.9e10)
+    max_step_flops: int = 100_000_000_000
+    # AIS per evaluation ≈ 2·chains·betas·V·H; 1e12 admits the defaults (100×1000) at 784×2000
+    max_eval_flops: int = 1_000_000_000_000
+    # Serving, checked before computing: output elements of one Reconstruct (B·V·k) or
+    # SampleHidden (B·H) call; 16 Mi floats = 64 MiB, the largest message
+    max_serving_output_elements: int = 16 * 1024 * 1024
+    serving_chunk_rows: int = 256  # rows per computed chunk; deadline and cancel checked between
+    max_serving_calls_per_tenant: int = 4  # concurrent Reconstruct/SampleHidden of one tenant
+    serving_wait_seconds: float = 1.0  # a call over that cap waits this long for a slot
+    max_streams_per_tenant: int = 100  # concurrent StreamMetrics calls of one tenant
 
     # Serving
     serving_threads: int = 4  # thread pool for Reconstruct / SampleHidden (torch frees the GIL)
@@ -107,6 +125,18 @@ class Settings:
     # checkpoint. 3: a one-off crash is retried, a job that kills its process every time is not
     max_training_process_failures: int = 3
     checkpoint_keep: int = 3  # checkpoints kept per job: the newest and older ones to fall back on
+    # Lifecycle (ssdrbm_server/store/lifecycle.py): a finished job keeps its newest checkpoints
+    # only (at least 1, which serving and export use); its StartTraining request_id is
+    # remembered this long (a retry after that creates a new job); finished jobs are deleted
+    # this long after their end (0 keeps them until DeleteJob)
+    finished_checkpoints_kept: int = 1
+    idempotency_ttl_seconds: int = 24 * 3600
+    finished_job_ttl_seconds: int = 0
+    # Job records (any state) of one tenant; past it StartTraining asks to delete finished jobs
+    max_job_records_per_tenant: int = 10_000
+    # Start even though Redis keeps no AOF and no RDB snapshots (a restart loses every job):
+    # development and tests only
+    allow_no_persistence: bool = False
     torch_threads: int = 0  # CPU threads of each training process; 0: torch's default
 
     # Authentication: "none" (development, tenant "default") or "token" (bearer tokens)
@@ -156,6 +186,15 @@ class Settings:
             "redis_connections",
             "max_jobs_per_tenant",
             "max_streams",
+            "max_streams_per_tenant",
+            "max_visibles",
+            "max_model_bytes",
+            "max_value_bytes",
+            "max_step_flops",
+            "max_eval_flops",
+            "max_serving_output_elements",
+            "serving_chunk_rows",
+            "max_serving_calls_per_tenant",
             "stream_buffer_events",
             "max_string_length",
             "default_steps",
@@ -164,6 +203,8 @@ class Settings:
             "serving_threads",
             "model_cache_size",
             "worker_poll_ms",
+            "finished_checkpoints_kept",
+            "max_job_records_per_tenant",
         ]
         for name in positive:
             if getattr(self, name) < 1:
@@ -191,6 +232,9 @@ class Settings:
                 "SSDRBM_MAX_TRAINING_PROCESS_FAILURES must be at least 1 (1: fail on the first "
                 f"crash), not {self.max_training_process_failures}"
             )
+        for name in ("idempotency_ttl_seconds", "finished_job_ttl_seconds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"SSDRBM_{name.upper()} must be 0 or more")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("set both SSDRBM_TLS_CERT_FILE and SSDRBM_TLS_KEY_FILE, or neither")
         for name in ("serving_cpus", "training_cpus"):

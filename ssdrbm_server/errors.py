@@ -59,6 +59,12 @@ class ResourceExhaustedError(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class DeadlineExceededError(ServiceError):
+    """The work stopped unfinished because the client's deadline passed."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class UnavailableError(ServiceError):
     """A dependency (Redis) cannot be reached right now; retrying later may succeed."""
 
@@ -85,6 +91,10 @@ class AlreadyExistsError(ServiceError):
 
 INTERNAL_MESSAGE = "internal error; the server log has the details"
 REDIS_UNAVAILABLE_MESSAGE = "the job store (Redis) is unreachable; retry shortly"
+REDIS_FULL_MESSAGE = (
+    "the job store is full (Redis reached its maxmemory); delete finished jobs you no longer "
+    "need (DeleteJob) or ask the operator to raise Redis's maxmemory"
+)
 
 # redis-py raises these when the server is down, restarting or too slow to answer.
 _REDIS_UNAVAILABLE = (
@@ -100,6 +110,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, exc.message
     if isinstance(exc, _REDIS_UNAVAILABLE):
         return grpc.StatusCode.UNAVAILABLE, REDIS_UNAVAILABLE_MESSAGE
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, REDIS_FULL_MESSAGE
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
 
 

@@ -14,6 +14,8 @@ keys with the same tag live together and one Lua script may use them all.
 | `{jobs}:leases`                   | zset   | running job id -> lease deadline (an index)       |
 | `{jobs}:state:<STATE>`            | set    | job ids in that state (Prometheus counts)         |
 | `{jobs}:versions`                 | hash   | job id -> version of the state the indexes show   |
+| `{jobs}:forgotten`                | zset   | job id -> when it was forgotten (versions pruned) |
+| `{jobs}:purge`                    | zset   | `<id> <tenant>` -> when to delete it (ms)         |
 | `tenant:{<t>}:jobs`               | zset   | the tenant's job ids by sequence (ListJobs paging) |
 | `tenant:{<t>}:seq`                | string | counter giving the tenant's jobs their position   |
 | `tenant:{<t>}:active`             | set    | the tenant's QUEUED + RUNNING job ids (limits)    |
@@ -99,6 +101,12 @@ class Keys:
 
     def index_versions(self) -> str:
         return f"{self.prefix}{{jobs}}:versions"
+
+    def forgotten(self) -> str:
+        return f"{self.prefix}{{jobs}}:forgotten"
+
+    def purge_schedule(self) -> str:
+        return f"{self.prefix}{{jobs}}:purge"
 
     # --- one tenant: hash tag {<t>} ---
     def _tenant(self, tenant: str) -> str:

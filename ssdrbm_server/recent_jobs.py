@@ -50,6 +50,10 @@ class RecentJobs:
             return None
         return record
 
+    def forget(self, tenant: str, job_id: str) -> None:
+        """Drop ``job_id`` (deleted): the next lookup reads the store and finds it gone."""
+        self._records.pop((tenant, job_id), None)
+
     def put(self, tenant: str, record: JobRecord) -> None:
         """Keep ``record`` (just read from the store for ``tenant``) if it can serve a model."""
         if record.checkpoint_step < 0:

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import math
 import re
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from ssdrbm_server.event_fanout import EventFanout
 from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.recent_jobs import RecentJobs
 from ssdrbm_server.request_checks import enum_value
-from ssdrbm_server.serving import ModelServer
+from ssdrbm_server.serving import Caller, ModelServer
 from ssdrbm_server.store.checkpoints import CheckpointStore
 from ssdrbm_server.store.datasets import DatasetInfo, DatasetStore, Upload
 from ssdrbm_server.store.events import EventStore
@@ -94,6 +95,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self.metrics = metrics
         self.recent_jobs = recent_jobs if recent_jobs is not None else RecentJobs()
         self._open_streams = 0
+        self._tenant_streams: Counter[str] = Counter()  # open StreamMetrics calls per tenant
         self._uploads = 0  # UploadDataset calls in progress (max_concurrent_uploads)
         self._draining = False
         self.fanout = EventFanout(self._poll, buffer_events=settings.stream_buffer_events)
@@ -121,6 +123,8 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             # Checked in the same atomic step as the insert; a repeated request_id still
             # returns its job even at the limit.
             max_active=self.settings.max_jobs_per_tenant,
+            max_records=self.settings.max_job_records_per_tenant,
+            idempotency_ttl_s=self.settings.idempotency_ttl_seconds,
         )
         if created:
             logger.info(
@@ -166,6 +170,19 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         logger.info("cancel requested for job %s (now %s)", record.id, record.state.value)
         return convert.job_to_proto(record)
 
+    async def DeleteJob(
+        self, request: pb.DeleteJobRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteJobResponse:
+        _check_id(request.job_id, "job_id")
+        tenant = current_tenant()
+        await self.stores.jobs.delete(tenant, request.job_id, force=request.force)
+        # This process's serving caches forget it at once; other API processes within their
+        # record reuse time (recent_jobs.py), after which they read NOT_FOUND.
+        self.recent_jobs.forget(tenant, request.job_id)
+        self.models.forget(request.job_id)
+        logger.info("job %s deleted by tenant %s", request.job_id, tenant)
+        return pb.DeleteJobResponse(job_id=request.job_id)
+
     # --- metrics ----------------------------------------------------------------------------
 
     async def StreamMetrics(
@@ -177,14 +194,22 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                 f"this server already serves {self._open_streams} metric streams (limit "
                 f"{self.settings.max_streams}); retry later or poll GetJob"
             )
-        self._stream_opened(+1)
+        # A share of the global cap per tenant, so one tenant cannot lock the others out.
+        tenant_streams = self._tenant_streams[job.tenant]
+        if tenant_streams >= self.settings.max_streams_per_tenant:
+            raise ResourceExhaustedError(
+                f"tenant {job.tenant!r} already has {tenant_streams} metric streams open on this "
+                f"server (SSDRBM_MAX_STREAMS_PER_TENANT={self.settings.max_streams_per_tenant}); "
+                "close one you no longer follow, or poll GetJob"
+            )
+        self._stream_opened(+1, job.tenant)
         try:
             # aclosing: a cancelled call leaves its job's follower at once, not at collection.
             async with aclosing(self._events(job, request.after, request.history_only)) as events:
                 async for event in events:
                     yield event
         finally:
-            self._stream_opened(-1)
+            self._stream_opened(-1, job.tenant)
 
     def begin_shutdown(self) -> None:
         """End live metric streams now (UNAVAILABLE, resumable elsewhere), so a graceful
@@ -193,8 +218,11 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self._draining = True
         self.fanout.close()
 
-    def _stream_opened(self, delta: int) -> None:
+    def _stream_opened(self, delta: int, tenant: str) -> None:
         self._open_streams += delta
+        self._tenant_streams[tenant] += delta
+        if not self._tenant_streams[tenant]:
+            del self._tenant_streams[tenant]
         if self.metrics is not None:
             self.metrics.streams.set(self._open_streams)
 
@@ -279,7 +307,12 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         v = self._input(request.input)
         loaded = await self.models.model_for(job, request.checkpoint_step)
         out = await self.models.reconstruct(
-            loaded, v, k=request.k, mean_field=request.mean_field, seed=request.seed
+            loaded,
+            v,
+            k=request.k,
+            mean_field=request.mean_field,
+            seed=request.seed,
+            caller=_caller(context),
         )
         return pb.ReconstructResponse(output=array_to_tensor(out), checkpoint_step=loaded.step)
 
@@ -291,7 +324,11 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         v = self._input(request.input)
         loaded = await self.models.model_for(job, request.checkpoint_step)
         out = await self.models.hidden(
-            loaded, v, sample=mode == pb.HIDDEN_MODE_SAMPLE, seed=request.seed
+            loaded,
+            v,
+            sample=mode == pb.HIDDEN_MODE_SAMPLE,
+            seed=request.seed,
+            caller=_caller(context),
         )
         return pb.SampleHiddenResponse(output=array_to_tensor(out), checkpoint_step=loaded.step)
 
@@ -476,6 +513,11 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def _job(self, job_id: str) -> JobRecord:
         _check_id(job_id, "job_id")
         return await self.stores.jobs.get(current_tenant(), job_id)
+
+
+def _caller(context: grpc.aio.ServicerContext) -> Caller:
+    """The tenant and the time left before the client stops waiting (None: no deadline)."""
+    return Caller(tenant=current_tenant(), time_remaining=context.time_remaining())
 
 
 def _unsubmitted(job: resolver.ResolvedJob) -> pb.Job:

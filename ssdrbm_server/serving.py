@@ -6,21 +6,39 @@ one per request. Large computations run in a thread pool (torch releases the GIL
 loop stays free for other calls); tiny ones run inline, because handing a batch-1 request to the
 pool (a queue, a thread wake-up, a cross-thread future, GIL hand-offs) costs more CPU than its
 matrix products.
+
+Every call is budgeted before it computes: its output elements (B·H for SampleHidden, B·V·k for
+Reconstruct) against ``max_serving_output_elements``. A pooled call computes its rows in chunks of
+``serving_chunk_rows`` into one preallocated output and, between chunks, stops when its caller
+has gone (the handler was cancelled) or its deadline has passed, so a client that gave up no
+longer holds a pool thread. Each tenant has at most ``max_serving_calls_per_tenant`` calls in the
+pool; a further one waits up to ``serving_wait_seconds`` (or its deadline, if sooner) for a slot
+and is then RESOURCE_EXHAUSTED: a short burst is smoothed over, while one tenant's flood cannot
+occupy every pool thread for long.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ssdrbm_server.errors import FailedPreconditionError, InvalidArgumentError
+from ssdrbm_server.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
+from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.store.checkpoints import Checkpoint, CheckpointStore
 from ssdrbm_server.store.records import JobRecord
 
@@ -80,6 +98,12 @@ class ModelCache:
             self._loading[key] = task
         return await asyncio.shield(task)
 
+    def forget(self, job_id: str) -> None:
+        """Drop every cached model of ``job_id`` (deleted), latest and named steps alike."""
+        names = (job_id, f"{job_id}:latest")
+        for key in [key for key in self._models if key[0] in names]:
+            del self._models[key]
+
     async def _load_and_keep(
         self, key: tuple[str, int], load: Callable[[], Awaitable[LoadedModel]]
     ) -> LoadedModel:
@@ -103,36 +127,155 @@ def _generator(seed: int) -> torch.Generator | None:
     return generator
 
 
-def _reconstruct(
-    model: torch.nn.Module, v: np.ndarray, k: int, mean_field: bool, seed: int
+class Abandoned(Exception):
+    """A computation stopped between chunks: its caller left or its deadline passed."""
+
+
+@dataclass
+class Chunking:
+    """How one call computes its rows: chunk size, and the stop signal the event loop sets.
+
+    ``cancelled`` is set from the event loop and read by the computing thread between chunks
+    (a threading.Event, since the two run on different threads).
+    """
+
+    rows: int
+    deadline: float | None = None  # time.monotonic() past which the caller no longer waits
+    metrics: ServiceMetrics | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def stop_reason(self) -> str | None:
+        if self.cancelled.is_set():
+            return "the client cancelled the call"
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "the client's deadline passed"
+        return None
+
+    def count(self, outcome: str, chunks: int) -> None:
+        if self.metrics is not None and chunks:
+            self.metrics.serving_chunks.labels(outcome=outcome).inc(chunks)
+
+
+def _in_chunks(
+    v: np.ndarray, width: int, chunking: Chunking, rows_out: Callable[[torch.Tensor], torch.Tensor]
 ) -> np.ndarray:
-    with torch.inference_mode():
-        batch = torch.from_numpy(v)  # (B, V)
-        out = model.reconstruct(batch, k=k, mean_field=mean_field, generator=_generator(seed))
-        return out.to(torch.float32).cpu().numpy()  # (B, V)
+    """``rows_out`` applied to ``v`` (B, V) chunk by chunk, written into one (B, width) array;
+    raises Abandoned between chunks once the caller has gone."""
+    out = np.empty((v.shape[0], width), dtype=np.float32)
+    starts = range(0, v.shape[0], chunking.rows)
+    for done, start in enumerate(starts):
+        reason = chunking.stop_reason()
+        if reason is not None:
+            chunking.count("abandoned", len(starts) - done)
+            logger.info("serving stopped after %d of %d chunks: %s", done, len(starts), reason)
+            raise Abandoned(reason)
+        stop = start + chunking.rows
+        out[start:stop] = rows_out(torch.from_numpy(v[start:stop])).to(torch.float32).numpy()
+        chunking.count("computed", 1)
+    return out
 
 
-def _hidden(model: torch.nn.Module, v: np.ndarray, sample: bool, seed: int) -> np.ndarray:
+def _reconstruct(
+    model: torch.nn.Module, v: np.ndarray, k: int, mean_field: bool, seed: int, chunking: Chunking
+) -> np.ndarray:
+    generator = _generator(seed)  # one for all chunks: a seeded call is reproducible
     with torch.inference_mode():
-        batch = torch.from_numpy(v)  # (B, V)
+        return _in_chunks(  # (B, V)
+            v,
+            v.shape[1],
+            chunking,
+            lambda rows: model.reconstruct(rows, k=k, mean_field=mean_field, generator=generator),
+        )
+
+
+def _hidden(
+    model: torch.nn.Module, v: np.ndarray, sample: bool, seed: int, chunking: Chunking
+) -> np.ndarray:
+    generator = _generator(seed)
+    width = int(model.n_hidden)
+    with torch.inference_mode():
         if sample:
-            out = model.sample_hidden(batch, generator=_generator(seed))  # (B, H)
-        else:
-            out = model.hidden_probs(batch)  # (B, H)
-        return out.to(torch.float32).cpu().numpy()
+            return _in_chunks(
+                v, width, chunking, lambda r: model.sample_hidden(r, generator=generator)
+            )
+        return _in_chunks(v, width, chunking, model.hidden_probs)  # (B, H)
+
+
+class TenantSlots:
+    """At most ``limit`` pooled computations per tenant; a caller waits a bounded time for one."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._semaphores: dict[str, asyncio.Semaphore] = {}
+        self._users: Counter[str] = Counter()  # holders and waiters: the semaphore's lifetime
+
+    @contextlib.asynccontextmanager
+    async def hold(self, tenant: str, wait_s: float) -> AsyncIterator[None]:
+        semaphore = self._semaphores.setdefault(tenant, asyncio.Semaphore(self.limit))
+        self._users[tenant] += 1
+        try:
+            try:
+                await asyncio.wait_for(semaphore.acquire(), max(wait_s, 0.0))
+            except TimeoutError:
+                raise ResourceExhaustedError(
+                    f"tenant {tenant!r} already has {self.limit} serving calls computing "
+                    f"(SSDRBM_MAX_SERVING_CALLS_PER_TENANT={self.limit}) and none finished "
+                    f"within {wait_s:.2f} s; retry with backoff or send fewer calls at once"
+                ) from None
+            try:
+                yield
+            finally:
+                semaphore.release()
+        finally:
+            self._users[tenant] -= 1
+            if not self._users[tenant]:  # idle tenants cost nothing
+                del self._users[tenant], self._semaphores[tenant]
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """The serving side of ``Settings`` (see config.py for each one's reason)."""
+
+    max_output_elements: int = 16 * 1024 * 1024
+    chunk_rows: int = 256
+    calls_per_tenant: int = 4
+    wait_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks, and how long they wait (seconds; None: no deadline)."""
+
+    tenant: str = ""
+    time_remaining: float | None = None
 
 
 class ModelServer:
     """Runs Reconstruct / SampleHidden for jobs, with a model cache and a thread pool."""
 
-    def __init__(self, checkpoints: CheckpointStore, *, threads: int, cache_size: int) -> None:
+    def __init__(
+        self,
+        checkpoints: CheckpointStore,
+        *,
+        threads: int,
+        cache_size: int,
+        limits: ServingLimits | None = None,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
         self.checkpoints = checkpoints
         self.cache = ModelCache(cache_size)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="serving")
+        self.limits = limits or ServingLimits()
+        self.metrics = metrics
+        self.slots = TenantSlots(self.limits.calls_per_tenant)
 
     def close(self) -> None:
         """Stop the thread pool (waits for running computations)."""
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def forget(self, job_id: str) -> None:
+        """Free the cached models of a deleted job (its records no longer lead here)."""
+        self.cache.forget(job_id)
 
     async def model_for(self, job: JobRecord, checkpoint_step: int) -> LoadedModel:
         """The model of ``job`` at ``checkpoint_step`` (0 = latest), loaded or cached."""
@@ -173,35 +316,87 @@ class ModelServer:
         return LoadedModel(model, checkpoint.step, int(model.n_visible), int(model.n_hidden))
 
     async def reconstruct(
-        self, loaded: LoadedModel, v: np.ndarray, *, k: int, mean_field: bool, seed: int
+        self,
+        loaded: LoadedModel,
+        v: np.ndarray,
+        *,
+        k: int,
+        mean_field: bool,
+        seed: int,
+        caller: Caller | None = None,
     ) -> np.ndarray:
         """Reconstruction of ``v`` (B, V) after ``k`` Gibbs steps (0 means 1)."""
         _check_width(loaded, v)
         k = k or 1
         if k > MAX_GIBBS_STEPS:
             raise InvalidArgumentError("k", f"must be at most {MAX_GIBBS_STEPS}, got {k}")
+        self._check_output(v.shape[0] * loaded.n_visible * k, f"batch × n_visible × k (k={k})", v)
         products = 2 * k  # each Gibbs sweep multiplies by W once each way
         return await self._compute(
-            _multiply_adds(loaded, v, products), _reconstruct, loaded.model, v, k, mean_field, seed
+            _multiply_adds(loaded, v, products),
+            caller or Caller(),
+            _reconstruct,
+            loaded.model,
+            v,
+            k,
+            mean_field,
+            seed,
         )
 
     async def hidden(
-        self, loaded: LoadedModel, v: np.ndarray, *, sample: bool, seed: int
+        self,
+        loaded: LoadedModel,
+        v: np.ndarray,
+        *,
+        sample: bool,
+        seed: int,
+        caller: Caller | None = None,
     ) -> np.ndarray:
         """Hidden probabilities (or samples) for ``v`` (B, V) → (B, H)."""
         _check_width(loaded, v)
+        self._check_output(v.shape[0] * loaded.n_hidden, "batch × n_hidden", v)
         return await self._compute(
-            _multiply_adds(loaded, v, 1), _hidden, loaded.model, v, sample, seed
+            _multiply_adds(loaded, v, 1), caller or Caller(), _hidden, loaded.model, v, sample, seed
         )
 
+    def _check_output(self, elements: int, formula: str, v: np.ndarray) -> None:
+        """Refuse before computing: the output (and its intermediates) would be this big."""
+        limit = self.limits.max_output_elements
+        if elements > limit:
+            rows = max(limit * v.shape[0] // elements, 0)
+            raise ResourceExhaustedError(
+                f"input: {formula} = {elements} output elements is over this server's limit of "
+                f"{limit} (SSDRBM_MAX_SERVING_OUTPUT_ELEMENTS); send at most {rows} rows per "
+                "call and split the rest over further calls"
+            )
+
     async def _compute(
-        self, multiply_adds: int, function: Callable[..., np.ndarray], *args: object
+        self,
+        multiply_adds: int,
+        caller: Caller,
+        function: Callable[..., np.ndarray],
+        *args: object,
     ) -> np.ndarray:
-        """``function(*args)``: inline when it is tiny, else on the thread pool."""
+        """``function(*args, chunking)``: inline when it is tiny, else on the thread pool,
+        holding one of the tenant's slots and stopped between chunks when the caller left."""
         if multiply_adds <= INLINE_MAX_MULTIPLY_ADDS:
-            return function(*args)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, function, *args)
+            # Same chunks as in the pool, so a seeded call answers alike either way.
+            return function(*args, Chunking(self.limits.chunk_rows))
+        remaining = caller.time_remaining
+        deadline = None if remaining is None else time.monotonic() + remaining
+        chunking = Chunking(self.limits.chunk_rows, deadline, self.metrics)
+        wait_s = self.limits.wait_s if remaining is None else min(self.limits.wait_s, remaining)
+        async with self.slots.hold(caller.tenant, wait_s):
+            loop = asyncio.get_running_loop()
+            try:
+                return await loop.run_in_executor(self.pool, function, *args, chunking)
+            except asyncio.CancelledError:
+                chunking.cancelled.set()  # the client left: the thread stops at its next chunk
+                raise
+            except Abandoned as exc:
+                raise DeadlineExceededError(
+                    f"stopped computing: {exc}; send fewer rows per call or allow a longer deadline"
+                ) from None
 
 
 def _multiply_adds(loaded: LoadedModel, v: np.ndarray, products: int) -> int:

@@ -418,6 +418,7 @@ def test_serve_runs_the_service_until_sigterm(redis_url: str, capsys) -> None:
         "SSDRBM_REDIS_URL": redis_url,
         "SSDRBM_METRICS_PORT": "0",
         "SSDRBM_LOG_LEVEL": "WARNING",
+        "SSDRBM_ALLOW_NO_PERSISTENCE": "1",  # the test Redis keeps no AOF
     }
     command = [str(Path(sys.executable).parent / "ssdrbm"), "serve", "--no-worker"]
     process = subprocess.Popen(

@@ -57,7 +57,9 @@ def run_job(tmp_path, optimizer: rbm_pb2.OptimizerSpec) -> list[protocol.Message
     thread.start()
     messages = []
     while not messages or messages[-1].kind not in (protocol.FINISHED, protocol.FAILED):
-        messages.append(protocol.receive(worker_end))
+        message = protocol.receive(worker_end)
+        if message.kind != protocol.ALIVE:  # heartbeats are the worker's concern, not ours
+            messages.append(message)
     thread.join(timeout=60)
     return messages
 

@@ -130,7 +130,8 @@ def module_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
     """A service with a worker and a Redis of its own, shared by the tests that train."""
     redis = RedisServer(tmp_path_factory.mktemp("service-redis"))
     redis.start()
-    running = RunningService(make_settings(redis.url))
+    # Its tests read earlier checkpoints of a finished job by step: keep them all.
+    running = RunningService(make_settings(redis.url, finished_checkpoints_kept=3))
     try:
         yield running
     finally:

@@ -30,6 +30,7 @@ from ssdrbm_server.store import (
     LeaseStore,
     connect,
 )
+from ssdrbm_server.store.lifecycle import Retention
 
 SPEC = rbm_pb2.StartTrainingRequest(
     model=rbm_pb2.ModelSpec(n_hidden=4), training=rbm_pb2.TrainingSpec(steps=10)
@@ -616,6 +617,165 @@ def test_a_late_index_step_cannot_undo_a_newer_state(redis_url: str) -> None:
         assert await states_indexed(jobs) == {"SUCCEEDED": 1}
         assert await leases.lapsed() == [] and await redis.zscore(Keys().leases(), job.id) is None
         assert await queue.length() == 1  # the submit's entry only
+
+    run(redis_url, scenario)
+
+
+async def keys_of_job(redis, job_id: str) -> list[bytes]:
+    """Every key whose name holds the job id (its own keys, idempotency keys do not)."""
+    return [key async for key in redis.scan_iter(match=f"*{job_id}*")]
+
+
+async def members_naming(redis, job_id: str) -> list[str]:
+    """The shared and tenant index keys that still list the job."""
+    keys, found = Keys(), []
+    for state in JobState:
+        if await redis.sismember(keys.jobs_in_state(state.value), job_id):
+            found.append(state.value)
+    if await redis.hexists(keys.index_versions(), job_id):
+        found.append("versions")
+    if await redis.zscore(keys.leases(), job_id) is not None:
+        found.append("leases")
+    if await redis.zscore(keys.tenant_jobs("t1"), job_id) is not None:
+        found.append("listing")
+    if await redis.sismember(keys.tenant_active("t1"), job_id):
+        found.append("active")
+    if await redis.zcard(keys.purge_schedule()):
+        found.append("purge")
+    return found
+
+
+async def finished_job(redis, jobs: JobStore, *, request_id: str | None = None, **fenced_kw):
+    """A job claimed, given checkpoints at steps 10-40 and ended SUCCEEDED."""
+    job, _ = await submit(jobs, request_id=request_id, idempotency_ttl_s=3600)
+    lease = await LeaseStore(redis).claim(job.id, "w1", lease_ms=10_000)
+    fenced = FencedJob(redis, lease, **fenced_kw)
+    for step in (10, 20, 30, 40):
+        await fenced.put_checkpoint(step, data=b"m", config_json="{}", trainer_state=b"t", keep=3)
+    await fenced.finish(JobState.SUCCEEDED, step=40)
+    return job
+
+
+def test_delete_removes_every_key_and_index_entry_of_a_job(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs = JobStore(redis)
+        job = await finished_job(redis, jobs, request_id="rid-1")
+        idempotency = Keys().idempotency("t1", "rid-1")
+        assert 0 < await redis.ttl(idempotency) <= 3600  # request ids are remembered a while
+        with pytest.raises(NotFoundError):
+            await jobs.delete("t2", job.id)  # another tenant's job
+        await jobs.delete("t1", job.id)
+        assert await keys_of_job(redis, job.id) == []
+        assert await redis.exists(idempotency) == 0
+        # The versions hash keeps a tombstone (an hour) so late index steps cannot re-add it.
+        assert await members_naming(redis, job.id) == ["versions"]
+        with pytest.raises(NotFoundError):
+            await jobs.get("t1", job.id)
+        with pytest.raises(NotFoundError):
+            await jobs.delete("t1", job.id)
+        # The request id is free again: a repeat creates a new job.
+        again, created = await submit(jobs, request_id="rid-1")
+        assert created and again.id != job.id
+
+    run(redis_url, scenario)
+
+
+def test_a_finished_job_keeps_its_last_checkpoint(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, checkpoints = JobStore(redis), CheckpointStore(redis)
+        job = await finished_job(redis, jobs)
+        assert await checkpoints.list_steps(job.id) == [40]
+        assert (await checkpoints.latest(job.id)).step == 40
+        assert await redis.ttl(Keys().job(job.id)) == -1  # no finished-job TTL by default
+
+    run(redis_url, scenario)
+
+
+def test_delete_of_an_active_job_needs_force(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs, leases = JobStore(redis), LeaseStore(redis)
+        queued, _ = await submit(jobs)
+        with pytest.raises(FailedPreconditionError, match="force"):
+            await jobs.delete("t1", queued.id)
+        await jobs.delete("t1", queued.id, force=True)
+        assert await keys_of_job(redis, queued.id) == []
+
+        running, _ = await submit(jobs)
+        fenced = FencedJob(redis, await leases.claim(running.id, "w1", lease_ms=10_000))
+        await fenced.put_checkpoint(10, data=b"m", config_json="{}", trainer_state=b"t")
+        await jobs.delete("t1", running.id, force=True)
+        assert await keys_of_job(redis, running.id) == []
+        assert await members_naming(redis, running.id) == ["versions"]
+        # The worker still training it is refused at its next write and stops.
+        with pytest.raises(LeaseLostError):
+            await fenced.heartbeat()
+        with pytest.raises(LeaseLostError):
+            await fenced.put_checkpoint(20, data=b"m", config_json="{}", trainer_state=b"t")
+        assert await keys_of_job(redis, running.id) == []
+        assert await jobs.count_active("t1") == 0
+
+    run(redis_url, scenario)
+
+
+def test_a_delete_that_died_after_the_job_keys_is_finished_by_the_sweeper(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs = JobStore(redis)
+        job = await finished_job(redis, jobs)
+        lifecycle = jobs.lifecycle
+        # Steps 1 and 2 only: the process died before the tenant and shared index steps.
+        await lifecycle.schedule(job.id, "t1", delay_ms=0)
+        assert await lifecycle._delete_job_keys(job.id, "t1", False) == "deleted"
+        assert "listing" in await members_naming(redis, job.id)
+        assert await lifecycle.sweep(grace_ms=60_000) == 0  # not overdue yet: may be in flight
+        assert await lifecycle.sweep(grace_ms=0) == 1
+        assert await members_naming(redis, job.id) == ["versions"]
+
+    run(redis_url, scenario)
+
+
+def test_finished_jobs_expire_with_every_key(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        retention = Retention(checkpoints_kept=2, job_ttl_s=1)
+        jobs = JobStore(redis, retention=retention)
+        job = await finished_job(redis, jobs, retention=retention)
+        keys = Keys()
+        assert await CheckpointStore(redis).list_steps(job.id) == [30, 40]
+        own = [keys.job(job.id), keys.events(job.id), keys.checkpoint_index(job.id)]
+        own += [keys.checkpoint(job.id, 30), keys.checkpoint(job.id, 40)]
+        ttls = [await redis.pttl(key) for key in own]
+        assert all(0 < ttl <= 1000 for ttl in ttls), ttls
+        # Redis removes the data at its time; the sweeper then clears the index entries.
+        while await redis.exists(keys.job(job.id)):
+            await asyncio.sleep(0.1)
+        assert (await jobs.list("t1", page_size=10, page_token="", state=None))[0] == []
+        assert await jobs.lifecycle.sweep(grace_ms=0) == 1
+        assert await keys_of_job(redis, job.id) == []
+        assert await members_naming(redis, job.id) == ["versions"]
+
+    run(redis_url, scenario)
+
+
+def test_the_sweeper_leaves_an_active_job_alone(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs = JobStore(redis)
+        job, _ = await submit(jobs)
+        await jobs.lifecycle.schedule(job.id, "t1", delay_ms=0)  # e.g. a delete that died
+        assert await jobs.lifecycle.sweep(grace_ms=0) == 1
+        assert (await jobs.get("t1", job.id)).state == JobState.QUEUED
+        assert await redis.zcard(Keys().purge_schedule()) == 0
+
+    run(redis_url, scenario)
+
+
+def test_submit_refuses_beyond_the_job_record_quota(redis_url: str) -> None:
+    async def scenario(redis) -> None:
+        jobs = JobStore(redis)
+        first = await finished_job(redis, jobs)
+        await submit(jobs, max_records=2)
+        with pytest.raises(ResourceExhaustedError, match=r"max_job_records_per_tenant.*delete"):
+            await submit(jobs, max_records=2)
+        await jobs.delete("t1", first.id)
+        await submit(jobs, max_records=2)
 
     run(redis_url, scenario)
 

@@ -230,7 +230,8 @@ def test_two_workers_share_the_queue_and_run_jobs_end_to_end(redis_url: str) -> 
         assert math.isfinite(latest.log_likelihood) and latest.log_likelihood < 0
         assert latest.spectral_norm > 0 and latest.samples_per_second > 0
 
-        assert await h.checkpoints.list_steps(job_id) == [20, 40, 60]  # 3 kept
+        # Finished, the job keeps only its last checkpoint (finished_checkpoints_kept).
+        assert await h.checkpoints.list_steps(job_id) == [60]
         checkpoint = await h.checkpoints.latest(job_id)
         model = model_from_bytes(checkpoint.data)
         assert json.loads(checkpoint.config_json) == model.config()

@@ -131,6 +131,11 @@ class AsyncClient:
         request = rbm_pb2.CancelJobRequest(job_id=job_id)
         return Job.from_proto(await self._call("CancelJob", request))
 
+    async def delete_job(self, job_id: str, *, force: bool = False) -> None:
+        """Delete a finished job and all it stored; ``force`` cancels an unfinished one first."""
+        request = rbm_pb2.DeleteJobRequest(job_id=job_id, force=force)
+        await self._call("DeleteJob", request)
+
     async def stream_metrics(
         self,
         job_id: str,

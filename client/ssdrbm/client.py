@@ -162,6 +162,12 @@ class Client:
         """Ask the job to stop; returns its record (a finished job is left as it is)."""
         return Job.from_proto(self._call("CancelJob", rbm_pb2.CancelJobRequest(job_id=job_id)))
 
+    def delete_job(self, job_id: str, *, force: bool = False) -> None:
+        """Delete a finished job with its metrics and checkpoints (it is NOT_FOUND afterwards);
+        a queued or running job raises FailedPrecondition unless ``force`` cancels it first."""
+        request = rbm_pb2.DeleteJobRequest(job_id=job_id, force=force)
+        self._call("DeleteJob", request)
+
     # -- metrics -------------------------------------------------------------------------------
 
     def stream_metrics(

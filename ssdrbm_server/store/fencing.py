@@ -36,6 +36,7 @@ from ssdrbm_server.store.events import (
 )
 from ssdrbm_server.store.indexes import NOW_MS, JobIndex
 from ssdrbm_server.store.leases import Lease
+from ssdrbm_server.store.lifecycle import JobLifecycle, Retention
 from ssdrbm_server.store.records import JobState
 
 logger = logging.getLogger(__name__)
@@ -143,11 +144,19 @@ class LeaseLostError(Exception):
 class FencedJob:
     """All writes of one worker attempt on one job."""
 
-    def __init__(self, redis: RedisClient, lease: Lease, *, keys: Keys | None = None) -> None:
+    def __init__(
+        self,
+        redis: RedisClient,
+        lease: Lease,
+        *,
+        keys: Keys | None = None,
+        retention: Retention | None = None,
+    ) -> None:
         self.redis = redis
         self.lease = lease
         self.keys = keys or Keys()
         self.index = JobIndex(redis, self.keys)
+        self.lifecycle = JobLifecycle(redis, self.keys, retention)
         self.job_id = lease.job_id
         self.attempt = lease.attempt
         self.tenant = lease.record.tenant
@@ -246,16 +255,19 @@ class FencedJob:
     async def finish(
         self, state: JobState, *, step: int, error: str = "", message: str = ""
     ) -> None:
-        """End the job in a terminal state, with its state event, and drop the lease."""
+        """End the job in a terminal state, with its state event, and drop the lease; then
+        apply the retention (checkpoints trimmed, expiry; lifecycle.py has the order)."""
         if not state.is_terminal:
             raise ValueError(f"finish needs a terminal state, not {state}")
         event = state_event_fields(state, attempt=self.attempt, step=step, message=message or error)
+        await self.lifecycle.expire_later(self.job_id, self.tenant)
         await self._run(
             self._finish,
             self._job_and_events(),
             [state.value, repr(time.time()), error, *event_values(event)],
         )
         await self.index.follow(self.job_id, self.tenant, state, self.attempt)
+        await self.lifecycle.ended(self.job_id)
         logger.info(
             "job %s %s at step %d (attempt %d)", self.job_id, state.value, step, self.attempt
         )

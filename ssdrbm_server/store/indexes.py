@@ -32,6 +32,10 @@ rules make a process death (or a slow process) between the steps safe:
    - the tenant's active set is also repaired by the submit that finds the tenant at its limit
      (ssdrbm_server/store/jobs.py), so a lost removal never blocks a tenant for good.
 
+A forgotten job (deleted, expired, or its submit died) keeps a tombstone version (`FORGOTTEN`)
+for `TOMBSTONE_MS`, noted in `{jobs}:forgotten`; later forgets prune the old tombstones, so the
+versions hash does not grow with every job ever deleted.
+
 The lease index may show an earlier deadline than the job hash (a heartbeat's index step not yet
 done): `lapsed()` then offers a job whose claim answers "held", which costs one round trip.
 Deadlines are on the Redis clock of the job's node; the index is compared with the clock of the
@@ -49,6 +53,10 @@ QUEUE_FIELD = "job"  # the one field of a queue entry: the job id
 
 # A missing job's version: above any real one, so no late step can index it again.
 FORGOTTEN = 2**52
+# How long a forgotten job's version stays: far longer than the gap between a process's fenced
+# step and its index step, the only time a late step can arrive (its fenced step needs the hash).
+TOMBSTONE_MS = 3_600_000
+_TOMBSTONE_PRUNE = 16  # tombstones pruned per forget: keeps up with any rate of forgets
 
 _RANK = {JobState.RUNNING: 0, JobState.QUEUED: 1}
 _TERMINAL_RANK = 2
@@ -87,6 +95,23 @@ end
 return 1
 """
 
+# KEYS: versions, forgotten. ARGV: job id, how long a tombstone stays (ms), prune limit.
+# Notes when the job was forgotten and prunes the oldest tombstones whose time has passed, so
+# deleted and expired jobs do not leave a version behind for good.
+_TOMBSTONE = (
+    NOW_MS
+    + """
+redis.call('ZADD', KEYS[2], 'NX', now, ARGV[1])
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[2]),
+                       'LIMIT', 0, tonumber(ARGV[3]))
+for _, id in ipairs(old) do
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+end
+return #old
+"""
+)
+
 # KEYS: leases. ARGV: job id, lease ms. Only ever lowers an existing deadline (LT).
 _RESERVE_LEASE = (
     NOW_MS
@@ -119,6 +144,7 @@ class JobIndex:
         self._sync = redis.register_script(_SYNC)
         self._reserve_lease = redis.register_script(_RESERVE_LEASE)
         self._lapsed = redis.register_script(_LAPSED)
+        self._tombstone = redis.register_script(_TOMBSTONE)
 
     def _global_keys(self) -> list[str]:
         states = [self.keys.jobs_in_state(state.value) for state in JobState]
@@ -165,6 +191,10 @@ class JobIndex:
         """Drop a job whose hash is gone (expired unfinished submit, lost data) from the shared
         indexes for good."""
         await self._apply(job_id, FORGOTTEN, 0, None, False)
+        await self._tombstone(
+            keys=[self.keys.index_versions(), self.keys.forgotten()],
+            args=[job_id, TOMBSTONE_MS, _TOMBSTONE_PRUNE],
+        )
 
     async def reserve_lease(self, job_id: str, lease_ms: int) -> None:
         """Make sure the lease index holds the job with a deadline no later than a claim made

@@ -24,6 +24,12 @@ so the limit holds on Cluster without a race window; a removal from the active s
 crash lost can only refuse a submit early, never admit one beyond the limit.
 
 Cancel decides on the job hash alone (one script); the indexes follow (indexes.py).
+
+Delete (and retention when a job ends: checkpoints trimmed, finished jobs expiring) is in
+lifecycle.py, with the order of its steps. A job QUEUED or RUNNING is deleted only with `force`:
+it is cancelled first (a queued one at once; a running one is flagged), then removed at once, and
+a worker still training it finds the hash gone at its next fenced write and stops. Nothing waits
+for the worker, so a forced delete answers within one round of writes.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import uuid
 from dataclasses import dataclass
 
 from ssdrbm_server.errors import (
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
@@ -43,6 +50,7 @@ from ssdrbm_server.keys import Keys, is_job_id
 from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.events import event_values, state_event_fields, xadd_event
 from ssdrbm_server.store.indexes import JobIndex
+from ssdrbm_server.store.lifecycle import REQUEST_ID_FIELD, JobLifecycle, Retention
 from ssdrbm_server.store.page_tokens import decode_page_token, encode_page_token
 from ssdrbm_server.store.records import JobRecord, JobState, new_job_fields, record_from_hash
 
@@ -67,9 +75,10 @@ return 1
 )
 
 # KEYS: idempotency, tenant active set, tenant listing, tenant sequence.
-# ARGV: job id, use idempotency ("1"/"0"), max active (0 = no limit).
+# ARGV: job id, use idempotency ("1"/"0"), max active (0 = no limit), max job records (0 = no
+# limit), idempotency key TTL seconds (0 = none).
 # Returns {1, id, seq} when reserved, {0, existing id, 0} for a repeated request id,
-# {-1, "", 0} at the limit.
+# {-1, "", 0} at the active-job limit, {-2, "", 0} at the job-record quota.
 _RESERVE = """
 if ARGV[2] == '1' then
   local existing = redis.call('GET', KEYS[1])
@@ -79,10 +88,21 @@ local max_active = tonumber(ARGV[3])
 if max_active > 0 and redis.call('SCARD', KEYS[2]) >= max_active then
   return {-1, '', 0}
 end
+local max_records = tonumber(ARGV[4])
+if max_records > 0 and redis.call('ZCARD', KEYS[3]) >= max_records then
+  return {-2, '', 0}
+end
 local seq = redis.call('INCR', KEYS[4])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('ZADD', KEYS[3], seq, ARGV[1])
-if ARGV[2] == '1' then redis.call('SET', KEYS[1], ARGV[1]) end
+if ARGV[2] == '1' then
+  local ttl = tonumber(ARGV[5])
+  if ttl > 0 then
+    redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl)
+  else
+    redis.call('SET', KEYS[1], ARGV[1])
+  end
+end
 return {1, ARGV[1], seq}
 """
 
@@ -92,15 +112,6 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'seq', ARGV[1])
 redis.call('PERSIST', KEYS[1])
 redis.call('PERSIST', KEYS[2])
-return 1
-"""
-
-# KEYS: tenant active set, tenant listing, and the idempotency key when known. ARGV: job id.
-# Forgets a reservation whose job expired before it was admitted.
-_FORGET = """
-redis.call('SREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
 return 1
 """
 
@@ -132,7 +143,7 @@ _SUBMIT_ROUNDS = 3  # reservations retried after a repair freed a slot or a requ
 _LIST_BATCH = 200
 
 # Replies of _RESERVE.
-_RESERVED, _REPEATED, _AT_LIMIT = 1, 0, -1
+_RESERVED, _REPEATED, _AT_LIMIT, _AT_QUOTA = 1, 0, -1, -2
 
 
 @dataclass
@@ -156,14 +167,16 @@ def _not_found(job_id: str) -> NotFoundError:
 class JobStore:
     """Client-facing job operations; every method is scoped to a tenant where it reads a job."""
 
-    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
+    def __init__(
+        self, redis: RedisClient, *, keys: Keys | None = None, retention: Retention | None = None
+    ) -> None:
         self.redis = redis
         self.keys = keys or Keys()
         self.index = JobIndex(redis, self.keys)
+        self.lifecycle = JobLifecycle(redis, self.keys, retention)
         self._create = redis.register_script(_CREATE)
         self._reserve = redis.register_script(_RESERVE)
         self._admit = redis.register_script(_ADMIT)
-        self._forget = redis.register_script(_FORGET)
         self._cancel = redis.register_script(_CANCEL)
 
     def _job_keys(self, job_id: str) -> list[str]:
@@ -179,12 +192,16 @@ class JobStore:
         request_id: str | None,
         n_visible: int = 0,
         max_active: int = 0,
+        max_records: int = 0,
+        idempotency_ttl_s: int = 0,
     ) -> tuple[JobRecord, bool]:
         """Record and enqueue a job; returns (job, created).
 
-        A repeated `request_id` of the same tenant returns the original job with created=False.
-        `max_active` > 0 refuses (ResourceExhaustedError) when the tenant already has that many
-        QUEUED + RUNNING jobs, checked atomically with the reservation (see the module notes).
+        A repeated `request_id` of the same tenant returns the original job with created=False
+        (for `idempotency_ttl_s` seconds when > 0). `max_active` > 0 refuses
+        (ResourceExhaustedError) when the tenant already has that many QUEUED + RUNNING jobs,
+        `max_records` > 0 when it has that many job records of any state; both are checked
+        atomically with the reservation (see the module notes).
         """
         job_id = new_job_id()
         fields = new_job_fields(
@@ -195,18 +212,25 @@ class JobStore:
             n_visible=n_visible,
             created_at=time.time(),
         )
+        fields[REQUEST_ID_FIELD] = request_id or ""  # a delete removes its idempotency key
         event = state_event_fields(JobState.QUEUED, attempt=0, step=0, message="submitted")
         args: list[bytes | str | int | float] = [ADMISSION_TTL_S, *event_values(event)]
         for field, value in fields.items():
             args += [field, value]
         await self._create(keys=self._job_keys(job_id), args=args)
-        status, found_id, seq = await self._reserve_job(tenant, job_id, request_id, max_active)
+        limits = (max_active, max_records, idempotency_ttl_s)
+        status, found_id, seq = await self._reserve_job(tenant, job_id, request_id, limits)
         if status != _RESERVED:
             await self.redis.delete(*self._job_keys(job_id))  # else it expires by itself
         if status == _AT_LIMIT:
             raise ResourceExhaustedError(
                 f"tenant already has {max_active} queued or running jobs; wait for one to finish "
                 "or cancel one"
+            )
+        if status == _AT_QUOTA:
+            raise ResourceExhaustedError(
+                f"tenant already has {max_records} job records (max_job_records_per_tenant); "
+                "delete finished jobs you no longer need (DeleteJob, `ssdrbm delete JOB`)"
             )
         if status == _RESERVED:
             await self._admit_job(tenant, job_id, seq)
@@ -216,7 +240,7 @@ class JobStore:
         return await self.get(tenant, found_id), status == _RESERVED
 
     async def _reserve_job(
-        self, tenant: str, job_id: str, request_id: str | None, max_active: int
+        self, tenant: str, job_id: str, request_id: str | None, limits: tuple[int, int, int]
     ) -> tuple[int, str, int]:
         """Step 2: (status, job id, listing position), after repairing what stood in the way:
         a full tenant whose active set holds ended or vanished jobs, or a request id whose job
@@ -228,7 +252,7 @@ class JobStore:
             self.keys.tenant_jobs(tenant),
             self.keys.tenant_sequence(tenant),
         ]
-        args = [job_id, "1" if request_id else "0", max_active]
+        args = [job_id, "1" if request_id else "0", *limits]
         for _ in range(_SUBMIT_ROUNDS):
             status, found_id, seq = await self._reserve(keys=keys, args=args)
             found_id = found_id.decode()
@@ -269,8 +293,7 @@ class JobStore:
         """Finish what a dead process left of a job named by the tenant's keys; True when the
         job no longer counts as active (it ended, or its hash is gone and is forgotten)."""
         if found.state is None:
-            keys = [self.keys.tenant_active(tenant), self.keys.tenant_jobs(tenant)]
-            await self._forget(keys=keys + ([idempotency] if idempotency else []), args=[job_id])
+            await self.lifecycle.drop_from_tenant(tenant, job_id, idempotency)
             await self.index.forget(job_id)
             return True
         if found.state.is_terminal:
@@ -357,6 +380,8 @@ class JobStore:
                 step=record.step,
                 message="cancelled while queued",
             )
+            if record.state is JobState.QUEUED:
+                await self.lifecycle.expire_later(job_id, tenant)  # before the end: see lifecycle
             outcome = await self._cancel(
                 keys=self._job_keys(job_id),
                 args=[
@@ -373,9 +398,27 @@ class JobStore:
             logger.info("cancel of job %s: %s", job_id, outcome.decode())
             if outcome == b"cancelled":
                 await self.index.follow(job_id, tenant, JobState.CANCELLED, record.attempt)
+                await self.lifecycle.ended(job_id)
             return await self.get(tenant, job_id)
         # Workers kept claiming and releasing the job between our read and our write.
         raise UnavailableError(f"job {job_id} changed while it was being cancelled; retry")
+
+    async def delete(self, tenant: str, job_id: str, *, force: bool = False) -> None:
+        """Delete the job and every key it owns (lifecycle.py); NotFoundError when unknown or
+        another tenant's. A QUEUED or RUNNING job needs `force` (cancelled, then deleted at
+        once), else FailedPreconditionError."""
+        record = await self.get(tenant, job_id)
+        if not record.state.is_terminal:
+            if not force:
+                raise FailedPreconditionError(
+                    f"job {job_id} is {record.state.value}; cancel it and delete it once it "
+                    "ended, or pass force=true (`ssdrbm delete --force`) to cancel and delete "
+                    "it now"
+                )
+            record = await self.cancel(tenant, job_id)
+        if not await self.lifecycle.purge(job_id, tenant, allow_active=force):
+            # Only without force, for a job that cannot go back from an end: a bug, not a race.
+            raise FailedPreconditionError(f"job {job_id} is active again; retry the delete")
 
     async def count_active(self, tenant: str) -> int:
         """The tenant's QUEUED + RUNNING jobs."""

@@ -42,6 +42,7 @@ from ssdrbm_server.store.checkpoints import CheckpointStore
 from ssdrbm_server.store.datasets import DatasetStore
 from ssdrbm_server.store.fencing import FencedJob, LeaseLostError
 from ssdrbm_server.store.leases import Lease, LeaseStore
+from ssdrbm_server.store.lifecycle import Retention
 from ssdrbm_server.store.records import JobRecord, JobState
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.process import ChildProcess, describe_exit
@@ -54,6 +55,7 @@ REDIS_DOWN = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.BusyLoadingError,
+    redis.exceptions.OutOfMemoryError,  # Redis full: writes succeed again once space is freed
 )
 RETRY_DELAY_S = 0.5
 # Rough memory of a training process (training_memory_mb): the interpreter with torch loaded,
@@ -89,7 +91,8 @@ class JobRunner:
         self.lease = lease
         self.settings = settings
         self.stop = stop
-        self.job = FencedJob(redis, lease, keys=self.keys)
+        retention = Retention.from_settings(settings)  # applied when the job ends
+        self.job = FencedJob(redis, lease, keys=self.keys, retention=retention)
         self.record: JobRecord = lease.record
         self.step = max(lease.record.checkpoint_step, 0)
         self.child = child  # a ready training process, or None to start one

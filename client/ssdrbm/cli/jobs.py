@@ -1,4 +1,4 @@
-"""Commands about jobs: ``train``, ``watch``, ``jobs``, ``get``, ``cancel``."""
+"""Commands about jobs: ``train``, ``watch``, ``jobs``, ``get``, ``cancel``, ``delete``."""
 
 from __future__ import annotations
 
@@ -64,6 +64,13 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     cancel.add_argument("job", metavar="JOB")
     cancel.add_argument("--json", action="store_true", help="print the job as JSON")
     cancel.set_defaults(run=run_cancel)
+
+    delete = commands.add_parser(
+        "delete", parents=parents, help="delete a finished job, its metrics and checkpoints"
+    )
+    delete.add_argument("job", metavar="JOB")
+    delete.add_argument("--force", action="store_true", help="cancel a queued or running job first")
+    delete.set_defaults(run=run_delete)
 
 
 TRAINING_EPILOG = (
@@ -305,6 +312,14 @@ def run_get(args: argparse.Namespace) -> ExitCode:
         print_json(job)
     else:
         print(job_details(job))
+    return ExitCode.OK
+
+
+def run_delete(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm delete JOB [--force]``: removes the job; prints its id."""
+    with client_from_args(args) as client:
+        client.delete_job(args.job, force=args.force)
+    print(f"{args.job} deleted")
     return ExitCode.OK
 
 

@@ -1,0 +1,296 @@
+"""The end of a job's life: what a finished job keeps, when it expires, and deleting it.
+
+A job's keys are spread over three kinds of Cluster slot (its own `{<id>}`, its tenant's `{<t>}`
+and the shared `{jobs}` indexes), so removing a job takes several single-slot steps. They run in
+this order, each idempotent, so that a process dying between any two leaves nothing behind for
+good:
+
+1. schedule (`{jobs}`): `{jobs}:purge` gets the entry `<id> <tenant>`, due now for a delete, or
+   `finished_job_ttl_seconds` after the end for an expiring job. While the entry exists, the
+   sweeper (`sweep`, run by every API process) repeats steps 2-5 for it once it is
+   `SWEEP_GRACE_MS` overdue.
+2. the job's own keys (`{<id>}`, one script): hash, metric stream, checkpoint index and every
+   checkpoint. The script checks the index still lists exactly the checkpoints it was given
+   (else the caller reads it again), so no checkpoint written meanwhile survives. From here on
+   the job is NOT_FOUND everywhere; a worker still running it (a forced delete) has its next
+   fenced write refused, since the fence needs the hash, and stops within a heartbeat.
+3. the tenant's keys (`{<t>}`): active set, listing, and the idempotency key when it still
+   names this job (without the record, e.g. when Redis expired it first, that key goes by its
+   own TTL).
+4. the shared indexes (`{jobs}`): state sets, lease and queue bookkeeping (indexes.py `forget`,
+   whose version tombstone stops a late index step of a worker from indexing the job again).
+5. the schedule entry, last.
+
+The sweeper refuses to remove a QUEUED or RUNNING job (step 2 checks the state in the same
+script): an entry it finds for one came from a retention schedule made before an end that did
+not happen (the lease was lost; the next end schedules again) or from a forced delete that died
+before step 2 and was never acknowledged, so it is dropped and the job lives on.
+
+Retention when a job ends (`ended`, after the end is written; `expire_later`, before): only the
+newest `finished_checkpoints_kept` checkpoints stay, and with a finished-job TTL every key of the
+job itself gets a Redis expiry, so its data goes at its time even if no sweeper runs; the sweeper
+then only clears the index entries. A process dying between the end and `ended` leaves the job
+with its last few checkpoints and no expiry: more memory, nothing wrong, and the sweeper still
+deletes it at its time when it was to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ssdrbm_server.errors import UnavailableError
+from ssdrbm_server.keys import Keys, is_job_id
+from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.indexes import NOW_MS, JobIndex
+from ssdrbm_server.store.records import JobState
+
+logger = logging.getLogger(__name__)
+
+# How overdue a schedule entry must be before the sweeper takes it: far longer than the steps of
+# a delete in progress take, so the sweeper never races one.
+SWEEP_GRACE_MS = 60_000
+SWEEP_INTERVAL_S = 5.0
+SWEEP_BATCH = 100
+_PURGE_RETRIES = 5
+# The job hash field holding its StartTraining request_id, which names its idempotency key.
+REQUEST_ID_FIELD = "request_id"
+
+# KEYS: purge schedule. ARGV: delay ms, member. On the `{jobs}` node's clock, as the sweep.
+_SCHEDULE = (
+    NOW_MS
+    + """
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[2])
+return 1
+"""
+)
+
+# KEYS: purge schedule. ARGV: grace ms, limit. Entries due more than the grace ago.
+_DUE = (
+    NOW_MS
+    + """
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]),
+                  'LIMIT', 0, tonumber(ARGV[2]))
+"""
+)
+
+# Shared by the job-slot scripts: KEYS[3] is the checkpoint index, KEYS[4..] its checkpoints;
+# ARGV[CKPT_ARG..] their steps in the same order. 'retry' when the index lists others.
+_SAME_CHECKPOINTS = """
+local given = {}
+for i = CKPT_ARG, #ARGV do given[ARGV[i]] = true end
+local listed = redis.call('ZRANGE', KEYS[3], 0, -1)
+if #listed ~= #KEYS - 3 then return 'retry' end
+for _, step in ipairs(listed) do
+  if not given[step] then return 'retry' end
+end
+"""
+
+# KEYS: job, events, checkpoint index, its checkpoints. ARGV: tenant, allow active ('1'/'0'),
+# QUEUED, RUNNING, then the checkpoints' steps.
+# Returns 'deleted', 'missing' (leftovers removed), 'active', 'other' (another tenant's) or
+# 'retry'.
+_DELETE = (
+    "local CKPT_ARG = 5\n"
+    + _SAME_CHECKPOINTS
+    + """
+local job = redis.call('HMGET', KEYS[1], 'tenant', 'state')
+if job[1] and job[1] ~= ARGV[1] then return 'other' end
+if job[1] and ARGV[2] ~= '1' and (job[2] == ARGV[3] or job[2] == ARGV[4]) then
+  return 'active'
+end
+redis.call('DEL', unpack(KEYS))
+if job[1] then return 'deleted' end
+return 'missing'
+"""
+)
+
+# KEYS: job, events, checkpoint index, its checkpoints oldest first. ARGV: checkpoints kept,
+# TTL seconds (0 = none), QUEUED, RUNNING, then the checkpoints' steps in the same order.
+_RETAIN = (
+    "local CKPT_ARG = 5\n"
+    + _SAME_CHECKPOINTS
+    + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return 'missing' end
+if state == ARGV[3] or state == ARGV[4] then return 'active' end
+local drop = math.max(0, #KEYS - 3 - tonumber(ARGV[1]))
+for i = 1, drop do
+  redis.call('DEL', KEYS[3 + i])
+  redis.call('ZREM', KEYS[3], ARGV[CKPT_ARG + i - 1])
+end
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ttl) end
+  for i = 4 + drop, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
+end
+return 'kept'
+"""
+)
+
+# KEYS: tenant active set, tenant listing, and the idempotency key when known. ARGV: job id.
+_DROP_FROM_TENANT = """
+redis.call('SREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
+return 1
+"""
+
+
+class _RetentionSettings(Protocol):
+    finished_checkpoints_kept: int
+    finished_job_ttl_seconds: float
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What a job keeps once it ended."""
+
+    checkpoints_kept: int = 1  # the newest checkpoints kept (at least 1: serving needs it)
+    job_ttl_s: int = 0  # seconds from its end until the job is deleted; 0 keeps it
+
+    @classmethod
+    def from_settings(cls, settings: _RetentionSettings) -> Retention:
+        return cls(
+            checkpoints_kept=max(1, settings.finished_checkpoints_kept),
+            job_ttl_s=int(settings.finished_job_ttl_seconds),
+        )
+
+
+def _member(job_id: str, tenant: str) -> str:
+    return f"{job_id} {tenant}"  # a job id has no space, so the first one splits them
+
+
+class JobLifecycle:
+    """Retention when a job ends; deleting a job (now or when it expires); the sweeper."""
+
+    def __init__(self, redis: RedisClient, keys: Keys, retention: Retention | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.retention = retention or Retention()
+        self.index = JobIndex(redis, keys)
+        self._schedule = redis.register_script(_SCHEDULE)
+        self._due = redis.register_script(_DUE)
+        self._delete = redis.register_script(_DELETE)
+        self._retain = redis.register_script(_RETAIN)
+        self._drop_from_tenant = redis.register_script(_DROP_FROM_TENANT)
+
+    # --- retention ------------------------------------------------------------------------
+
+    async def expire_later(self, job_id: str, tenant: str) -> None:
+        """Before a job's end is written: schedule its deletion `job_ttl_s` from now (when
+        the retention has one), so a death right after the end cannot leave it for good."""
+        if self.retention.job_ttl_s > 0:
+            await self.schedule(job_id, tenant, delay_ms=self.retention.job_ttl_s * 1000)
+
+    async def ended(self, job_id: str) -> None:
+        """After a job's end is written: trim its checkpoints and set its keys' expiry."""
+        for _ in range(_PURGE_RETRIES):
+            keys, steps = await self._job_slot(job_id)
+            outcome = await self._retain(
+                keys=keys,
+                args=[
+                    self.retention.checkpoints_kept,
+                    self.retention.job_ttl_s,
+                    JobState.QUEUED.value,
+                    JobState.RUNNING.value,
+                    *steps,
+                ],
+            )
+            if outcome != b"retry":
+                return
+        logger.warning("job %s: checkpoints kept changing; retention skipped", job_id)
+
+    # --- deletion -------------------------------------------------------------------------
+
+    async def schedule(self, job_id: str, tenant: str, *, delay_ms: int) -> None:
+        """Step 1: the job is to be deleted `delay_ms` from now (by the sweeper, if nobody
+        deletes it sooner)."""
+        await self._schedule(
+            keys=[self.keys.purge_schedule()], args=[delay_ms, _member(job_id, tenant)]
+        )
+
+    async def purge(self, job_id: str, tenant: str, *, allow_active: bool = False) -> bool:
+        """Delete every key of the job, in the order of the module notes; False when it was
+        QUEUED or RUNNING and `allow_active` is off (the job is left as it was)."""
+        await self.schedule(job_id, tenant, delay_ms=0)
+        request_id = await self.redis.hget(self.keys.job(job_id), REQUEST_ID_FIELD)
+        outcome = await self._delete_job_keys(job_id, tenant, allow_active)
+        if outcome in ("active", "other"):
+            await self._unschedule(job_id, tenant)
+            return False
+        await self.drop_from_tenant(
+            tenant,
+            job_id,
+            self.keys.idempotency(tenant, request_id.decode()) if request_id else None,
+        )
+        await self.index.forget(job_id)
+        await self._unschedule(job_id, tenant)
+        logger.info("job %s of tenant %s deleted (%s)", job_id, tenant, outcome)
+        return True
+
+    async def drop_from_tenant(self, tenant: str, job_id: str, idempotency: str | None) -> None:
+        """Step 3: the tenant's active set, listing and (when given) idempotency key."""
+        keys = [self.keys.tenant_active(tenant), self.keys.tenant_jobs(tenant)]
+        if idempotency:
+            keys.append(idempotency)
+        await self._drop_from_tenant(keys=keys, args=[job_id])
+
+    async def _delete_job_keys(self, job_id: str, tenant: str, allow_active: bool) -> str:
+        """Step 2, read again while a worker writes a checkpoint in between."""
+        for _ in range(_PURGE_RETRIES):
+            keys, steps = await self._job_slot(job_id)
+            outcome = await self._delete(
+                keys=keys,
+                args=[
+                    tenant,
+                    "1" if allow_active else "0",
+                    JobState.QUEUED.value,
+                    JobState.RUNNING.value,
+                    *steps,
+                ],
+            )
+            if outcome != b"retry":
+                return outcome.decode()
+        raise UnavailableError(f"job {job_id} kept writing checkpoints while deleted; retry")
+
+    async def _job_slot(self, job_id: str) -> tuple[list[str], list[int]]:
+        """The job's own keys, its checkpoints included (oldest first), and their steps."""
+        index = self.keys.checkpoint_index(job_id)
+        steps = sorted(int(member) for member in await self.redis.zrange(index, 0, -1))
+        keys = [self.keys.job(job_id), self.keys.events(job_id), index]
+        return keys + [self.keys.checkpoint(job_id, step) for step in steps], steps
+
+    async def _unschedule(self, job_id: str, tenant: str) -> None:
+        await self.redis.zrem(self.keys.purge_schedule(), _member(job_id, tenant))
+
+    # --- the sweeper ----------------------------------------------------------------------
+
+    async def sweep(self, *, limit: int = SWEEP_BATCH, grace_ms: int = SWEEP_GRACE_MS) -> int:
+        """Delete the jobs whose schedule entry is `grace_ms` overdue (expired jobs, and deletes
+        a dead process left half done); returns how many entries it settled."""
+        members = await self._due(keys=[self.keys.purge_schedule()], args=[grace_ms, limit])
+        for member in members:
+            job_id, _, tenant = member.decode().partition(" ")
+            if not is_job_id(job_id):
+                await self.redis.zrem(self.keys.purge_schedule(), member)
+                continue
+            await self.purge(job_id, tenant)
+        return len(members)
+
+    async def sweep_forever(self, stopped: asyncio.Event | None = None) -> None:
+        """Sweep every `SWEEP_INTERVAL_S` (a background task of each API process)."""
+        while stopped is None or not stopped.is_set():
+            try:
+                while await self.sweep() == SWEEP_BATCH:
+                    pass  # more are due: go on without waiting
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                logger.warning("expired-job sweep skipped: Redis unreachable (%s)", exc)
+            except Exception:
+                logger.exception("expired-job sweep failed; trying again later")
+            await asyncio.sleep(SWEEP_INTERVAL_S)
