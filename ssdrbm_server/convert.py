@@ -66,6 +66,7 @@ def job_to_proto(record: JobRecord) -> rbm_pb2.Job:
     if record.latest_metrics:
         job.latest_metrics.ParseFromString(record.latest_metrics)
     job.backoffs = record.backoffs
+    job.training_process_failures = record.child_failures
     if record.runtime:
         json_format.Parse(record.runtime, job.runtime)
     return job

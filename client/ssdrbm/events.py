@@ -192,6 +192,8 @@ class Job:
     latest_metrics: Metrics | None
     spec: dict[str, Any] = field(default_factory=dict)  # the request, every default filled in
     backoffs: int = 0  # blow-ups recovered from by rolling back with smaller step sizes
+    # times the training process died or hung and the job resumed from its last checkpoint
+    training_process_failures: int = 0
     # what the worker chose for its device, e.g. "device: cuda:0, method: newton-schulz (auto on
     # cuda), CUDA graph"
     runtime: str = ""
@@ -225,6 +227,7 @@ class Job:
             ),
             spec=json_format.MessageToDict(message.spec, preserving_proto_field_name=True),
             backoffs=message.backoffs,
+            training_process_failures=message.training_process_failures,
             runtime=message.runtime.summary,
         )
 

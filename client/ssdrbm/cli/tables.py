@@ -93,6 +93,8 @@ def job_details(job: Job) -> str:
         fields.append(("runtime", job.runtime))
     if job.backoffs:
         fields.append(("backoffs", str(job.backoffs)))
+    if job.training_process_failures:
+        fields.append(("training process failures", str(job.training_process_failures)))
     if job.error:
         fields.append(("error", job.error))
     fields += [(f"spec.{key}", value) for key, value in flatten_spec(job.spec)]

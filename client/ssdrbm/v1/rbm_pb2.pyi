@@ -266,7 +266,7 @@ class StartTrainingResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics", "runtime", "backoffs")
+    __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics", "runtime", "backoffs", "training_process_failures")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class Job(_message.Message):
     LATEST_METRICS_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     BACKOFFS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_PROCESS_FAILURES_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -301,7 +302,8 @@ class Job(_message.Message):
     latest_metrics: Metrics
     runtime: Runtime
     backoffs: int
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempt: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., n_visible: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., runtime: _Optional[_Union[Runtime, _Mapping]] = ..., backoffs: _Optional[int] = ...) -> None: ...
+    training_process_failures: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempt: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., n_visible: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., runtime: _Optional[_Union[Runtime, _Mapping]] = ..., backoffs: _Optional[int] = ..., training_process_failures: _Optional[int] = ...) -> None: ...
 
 class Runtime(_message.Message):
     __slots__ = ("device", "method", "cuda_graph", "summary")
