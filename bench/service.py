@@ -11,6 +11,8 @@ service (gRPC server + worker) as a separate process on port 0 (`bench.service_h
 5. trains the same job spec alone and under the 16-client serving load (idle-loaded-loaded-idle)
    and compares the training throughput the worker reports (samples/s of training time);
 6. samples the resident memory of the server process (and its training child) idle and busy;
+6b. on a fresh service, uploads large datasets while another client PINGs Redis: Redis's
+   longest stall and the API's peak memory (`bench.service_upload`);
 7. last, on a service of its own (no worker), has 100 clients follow a queued job live and
    sends the server SIGTERM: how long after the signal each stream ends with its resumable
    UNAVAILABLE (the drain ends shared followers at once, not at their next poll or the grace).
@@ -567,6 +569,7 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
                         server, lambda stub: _measure_pinned(server, stub, plan, halves)
                     )
                 cases, targets = [*cases, case], [*targets, target]
+            cases += _upload_phase(redis_url, directory, quick=quick)
             # Last: its job stays queued, and no worker may train it during the other phases.
             drain_directory = directory / "drain"
             drain_directory.mkdir()
@@ -576,6 +579,20 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
                               {"subscribers": SUBSCRIBERS, "stream_block_ms": STREAM_BLOCK_MS,
                                "shutdown_grace_s": DRAIN_GRACE_S}, drain))  # fmt: skip
             return cases, targets
+
+
+def _upload_phase(redis_url: str, directory: Path, *, quick: bool) -> list[Case]:
+    """Large uploads on a service of their own, so its memory figures start from a fresh
+    process: Redis's longest stall for another client and the API's peak RSS."""
+    from bench import service_upload  # imports this module
+
+    upload_directory = directory / "upload"
+    upload_directory.mkdir()
+    with service_process(redis_url, upload_directory) as server:
+        return _measure_with_log(
+            server,
+            lambda stub: service_upload.upload_cases(stub, server, redis_url, quick=quick),
+        )
 
 
 def cpu_halves() -> tuple[frozenset[int], frozenset[int]] | None:

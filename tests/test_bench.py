@@ -120,6 +120,21 @@ def test_service_cases_report_latency_throughput_and_memory(quick_records):
         assert "throughput_lost" in pinned["ratios"]
 
 
+def test_service_upload_case_reports_redis_stall_and_api_memory(quick_records):
+    uploads = [
+        c for c in _cases(quick_records, "service") if c["name"].startswith("dataset upload")
+    ]
+    assert uploads
+    for case in uploads:
+        metrics = case["metrics"]
+        assert _is_positive_number(metrics["upload_s"])
+        assert metrics["pings"] > 0
+        assert metrics["redis_max_gap_ms"] > 0
+        assert _is_positive_number(metrics["api_peak_rss_mib"])
+        assert metrics["api_peak_rss_mib"] >= metrics["api_rss_before_mib"] > 0
+        assert case["config"]["store_chunk_bytes"] > 0
+
+
 def test_targets_state_goal_measurement_and_verdict(quick_records):
     targets = [r for r in quick_records if r["kind"] == "target"]
     assert {t["suite"] for t in targets} == {"core", "sklearn", "service"}
