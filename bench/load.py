@@ -8,7 +8,10 @@ and two workers (`python -m ssdrbm_server.worker`), all bound to 127.0.0.1, then
 - sends a steady stream of Reconstruct / SampleHidden calls against a trained model;
 - kills one worker with SIGKILL in the middle and starts a replacement (the "chaos" step), and
   measures how long its job took to resume elsewhere;
-- at the end, cancels a running job and measures how long the cancel took.
+- at the end, cancels a running job and measures how long the cancel took;
+- then the soak (``--soak``, on in the full run): submits, finishes and deletes many more jobs
+  and compares Redis's ``used_memory`` and ``DBSIZE`` with their baseline once every delete is
+  settled (the purge schedule empty), within a stated tolerance.
 
 It checks that every job SUCCEEDED, that every subscriber saw each metric step exactly once and
 the same events a replay returns (no event lost or repeated), and that every serving call
@@ -38,10 +41,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from ssdrbm_server.convert import worker_label
+from ssdrbm_server.keys import Keys
 
 logger = logging.getLogger("bench.load")
 
@@ -49,6 +54,14 @@ REPO = Path(__file__).resolve().parents[1]
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 N_VISIBLE = 16
 START_TIMEOUT_S = 60.0
+# Redis's own allocations move a little between two readings (client buffers, the script cache,
+# listpack resizing): the soak's memory may end this far above its baseline (as in
+# test_lifecycle.py's soak)...
+SOAK_MEMORY_TOLERANCE_BYTES = 64 * 1024
+# ...plus this much per deleted job: each delete leaves a version tombstone in the shared
+# indexes (`{jobs}:versions`, `{jobs}:forgotten`) for an hour (ssdrbm_server/store/indexes.py).
+SOAK_TOMBSTONE_BYTES = 512
+SOAK_STEPS = 20  # a soak job's steps; a metric event and a checkpoint every 10
 
 
 @dataclass
@@ -66,6 +79,9 @@ class LoadConfig:
     chaos_steps: int = 20_000
     chaos_every: int = 1000  # its metric and checkpoint interval
     lease_seconds: float = 2.0
+    soak: bool = True  # submit, finish and delete soak_jobs more jobs; Redis back to baseline
+    soak_jobs: int = 200
+    soak_batch: int = 20  # jobs in flight at once, under the per-tenant active-job limit
     deadline_s: float = 900.0
 
     @classmethod
@@ -78,6 +94,8 @@ class LoadConfig:
             serving_concurrency=4,
             chaos_steps=3000,
             chaos_every=250,
+            soak_jobs=6,
+            soak_batch=3,
             deadline_s=240.0,
         )
 
@@ -95,6 +113,7 @@ class LoadReport:
     cold_serving_ms: float | None = None  # the first serving call (model and torch load)
     recovery_s: float | None = None  # SIGKILL of a worker -> its job running again elsewhere
     cancel_s: float | None = None  # CancelJob -> state CANCELLED
+    soak: dict[str, float] | None = None  # Redis before, at the peak and after the soak
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -417,6 +436,90 @@ def measure_cancel(
     return took
 
 
+def redis_usage(client: redis.Redis) -> tuple[int, int]:
+    """(DBSIZE, used_memory in bytes) of the service's Redis."""
+    return client.dbsize(), int(client.info("memory")["used_memory"])
+
+
+def settle_deletes(client: redis.Redis, deadline: Deadline) -> None:
+    """Wait until the purge schedule is empty: DeleteJob removes a job's entry after its last
+    step, and the sweeper finishes any delete left half done (ssdrbm_server/store/lifecycle.py)."""
+    schedule = Keys().purge_schedule()
+    while client.zcard(schedule):
+        deadline.check("waiting for the purge schedule to empty")
+        time.sleep(0.2)
+
+
+def soak_batch(
+    stub: rbm_pb2_grpc.RBMServiceStub, config: LoadConfig, seeds: range, deadline: Deadline
+) -> list[str]:
+    """Submit one job per seed and wait until each SUCCEEDED; their ids."""
+    ids = [stub.StartTraining(job_request(config, seed, SOAK_STEPS, 10)).job.id for seed in seeds]
+    for job_id in ids:
+        job = wait_for(stub, job_id, lambda j: j.state >= rbm_pb2.JOB_STATE_SUCCEEDED, deadline)
+        if job.state != rbm_pb2.JOB_STATE_SUCCEEDED:
+            raise AssertionError(f"soak job {job_id} ended {job.state}: {job.error}")
+    return ids
+
+
+def soak(
+    cluster: Cluster, stub: rbm_pb2_grpc.RBMServiceStub, config: LoadConfig, deadline: Deadline
+) -> dict[str, float]:
+    """Submit, finish and delete `config.soak_jobs` jobs in batches; Redis's key count and
+    memory at the baseline, at the peak and once every delete is settled."""
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        first_seed = 20_000
+        # Warm-up: structures that stay for good (a consumer's entries, a counter) exist first.
+        for job_id in soak_batch(stub, config, range(first_seed, first_seed + 1), deadline):
+            stub.DeleteJob(rbm_pb2.DeleteJobRequest(job_id=job_id))
+        settle_deletes(client, deadline)
+        baseline_keys, baseline_memory = redis_usage(client)
+        peak_keys, peak_memory = baseline_keys, baseline_memory
+        started = time.perf_counter()
+        for start in range(0, config.soak_jobs, config.soak_batch):
+            count = min(config.soak_batch, config.soak_jobs - start)
+            seeds = range(first_seed + 1 + start, first_seed + 1 + start + count)
+            ids = soak_batch(stub, config, seeds, deadline)
+            keys, memory = redis_usage(client)
+            peak_keys, peak_memory = max(peak_keys, keys), max(peak_memory, memory)
+            for job_id in ids:
+                stub.DeleteJob(rbm_pb2.DeleteJobRequest(job_id=job_id))
+        settle_deletes(client, deadline)
+        after_keys, after_memory = redis_usage(client)
+    finally:
+        client.close()
+    tolerance = SOAK_MEMORY_TOLERANCE_BYTES + SOAK_TOMBSTONE_BYTES * config.soak_jobs
+    return {
+        "jobs": config.soak_jobs,
+        "seconds": round(time.perf_counter() - started, 1),
+        "baseline_keys": baseline_keys,
+        "peak_keys": peak_keys,
+        "after_keys": after_keys,
+        "baseline_used_memory": baseline_memory,
+        "peak_used_memory": peak_memory,
+        "after_used_memory": after_memory,
+        "memory_tolerance_bytes": tolerance,
+    }
+
+
+def soak_failures(figures: dict[str, float]) -> list[str]:
+    """What the soak left behind beyond its tolerance (empty when Redis is back to baseline)."""
+    problems = []
+    if figures["after_keys"] != figures["baseline_keys"]:
+        problems.append(
+            f"soak: DBSIZE {figures['after_keys']} after deleting every job, "
+            f"baseline {figures['baseline_keys']}"
+        )
+    grown = figures["after_used_memory"] - figures["baseline_used_memory"]
+    if grown > figures["memory_tolerance_bytes"]:
+        problems.append(
+            f"soak: used_memory {grown} bytes above its baseline after deleting every job, "
+            f"tolerance {figures['memory_tolerance_bytes']}"
+        )
+    return problems
+
+
 def drive(cluster: Cluster, config: LoadConfig, report: LoadReport, deadline: Deadline) -> None:
     """Run the load against a started cluster, filling ``report``."""
     channel = grpc.insecure_channel(f"127.0.0.1:{cluster.api_port}")
@@ -482,6 +585,10 @@ def drive(cluster: Cluster, config: LoadConfig, report: LoadReport, deadline: De
         report.events_received = sum(len(s.events) for s in subscribers)
         report.cancel_s = round(measure_cancel(stub, config, deadline), 3)
         logger.info("cancel measured")
+        if config.soak:
+            report.soak = soak(cluster, stub, config, deadline)
+            report.failures.extend(soak_failures(report.soak))
+            logger.info("soak of %d jobs done", config.soak_jobs)
         report.latencies_ms = {
             "StartTraining": percentiles(submit),
             "Reconstruct (32x16)": percentiles(reconstruct),
@@ -546,7 +653,22 @@ def print_report(report: LoadReport) -> None:
         )
     if report.cancel_s is not None:
         print(f"CancelJob -> CANCELLED: {report.cancel_s:.2f} s")
+    if report.soak is not None:
+        print_soak(report.soak)
     print("checks: all passed" if report.ok else "FAILED:\n  " + "\n  ".join(report.failures))
+
+
+def print_soak(soak: dict[str, float]) -> None:
+    kib = 1024
+    grown = soak["after_used_memory"] - soak["baseline_used_memory"]
+    print(
+        f"soak: {soak['jobs']} jobs submitted, finished and deleted in {soak['seconds']} s; "
+        f"DBSIZE {soak['baseline_keys']} -> peak {soak['peak_keys']} -> "
+        f"{soak['after_keys']}; used_memory {soak['baseline_used_memory'] / kib:.0f} KiB -> "
+        f"peak {soak['peak_used_memory'] / kib:.0f} KiB -> "
+        f"{soak['after_used_memory'] / kib:.0f} KiB ({grown / kib:+.1f} KiB, tolerance "
+        f"{soak['memory_tolerance_bytes'] / kib:.0f} KiB; keys must match exactly)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -559,12 +681,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subscribers", type=int)
     parser.add_argument("--serving-calls", type=int)
     parser.add_argument("--no-chaos", action="store_true", help="do not kill a worker")
+    soak_help = "submit, finish and delete many jobs; Redis back to its baseline (full: on)"
+    parser.add_argument("--soak", action=argparse.BooleanOptionalAction, help=soak_help)
+    parser.add_argument("--soak-jobs", type=int)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--keep", type=Path, help="keep logs and Redis files in this directory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = LoadConfig.quick() if args.quick else LoadConfig()
-    for name in ("jobs", "steps", "subscribers", "serving_calls"):
+    for name in ("jobs", "steps", "subscribers", "serving_calls", "soak_jobs", "soak"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
     config.chaos = config.chaos and not args.no_chaos

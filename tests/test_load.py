@@ -1,8 +1,9 @@
 """The quick variant of the load test (bench/load.py): queued jobs across two worker processes,
 concurrent metric subscribers and serving calls, one worker SIGKILLed mid-job, and a cancel.
 It asserts what the run checked (every job SUCCEEDED, each subscriber saw every step exactly
-once and the same events as a replay, every serving call succeeded); its latencies are only
-reported, by `python -m bench.load`."""
+once and the same events as a replay, every serving call succeeded, and a soak of a handful of
+jobs submitted, finished and deleted left Redis's key count at its baseline and its memory within
+the stated tolerance); its latencies are only reported, by `python -m bench.load`."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ def test_quick_load_loses_no_job_and_no_event() -> None:
     served = report.latencies_ms["Reconstruct (32x16)"]["count"]
     served += report.latencies_ms["SampleHidden (32x16)"]["count"]
     assert served == config.serving_calls
+    soak = report.soak
+    assert soak is not None and soak["jobs"] == config.soak_jobs
+    assert soak["peak_keys"] > soak["baseline_keys"]  # the jobs were there, so the check can fail
+    assert soak["after_keys"] == soak["baseline_keys"]
+    grown = soak["after_used_memory"] - soak["baseline_used_memory"]
+    assert grown <= soak["memory_tolerance_bytes"]
