@@ -10,7 +10,11 @@ keys with the same tag live together and one Lua script may use them all.
 | `job:{<id>}:metrics`              | stream | metric, backoff, state events; id = resume token  |
 | `job:{<id>}:ckpts`                | zset   | steps of the retained checkpoints (score = step)  |
 | `job:{<id>}:ckpt:<step>`          | hash   | one checkpoint: safetensors bytes, sha256, attempt |
-| `{jobs}:queue`                    | stream | jobs waiting for a worker; consumer group `workers` |
+| `{jobs}:queue:<t>`                | list   | the tenant's waiting job ids, oldest first        |
+| `{jobs}:tenants`                  | zset   | tenants with waiting jobs -> last turn (rotation) |
+| `{jobs}:served`                   | zset   | tenant -> its last turn (a counter, not a clock)  |
+| `{jobs}:taken`                    | zset   | `<id> <worker>` -> when taken (ms), not yet acked |
+| `{jobs}:ready`                    | list   | one token while jobs wait: wakes an idle worker   |
 | `{jobs}:leases`                   | zset   | running job id -> lease deadline (an index)       |
 | `{jobs}:state:<STATE>`            | set    | job ids in that state (Prometheus counts)         |
 | `{jobs}:versions`                 | hash   | job id -> version of the state the indexes show   |
@@ -44,7 +48,6 @@ import hashlib
 import re
 
 DEFAULT_PREFIX = "ssdrbm:"
-WORKER_GROUP = "workers"
 
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
 _DATASET_ID = re.compile(r"[0-9a-f]{64}")
@@ -90,8 +93,23 @@ class Keys:
         return f"{self.job(job_id)}:ckpt:{int(step)}"
 
     # --- the global job indexes: hash tag {jobs} ---
-    def queue(self) -> str:
-        return f"{self.prefix}{{jobs}}:queue"
+    # The per-tenant queues live in the {jobs} slot, not the tenant's: the versioned index step
+    # (store/indexes.py) then queues a job atomically with its state, and the worker's take picks
+    # a tenant and pops its job in one script (store/queue.py).
+    def tenant_queue(self, tenant: str) -> str:
+        return f"{self.prefix}{{jobs}}:queue:{_no_braces('tenant', tenant)}"
+
+    def queue_rotation(self) -> str:
+        return f"{self.prefix}{{jobs}}:tenants"
+
+    def queue_served(self) -> str:
+        return f"{self.prefix}{{jobs}}:served"
+
+    def queue_taken(self) -> str:
+        return f"{self.prefix}{{jobs}}:taken"
+
+    def queue_ready(self) -> str:
+        return f"{self.prefix}{{jobs}}:ready"
 
     def leases(self) -> str:
         return f"{self.prefix}{{jobs}}:leases"

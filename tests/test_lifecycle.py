@@ -163,7 +163,7 @@ def test_soak_deleted_jobs_leave_redis_as_it_was(service, redis_url):
                 assert client.wait(job_id, timeout=120).state == "succeeded"
             return ids
 
-        # Warm-up: the queue stream, its consumer group and the tenant's counter stay for good.
+        # Warm-up: the tenant's last turn in the queue rotation and its counter stay for good.
         for job_id in batch(1):
             client.delete_job(job_id)
         baseline_keys, baseline_memory = plain.dbsize(), plain.info("memory")["used_memory"]

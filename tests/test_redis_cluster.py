@@ -73,7 +73,8 @@ def test_a_jobs_keys_share_one_slot_and_jobs_spread_over_the_nodes(
                 keys.idempotency(tenant, "request"),
             ]
             assert len({key_slot(key.encode()) for key in tenant_keys}) == 1
-        shared = [keys.queue(), keys.leases(), keys.index_versions()]
+        shared = [keys.leases(), keys.index_versions(), keys.queue_rotation(), keys.queue_served()]
+        shared += [keys.queue_taken(), keys.queue_ready(), keys.tenant_queue("t0")]
         shared += [keys.jobs_in_state(state.value) for state in JobState]
         assert len({key_slot(key.encode()) for key in shared}) == 1
 
@@ -179,15 +180,14 @@ def test_events_queue_and_datasets_on_a_cluster(redis_cluster_url: str) -> None:
             EventStore(redis),
             JobQueue(redis),
         )
-        await queue.ensure_group()
         job, _ = await submit(jobs)
         [(entry, job_id)] = await queue.read("dead", block_ms=200)
         assert job_id == job.id
         await asyncio.sleep(0.05)
-        [(taken, _)] = await queue.autoclaim("w1", min_idle_ms=20)
-        assert taken == entry
+        [(entry, taken)] = await queue.autoclaim("w1", min_idle_ms=20)
+        assert taken == job.id and await queue.pending("dead") == []
         fenced = FencedJob(redis, await leases.claim(job.id, "w1", lease_ms=10_000))
-        await queue.ack(entry)  # a MULTI on the queue's slot
+        await queue.ack(entry)
         assert await queue.pending("w1") == [] and await queue.length() == 0
 
         last = await events.last_token(job.id)
@@ -257,5 +257,35 @@ def test_chunked_datasets_on_a_cluster(redis_cluster_url: str) -> None:
         await datasets.delete("t1", info.id)
         await datasets.delete("t2", info.id)
         assert await redis.exists(keys.dataset(info.id)) == 0
+
+    run_on_cluster(redis_cluster_url, scenario)
+
+
+def test_the_tenant_rotation_of_the_queue_on_a_cluster(redis_cluster_url: str) -> None:
+    """The per-tenant lists, the rotation, the taken entries and the wake-up token share the
+    `{jobs}` slot, so enqueue (the index step), take, retake and ack each stay in one slot."""
+    keys = Keys()
+    queue_keys = [keys.tenant_queue(f"t{i}") for i in range(3)]
+    queue_keys += [keys.queue_rotation(), keys.queue_served(), keys.queue_taken()]
+    queue_keys += [keys.queue_ready(), keys.leases(), keys.index_versions()]
+    assert len({key_slot(key.encode()) for key in queue_keys}) == 1
+
+    async def scenario(redis: RedisCluster) -> None:
+        jobs, queue = JobStore(redis), JobQueue(redis)
+        tenant_of = {}
+        for tenant in ("t0", "t0", "t0", "t1"):
+            tenant_of[(await submit(jobs, tenant=tenant))[0].id] = tenant
+        assert await queue.rotation() == ["t0", "t1"]
+        [(dead_entry, _)] = await queue.read("dead", block_ms=0)
+        taken = [await queue.read("w1", block_ms=200) for _ in range(3)]
+        assert [tenant_of[job_id] for [(_, job_id)] in taken] == ["t1", "t0", "t0"]
+        assert await queue.read("w1", block_ms=50) == []  # waited on the wake-up token
+        for [(entry, _)] in taken:
+            await queue.ack(entry)
+        await asyncio.sleep(0.05)
+        [(retaken, job_id)] = await queue.autoclaim("w1", min_idle_ms=20)
+        assert dead_entry.startswith(job_id) and await queue.pending("dead") == []
+        await queue.ack(retaken)
+        assert await queue.length() == 0 and await queue.rotation() == []
 
     run_on_cluster(redis_cluster_url, scenario)

@@ -313,7 +313,6 @@ def test_stale_attempt_cannot_write_after_takeover(redis_url: str) -> None:
 def test_release_requeues_for_the_next_attempt(redis_url: str) -> None:
     async def scenario(redis) -> None:
         jobs, leases, queue = JobStore(redis), LeaseStore(redis), JobQueue(redis)
-        await queue.ensure_group()
         job, _ = await submit(jobs)
         [(entry, job_id)] = await queue.read("w1", block_ms=100)
         assert job_id == job.id
@@ -333,9 +332,7 @@ def test_release_requeues_for_the_next_attempt(redis_url: str) -> None:
 def test_queue_entries_of_a_dead_consumer_are_autoclaimed(redis_url: str) -> None:
     async def scenario(redis) -> None:
         jobs, queue = JobStore(redis), JobQueue(redis)
-        job, _ = await submit(jobs)  # before the group exists: still delivered
-        await queue.ensure_group()
-        await queue.ensure_group()  # idempotent
+        job, _ = await submit(jobs)
         assert [j for _, j in await queue.read("dead", block_ms=100)] == [job.id]
         assert await queue.read("alive", block_ms=50) == []
         assert await queue.autoclaim("alive", min_idle_ms=60_000) == []
@@ -462,7 +459,9 @@ def shared_index_keys() -> list[str]:
     """The `{jobs}` keys that follow a job hash in separate steps (store/indexes.py)."""
     keys = Keys()
     states = [keys.jobs_in_state(state.value) for state in JobState]
-    return [keys.index_versions(), keys.leases(), keys.queue(), *states]
+    queue = [keys.queue_rotation(), keys.queue_served(), keys.queue_ready()]
+    queue.append(keys.tenant_queue("t1"))
+    return [keys.index_versions(), keys.leases(), *queue, *states]
 
 
 def index_keys(tenant: str = "t1") -> list[str]:
@@ -582,7 +581,6 @@ def test_a_cancel_that_died_before_its_index_steps_is_repaired_by_the_worker(
         job, _ = await submit(jobs)
         await undone(redis, index_keys(), jobs.cancel("t1", job.id))
         assert await states_indexed(jobs) == {"QUEUED": 1} and await jobs.count_active("t1") == 1
-        await queue.ensure_group()
         [(_entry, job_id)] = await queue.read("w1", block_ms=100)
         assert await leases.claim(job_id, "w1", lease_ms=10_000) is None
         assert await states_indexed(jobs) == {"CANCELLED": 1} and await jobs.count_active("t1") == 0

@@ -5,8 +5,10 @@ deadline; every transition is one script on the job's slot (claim, fenced writes
 Redis Cluster the indexes cannot join that script, because they are shared by all jobs:
 
 - `{jobs}:state:<STATE>` sets (counts for Prometheus), `{jobs}:leases` (which running jobs to
-  look at for a lapsed lease), `{jobs}:queue` (work for the workers) and `{jobs}:versions`
-  share the `{jobs}` tag, so one script (`_SYNC`) updates them together;
+  look at for a lapsed lease), the queue (work for the workers: the tenants' lists
+  `{jobs}:queue:<t>` and their rotation, queue.py) and `{jobs}:versions` share the `{jobs}`
+  tag, so one script (`_SYNC`) updates them together: a job is queued atomically with its
+  QUEUED state, and its tenant joins the rotation in the same step;
 - `tenant:{<t>}:active` (the per-tenant limit) is in the tenant's slot.
 
 They are updated AFTER the job hash, as separate steps, by whoever made the transition. Two
@@ -18,8 +20,8 @@ rules make a process death (or a slow process) between the steps safe:
    a), an end (-> terminal at a) all raise it. `_SYNC` ignores a version older than the one the
    indexes already show, so a delayed step of a process that lost the job (e.g. a stalled
    worker's heartbeat after a takeover) cannot put back an older state, lease or removal. A
-   queue entry is added only when the version is new, so repeating a step does not enqueue the
-   job twice.
+   job is added to its tenant's queue only when the version is new, so repeating a step does
+   not enqueue the job twice.
 2. Whatever a crash leaves behind is repaired by the next process that looks at the job, or
    is harmless:
    - the lease index is written BEFORE a claim makes the hash RUNNING (`reserve_lease`, with a
@@ -49,8 +51,6 @@ from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.records import JobState
 
-QUEUE_FIELD = "job"  # the one field of a queue entry: the job id
-
 # A missing job's version: above any real one, so no late step can index it again.
 FORGOTTEN = 2**52
 # How long a forgotten job's version stays: far longer than the gap between a process's fenced
@@ -67,18 +67,24 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 """
 
-# KEYS: versions, leases, queue, then one state set per JobState (in enum order).
+# KEYS: versions, leases, one state set per JobState (in enum order), then, to enqueue, the
+# queue keys (`_queue_keys`: rotation, served, ready, the tenant's list).
 # ARGV: job id, version, target (1-based position of the state set, 0 = none), lease deadline
-# ('' = no lease), enqueue ('1'/'0'), queue entry field.
+# ('' = no lease), enqueue ('1'/'0'), tenant.
 # Returns 1 when applied, 0 when the indexes already show a newer version.
+# Enqueueing appends the job to its tenant's list; a tenant new to the rotation enters it at its
+# last turn (0: never served), so it is served before every tenant served since (queue.py).
 _SYNC = """
 local stored = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
 local version = tonumber(ARGV[2])
 if version < stored then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local enqueue = ARGV[5] == '1'
+local last_state = #KEYS
+if enqueue then last_state = #KEYS - 4 end
 local target = tonumber(ARGV[3])
-for i = 4, #KEYS do
-  if i - 3 == target then
+for i = 3, last_state do
+  if i - 2 == target then
     redis.call('SADD', KEYS[i], ARGV[1])
   else
     redis.call('SREM', KEYS[i], ARGV[1])
@@ -89,8 +95,15 @@ if ARGV[4] == '' then
 else
   redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
 end
-if ARGV[5] == '1' and version > stored then
-  redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[1])
+if enqueue and version > stored then
+  local rotation, served = KEYS[#KEYS - 3], KEYS[#KEYS - 2]
+  local ready, list = KEYS[#KEYS - 1], KEYS[#KEYS]
+  redis.call('RPUSH', list, ARGV[1])
+  if not redis.call('ZSCORE', rotation, ARGV[6]) then
+    redis.call('ZADD', rotation, redis.call('ZSCORE', served, ARGV[6]) or 0, ARGV[6])
+  end
+  redis.call('LPUSH', ready, '1')
+  redis.call('LTRIM', ready, 0, 0)
 end
 return 1
 """
@@ -148,20 +161,35 @@ class JobIndex:
 
     def _global_keys(self) -> list[str]:
         states = [self.keys.jobs_in_state(state.value) for state in JobState]
-        return [self.keys.index_versions(), self.keys.leases(), self.keys.queue(), *states]
+        return [self.keys.index_versions(), self.keys.leases(), *states]
+
+    def _queue_keys(self, tenant: str) -> list[str]:
+        return [
+            self.keys.queue_rotation(),
+            self.keys.queue_served(),
+            self.keys.queue_ready(),
+            self.keys.tenant_queue(tenant),
+        ]
 
     async def _apply(
-        self, job_id: str, version: int, target: int, lease_deadline: int | None, enqueue: bool
+        self,
+        job_id: str,
+        version: int,
+        target: int,
+        lease_deadline: int | None,
+        enqueue_for: str | None,
     ) -> None:
+        """One `_SYNC`; `enqueue_for` names the tenant whose queue gets the job (None: none)."""
+        queue_keys = [] if enqueue_for is None else self._queue_keys(enqueue_for)
         await self._sync(
-            keys=self._global_keys(),
+            keys=[*self._global_keys(), *queue_keys],
             args=[
                 job_id,
                 version,
                 target,
                 "" if lease_deadline is None else lease_deadline,
-                "1" if enqueue else "0",
-                QUEUE_FIELD,
+                "0" if enqueue_for is None else "1",
+                enqueue_for or "",
             ],
         )
 
@@ -185,12 +213,13 @@ class JobIndex:
             await self.redis.srem(self.keys.tenant_active(tenant), job_id)
         target = list(JobState).index(state) + 1
         lease = lease_deadline if state is JobState.RUNNING else None
-        await self._apply(job_id, index_version(state, attempt), target, lease, enqueue)
+        queue_for = tenant if enqueue else None
+        await self._apply(job_id, index_version(state, attempt), target, lease, queue_for)
 
     async def forget(self, job_id: str) -> None:
         """Drop a job whose hash is gone (expired unfinished submit, lost data) from the shared
         indexes for good."""
-        await self._apply(job_id, FORGOTTEN, 0, None, False)
+        await self._apply(job_id, FORGOTTEN, 0, None, None)
         await self._tombstone(
             keys=[self.keys.index_versions(), self.keys.forgotten()],
             args=[job_id, TOMBSTONE_MS, _TOMBSTONE_PRUNE],

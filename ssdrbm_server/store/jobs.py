@@ -10,8 +10,10 @@ once the job is queued:
 2. reserve (tenant slot, atomic): the idempotency key, the active-job limit, the listing
    position and the active set. A repeated request id or a full tenant answers here and the
    orphan of step 1 is deleted. From here on the job may be seen (ListJobs, the request id).
-3. queue (`{jobs}` slot): the QUEUED state set and the queue entry, added once per version
-   (indexes.py), so doing this twice queues the job once.
+3. queue (`{jobs}` slot): the QUEUED state set and the job appended to its tenant's queue
+   (which joins the rotation of tenants, queue.py), once per version (indexes.py), so doing
+   this twice queues the job once. A cancelled or deleted job's entry stays in the queue until
+   a worker takes it; the claim refuses it (the job hash decides), so it is harmless.
 4. admit (job slot): the listing position into the hash, and the expiry removed.
 
 A job that still expires after step 2 was not admitted: its submit died between 2 and 4 (and

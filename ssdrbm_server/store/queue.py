@@ -1,92 +1,196 @@
-"""The job queue: a Redis stream read by the workers' consumer group.
+"""The job queue: one list per tenant, served in rotation, so no tenant's backlog delays others.
 
-Entries carry one field, `job` (the job id); the job index adds them (indexes.py), in the same
-step that marks the job QUEUED there, so a submit or release that is repeated queues it once.
-Delivery is at least once: a worker acknowledges an entry only once it holds the job's lease
-(or found the job finished or held by another worker), so an entry delivered to a worker that
-died before claiming it is picked up again by `autoclaim`. The same job may be queued more than
-once (a released job is queued again); the claim is a compare-and-set on the job's attempt, so
-duplicates are harmless.
+Keys, all in the `{jobs}` slot (so each step below is one script):
+- `{jobs}:queue:<tenant>` lists the tenant's queued job ids, oldest first;
+- `{jobs}:tenants` holds exactly the tenants whose list is not empty, scored by the turn at
+  which each was last served; a worker serves the lowest score (least recently served);
+- `{jobs}:served` keeps each tenant's last turn (turns count up: `take` gives the next one), also
+  while its list is empty, so a tenant that queues one job at a time re-enters the rotation at
+  its old turn instead of jumping ahead of tenants that waited; only the newest `SERVED_KEPT`
+  are kept (a dropped tenant counts as never served, which is what it has been for that long);
+- `{jobs}:taken` holds `<job id> <worker>` -> when taken (ms): jobs popped but not yet
+  acknowledged, the equivalent of a stream's pending entries;
+- `{jobs}:ready` holds one token while work waits, so an idle worker blocks on it (BLPOP)
+  instead of polling.
+
+Jobs are queued by the job index (indexes.py), in the versioned step that marks them QUEUED: a
+submit or release that is repeated queues the job once, and the list and the rotation change
+together. Taking is one script: check that the tenant read is still the least recently served,
+pop its oldest job, give the tenant the next turn (it leaves the rotation when its list is now
+empty) and record the job as taken. The order with the claim (job slot) makes a death safe:
+1. take ({jobs} slot): the job moves from its tenant's list to `taken`;
+2. claim (job slot, store/leases.py): the job hash decides; it refuses a job that is not QUEUED
+   (cancelled, finished, deleted, or held by a valid lease), so a stale entry is harmless;
+3. ack ({jobs} slot): the entry leaves `taken`; the job is tracked by its lease from now on.
+A worker that dies after 1 leaves its entry in `taken`; `autoclaim` hands it to another worker
+once it has been there a lease length, and that worker claims and acknowledges it (a claim that
+already happened is refused, and the lease covers the job). Delivery is thus at least once, as
+with the stream this replaces; duplicates (the same job queued by two versions) are harmless
+for the same reason.
+
+Fairness: a tenant that queues its first job enters the rotation at its last turn, below every
+tenant served since, so each worker serves at most one other tenant's job before it (with W
+workers, one job slot per worker), however many jobs the others have queued.
 """
 
 from __future__ import annotations
 
 import logging
 
-from redis.exceptions import ResponseError
-
-from ssdrbm_server.keys import WORKER_GROUP, Keys
+from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.connection import RedisClient
-from ssdrbm_server.store.indexes import QUEUE_FIELD
+from ssdrbm_server.store.indexes import NOW_MS
 
 logger = logging.getLogger(__name__)
+
+SERVED_KEPT = 10_000  # tenants whose last turn is remembered (bounds `{jobs}:served`)
+_TAKE_ROUNDS = 8  # another worker served the tenant read first: read the rotation again
+_JOB_ID_CHARS = 32  # a taken entry is `<job id> <worker>`; job ids have this fixed length
+
+_TAKEN, _MOVED = b"taken", b"moved"
+
+# KEYS: rotation, served, taken, ready, the tenant's list. ARGV: tenant, worker, turns kept.
+# Returns {'taken', entry} or {'moved', ''} (the tenant is no longer first: read again) or
+# {'empty', ''} (a rotation entry without jobs, removed: cannot happen unless data was lost).
+_TAKE = (
+    NOW_MS
+    + """
+local first = redis.call('ZRANGE', KEYS[1], 0, 0)
+if first[1] ~= ARGV[1] then return {'moved', ''} end
+local job = redis.call('LPOP', KEYS[5])
+local newest = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+local turn = 1
+if newest[2] then turn = tonumber(newest[2]) + 1 end
+redis.call('ZADD', KEYS[2], turn, ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[3]) - 1)
+if redis.call('LLEN', KEYS[5]) > 0 then
+  redis.call('ZADD', KEYS[1], turn, ARGV[1])
+else
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+-- One token while work is left (another idle worker wakes up), none once the queues are empty.
+if redis.call('ZCARD', KEYS[1]) > 0 then
+  redis.call('LPUSH', KEYS[4], '1')
+  redis.call('LTRIM', KEYS[4], 0, 0)
+else
+  redis.call('DEL', KEYS[4])
+end
+if not job then return {'empty', ''} end
+local entry = job .. ' ' .. ARGV[2]
+redis.call('ZADD', KEYS[3], now, entry)
+return {'taken', entry}
+"""
+)
+
+# KEYS: taken. ARGV: worker, min idle ms, count, job id length. Entries taken that long ago
+# pass to `worker`.
+_RETAKE = (
+    NOW_MS
+    + """
+local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]),
+                       'LIMIT', 0, tonumber(ARGV[3]))
+local moved = {}
+for _, entry in ipairs(old) do
+  redis.call('ZREM', KEYS[1], entry)
+  local mine = string.sub(entry, 1, tonumber(ARGV[4])) .. ' ' .. ARGV[1]
+  redis.call('ZADD', KEYS[1], now, mine)
+  table.insert(moved, mine)
+end
+return moved
+"""
+)
 
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _entries(raw: list) -> list[tuple[str, str]]:
-    """(entry id, job id) pairs from a list of stream entries; deleted entries are skipped."""
-    field = QUEUE_FIELD.encode()
-    pairs = []
-    for entry_id, fields in raw:
-        if fields and field in fields:  # XAUTOCLAIM returns deleted entries as None
-            pairs.append((_text(entry_id), fields[field].decode()))
-    return pairs
+def _pair(entry: bytes | str) -> tuple[str, str]:
+    """(entry id, job id) of a taken entry."""
+    entry = _text(entry)
+    return entry, entry[:_JOB_ID_CHARS]
 
 
 class JobQueue:
-    """Reading and acknowledging queued jobs as one consumer of the `workers` group."""
+    """Taking and acknowledging queued jobs as one worker (`consumer`)."""
 
     def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
-
-    async def ensure_group(self) -> None:
-        """Create the consumer group (and the stream) unless they exist."""
-        try:
-            # From id 0: jobs submitted before any worker existed are still delivered.
-            await self.redis.xgroup_create(self.keys.queue(), WORKER_GROUP, id="0", mkstream=True)
-            logger.info("created consumer group %s on %s", WORKER_GROUP, self.keys.queue())
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-    async def enqueue(self, job_id: str) -> str:
-        """Add a job to the queue; returns the entry id."""
-        return _text(await self.redis.xadd(self.keys.queue(), {QUEUE_FIELD: job_id}))
+        self._take = redis.register_script(_TAKE)
+        self._retake = redis.register_script(_RETAKE)
 
     async def read(self, consumer: str, *, block_ms: int, count: int = 1) -> list[tuple[str, str]]:
-        """New entries for `consumer`, waiting up to block_ms; [] on timeout."""
-        reply = await self.redis.xreadgroup(
-            WORKER_GROUP, consumer, {self.keys.queue(): ">"}, count=count, block=block_ms
-        )
-        return _entries(reply[0][1]) if reply else []
+        """Up to `count` jobs, each from the least recently served tenant with work, waiting up to
+        block_ms for one; [] on timeout."""
+        taken = await self._take_some(consumer, count)
+        if taken or block_ms <= 0:
+            return taken
+        # A token is left by every enqueue and by a take that left work behind, so a job queued
+        # after the take above wakes this wait at once.
+        await self.redis.blpop([self.keys.queue_ready()], timeout=block_ms / 1000)
+        return await self._take_some(consumer, count)
+
+    async def _take_some(self, consumer: str, count: int) -> list[tuple[str, str]]:
+        taken = []
+        for _ in range(count):
+            entry = await self._take_one(consumer)
+            if entry is None:
+                break
+            taken.append(entry)
+        return taken
+
+    async def _take_one(self, consumer: str) -> tuple[str, str] | None:
+        for _ in range(_TAKE_ROUNDS):
+            first = await self.redis.zrange(self.keys.queue_rotation(), 0, 0)
+            if not first:
+                return None
+            tenant = _text(first[0])
+            status, entry = await self._take(
+                keys=[
+                    self.keys.queue_rotation(),
+                    self.keys.queue_served(),
+                    self.keys.queue_taken(),
+                    self.keys.queue_ready(),
+                    self.keys.tenant_queue(tenant),
+                ],
+                args=[tenant, consumer, SERVED_KEPT],
+            )
+            if status == _TAKEN:
+                return _pair(entry)
+            if status != _MOVED:
+                logger.warning("tenant %s was in the queue rotation without jobs", tenant)
+        return None  # the rotation kept changing under us: the next round tries again
 
     async def pending(self, consumer: str, *, count: int = 10) -> list[tuple[str, str]]:
-        """Entries delivered to `consumer` earlier but never acknowledged (after a restart)."""
-        reply = await self.redis.xreadgroup(
-            WORKER_GROUP, consumer, {self.keys.queue(): "0"}, count=count
-        )
-        return _entries(reply[0][1]) if reply else []
+        """Entries taken by `consumer` earlier and never acknowledged (after a restart)."""
+        suffix = f" {consumer}"
+        entries = await self.redis.zrange(self.keys.queue_taken(), 0, -1)
+        mine = [_pair(entry) for entry in entries if _text(entry)[_JOB_ID_CHARS:] == suffix]
+        return mine[:count]
 
     async def autoclaim(
         self, consumer: str, *, min_idle_ms: int, count: int = 10
     ) -> list[tuple[str, str]]:
-        """Take over entries delivered to other consumers and left unacknowledged that long."""
-        reply = await self.redis.xautoclaim(
-            self.keys.queue(), WORKER_GROUP, consumer, min_idle_time=min_idle_ms, count=count
+        """Take over entries other consumers took and left unacknowledged that long."""
+        moved = await self._retake(
+            keys=[self.keys.queue_taken()], args=[consumer, min_idle_ms, count, _JOB_ID_CHARS]
         )
-        return _entries(reply[1])
+        return [_pair(entry) for entry in moved]
 
     async def ack(self, entry_id: str) -> None:
-        """Acknowledge an entry and drop it from the stream (the job record lives on)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xack(self.keys.queue(), WORKER_GROUP, entry_id)
-            pipe.xdel(self.keys.queue(), entry_id)
-            await pipe.execute()
+        """Drop a taken entry (the job record lives on)."""
+        await self.redis.zrem(self.keys.queue_taken(), entry_id)
 
     async def length(self) -> int:
-        """Entries in the stream (waiting or delivered and not yet acknowledged)."""
-        return int(await self.redis.xlen(self.keys.queue()))
+        """Jobs queued or taken and not yet acknowledged."""
+        tenants = await self.redis.zrange(self.keys.queue_rotation(), 0, -1)
+        queued = [
+            await self.redis.llen(self.keys.tenant_queue(_text(tenant))) for tenant in tenants
+        ]
+        return sum(queued) + int(await self.redis.zcard(self.keys.queue_taken()))
+
+    async def rotation(self) -> list[str]:
+        """Tenants with queued jobs, the next to be served first."""
+        tenants = await self.redis.zrange(self.keys.queue_rotation(), 0, -1)
+        return [_text(tenant) for tenant in tenants]

@@ -3,10 +3,11 @@
 Where the next job comes from, in order:
 1. a running job whose lease lapsed (its worker died): taken over and resumed from its last
    checkpoint (`LeaseStore.lapsed`, a scan of the lease deadlines);
-2. at start, queue entries this worker id received before a restart and never acknowledged;
-3. queue entries another consumer received and left unacknowledged for a lease length
-   (XAUTOCLAIM: that consumer died between reading and claiming);
-4. new queue entries (XREADGROUP, blocking briefly so that `stop()` is noticed quickly).
+2. at start, queue entries this worker id took before a restart and never acknowledged;
+3. queue entries another worker took and left unacknowledged for a lease length (that worker
+   died between taking and claiming);
+4. the oldest job of the least recently served tenant with queued jobs (tenants in rotation,
+   store/queue.py), waiting briefly for one so that `stop()` is noticed quickly.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class Worker:
         try:
             while not self._stop.event.is_set():
                 try:
-                    await queue.ensure_group()
                     lease = await self._next_lease(queue, leases, check_pending)
                     check_pending = False
                     if lease is not None:
@@ -76,9 +76,7 @@ class Worker:
                 except REDIS_DOWN as exc:
                     logger.warning("worker %s: Redis unreachable (%s)", self.worker_id, exc)
                     await self._pause(REDIS_RETRY_S)
-                except redis.exceptions.ResponseError as exc:
-                    if "NOGROUP" in str(exc):  # the queue vanished (Redis lost its data)
-                        continue
+                except redis.exceptions.ResponseError:
                     logger.exception("worker %s: unexpected Redis reply", self.worker_id)
                     await self._pause(REDIS_RETRY_S)
                 except Exception:
