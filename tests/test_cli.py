@@ -501,6 +501,9 @@ def test_ctrl_c_while_watching_exits_130_and_leaves_the_job_running(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a suite started in the background (`cmd &` in a script) runs with
+        # SIGINT ignored, and an ignored signal stays ignored across exec.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         first = process.stderr.readline()  # the replayed "queued" event: it is watching now
