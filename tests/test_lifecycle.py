@@ -4,6 +4,7 @@ quota, Redis configuration checks at start, a full Redis, and a delete soak with
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -177,3 +178,44 @@ def test_soak_deleted_jobs_leave_redis_as_it_was(service, redis_url):
     assert grown > SOAK_MEMORY_TOLERANCE_BYTES
     assert plain.dbsize() == baseline_keys, key_names(redis_url)
     assert plain.info("memory")["used_memory"] - baseline_memory < SOAK_MEMORY_TOLERANCE_BYTES
+
+
+def test_a_full_redis_pauses_a_running_job_instead_of_failing_it(redis_factory, service_factory):
+    """Writes refused for lack of memory are retried by the worker: once Redis has room again
+    the job goes on and succeeds, each metric step once in its stream."""
+    server = redis_factory(appendonly=True)
+    stub = service_factory(server.url).stub()
+    job = stub.StartTraining(tiny_request(steps=3000)).job
+
+    def record() -> rbm_pb2.Job:
+        return stub.GetJob(rbm_pb2.GetJobRequest(job_id=job.id))
+
+    poll_until(lambda: record().step >= 20)
+    admin = server.client()
+    admin.config_set("maxmemory", 1)  # every write is refused with OOM from now on
+    try:
+        time.sleep(0.3)  # a write already running when the limit was set may still land
+        before = record()
+        stalled = before.step
+        for _ in range(10):  # while full: no acknowledged progress, and no failure
+            current = record()
+            assert current.state == rbm_pb2.JOB_STATE_RUNNING, current.error
+            assert current.step == stalled
+            time.sleep(0.1)
+    finally:
+        admin.config_set("maxmemory", 0)
+    poll_until(lambda: record().state >= rbm_pb2.JOB_STATE_SUCCEEDED)
+    done = record()
+    assert done.state == rbm_pb2.JOB_STATE_SUCCEEDED, done.error
+    assert done.attempt == before.attempt  # the same worker went on: no takeover was needed
+    history = stub.StreamMetrics(rbm_pb2.StreamMetricsRequest(job_id=job.id, history_only=True))
+    steps = [event.metrics.step for event in history if event.WhichOneof("event") == "metrics"]
+    assert steps == list(range(10, 3001, 10))
+
+
+def poll_until(condition, timeout_s: float = 120.0) -> None:
+    """Poll ``condition`` until it holds (the timeout only stops a hang; it measures nothing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.05)
