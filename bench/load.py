@@ -9,6 +9,9 @@ and two workers (`python -m ssdrbm_server.worker`), all bound to 127.0.0.1, then
 - kills one worker with SIGKILL in the middle and starts a replacement (the "chaos" step), and
   measures how long its job took to resume elsewhere;
 - at the end, cancels a running job and measures how long the cancel took;
+- the fairness phase: tenant A queues many jobs, then tenant B submits one; it counts A's jobs
+  that started after B's submit and before B's job started, which the queue's rotation bounds
+  by one job slot per worker (ssdrbm_server/store/queue.py);
 - then the soak (``--soak``, on in the full run): submits, finishes and deletes many more jobs
   and compares Redis's ``used_memory`` and ``DBSIZE`` with their baseline once every delete is
   settled (the purge schedule empty), within a stated tolerance.
@@ -17,6 +20,8 @@ It checks that every job SUCCEEDED, that every subscriber saw each metric step e
 the same events a replay returns (no event lost or repeated), and that every serving call
 succeeded; it reports latency percentiles. It stops by itself: everything runs under a deadline,
 and every process it started is stopped on the way out. Exit status 0 when every check passed.
+The API server runs with bearer tokens (two tenants, loopback plaintext): the load and the soak
+are tenant A's; tenant B only submits the fairness phase's job.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ SOAK_MEMORY_TOLERANCE_BYTES = 64 * 1024
 # indexes (`{jobs}:versions`, `{jobs}:forgotten`) for an hour (ssdrbm_server/store/indexes.py).
 SOAK_TOMBSTONE_BYTES = 512
 SOAK_STEPS = 20  # a soak job's steps; a metric event and a checkpoint every 10
+TOKENS = {"alice": "ta", "bob": "tb"}  # tenant -> bearer token (SSDRBM_AUTH_TOKENS)
+TENANT_A, TENANT_B = "alice", "bob"
 
 
 @dataclass
@@ -82,6 +89,7 @@ class LoadConfig:
     soak: bool = True  # submit, finish and delete soak_jobs more jobs; Redis back to baseline
     soak_jobs: int = 200
     soak_batch: int = 20  # jobs in flight at once, under the per-tenant active-job limit
+    fairness_jobs: int = 40  # tenant A's backlog before tenant B's one job; 0: no fairness phase
     deadline_s: float = 900.0
 
     @classmethod
@@ -96,6 +104,7 @@ class LoadConfig:
             chaos_every=250,
             soak_jobs=6,
             soak_batch=3,
+            fairness_jobs=6,
             deadline_s=240.0,
         )
 
@@ -114,6 +123,7 @@ class LoadReport:
     recovery_s: float | None = None  # SIGKILL of a worker -> its job running again elsewhere
     cancel_s: float | None = None  # CancelJob -> state CANCELLED
     soak: dict[str, float] | None = None  # Redis before, at the peak and after the soak
+    fairness: dict[str, float] | None = None  # see measure_fairness
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -188,7 +198,9 @@ class Cluster:
             "SSDRBM_TORCH_THREADS": "1",
             "SSDRBM_METRICS_PORT": "0",
             "SSDRBM_LOG_LEVEL": "WARNING",
-            "SSDRBM_MAX_JOBS_PER_TENANT": str(self.config.jobs + 10),
+            "SSDRBM_MAX_JOBS_PER_TENANT": str(
+                max(self.config.jobs, self.config.fairness_jobs) + 10
+            ),
             **extra,
         }
 
@@ -205,7 +217,10 @@ class Cluster:
             "api",
             [sys.executable, "-m", "ssdrbm_server", "--no-worker", "--listen",
              f"127.0.0.1:{self.api_port}"],
-            self._env(),
+            self._env(
+                SSDRBM_AUTH_MODE="token",
+                SSDRBM_AUTH_TOKENS=",".join(f"{t}={n}" for n, t in TOKENS.items()),
+            ),
         )  # fmt: skip
         for number in (1, 2):
             self.start_worker(f"worker-{number}")
@@ -217,6 +232,17 @@ class Cluster:
             [sys.executable, "-m", "ssdrbm_server.worker"],
             self._env(SSDRBM_WORKER_ID=worker_id),
         )
+
+    def live_workers(self) -> int:
+        return sum(
+            name.startswith("worker") and process.poll() is None
+            for name, process in self.processes.items()
+        )
+
+    def channel(self, tenant: str) -> grpc.Channel:
+        """A channel whose every call carries ``tenant``'s bearer token."""
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.api_port}")
+        return grpc.intercept_channel(channel, BearerToken(TOKENS[tenant]))
 
     def kill(self, name: str) -> None:
         process = self.processes[name]
@@ -252,6 +278,23 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self.metadata = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), self.metadata]
+        return details._replace(metadata=metadata)  # type: ignore[attr-defined]
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
 
 
 # --- the load ---------------------------------------------------------------------------------
@@ -520,9 +563,67 @@ def soak_failures(figures: dict[str, float]) -> list[str]:
     return problems
 
 
+def _seconds(timestamp: object) -> float:
+    return timestamp.ToNanoseconds() / 1e9  # type: ignore[attr-defined]
+
+
+def measure_fairness(
+    cluster: Cluster, config: LoadConfig, stub_a: rbm_pb2_grpc.RBMServiceStub, deadline: Deadline
+) -> dict[str, float]:
+    """Tenant A queues ``config.fairness_jobs`` jobs, then tenant B submits one. Counts A's
+    jobs started before B's (from each job's started_at): those already running at B's submit,
+    and those started after it, which the rotation bounds by one job slot per worker."""
+    workers = cluster.live_workers()
+    a_ids = [
+        stub_a.StartTraining(job_request(config, seed)).job.id
+        for seed in range(30_000, 30_000 + config.fairness_jobs)
+    ]
+    with cluster.channel(TENANT_B) as channel_b:
+        stub_b = rbm_pb2_grpc.RBMServiceStub(channel_b)
+        b_job = stub_b.StartTraining(job_request(config, 40_000)).job
+        b_job = wait_for(stub_b, b_job.id, lambda j: j.HasField("started_at"), deadline)
+        with contextlib.suppress(grpc.RpcError):  # not measured beyond its start
+            stub_b.CancelJob(rbm_pb2.CancelJobRequest(job_id=b_job.id))
+    a_jobs = [stub_a.GetJob(rbm_pb2.GetJobRequest(job_id=j)) for j in a_ids]
+    submitted, started = _seconds(b_job.created_at), _seconds(b_job.started_at)
+    a_starts = [_seconds(j.started_at) for j in a_jobs if j.HasField("started_at")]
+    running = sum(t < submitted for t in a_starts)
+    ahead = sum(submitted <= t < started for t in a_starts)
+    # What is left is not measured: cancel it instead of training it.
+    for job_id in a_ids:
+        with contextlib.suppress(grpc.RpcError):
+            stub_a.CancelJob(rbm_pb2.CancelJobRequest(job_id=job_id))
+    return {
+        "tenant_a_jobs": config.fairness_jobs,
+        "workers": workers,
+        "a_running_at_b_submit": running,
+        "a_queued_at_b_submit": config.fairness_jobs - running,
+        "a_started_before_b": running + ahead,
+        "a_started_after_b_submit_before_b": ahead,
+        "b_wait_s": round(started - submitted, 3),
+        "within_promise": ahead <= workers,
+    }
+
+
+def fairness_failures(figures: dict[str, float]) -> list[str]:
+    problems = []
+    if not figures["within_promise"]:
+        problems.append(
+            f"fairness: {figures['a_started_after_b_submit_before_b']} of tenant A's jobs "
+            f"started after tenant B's submit and before B's job, more than "
+            f"{figures['workers']} (one per worker)"
+        )
+    if figures["a_queued_at_b_submit"] <= figures["workers"]:
+        problems.append(
+            f"fairness: only {figures['a_queued_at_b_submit']} of tenant A's jobs were still "
+            "queued at tenant B's submit, too few to test the rotation"
+        )
+    return problems
+
+
 def drive(cluster: Cluster, config: LoadConfig, report: LoadReport, deadline: Deadline) -> None:
     """Run the load against a started cluster, filling ``report``."""
-    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.api_port}")
+    channel = cluster.channel(TENANT_A)
     stub = rbm_pb2_grpc.RBMServiceStub(channel)
     try:
         # A model to serve while the rest trains.
@@ -589,6 +690,10 @@ def drive(cluster: Cluster, config: LoadConfig, report: LoadReport, deadline: De
             report.soak = soak(cluster, stub, config, deadline)
             report.failures.extend(soak_failures(report.soak))
             logger.info("soak of %d jobs done", config.soak_jobs)
+        if config.fairness_jobs:
+            report.fairness = measure_fairness(cluster, config, stub, deadline)
+            report.failures.extend(fairness_failures(report.fairness))
+            logger.info("fairness phase done")
         report.latencies_ms = {
             "StartTraining": percentiles(submit),
             "Reconstruct (32x16)": percentiles(reconstruct),
@@ -655,6 +760,15 @@ def print_report(report: LoadReport) -> None:
         print(f"CancelJob -> CANCELLED: {report.cancel_s:.2f} s")
     if report.soak is not None:
         print_soak(report.soak)
+    if report.fairness is not None:
+        f = report.fairness
+        print(
+            f"fairness: tenant A queued {f['tenant_a_jobs']} jobs, then tenant B one; "
+            f"{f['a_started_before_b']} of A's started before B's ({f['a_running_at_b_submit']} "
+            f"already running at B's submit, {f['a_started_after_b_submit_before_b']} after it); "
+            f"{f['workers']} workers; B waited {f['b_wait_s']:.2f} s; promise (at most one job "
+            f"slot per worker): {'kept' if f['within_promise'] else 'BROKEN'}"
+        )
     print("checks: all passed" if report.ok else "FAILED:\n  " + "\n  ".join(report.failures))
 
 
@@ -684,12 +798,15 @@ def main(argv: list[str] | None = None) -> int:
     soak_help = "submit, finish and delete many jobs; Redis back to its baseline (full: on)"
     parser.add_argument("--soak", action=argparse.BooleanOptionalAction, help=soak_help)
     parser.add_argument("--soak-jobs", type=int)
+    fairness_help = "tenant A's backlog before tenant B's one job (0: no fairness phase)"
+    parser.add_argument("--fairness-jobs", type=int, help=fairness_help)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--keep", type=Path, help="keep logs and Redis files in this directory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = LoadConfig.quick() if args.quick else LoadConfig()
-    for name in ("jobs", "steps", "subscribers", "serving_calls", "soak_jobs", "soak"):
+    names = ("jobs", "steps", "subscribers", "serving_calls", "soak_jobs", "soak", "fairness_jobs")
+    for name in names:
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
     config.chaos = config.chaos and not args.no_chaos

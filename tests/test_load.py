@@ -3,7 +3,9 @@ concurrent metric subscribers and serving calls, one worker SIGKILLed mid-job, a
 It asserts what the run checked (every job SUCCEEDED, each subscriber saw every step exactly
 once and the same events as a replay, every serving call succeeded, and a soak of a handful of
 jobs submitted, finished and deleted left Redis's key count at its baseline and its memory within
-the stated tolerance); its latencies are only reported, by `python -m bench.load`."""
+the stated tolerance, and a second tenant's first job, submitted behind a backlog of the first
+tenant's jobs, waited at most one job slot per worker); its latencies are only reported, by
+`python -m bench.load`."""
 
 from __future__ import annotations
 
@@ -28,3 +30,9 @@ def test_quick_load_loses_no_job_and_no_event() -> None:
     assert soak["after_keys"] == soak["baseline_keys"]
     grown = soak["after_used_memory"] - soak["baseline_used_memory"]
     assert grown <= soak["memory_tolerance_bytes"]
+    fairness = report.fairness
+    assert fairness is not None and fairness["tenant_a_jobs"] == config.fairness_jobs
+    assert fairness["a_queued_at_b_submit"] > fairness["workers"]  # a backlog B could wait behind
+    # The promise: another tenant's backlog delays B's first job by at most one slot per worker.
+    assert fairness["a_started_after_b_submit_before_b"] <= fairness["workers"]
+    assert fairness["within_promise"]
