@@ -50,8 +50,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
-from ssdrbm_server.convert import worker_label
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.store.records import worker_label
 
 logger = logging.getLogger("bench.load")
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 from ssdrbm.v1 import rbm_pb2
 
-from ssdrbm_server.store.records import JobRecord, JobState
+from ssdrbm_server.store.records import JobRecord, JobState, worker_label
 
 _STATE_TO_PROTO = {state: rbm_pb2.JobState.Value(f"JOB_STATE_{state.value}") for state in JobState}
 _PROTO_TO_STATE = {number: state for state, number in _STATE_TO_PROTO.items()}
@@ -33,16 +31,6 @@ def _timestamp(seconds: float | None) -> Timestamp | None:
     stamp = Timestamp()
     stamp.FromNanoseconds(int(seconds * 1e9))
     return stamp
-
-
-def worker_label(worker_id: str) -> str:
-    """What tenants see of the worker that ran a job: a stable opaque label ("w-" and 8 hex
-    digits of the id's sha256; "" for none). The id holds the host name and process id, which
-    tell tenants about the deployment; records and logs keep it, and an operator matches the
-    two by hashing the id."""
-    if not worker_id:
-        return ""
-    return "w-" + hashlib.sha256(worker_id.encode()).hexdigest()[:8]
 
 
 def job_to_proto(record: JobRecord) -> rbm_pb2.Job:

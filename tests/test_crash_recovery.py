@@ -27,7 +27,6 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
-from ssdrbm_server.convert import worker_label
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.servicer import RBMServicer, Stores
 from ssdrbm_server.store import (
@@ -41,6 +40,7 @@ from ssdrbm_server.store import (
     LeaseStore,
     connect,
 )
+from ssdrbm_server.store.records import worker_label
 from tests.fixtures.jobs import Follower, float_tensor, rpc_error, tiny_request
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.service import RunningService, make_settings

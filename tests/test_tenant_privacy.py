@@ -17,9 +17,9 @@ import pytest
 import redis
 from ssdrbm.v1 import rbm_pb2
 
-from ssdrbm_server.convert import worker_label
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.page_tokens import encode_page_token
+from ssdrbm_server.store.records import worker_label
 from tests.fixtures.jobs import rpc_error, tiny_request
 from tests.fixtures.service import RunningService
 
@@ -89,6 +89,11 @@ def test_tenants_see_a_worker_label_and_records_keep_the_worker_id(
     assert "build-host" not in job.worker
     listed = stub.ListJobs(rbm_pb2.ListJobsRequest()).jobs
     assert [j.worker for j in listed] == [job.worker]
+    # Nor do the state events of its metric stream name the host ("claimed by w-…").
+    events = stub.StreamMetrics(rbm_pb2.StreamMetricsRequest(job_id=job_id, history_only=True))
+    messages = [e.state.message for e in events if e.WhichOneof("event") == "state"]
+    assert any(job.worker in message for message in messages), messages
+    assert not any("build-host" in message for message in messages), messages
     client = redis.Redis.from_url(running.settings.redis_url)
     try:
         stored = client.hget(Keys(running.settings.redis_prefix).job(job_id), "worker")

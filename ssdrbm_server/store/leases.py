@@ -25,7 +25,7 @@ from ssdrbm_server.keys import Keys, is_job_id
 from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.events import event_values, state_event_fields, xadd_event
 from ssdrbm_server.store.indexes import NOW_MS, JobIndex
-from ssdrbm_server.store.records import JobRecord, JobState, record_from_hash
+from ssdrbm_server.store.records import JobRecord, JobState, record_from_hash, worker_label
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,8 @@ class LeaseStore:
 
 
 def _claim_event(record: JobRecord, worker_id: str) -> dict[str, bytes | str]:
-    message = f"claimed by {worker_id}"
+    # Tenants read this event: they see the worker's opaque label, not its host and pid.
+    message = f"claimed by {worker_label(worker_id)}"
     if record.checkpoint_step >= 0:
         message += f", resuming from step {record.checkpoint_step}"
     start_step = max(record.checkpoint_step, 0)  # training restarts from here

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -127,3 +128,13 @@ def new_job_fields(
         "backoffs": 0,
         "runtime": "",
     }
+
+
+def worker_label(worker_id: str) -> str:
+    """What tenants see of the worker that ran a job: a stable opaque label ("w-" and 8 hex
+    digits of the id's sha256; "" for none). The id holds the host name and process id, which
+    tell tenants about the deployment; records and logs keep it, and an operator matches the
+    two by hashing the id."""
+    if not worker_id:
+        return ""
+    return "w-" + hashlib.sha256(worker_id.encode()).hexdigest()[:8]
