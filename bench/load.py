@@ -48,6 +48,7 @@ import grpc
 import numpy as np
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ssdrbm.connection import with_bearer_token
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from ssdrbm_server.keys import Keys
@@ -242,7 +243,7 @@ class Cluster:
     def channel(self, tenant: str) -> grpc.Channel:
         """A channel whose every call carries ``tenant``'s bearer token."""
         channel = grpc.insecure_channel(f"127.0.0.1:{self.api_port}")
-        return grpc.intercept_channel(channel, BearerToken(TOKENS[tenant]))
+        return with_bearer_token(channel, TOKENS[tenant])
 
     def kill(self, name: str) -> None:
         process = self.processes[name]
@@ -278,23 +279,6 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
-
-    def __init__(self, token: str) -> None:
-        self.metadata = ("authorization", f"Bearer {token}")
-
-    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = [*(details.metadata or ()), self.metadata]
-        return details._replace(metadata=metadata)  # type: ignore[attr-defined]
-
-    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
-        return continuation(self._details(details), request)
 
 
 # --- the load ---------------------------------------------------------------------------------

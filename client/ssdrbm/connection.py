@@ -122,7 +122,7 @@ class Connection:
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Call metadata: the bearer token, when there is one."""
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        return (bearer_metadata(self.token),) if self.token else ()
 
     def sync_channel(self) -> grpc.Channel:
         """A blocking channel to the target."""
@@ -135,3 +135,35 @@ class Connection:
         if self.tls is None:
             return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         return grpc.aio.secure_channel(self.target, self.tls.credentials(), options=CHANNEL_OPTIONS)
+
+
+def bearer_metadata(token: str) -> tuple[str, str]:
+    """The metadata entry that authenticates a call with ``token``."""
+    return ("authorization", f"Bearer {token}")
+
+
+def with_bearer_token(channel: grpc.Channel, token: str) -> grpc.Channel:
+    """``channel`` with ``token`` sent on every call, for code that uses the generated stubs
+    directly (the SDK's clients pass it per call)."""
+    return grpc.intercept_channel(channel, _BearerToken(token))
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor):  # fmt: skip
+    """Adds the bearer metadata to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self.metadata = bearer_metadata(token)
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), self.metadata]
+        return details._replace(metadata=metadata)  # type: ignore[attr-defined]
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), requests)
