@@ -145,11 +145,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def ListJobs(
         self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListJobsResponse:
-        page_size = request.page_size or DEFAULT_PAGE_SIZE
-        if page_size > MAX_PAGE_SIZE:
-            raise InvalidArgumentError(
-                "page_size", f"must be at most {MAX_PAGE_SIZE}, got {request.page_size}"
-            )
+        page_size = _page_size(request.page_size)
         enum_value(pb.JobState, request.state, "state")
         _check_id(request.page_token, "page_token", required=False)
         records, next_token = await self.stores.jobs.list(
@@ -415,11 +411,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def ListDatasets(
         self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDatasetsResponse:
-        page_size = request.page_size or DEFAULT_PAGE_SIZE
-        if page_size > MAX_PAGE_SIZE:
-            raise InvalidArgumentError(
-                "page_size", f"must be at most {MAX_PAGE_SIZE}, got {request.page_size}"
-            )
+        page_size = _page_size(request.page_size)
         _check_id(request.page_token, "page_token", required=False)
         page, next_token = await self.stores.datasets.list(
             current_tenant(), page_size=page_size, page_token=request.page_token
@@ -541,6 +533,13 @@ def _check_same_spec(record: JobRecord, spec: pb.StartTrainingRequest) -> None:
             f"different spec (first difference: {difference}); use a new request_id for a new "
             "job, or repeat the original request to get that job"
         )
+
+
+def _page_size(requested: int) -> int:
+    """A listing's page size: the default for 0, refused above the maximum."""
+    if requested > MAX_PAGE_SIZE:
+        raise InvalidArgumentError("page_size", f"must be at most {MAX_PAGE_SIZE}, got {requested}")
+    return requested or DEFAULT_PAGE_SIZE
 
 
 def _check_id(value: str, field: str, *, required: bool = True) -> None:

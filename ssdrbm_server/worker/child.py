@@ -245,7 +245,7 @@ class Training:
 
     def _recover(self, blowup: BlowUp) -> bool:
         """Roll back and continue with smaller steps (True), or fail the job (False)."""
-        lr = self.spec.optimizer.lr * self._lr_scale(self.backoffs)
+        lr = self.trainer.lr  # optimizer.lr at the scale of the backoffs taken so far
         limit = self.spec.training.max_backoffs
         if self.backoffs >= limit:
             _report_failure(self.conn, self._failure(blowup, lr), step=blowup.step, diverged=True)
@@ -253,7 +253,7 @@ class Training:
         self.backoffs += 1
         ssdcheckpoint.load_trainer_state(self.trainer, self.good_state)
         self.trainer.set_lr_scale(self._lr_scale(self.backoffs))
-        new_lr = self.spec.optimizer.lr * self._lr_scale(self.backoffs)
+        new_lr = self.trainer.lr
         event = rbm_pb2.Backoff(
             step=blowup.step,
             rollback_step=self.good_step,
