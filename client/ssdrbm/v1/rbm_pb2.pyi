@@ -196,7 +196,7 @@ class TrainingSpec(_message.Message):
     checkpoint_every: int
     max_backoffs: int
     backoff_factor: float
-    def __init__(self, cd_k: _Optional[int] = ..., persistent: _Optional[bool] = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., max_backoffs: _Optional[int] = ..., backoff_factor: _Optional[float] = ...) -> None: ...
+    def __init__(self, cd_k: _Optional[int] = ..., persistent: bool = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., max_backoffs: _Optional[int] = ..., backoff_factor: _Optional[float] = ...) -> None: ...
 
 class EvalSpec(_message.Message):
     __slots__ = ("every", "ais", "ais_chains", "ais_betas", "validation_fraction")
@@ -210,7 +210,7 @@ class EvalSpec(_message.Message):
     ais_chains: int
     ais_betas: int
     validation_fraction: float
-    def __init__(self, every: _Optional[int] = ..., ais: _Optional[bool] = ..., ais_chains: _Optional[int] = ..., ais_betas: _Optional[int] = ..., validation_fraction: _Optional[float] = ...) -> None: ...
+    def __init__(self, every: _Optional[int] = ..., ais: bool = ..., ais_chains: _Optional[int] = ..., ais_betas: _Optional[int] = ..., validation_fraction: _Optional[float] = ...) -> None: ...
 
 class BuiltinDataset(_message.Message):
     __slots__ = ("name", "options")
@@ -255,7 +255,7 @@ class StartTrainingRequest(_message.Message):
     request_id: str
     name: str
     validate_only: bool
-    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., eval: _Optional[_Union[EvalSpec, _Mapping]] = ..., dataset: _Optional[_Union[DatasetRef, _Mapping]] = ..., request_id: _Optional[str] = ..., name: _Optional[str] = ..., validate_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., eval: _Optional[_Union[EvalSpec, _Mapping]] = ..., dataset: _Optional[_Union[DatasetRef, _Mapping]] = ..., request_id: _Optional[str] = ..., name: _Optional[str] = ..., validate_only: bool = ...) -> None: ...
 
 class StartTrainingResponse(_message.Message):
     __slots__ = ("job", "created")
@@ -263,7 +263,7 @@ class StartTrainingResponse(_message.Message):
     CREATED_FIELD_NUMBER: _ClassVar[int]
     job: Job
     created: bool
-    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., created: bool = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics", "runtime", "backoffs", "training_process_failures")
@@ -315,7 +315,7 @@ class Runtime(_message.Message):
     method: PolarMethod
     cuda_graph: bool
     summary: str
-    def __init__(self, device: _Optional[str] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., cuda_graph: _Optional[bool] = ..., summary: _Optional[str] = ...) -> None: ...
+    def __init__(self, device: _Optional[str] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., cuda_graph: bool = ..., summary: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -415,7 +415,7 @@ class StreamMetricsRequest(_message.Message):
     job_id: str
     after: str
     history_only: bool
-    def __init__(self, job_id: _Optional[str] = ..., after: _Optional[str] = ..., history_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., after: _Optional[str] = ..., history_only: bool = ...) -> None: ...
 
 class MetricEvent(_message.Message):
     __slots__ = ("resume_token", "job_id", "time", "metrics", "state", "backoff")
@@ -455,7 +455,7 @@ class ReconstructRequest(_message.Message):
     mean_field: bool
     checkpoint_step: int
     seed: int
-    def __init__(self, job_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., mean_field: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., mean_field: bool = ..., checkpoint_step: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ReconstructResponse(_message.Message):
     __slots__ = ("output", "checkpoint_step")
@@ -517,7 +517,7 @@ class UploadDatasetResponse(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     size_bytes: int
     created: bool
-    def __init__(self, dataset_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
+    def __init__(self, dataset_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., created: bool = ...) -> None: ...
 
 class ExportModelRequest(_message.Message):
     __slots__ = ("job_id", "checkpoint_step")
@@ -579,7 +579,7 @@ class DeleteJobRequest(_message.Message):
     FORCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     force: bool
-    def __init__(self, job_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., force: bool = ...) -> None: ...
 
 class DeleteJobResponse(_message.Message):
     __slots__ = ("job_id",)

@@ -5,7 +5,7 @@ import warnings
 
 from ssdrbm.v1 import rbm_pb2 as ssdrbm_dot_v1_dot_rbm__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.74.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ssdrbm/v1/rbm_pb2_grpc.py depends on'
+        + f' but the generated code in ssdrbm/v1/rbm_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class RBMServiceStub:
+class RBMServiceStub(object):
     """/ The RBM training service.
     """
 
@@ -102,7 +102,7 @@ class RBMServiceStub:
                 _registered_method=True)
 
 
-class RBMServiceServicer:
+class RBMServiceServicer(object):
     """/ The RBM training service.
     """
 
@@ -283,7 +283,7 @@ def add_RBMServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class RBMService:
+class RBMService(object):
     """/ The RBM training service.
     """
 
