@@ -82,6 +82,12 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_FLOAT64: _ClassVar[DType]
     DTYPE_UINT8: _ClassVar[DType]
+
+class ExportFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EXPORT_FORMAT_UNSPECIFIED: _ClassVar[ExportFormat]
+    EXPORT_FORMAT_SAFETENSORS: _ClassVar[ExportFormat]
+    EXPORT_FORMAT_ONNX: _ClassVar[ExportFormat]
 MODEL_KIND_UNSPECIFIED: ModelKind
 MODEL_KIND_BERNOULLI: ModelKind
 MODEL_KIND_GAUSSIAN: ModelKind
@@ -125,6 +131,9 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
 DTYPE_UINT8: DType
+EXPORT_FORMAT_UNSPECIFIED: ExportFormat
+EXPORT_FORMAT_SAFETENSORS: ExportFormat
+EXPORT_FORMAT_ONNX: ExportFormat
 
 class ModelSpec(_message.Message):
     __slots__ = ("kind", "variance", "n_hidden", "min_variance")
@@ -520,24 +529,28 @@ class UploadDatasetResponse(_message.Message):
     def __init__(self, dataset_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., created: bool = ...) -> None: ...
 
 class ExportModelRequest(_message.Message):
-    __slots__ = ("job_id", "checkpoint_step")
+    __slots__ = ("job_id", "checkpoint_step", "format")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     checkpoint_step: int
-    def __init__(self, job_id: _Optional[str] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+    format: ExportFormat
+    def __init__(self, job_id: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., format: _Optional[_Union[ExportFormat, str]] = ...) -> None: ...
 
 class ModelExportHeader(_message.Message):
-    __slots__ = ("config_json", "step", "sha256", "size_bytes")
+    __slots__ = ("config_json", "step", "sha256", "size_bytes", "format")
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     config_json: str
     step: int
     sha256: str
     size_bytes: int
-    def __init__(self, config_json: _Optional[str] = ..., step: _Optional[int] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    format: ExportFormat
+    def __init__(self, config_json: _Optional[str] = ..., step: _Optional[int] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[_Union[ExportFormat, str]] = ...) -> None: ...
 
 class ExportModelResponse(_message.Message):
     __slots__ = ("header", "chunk")

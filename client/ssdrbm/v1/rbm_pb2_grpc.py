@@ -170,7 +170,9 @@ class RBMServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ExportModel(self, request, context):
-        """/ Streams a checkpoint as safetensors bytes after a header with its JSON model config.
+        """/ Streams a checkpoint after a header with its JSON model config: safetensors bytes, or an
+        / ONNX graph (input `input` [B, V]; outputs `hidden_probs` [B, H] and the mean-field
+        / `reconstruction` [B, V]) with `format`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
