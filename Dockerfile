@@ -46,11 +46,11 @@ WORKDIR /app
 RUN python -m pip install -q "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 COPY client/ client/
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY ssdcore/ ssdcore/
 COPY ssdrbm_server/ ssdrbm_server/
-# As scripts/install: the client package on its own, then the service and core that depend on it.
-RUN python -m pip install -q ./client ./
+# As scripts/install: the root distribution, which ships the core, the service and the client.
+RUN python -m pip install -q .
 
 RUN useradd --create-home --uid 10001 ssdrbm && mkdir -p /data && chown ssdrbm /data
 USER ssdrbm
