@@ -31,7 +31,7 @@ from ssdrbm_server.errors import ErrorMappingInterceptor
 from ssdrbm_server.exposure import check_exposure, keep_warning
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.metrics import LatencyInterceptor, ServiceMetrics, refresh_job_gauges
-from ssdrbm_server.readiness import follow_redis
+from ssdrbm_server.readiness import LIVENESS, READINESS, follow_redis
 from ssdrbm_server.redis_checks import check_redis_config
 from ssdrbm_server.servicer import RBMServicer, Stores
 from ssdrbm_server.serving import ModelServer, ServingLimits
@@ -127,6 +127,14 @@ class Service:
         self._refresh: asyncio.Task[None] | None = None
         self._readiness: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._worker_task: asyncio.Task[None] | None = None  # an in-process worker, if any
+
+    def watch_worker(self, task: asyncio.Task[None]) -> None:
+        """Readiness also requires this in-process worker to be running (readiness.py)."""
+        self._worker_task = task
+
+    def _worker_running(self) -> bool:
+        return self._worker_task is None or not self._worker_task.done()
 
     def _bind(self, settings: Settings) -> int:
         address = settings.listen_address
@@ -150,7 +158,7 @@ class Service:
         lose jobs (ssdrbm_server/redis_checks.py)."""
         await check_redis_config(self.redis, self.settings)
         await self.server.start()
-        for name in ("", SERVICE_NAME):
+        for name in ("", LIVENESS, SERVICE_NAME, READINESS):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._refresh = asyncio.create_task(
             refresh_job_gauges(
@@ -159,7 +167,9 @@ class Service:
                 self.running_samples_per_second,
             )
         )
-        self._readiness = asyncio.create_task(follow_redis(self.redis, self.health, SERVICE_NAME))
+        self._readiness = asyncio.create_task(
+            follow_redis(self.redis, self.health, SERVICE_NAME, worker_alive=self._worker_running)
+        )
         # Expired jobs and deletes a dead process left half done (store/lifecycle.py).
         self._sweeper = asyncio.create_task(self.stores.jobs.lifecycle.sweep_forever())
         logger.info("gRPC server listening on port %d", self.port)
@@ -220,7 +230,7 @@ async def serve(
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, _stop_or_exit_now, stop, signum)
     keep_freed_memory()  # large request buffers are reused, not faulted in again each time
     service, _port = await create_server(settings)
     warning = asyncio.create_task(keep_warning(settings))  # exposure, repeated each minute
@@ -232,6 +242,7 @@ async def serve(
     worker, worker_task = None, None
     if settings.run_worker:
         worker, worker_task = _start_worker(settings)
+        service.watch_worker(worker_task)
     if on_ready is not None:
         on_ready(service)
     waiters = [asyncio.ensure_future(stop.wait())]
@@ -254,6 +265,19 @@ async def serve(
         assert worker_task is not None
         error = worker_task.exception() if not worker_task.cancelled() else None
         raise RuntimeError("the in-process worker stopped unexpectedly") from error
+
+
+def _stop_or_exit_now(stop: asyncio.Event, signum: int) -> None:
+    """The first SIGTERM/SIGINT starts the graceful shutdown; a second one ends the process at
+    once, for an operator who will not wait (a job being trained resumes from its last
+    checkpoint once its lease lapses, as after SIGKILL)."""
+    name = signal.Signals(signum).name
+    if not stop.is_set():
+        logger.info("%s received: shutting down gracefully (send it again to exit at once)", name)
+        stop.set()
+        return
+    logger.warning("%s received again: exiting at once", name)
+    os._exit(128 + signum)
 
 
 def _start_worker(settings: Settings) -> tuple[Worker, asyncio.Task[None]]:

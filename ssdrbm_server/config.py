@@ -114,7 +114,13 @@ class Settings:
     # lease renewal and cancel check while a job trains: a cancel lands within about this long
     heartbeat_seconds: float = 0.5
     worker_poll_ms: int = 500  # blocking queue read; bounds how long a stop waits for the loop
-    stop_timeout_seconds: float = 60.0  # a graceful stop waits this long for the checkpoint
+    # A graceful stop waits this long for the checkpoint, and retries Redis writes (checkpoint,
+    # release) for this long when Redis is gone; then the job is left to its lease, which
+    # lapses, and another worker resumes it from its last checkpoint: a stop always ends
+    stop_timeout_seconds: float = 60.0
+    # Touched every heartbeat_seconds by a running worker and removed when it stops; `python -m
+    # ssdrbm_server.healthcheck --worker` fails once it is older than lease_seconds. Empty: none
+    worker_heartbeat_file: str = ""
     # A training process silent this long is taken for hung, killed and its job retried. It
     # beats between chunks of at most 10 steps and around each evaluation, so this must cover
     # the longest of those: the largest AIS estimate a job may ask for (about 1e12 FLOPs)
@@ -155,6 +161,9 @@ class Settings:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set to require client certificates (mTLS)
+    # The CA that signed tls_cert_file, for clients on this host that verify the server (the
+    # health probe); empty: tls_cert_file itself is trusted, right for a self-signed one
+    tls_ca_file: str = ""
 
     log_level: str = "INFO"
 

@@ -1,15 +1,31 @@
-"""Readiness: the service's health follows whether Redis, its system of record, answers.
+"""Health entries a prober asks for, and the worker's heartbeat file.
 
-The overall health entry ("") says the process is alive and stays SERVING while it runs; the
-entry for ``ssdrbm.v1.RBMService`` says whether calls can succeed now, so a load balancer or
-orchestrator can route around a server whose Redis is unreachable while its RPCs answer
-UNAVAILABLE.
+grpc.health.v1 entries this server registers (Kubernetes gRPC probes name them in
+``service:``; ``python -m ssdrbm_server.healthcheck --live/--ready`` asks for them):
+
+- ``""`` (the whole server) and ``liveness``: SERVING while the process runs. The health service
+  answers from the event loop, so an answer at all proves the loop is not stuck; a failing
+  liveness probe means "restart me".
+- ``readiness``: SERVING while Redis, the system of record, answers a PING and, where this
+  process runs a worker, that worker is alive; NOT_SERVING otherwise. A failing readiness probe
+  means "route calls elsewhere", not "restart me": a restart does not bring Redis back.
+- ``ssdrbm.v1.RBMService``: follows Redis alone (its calls fail UNAVAILABLE without it).
+
+A worker alone (``python -m ssdrbm_server.worker``) serves no gRPC: it touches its heartbeat file
+(``SSDRBM_WORKER_HEARTBEAT_FILE``) every heartbeat interval from its event loop, and removes it
+on stop; ``python -m ssdrbm_server.healthcheck --worker`` checks the file is younger than a
+lease length, the time after which the worker's job would be taken over anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 from grpc_health.v1 import health, health_pb2
 from redis import asyncio as aioredis
@@ -20,28 +36,60 @@ logger = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+LIVENESS = "liveness"
+READINESS = "readiness"
+READINESS_INTERVAL_S = 1.0  # a Redis outage shows in readiness within about this long
+
 
 async def follow_redis(
     redis: aioredis.Redis,
     servicer: health.aio.HealthServicer,
     service_name: str,
     *,
-    interval_s: float = 1.0,
+    worker_alive: Callable[[], bool] | None = None,
+    interval_s: float = READINESS_INTERVAL_S,
 ) -> None:
-    """Ping Redis every ``interval_s`` and set ``service_name``'s health to match (forever)."""
-    ready = True
+    """Ping Redis every ``interval_s`` and set ``service_name``'s health to match, and
+    ``readiness`` to Redis and ``worker_alive()`` together (forever)."""
+    state: tuple[bool, bool] | None = None  # (Redis answers, ready); None: not set yet
     while True:
+        reason: Exception | None = None
         try:
             await asyncio.wait_for(redis.ping(), timeout=max(interval_s, 1.0))
-            now_ready = True
+            redis_ok = True
         except (TimeoutError, RedisError, OSError) as exc:
-            now_ready = False
-            reason = exc
-        if now_ready != ready:
-            ready = now_ready
-            if ready:
+            redis_ok, reason = False, exc
+        ready = redis_ok and (worker_alive is None or worker_alive())
+        if state is not None and state[0] != redis_ok:
+            if redis_ok:
                 logger.info("Redis answers again: %s is SERVING", service_name)
             else:
                 logger.warning("Redis unreachable (%s): %s is NOT_SERVING", reason, service_name)
-            await servicer.set(service_name, SERVING if ready else NOT_SERVING)
+        if state is not None and state[1] and not ready and redis_ok:
+            logger.warning("the in-process worker is not running: %s is NOT_SERVING", READINESS)
+        if state != (redis_ok, ready):
+            state = (redis_ok, ready)
+            await servicer.set(service_name, SERVING if redis_ok else NOT_SERVING)
+            await servicer.set(READINESS, SERVING if ready else NOT_SERVING)
         await asyncio.sleep(interval_s)
+
+
+async def beat_file(path: str, interval_s: float) -> None:
+    """Touch ``path`` every ``interval_s`` while the event loop runs; removed when cancelled."""
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        while True:
+            file.write_text(f"{os.getpid()} {time.time():.3f}\n")
+            await asyncio.sleep(interval_s)
+    finally:
+        with contextlib.suppress(OSError):
+            file.unlink()
+
+
+def heartbeat_age(path: str) -> float | None:
+    """Seconds since ``path`` was last touched; None when it does not exist."""
+    try:
+        return max(0.0, time.time() - os.stat(path).st_mtime)
+    except FileNotFoundError:
+        return None

@@ -71,6 +71,18 @@ class StopRequest:
 
     event: asyncio.Event = field(default_factory=asyncio.Event)
     graceful: bool = True
+    since: float = 0.0  # monotonic time of the first request
+
+    def request(self, graceful: bool) -> None:
+        """Ask the running job to stop (again: ``graceful=False`` hurries a graceful stop)."""
+        if not self.event.is_set():
+            self.since = time.monotonic()
+        self.graceful = graceful
+        self.event.set()
+
+    def overdue(self, timeout_s: float) -> bool:
+        """A stop was requested more than ``timeout_s`` ago."""
+        return self.event.is_set() and time.monotonic() - self.since > timeout_s
 
 
 class JobRunner:
@@ -366,9 +378,11 @@ class JobRunner:
                 await self._wait_for_redis(exc)
 
     async def _wait_for_redis(self, exc: Exception) -> None:
-        if self.stop.event.is_set() and not self.stop.graceful:
-            # Stopping now: give the job up. It stays leased in Redis, the lease lapses and
-            # another worker resumes it from its last checkpoint.
+        stopping_now = self.stop.event.is_set() and not self.stop.graceful
+        if stopping_now or self.stop.overdue(self.settings.stop_timeout_seconds):
+            # Stopping now, or a graceful stop that has waited its SSDRBM_STOP_TIMEOUT_SECONDS:
+            # give the job up. It stays leased in Redis, the lease lapses and another worker
+            # resumes it from its last checkpoint.
             raise LeaseLostError(f"job {self.lease.job_id}: Redis unreachable while stopping")
         logger.warning("job %s: Redis unreachable (%s); retrying", self.lease.job_id, exc)
         await asyncio.sleep(RETRY_DELAY_S)

@@ -23,6 +23,7 @@ import redis.exceptions
 
 from ssdrbm_server.config import Settings
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.readiness import beat_file
 from ssdrbm_server.store.connection import connect
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.queue import JobQueue
@@ -64,6 +65,7 @@ class Worker:
         queue = JobQueue(client, keys=self.keys)
         leases = LeaseStore(client, keys=self.keys)
         self._spare = ChildProcess.for_settings(self.settings)
+        heartbeat = self._beat_heartbeat_file()
         logger.info("worker %s started", self.worker_id)
         check_pending = True
         try:
@@ -84,6 +86,9 @@ class Worker:
                     logger.exception("worker %s: unexpected error", self.worker_id)
                     await self._pause(REDIS_RETRY_S)
         finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
             if self._spare is not None:
                 await self._spare.kill()
                 self._spare.close()
@@ -91,6 +96,13 @@ class Worker:
             await client.aclose()
             self._stopped.set()
             logger.info("worker %s stopped", self.worker_id)
+
+    def _beat_heartbeat_file(self) -> asyncio.Task[None] | None:
+        """The file `healthcheck --worker` reads (readiness.py), if one is configured."""
+        path = self.settings.worker_heartbeat_file
+        if not path:
+            return None
+        return asyncio.create_task(beat_file(path, self.settings.heartbeat_seconds))
 
     async def _run_job(self, client: aioredis.Redis, lease: Lease) -> None:
         child, self._spare = self._spare, None
@@ -136,7 +148,6 @@ class Worker:
         graceful: the running job is checkpointed at its current step and released to the
         queue. Otherwise it is released at once and resumes from its last checkpoint.
         """
-        self._stop.graceful = graceful
-        self._stop.event.set()
+        self._stop.request(graceful)
         if self._started:
             await self._stopped.wait()
