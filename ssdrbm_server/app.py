@@ -29,6 +29,7 @@ from ssdrbm_server.auth import AuthInterceptor
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import ErrorMappingInterceptor
 from ssdrbm_server.exposure import check_exposure, keep_warning
+from ssdrbm_server.inference import add_inference_service
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.metrics import LatencyInterceptor, ServiceMetrics, refresh_job_gauges
 from ssdrbm_server.readiness import LIVENESS, READINESS, follow_redis
@@ -119,6 +120,10 @@ class Service:
         )
         self.servicer = RBMServicer(settings, self.stores, self.models, self.metrics)
         rbm_pb2_grpc.add_RBMServiceServicer_to_server(self.servicer, self.server)
+        # The Open Inference Protocol (KServe v2) on the same port, behind the same interceptors.
+        self.inference = add_inference_service(
+            self.server, settings, self.stores, self.models, self.servicer.recent_jobs, self.redis
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server

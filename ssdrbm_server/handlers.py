@@ -18,7 +18,10 @@ import grpc
 Behavior = Callable[..., Any]
 Wrapper = Callable[[Behavior], Behavior]
 
-SERVICE_PREFIX = "/ssdrbm.v1.RBMService/"
+INFERENCE_SERVICE_NAME = "inference.GRPCInferenceService"  # Open Inference Protocol (inference/)
+# The services the interceptors (latency, error mapping, authentication) apply to; health and
+# reflection stay open. A tuple, as ``str.startswith`` takes it.
+SERVICE_PREFIX = ("/ssdrbm.v1.RBMService/", f"/{INFERENCE_SERVICE_NAME}/")
 
 
 def wrap_handler(

@@ -7,8 +7,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STUB_DIR = Path("ssdrbm") / "v1"
-GENERATED = ("rbm_pb2.py", "rbm_pb2.pyi", "rbm_pb2_grpc.py")
+PROTO_ROOT = ROOT / "protos"
+SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+
+
+def generated_stubs() -> list[Path]:
+    """Every stub gen_protos writes, relative to the output root (beside its proto's path)."""
+    protos = sorted(PROTO_ROOT.rglob("*.proto"))
+    return [
+        proto.relative_to(PROTO_ROOT).with_name(proto.stem + suffix)
+        for proto in protos
+        for suffix in SUFFIXES
+    ]
 
 
 def test_committed_stubs_are_not_stale(tmp_path: Path) -> None:
@@ -18,17 +28,15 @@ def test_committed_stubs_are_not_stale(tmp_path: Path) -> None:
         timeout=120,
     )
     stale = [
-        name
-        for name in GENERATED
-        if (tmp_path / STUB_DIR / name).read_bytes()
-        != (ROOT / "client" / STUB_DIR / name).read_bytes()
+        str(stub)
+        for stub in generated_stubs()
+        if (tmp_path / stub).read_bytes() != (ROOT / "client" / stub).read_bytes()
     ]
     assert not stale, f"stale stubs {stale}: run `python scripts/gen_protos.py` and commit them"
 
 
 def test_every_proto_has_generated_stubs() -> None:
-    protos = sorted((ROOT / "protos").rglob("*.proto"))
-    assert protos
-    for proto in protos:
-        stem = proto.stem
-        assert (ROOT / "client" / STUB_DIR / f"{stem}_pb2.py").is_file(), proto
+    stubs = generated_stubs()
+    assert stubs
+    for stub in stubs:
+        assert (ROOT / "client" / stub).is_file(), stub

@@ -1,0 +1,1 @@
+"""Generated messages of protos/ssdrbm/inference/v2 (python scripts/gen_protos.py)."""
