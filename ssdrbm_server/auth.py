@@ -151,11 +151,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         token = _bearer_token(metadata)
         if token is None:
             raise UnauthenticatedError(
-                "missing credentials: send metadata 'authorization: Bearer <token>'"
+                "missing credentials: send metadata 'authorization: Bearer <token>'",
+                reason="MISSING_CREDENTIALS",
             )
         tenant = self.table.tenant_for(token) if token else None
         if tenant is None:
-            raise UnauthenticatedError("invalid bearer token; check the token you were given")
+            raise UnauthenticatedError(
+                "invalid bearer token; check the token you were given", reason="INVALID_TOKEN"
+            )
         return tenant
 
     async def intercept_service(

@@ -1,92 +1,184 @@
-"""Domain errors of the service and their one mapping to gRPC status codes.
+"""Domain errors of the service and their one mapping to gRPC statuses.
 
 Every layer (validation, store, serving, worker) raises these exceptions; only
 ``ErrorMappingInterceptor`` turns them into gRPC statuses, so the mapping lives in one place.
 Redis connection failures become UNAVAILABLE and anything unexpected becomes INTERNAL with a
 generic message (the traceback goes to the log, never to the client).
+
+Each refusal also carries a ``google.rpc.Status`` in the trailing metadata
+(``grpc-status-details-bin``, the gRPC rich error model), built here by :func:`rich_status`
+from what the error knew where it was raised: an ``ErrorInfo`` on every refusal (a stable
+UPPER_SNAKE ``reason``, domain ``ssdrbm``), a ``BadRequest`` field violation for a bad field,
+a ``QuotaFailure`` for a limit, a ``RetryInfo`` where retrying later helps, a
+``PreconditionFailure`` for a state that must change first and a ``ResourceInfo`` for what was
+not found. The status code and message are the same as without the details.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
 import redis.exceptions
-from google.protobuf.message import DecodeError
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import DecodeError, Message
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from ssdrbm_server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
 
 logger = logging.getLogger(__name__)
 
+ERROR_DOMAIN = "ssdrbm"  # ErrorInfo.domain of every refusal
+RETRY_SHORTLY_S = 1.0  # RetryInfo of a transient refusal: a race, an outage, a busy cap
+RETRY_STORE_FULL_S = 10.0  # a full store frees room as finished jobs are deleted or expire
+SERVER_SUBJECT = "server"  # QuotaFailure subject of a limit of the whole server or one request
+
+
+def tenant_subject(tenant: str) -> str:
+    """The QuotaFailure subject of a limit that each tenant has for itself."""
+    return f"tenant:{tenant}"
+
 
 class ServiceError(Exception):
-    """Base of every domain error; ``message`` is shown to the client, so it says what to fix."""
+    """Base of every domain error; ``message`` is shown to the client, so it says what to fix.
+
+    ``reason`` (a stable UPPER_SNAKE code, the class's own unless given) and ``metadata`` go into
+    the status's ErrorInfo; ``retry_after_s`` (None: retrying the same call will not help) into
+    its RetryInfo.
+    """
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: str = "INTERNAL"
+    retry_after_s: float | None = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
+        if reason is not None:
+            self.reason = reason
+        self.metadata = dict(metadata or {})
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
 
 class InvalidArgumentError(ServiceError):
-    """A request field is malformed or out of range; the message starts with the field name."""
+    """A request field is malformed or out of range; the message starts with the field name.
+
+    Its status carries a BadRequest naming ``field`` (a dotted path such as ``optimizer.lr``)
+    with the rest of the message as the description."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_FIELD"
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, message: str, *, reason: str | None = None) -> None:
+        super().__init__(f"{field}: {message}", reason=reason, metadata={"field": field})
         self.field = field
+        self.description = message
 
 
 class NotFoundError(ServiceError):
-    """The job, dataset or checkpoint does not exist (or belongs to another tenant)."""
+    """The job, dataset or checkpoint does not exist (or belongs to another tenant).
+
+    ``resource_type`` (``job``, ``dataset``, ``checkpoint``) and ``resource_name`` go into a
+    ResourceInfo and make the reason, e.g. ``JOB_NOT_FOUND``."""
 
     code = grpc.StatusCode.NOT_FOUND
+    reason = "NOT_FOUND"
+
+    def __init__(self, message: str, *, resource_type: str = "", resource_name: str = "") -> None:
+        reason = f"{resource_type.upper()}_NOT_FOUND" if resource_type else None
+        super().__init__(message, reason=reason)
+        self.resource_type = resource_type
+        self.resource_name = resource_name
 
 
 class FailedPreconditionError(ServiceError):
-    """The request is valid but the system is not in a state to answer it yet."""
+    """The request is valid but the system is not in a state to answer it yet.
+
+    ``precondition`` (an UPPER_SNAKE kind such as ``NO_CHECKPOINT``, also the reason) and
+    ``subject`` (what must change, e.g. ``job:<id>``) go into a PreconditionFailure."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, *, precondition: str | None = None, subject: str = "") -> None:
+        super().__init__(message, reason=precondition)
+        self.subject = subject
 
 
 class ResourceExhaustedError(ServiceError):
-    """A configured limit (size, elements, jobs, streams) would be exceeded."""
+    """A configured limit (size, elements, jobs, streams) would be exceeded.
+
+    ``limit`` names the ``Settings`` field of the limit (its ``SSDRBM_*`` variable goes into the
+    ErrorInfo and its name makes the reason, e.g. ``MAX_STREAMS_PER_TENANT_EXCEEDED``);
+    ``subject`` is who hit it (``tenant:<t>`` or ``server``), for the QuotaFailure;
+    ``retry_after_s`` is set where the limit is on concurrent work, which frees up by itself."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "RESOURCE_EXHAUSTED"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: str | None = None,
+        subject: str = SERVER_SUBJECT,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(
+            message,
+            reason=f"{limit.upper()}_EXCEEDED" if limit else None,
+            metadata={"setting": f"SSDRBM_{limit.upper()}"} if limit else None,
+            retry_after_s=retry_after_s,
+        )
+        self.limit = limit
+        self.subject = subject
 
 
 class DeadlineExceededError(ServiceError):
     """The work stopped unfinished because the client's deadline passed."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "DEADLINE_EXCEEDED"
 
 
 class UnavailableError(ServiceError):
     """A dependency (Redis) cannot be reached right now; retrying later may succeed."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    reason = "UNAVAILABLE"
+    retry_after_s = RETRY_SHORTLY_S
 
 
 class UnauthenticatedError(ServiceError):
     """No credentials or unknown credentials."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
 
 
 class PermissionDeniedError(ServiceError):
     """The caller is known but not allowed to do this."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
 
 
 class AlreadyExistsError(ServiceError):
     """The resource to create exists already."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
+    reason = "ALREADY_EXISTS"
 
 
 INTERNAL_MESSAGE = "internal error; the server log has the details"
@@ -115,6 +207,72 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
 
 
+def _as_service_error(exc: BaseException) -> ServiceError:
+    """``exc`` itself, or the domain error that stands for it on the wire."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, _REDIS_UNAVAILABLE):
+        return UnavailableError(REDIS_UNAVAILABLE_MESSAGE, reason="JOB_STORE_UNAVAILABLE")
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return ResourceExhaustedError(REDIS_FULL_MESSAGE, retry_after_s=RETRY_STORE_FULL_S)
+    return ServiceError(INTERNAL_MESSAGE)
+
+
+def _specific_details(error: ServiceError) -> list[Message]:
+    """The detail that says more about this kind of refusal, beside ErrorInfo and RetryInfo."""
+    if isinstance(error, InvalidArgumentError):
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=error.field, description=error.description, reason=error.reason
+        )
+        return [error_details_pb2.BadRequest(field_violations=[violation])]
+    if isinstance(error, ResourceExhaustedError):
+        quota = error_details_pb2.QuotaFailure.Violation(
+            subject=error.subject, description=error.message
+        )
+        return [error_details_pb2.QuotaFailure(violations=[quota])]
+    if isinstance(error, FailedPreconditionError):
+        precondition = error_details_pb2.PreconditionFailure.Violation(
+            type=error.reason, subject=error.subject, description=error.message
+        )
+        return [error_details_pb2.PreconditionFailure(violations=[precondition])]
+    if isinstance(error, NotFoundError) and error.resource_type:
+        resource = error_details_pb2.ResourceInfo(
+            resource_type=error.resource_type,
+            resource_name=error.resource_name,
+            description=error.message,
+        )
+        return [resource]
+    return []
+
+
+def _retry_info(seconds: float) -> error_details_pb2.RetryInfo:
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(round(seconds * 1e9))
+    return error_details_pb2.RetryInfo(retry_delay=delay)
+
+
+def rich_status(exc: BaseException) -> status_pb2.Status:
+    """The ``google.rpc.Status`` (code, the same message, details) for a handler's exception;
+    the one place where errors become status details."""
+    error = _as_service_error(exc)
+    code, message = status_for(exc)
+    metadata = dict(error.metadata)
+    if isinstance(error, ResourceExhaustedError | FailedPreconditionError) and error.subject:
+        metadata.setdefault("subject", error.subject)
+    details: list[Message] = [
+        error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata=metadata)
+    ]
+    details += _specific_details(error)
+    if error.retry_after_s is not None:
+        details.append(_retry_info(error.retry_after_s))
+    packed = []
+    for detail in details:
+        wrapped = any_pb2.Any()
+        wrapped.Pack(detail)
+        packed.append(wrapped)
+    return status_pb2.Status(code=code.value[0], message=message, details=packed)
+
+
 async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
@@ -123,7 +281,10 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
         logger.warning("%s: %s (%s)", method, message, exc)
     else:
         logger.debug("%s: %s %s", method, code.name, message)
-    await context.abort(code, message)
+    status = rpc_status.to_status(rich_status(exc))
+    # abort() replaces any trailing metadata the handler set; keep it beside the details.
+    trailing = (*tuple(context.trailing_metadata() or ()), *status.trailing_metadata)
+    await context.abort(status.code, status.details, trailing)
 
 
 class _Undecodable:
@@ -138,6 +299,7 @@ class _Undecodable:
             "request",
             f"the bytes received are not a valid {self.type_name} message; send it serialized "
             "by a protobuf library from protos/ssdrbm/v1",
+            reason="UNDECODABLE_REQUEST",
         )
 
 

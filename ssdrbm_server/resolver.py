@@ -556,5 +556,6 @@ def eval_flops(n_visible: int, n_hidden: int, chains: int, betas: int) -> int:
 
 def _exhausted(what: str, value: str, limit: str, setting: str, fix: str) -> None:
     raise ResourceExhaustedError(
-        f"{what}: {value} is over this server's limit of {limit} (SSDRBM_{setting.upper()}); {fix}"
+        f"{what}: {value} is over this server's limit of {limit} (SSDRBM_{setting.upper()}); {fix}",
+        limit=setting,
     )

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
-from ssdrbm_server import convert, resolver
+from ssdrbm_server import convert, model_export, resolver
 from ssdrbm_server.auth import current_tenant
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
@@ -483,18 +483,23 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         checkpoints = self.stores.checkpoints
         if request.checkpoint_step < 0:
             raise InvalidArgumentError("checkpoint_step", "must be >= 0 (0 = latest)")
+        export_format = model_export.requested_format(request.format)
         if request.checkpoint_step:
             checkpoint = await checkpoints.get(job.id, request.checkpoint_step)
         else:
             checkpoint = await checkpoints.latest(job.id)
+        payload = await model_export.export_payload(
+            job.id, checkpoint, export_format, self.models.pool
+        )
         header = pb.ModelExportHeader(
             config_json=checkpoint.config_json,
             step=checkpoint.step,
-            sha256=checkpoint.sha256,
-            size_bytes=len(checkpoint.data),
+            sha256=payload.sha256,
+            size_bytes=len(payload.data),
+            format=payload.format,
         )
         yield pb.ExportModelResponse(header=header)
-        data = checkpoint.data
+        data = payload.data
         # Chunks stay well under the message limit (a deployment may set it below 1 MiB).
         chunk = max(1, min(EXPORT_CHUNK_BYTES, self.settings.max_message_bytes // 2))
         for start in range(0, len(data), chunk):

@@ -33,10 +33,12 @@ import numpy as np
 import torch
 
 from ssdrbm_server.errors import (
+    RETRY_SHORTLY_S,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     ResourceExhaustedError,
+    tenant_subject,
 )
 from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.store.checkpoints import Checkpoint, CheckpointStore
@@ -220,7 +222,10 @@ class TenantSlots:
                 raise ResourceExhaustedError(
                     f"tenant {tenant!r} already has {self.limit} serving calls computing "
                     f"(SSDRBM_MAX_SERVING_CALLS_PER_TENANT={self.limit}) and none finished "
-                    f"within {wait_s:.2f} s; retry with backoff or send fewer calls at once"
+                    f"within {wait_s:.2f} s; retry with backoff or send fewer calls at once",
+                    limit="max_serving_calls_per_tenant",
+                    subject=tenant_subject(tenant),
+                    retry_after_s=RETRY_SHORTLY_S,
                 ) from None
             try:
                 yield
@@ -286,7 +291,9 @@ class ModelServer:
         if checkpoint_step == 0 and job.checkpoint_step < 0:
             raise FailedPreconditionError(
                 f"job {job.id} has no checkpoint yet (state {job.state.value}); wait until it "
-                "writes its first one (see training.checkpoint_every) and retry"
+                "writes its first one (see training.checkpoint_every) and retry",
+                precondition="NO_CHECKPOINT",
+                subject=f"job:{job.id}",
             )
         step = checkpoint_step or job.checkpoint_step
 
@@ -367,7 +374,8 @@ class ModelServer:
             raise ResourceExhaustedError(
                 f"input: {formula} = {elements} output elements is over this server's limit of "
                 f"{limit} (SSDRBM_MAX_SERVING_OUTPUT_ELEMENTS); send at most {rows} rows per "
-                "call and split the rest over further calls"
+                "call and split the rest over further calls",
+                limit="max_serving_output_elements",
             )
 
     async def _compute(

@@ -34,7 +34,8 @@ def tensor_to_array(tensor: rbm_pb2.Tensor, *, field: str, max_elements: int) ->
     if elements > max_elements:
         raise ResourceExhaustedError(
             f"{field} has {elements} elements, more than this server's limit of {max_elements}; "
-            "send smaller batches"
+            "send smaller batches",
+            limit="max_tensor_elements",
         )
     expected_bytes = elements * FLOAT32_LE.itemsize
     if len(tensor.data) != expected_bytes:

@@ -50,5 +50,6 @@ def test_client_declares_only_light_dependencies() -> None:
         (Path(__file__).parent.parent / "client" / "pyproject.toml").read_text()
     )["project"]
     names = {re.split(r"[<>=\[ ]", dep)[0] for dep in project["dependencies"]}
-    assert names == {"grpcio", "protobuf", "numpy"}
+    # googleapis-common-protos: generated protobuf code only (google.rpc error details)
+    assert names == {"grpcio", "protobuf", "googleapis-common-protos", "numpy"}
     assert project["scripts"]["ssdrbm"] == "ssdrbm.cli:main"

@@ -2,18 +2,65 @@
 
 Every failure the SDK raises is an :class:`SSDRBMError`; catch the subclass for the case you can
 handle (``NotFound`` for an unknown job, ``Unavailable`` for an unreachable service, ...).
+
+The service attaches a ``google.rpc.Status`` to each refusal (trailing metadata
+``grpc-status-details-bin``); its details are exposed as attributes: ``reason`` (a stable
+UPPER_SNAKE code such as ``INVALID_FIELD`` or ``MAX_JOBS_PER_TENANT_EXCEEDED``),
+``field_violations``, ``quota_violations``, ``precondition_violations``, ``resource`` and
+``retry_delay``. They are empty (or None) when the status carried none, e.g. for a refusal by
+the gRPC transport itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+
+DETAILS_METADATA_KEY = "grpc-status-details-bin"
+
+
+class FieldViolation(NamedTuple):
+    """A request field that was refused: its dotted path (``optimizer.lr``) and what is wrong."""
+
+    field: str
+    description: str
+
+
+class QuotaViolation(NamedTuple):
+    """A limit that was hit: who hit it (``tenant:<name>`` or ``server``) and the limit."""
+
+    subject: str
+    description: str
+
+
+class PreconditionViolation(NamedTuple):
+    """A state that must change first: its kind (``NO_CHECKPOINT``), its subject, the fix."""
+
+    type: str
+    subject: str
+    description: str
+
+
+class ResourceInfo(NamedTuple):
+    """What was not found: ``resource_type`` (``job``, ``dataset``, ``checkpoint``) and name."""
+
+    resource_type: str
+    resource_name: str
+    description: str
 
 
 class SSDRBMError(Exception):
     """Base class of every error the SDK raises.
 
     ``code`` is the gRPC status code (``None`` for errors detected on the client), ``details`` the
-    server's message and ``target`` the address the client talked to.
+    server's message and ``target`` the address the client talked to. The service's structured
+    details: ``reason`` and ``error_info`` (ErrorInfo's reason and metadata), ``field_violations``,
+    ``quota_violations``, ``precondition_violations``, ``resource`` (ResourceInfo or None) and
+    ``retry_delay`` (seconds the service asks to wait before retrying, or None).
     """
 
     code: grpc.StatusCode | None = None
@@ -22,6 +69,13 @@ class SSDRBMError(Exception):
         super().__init__(details)
         self.details = details
         self.target = target
+        self.reason: str | None = None
+        self.error_info: dict[str, str] = {}
+        self.field_violations: list[FieldViolation] = []
+        self.quota_violations: list[QuotaViolation] = []
+        self.precondition_violations: list[PreconditionViolation] = []
+        self.resource: ResourceInfo | None = None
+        self.retry_delay: float | None = None
 
 
 class Unavailable(SSDRBMError):
@@ -112,12 +166,82 @@ _BY_CODE: dict[grpc.StatusCode, type[SSDRBMError]] = {
 _BY_CODE[grpc.StatusCode.OUT_OF_RANGE] = InvalidArgument
 
 
+def rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
+    """The ``google.rpc.Status`` the service attached to ``error`` (sync or aio), or None when
+    there is none or it does not agree with the call's own code."""
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key != DETAILS_METADATA_KEY:
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except DecodeError:
+            return None
+        code = error.code() if hasattr(error, "code") else None
+        return status if code is not None and status.code == code.value[0] else None
+    return None
+
+
+def retry_delay(error: grpc.RpcError) -> float | None:
+    """Seconds the service asked to wait before retrying (its RetryInfo), or None."""
+    status = rich_status(error)
+    if status is None:
+        return None
+    for detail in status.details:
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return info.retry_delay.ToNanoseconds() / 1e9
+    return None
+
+
+def _attach_details(converted: SSDRBMError, details: Iterable[Any]) -> None:
+    """Set ``converted``'s attributes from the Status details it came with."""
+    for detail in details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            converted.reason = info.reason
+            converted.error_info = dict(info.metadata)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            converted.field_violations += [
+                FieldViolation(v.field, v.description) for v in bad.field_violations
+            ]
+        elif detail.Is(error_details_pb2.QuotaFailure.DESCRIPTOR):
+            quota = error_details_pb2.QuotaFailure()
+            detail.Unpack(quota)
+            converted.quota_violations += [
+                QuotaViolation(v.subject, v.description) for v in quota.violations
+            ]
+        elif detail.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
+            failure = error_details_pb2.PreconditionFailure()
+            detail.Unpack(failure)
+            converted.precondition_violations += [
+                PreconditionViolation(v.type, v.subject, v.description) for v in failure.violations
+            ]
+        elif detail.Is(error_details_pb2.ResourceInfo.DESCRIPTOR):
+            resource = error_details_pb2.ResourceInfo()
+            detail.Unpack(resource)
+            converted.resource = ResourceInfo(
+                resource.resource_type, resource.resource_name, resource.description
+            )
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            converted.retry_delay = retry.retry_delay.ToNanoseconds() / 1e9
+
+
 def from_rpc_error(error: grpc.RpcError, target: str | None = None) -> SSDRBMError:
-    """Convert a ``grpc.RpcError`` (sync or aio) into the matching :class:`SSDRBMError`."""
+    """Convert a ``grpc.RpcError`` (sync or aio) into the matching :class:`SSDRBMError`, with
+    the service's status details as its attributes."""
     code = error.code() if hasattr(error, "code") else None
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     cls = _BY_CODE.get(code, ServerError)
     converted = cls(details, target=target)
     if cls is ServerError:
         converted.code = code
+    status = rich_status(error)
+    if status is not None:
+        _attach_details(converted, status.details)
     return converted

@@ -7,12 +7,14 @@ calls that are idempotent. Every other code is the server's answer and is return
 Calls are retried for a window of time rather than a number of tries: a restarted service is
 unreachable for tens of seconds (16-21 s measured for the API process), so the default window,
 ``SSDRBM_RETRY_S`` or 30 s, outlasts a restart; ``SSDRBM_RETRY_S=0`` turns retries off.
+
+When the refusal carries a RetryInfo (the service's own estimate of when to try again), that
+delay replaces the exponential backoff's, still within the same window.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import random
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
+
+from ssdrbm.errors import retry_delay
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +76,45 @@ class RetryPolicy:
 
     def delays(self) -> Iterator[float]:
         """The sleeps between attempts (one fewer than ``attempts``), jitter included."""
-        delay, total = self.initial_backoff_s, 0.0
-        for _ in range(max(self.attempts - 1, 0)):
-            factor = 1.0 + random.uniform(-self.jitter, self.jitter)
-            sleep = min(delay, self.max_backoff_s) * factor
-            if self.max_wait_s is not None:
-                if total >= self.max_wait_s:
-                    return
-                sleep = min(sleep, self.max_wait_s - total)
-            total += sleep
+        backoff = Backoff(self)
+        while (sleep := backoff.next_sleep()) is not None:
             yield sleep
-            delay *= self.multiplier
+
+
+class Backoff:
+    """The sleeps of one call's retries under a :class:`RetryPolicy`: exponential with jitter,
+    or the service's RetryInfo delay where it gave one; None once tries or window are spent."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self._delay = policy.initial_backoff_s
+        self._tries_left = max(policy.attempts - 1, 0)
+        self._total = 0.0
+
+    def next_sleep(self, requested: float | None = None) -> float | None:
+        """The sleep before the next attempt (``requested``, the service's delay, when given)."""
+        policy = self.policy
+        if self._tries_left <= 0:
+            return None
+        if policy.max_wait_s is not None and self._total >= policy.max_wait_s:
+            return None
+        if requested is not None:
+            sleep = max(requested, 0.0)
+        else:
+            factor = 1.0 + random.uniform(-policy.jitter, policy.jitter)
+            sleep = min(self._delay, policy.max_backoff_s) * factor
+        if policy.max_wait_s is not None:
+            sleep = min(sleep, policy.max_wait_s - self._total)
+        self._tries_left -= 1
+        self._total += sleep
+        self._delay *= policy.multiplier
+        return sleep
+
+    def after(self, error: grpc.RpcError) -> float | None:
+        """The sleep before retrying after ``error``, or None when it is not worth retrying."""
+        if not is_retryable(error):
+            return None
+        return self.next_sleep(retry_delay(error))
 
 
 NO_RETRY = RetryPolicy(attempts=1)
@@ -96,26 +128,29 @@ def is_retryable(error: BaseException) -> bool:
 def call_with_retry(
     call: Callable[[], T], policy: RetryPolicy, sleep: Callable[[float], None] = time.sleep
 ) -> T:
-    """Run ``call``; on UNAVAILABLE sleep per ``policy`` and try again; re-raise the last error."""
-    for delay in itertools.chain(policy.delays(), [None]):
+    """Run ``call``; on UNAVAILABLE sleep per ``policy`` (or the service's RetryInfo) and try
+    again; re-raise the last error."""
+    backoff = Backoff(policy)
+    while True:
         try:
             return call()
         except grpc.RpcError as error:
-            if delay is None or not is_retryable(error):
+            delay = backoff.after(error)
+            if delay is None:
                 raise
             logger.debug("retrying in %.2fs after %s", delay, error.code())
             sleep(delay)
-    raise AssertionError("unreachable")
 
 
 async def acall_with_retry(call: Callable[[], Awaitable[T]], policy: RetryPolicy) -> T:
     """The asyncio flavour of :func:`call_with_retry`."""
-    for delay in itertools.chain(policy.delays(), [None]):
+    backoff = Backoff(policy)
+    while True:
         try:
             return await call()
         except grpc.RpcError as error:
-            if delay is None or not is_retryable(error):
+            delay = backoff.after(error)
+            if delay is None:
                 raise
             logger.debug("retrying in %.2fs after %s", delay, error.code())
             await asyncio.sleep(delay)
-    raise AssertionError("unreachable")

@@ -94,7 +94,9 @@ class CheckpointStore:
             )
         raise FailedPreconditionError(
             f"job {job_id} has no checkpoint yet; wait until it has trained to its first "
-            "checkpoint (see training.checkpoint_every)"
+            "checkpoint (see training.checkpoint_every)",
+            precondition="NO_CHECKPOINT",
+            subject=f"job:{job_id}",
         )
 
     async def get(self, job_id: str, step: int, *, with_trainer_state: bool = False) -> Checkpoint:
@@ -109,7 +111,9 @@ class CheckpointStore:
         if raw["data"] is None:
             steps = await self.list_steps(job_id)
             raise NotFoundError(
-                f"job {job_id} has no checkpoint at step {step}; retained steps: {steps or 'none'}"
+                f"job {job_id} has no checkpoint at step {step}; retained steps: {steps or 'none'}",
+                resource_type="checkpoint",
+                resource_name=f"{job_id}@{step}",
             )
         checkpoint = Checkpoint(
             step=int(raw["step"]),

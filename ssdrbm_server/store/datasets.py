@@ -51,6 +51,7 @@ from ssdrbm_server.errors import (
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
+    tenant_subject,
 )
 from ssdrbm_server.keys import Keys, is_dataset_id
 from ssdrbm_server.store.connection import RedisClient
@@ -229,7 +230,7 @@ class DatasetStore:
         dims = check_array(shape, dtype, None)
         size = math.prod(dims) * ITEM_SIZES[dtype]
         if size > self.tenant_quota:
-            raise _over_quota(size, 0, self.tenant_quota)
+            raise _over_quota(tenant, size, 0, self.tenant_quota)
         return Upload(self, tenant, dims, dtype, name, on_chunk)
 
     async def put(
@@ -506,7 +507,7 @@ class Upload:
         )
         if int(code) < 0:
             await store._drop_reference(self.tenant, new_id)
-            raise _over_quota(self.size_bytes, int(used), store.tenant_quota)
+            raise _over_quota(self.tenant, self.size_bytes, int(used), store.tenant_quota)
         self._created = int(code) == 1
         if self._created:
             logger.info("dataset %s added for tenant %s", new_id, self.tenant)
@@ -517,16 +518,20 @@ class Upload:
             await self.store.redis.unlink(self._key)
 
 
-def _over_quota(size: int, used: int, quota: int) -> ResourceExhaustedError:
+def _over_quota(tenant: str, size: int, used: int, quota: int) -> ResourceExhaustedError:
     return ResourceExhaustedError(
         f"this dataset ({size} bytes) would take the tenant's stored datasets to {used + size} "
         f"bytes, over max_dataset_bytes_per_tenant ({quota}, SSDRBM_MAX_DATASET_BYTES_PER_TENANT); "
-        "delete datasets you no longer need (ssdrbm delete-dataset ID) or upload a smaller subset"
+        "delete datasets you no longer need (ssdrbm delete-dataset ID) or upload a smaller subset",
+        limit="max_dataset_bytes_per_tenant",
+        subject=tenant_subject(tenant),
     )
 
 
 def _not_found(dataset_id: str) -> NotFoundError:
     return NotFoundError(
         f"dataset {dataset_id[:80]!r} not found; upload it with UploadDataset and use the "
-        "returned dataset_id"
+        "returned dataset_id",
+        resource_type="dataset",
+        resource_name=dataset_id[:80],
     )

@@ -47,6 +47,7 @@ from ssdrbm_server.errors import (
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
+    tenant_subject,
 )
 from ssdrbm_server.keys import Keys, is_job_id
 from ssdrbm_server.store.connection import RedisClient
@@ -163,7 +164,11 @@ def new_job_id() -> str:
 
 
 def _not_found(job_id: str) -> NotFoundError:
-    return NotFoundError(f"job {job_id[:64]!r} not found; check the id (ListJobs shows your jobs)")
+    return NotFoundError(
+        f"job {job_id[:64]!r} not found; check the id (ListJobs shows your jobs)",
+        resource_type="job",
+        resource_name=job_id[:64],
+    )
 
 
 class JobStore:
@@ -227,12 +232,16 @@ class JobStore:
         if status == _AT_LIMIT:
             raise ResourceExhaustedError(
                 f"tenant already has {max_active} queued or running jobs; wait for one to finish "
-                "or cancel one"
+                "or cancel one",
+                limit="max_jobs_per_tenant",
+                subject=tenant_subject(tenant),
             )
         if status == _AT_QUOTA:
             raise ResourceExhaustedError(
                 f"tenant already has {max_records} job records (max_job_records_per_tenant); "
-                "delete finished jobs you no longer need (DeleteJob, `ssdrbm delete JOB`)"
+                "delete finished jobs you no longer need (DeleteJob, `ssdrbm delete JOB`)",
+                limit="max_job_records_per_tenant",
+                subject=tenant_subject(tenant),
             )
         if status == _RESERVED:
             await self._admit_job(tenant, job_id, seq)
@@ -415,7 +424,9 @@ class JobStore:
                 raise FailedPreconditionError(
                     f"job {job_id} is {record.state.value}; cancel it and delete it once it "
                     "ended, or pass force=true (`ssdrbm delete --force`) to cancel and delete "
-                    "it now"
+                    "it now",
+                    precondition="JOB_ACTIVE",
+                    subject=f"job:{job_id}",
                 )
             record = await self.cancel(tenant, job_id)
         if not await self.lifecycle.purge(job_id, tenant, allow_active=force):
