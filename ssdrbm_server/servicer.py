@@ -24,12 +24,14 @@ from ssdrbm_server import convert, model_export, resolver
 from ssdrbm_server.auth import current_tenant
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
+    RETRY_SHORTLY_S,
     AlreadyExistsError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
+    tenant_subject,
 )
 from ssdrbm_server.event_fanout import EventFanout
 from ssdrbm_server.metrics import ServiceMetrics
@@ -188,7 +190,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         if self._open_streams >= self.settings.max_streams:
             raise ResourceExhaustedError(
                 f"this server already serves {self._open_streams} metric streams (limit "
-                f"{self.settings.max_streams}); retry later or poll GetJob"
+                f"{self.settings.max_streams}); retry later or poll GetJob",
+                limit="max_streams",
+                retry_after_s=RETRY_SHORTLY_S,
             )
         # A share of the global cap per tenant, so one tenant cannot lock the others out.
         tenant_streams = self._tenant_streams[job.tenant]
@@ -196,7 +200,10 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             raise ResourceExhaustedError(
                 f"tenant {job.tenant!r} already has {tenant_streams} metric streams open on this "
                 f"server (SSDRBM_MAX_STREAMS_PER_TENANT={self.settings.max_streams_per_tenant}); "
-                "close one you no longer follow, or poll GetJob"
+                "close one you no longer follow, or poll GetJob",
+                limit="max_streams_per_tenant",
+                subject=tenant_subject(job.tenant),
+                retry_after_s=RETRY_SHORTLY_S,
             )
         self._stream_opened(+1, job.tenant)
         try:
@@ -257,7 +264,8 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                 if self._draining:
                     raise UnavailableError(
                         "this server is shutting down; reconnect and pass the last "
-                        f"resume_token as `after` ({after or 'empty'}) to continue without a gap"
+                        f"resume_token as `after` ({after or 'empty'}) to continue without a gap",
+                        reason="SHUTTING_DOWN",
                     )
                 batch, ended = await reader.next_batch(after)
                 for event in batch:
@@ -357,7 +365,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             raise ResourceExhaustedError(
                 f"this server already receives {self._uploads} uploads (max_concurrent_uploads "
                 f"= {self.settings.max_concurrent_uploads}, SSDRBM_MAX_CONCURRENT_UPLOADS); retry "
-                "in a moment"
+                "in a moment",
+                limit="max_concurrent_uploads",
+                retry_after_s=RETRY_SHORTLY_S,
             )
         self._uploads += 1
         try:
@@ -432,7 +442,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         if job is not None:
             raise FailedPreconditionError(
                 f"dataset {request.dataset_id} is used by job {job.id} ({job.state.value}); "
-                "wait for it to finish or cancel it (ssdrbm cancel), then delete the dataset"
+                "wait for it to finish or cancel it (ssdrbm cancel), then delete the dataset",
+                precondition="DATASET_IN_USE",
+                subject=f"job:{job.id}",
             )
         await self.stores.datasets.delete(tenant, request.dataset_id)
         return pb.DeleteDatasetResponse(dataset_id=request.dataset_id)
@@ -472,7 +484,8 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         if size > self.settings.max_dataset_bytes:
             raise ResourceExhaustedError(
                 f"the dataset is {size} bytes, more than this server's limit of "
-                f"{self.settings.max_dataset_bytes} bytes; upload a smaller subset"
+                f"{self.settings.max_dataset_bytes} bytes; upload a smaller subset",
+                limit="max_dataset_bytes",
             )
         return size
 
@@ -536,7 +549,8 @@ def _check_same_spec(record: JobRecord, spec: pb.StartTrainingRequest) -> None:
         raise AlreadyExistsError(
             f"request_id {spec.request_id!r} was already used for job {record.id} with a "
             f"different spec (first difference: {difference}); use a new request_id for a new "
-            "job, or repeat the original request to get that job"
+            "job, or repeat the original request to get that job",
+            reason="REQUEST_ID_REUSED",
         )
 
 

@@ -322,14 +322,21 @@ class AsyncClient:
         running job of the caller trains on it)."""
         await self._call("DeleteDataset", rbm_pb2.DeleteDatasetRequest(dataset_id=dataset_id))
 
-    async def _download(self, job_id: str, checkpoint_step: int) -> export.ModelDownload:
-        request = rbm_pb2.ExportModelRequest(job_id=job_id, checkpoint_step=checkpoint_step)
+    async def _download(
+        self,
+        job_id: str,
+        checkpoint_step: int,
+        export_format: int = rbm_pb2.EXPORT_FORMAT_SAFETENSORS,
+    ) -> export.ModelDownload:
+        request = rbm_pb2.ExportModelRequest(
+            job_id=job_id, checkpoint_step=checkpoint_step, format=export_format
+        )
 
         async def receive() -> export.ModelDownload:
             call = self._stub.ExportModel(
                 request, timeout=self.connection.timeout, metadata=self.connection.metadata()
             )
-            return export.collect_export([message async for message in call])
+            return export.collect_export([message async for message in call], export_format)
 
         try:
             return await acall_with_retry(receive, self.retry)
@@ -341,10 +348,21 @@ class AsyncClient:
         return (await self._download(job_id, checkpoint_step)).model()
 
     async def export_model(
-        self, job_id: str, path: str | Path, *, checkpoint_step: int = 0
+        self,
+        job_id: str,
+        path: str | Path,
+        *,
+        checkpoint_step: int = 0,
+        format: str = "safetensors",
+        model_name: str | None = None,
     ) -> Path:
-        """Write ``model.safetensors`` and ``config.json`` into directory ``path``."""
-        return (await self._download(job_id, checkpoint_step)).write(path)
+        """Write the job's model to ``path`` as ``"safetensors"`` (directory), ``"onnx"`` (file)
+        or ``"triton"`` (model repository directory); see :meth:`ssdrbm.Client.export_model`."""
+        export_format = export.wire_format(format)
+        if format == "triton":
+            export.check_model_name(model_name or job_id)
+        download = await self._download(job_id, checkpoint_step, export_format)
+        return download.save(path, format, model_name=model_name or job_id)
 
 
 async def _aiter(items: Any) -> AsyncIterator[Any]:

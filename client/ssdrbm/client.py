@@ -366,8 +366,15 @@ class Client:
         again is NotFound, so a retried delete may report that."""
         self._call("DeleteDataset", rbm_pb2.DeleteDatasetRequest(dataset_id=dataset_id))
 
-    def _download(self, job_id: str, checkpoint_step: int) -> export.ModelDownload:
-        request = rbm_pb2.ExportModelRequest(job_id=job_id, checkpoint_step=checkpoint_step)
+    def _download(
+        self,
+        job_id: str,
+        checkpoint_step: int,
+        export_format: int = rbm_pb2.EXPORT_FORMAT_SAFETENSORS,
+    ) -> export.ModelDownload:
+        request = rbm_pb2.ExportModelRequest(
+            job_id=job_id, checkpoint_step=checkpoint_step, format=export_format
+        )
         try:
             return call_with_retry(
                 lambda: export.collect_export(
@@ -375,7 +382,8 @@ class Client:
                         request,
                         timeout=self.connection.timeout,
                         metadata=self.connection.metadata(),
-                    )
+                    ),
+                    export_format,
                 ),
                 self.retry,
             )
@@ -386,12 +394,32 @@ class Client:
         """The job's latest (or a given) checkpoint as numpy tensors plus its config."""
         return self._download(job_id, checkpoint_step).model()
 
-    def export_model(self, job_id: str, path: str | Path, *, checkpoint_step: int = 0) -> Path:
-        """Write the job's ``model.safetensors`` and ``config.json`` into directory ``path``.
+    def export_model(
+        self,
+        job_id: str,
+        path: str | Path,
+        *,
+        checkpoint_step: int = 0,
+        format: str = "safetensors",
+        model_name: str | None = None,
+    ) -> Path:
+        """Write the job's model to ``path`` in ``format``:
 
-        The bytes are checked against the sha256 the service announces. Returns the directory.
+        - ``"safetensors"``: ``model.safetensors`` and ``config.json`` into directory ``path``;
+        - ``"onnx"``: the ONNX graph into file ``path`` (input ``input``, outputs
+          ``hidden_probs`` and the mean-field ``reconstruction``, batch dimension dynamic);
+        - ``"triton"``: a Triton model repository in directory ``path``:
+          ``<model_name>/config.pbtxt`` and ``<model_name>/1/model.onnx``; ``model_name``
+          defaults to the job id.
+
+        The bytes are checked against the sha256 the service announces. Returns the directory
+        (for Triton, the model's folder) or the file.
         """
-        return self._download(job_id, checkpoint_step).write(path)
+        export_format = export.wire_format(format)
+        if format == "triton":
+            export.check_model_name(model_name or job_id)
+        download = self._download(job_id, checkpoint_step, export_format)
+        return download.save(path, format, model_name=model_name or job_id)
 
 
 __all__ = ["Client", "SSDRBMError"]

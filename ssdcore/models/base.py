@@ -117,6 +117,11 @@ class RBM(nn.Module, ABC):
         check_visible(v, self.n_visible)
         return torch.sigmoid(self.hidden_input(v))
 
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        """`hidden_probs(v)` (B, V) -> (B, H): the model as a feature extractor, so that
+        `model(v)`, `torch.export`, `torch.compile` and `torch.onnx` work on it."""
+        return self.hidden_probs(v)
+
     def sample_hidden(
         self, v: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:

@@ -12,6 +12,7 @@ from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.output import print_json
 from ssdrbm.events import MetricsEvent
+from ssdrbm.export import FORMATS
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
@@ -32,10 +33,21 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     features.set_defaults(run=run_features)
 
     export = commands.add_parser(
-        "export", parents=parents, help="write model.safetensors and config.json"
+        "export",
+        parents=parents,
+        help="write model.safetensors and config.json, an ONNX file or a Triton model folder",
     )
     export.add_argument("job", metavar="JOB")
-    export.add_argument("--output", "-o", required=True, metavar="DIR")
+    export.add_argument(
+        "--output", "-o", required=True, metavar="PATH", help="a folder; a file for --format onnx"
+    )
+    export.add_argument(
+        "--format",
+        choices=list(FORMATS),
+        default="safetensors",
+        help="onnx: one .onnx file; triton: PATH/<model-name>/config.pbtxt and 1/model.onnx",
+    )
+    export.add_argument("--model-name", help="the Triton model name (default: the job id)")
     export.add_argument("--checkpoint-step", type=int, default=0, help="0 = latest")
     export.add_argument("--json", action="store_true", help="print the written paths as JSON")
     export.set_defaults(run=run_export)
@@ -106,12 +118,24 @@ def run_features(args: argparse.Namespace) -> ExitCode:
 
 
 def run_export(args: argparse.Namespace) -> ExitCode:
-    """``ssdrbm export JOB --output DIR``."""
+    """``ssdrbm export JOB --output PATH [--format safetensors|onnx|triton]``."""
     with client_from_args(args) as client:
-        directory = client.export_model(args.job, args.output, checkpoint_step=args.checkpoint_step)
-    files = sorted(str(path) for path in Path(directory).iterdir())
+        written = client.export_model(
+            args.job,
+            args.output,
+            checkpoint_step=args.checkpoint_step,
+            format=args.format,
+            model_name=args.model_name,
+        )
+    written = Path(written)
+    if written.is_dir():
+        directory, files = written, sorted(str(p) for p in written.rglob("*") if p.is_file())
+    else:
+        directory, files = written.parent, [str(written)]
     if args.json:
-        print_json({"job_id": args.job, "directory": str(directory), "files": files})
+        print_json(
+            {"job_id": args.job, "format": args.format, "directory": str(directory), "files": files}
+        )
     else:
         print("\n".join(files))
     return ExitCode.OK
