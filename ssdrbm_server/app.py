@@ -30,6 +30,7 @@ from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import ErrorMappingInterceptor
 from ssdrbm_server.exposure import check_exposure, keep_warning
 from ssdrbm_server.inference import add_inference_service
+from ssdrbm_server.inference.rest import InferenceHttpServer, start_inference_http
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.metrics import LatencyInterceptor, ServiceMetrics, refresh_job_gauges
 from ssdrbm_server.readiness import LIVENESS, READINESS, follow_redis
@@ -105,13 +106,14 @@ class Service:
             metrics=self.metrics,
         )
         self.health = health.aio.HealthServicer()
+        self.auth = AuthInterceptor(settings)  # also the inference REST endpoint's
         self.server = grpc.aio.server(
             # The first interceptor is the outermost: latency sees the final status, errors are
             # mapped before it, and authentication runs closest to the handler.
             interceptors=[
                 LatencyInterceptor(self.metrics),
                 ErrorMappingInterceptor(),
-                AuthInterceptor(settings),
+                self.auth,
             ],
             options=[
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -124,6 +126,7 @@ class Service:
         self.inference = add_inference_service(
             self.server, settings, self.stores, self.models, self.servicer.recent_jobs, self.redis
         )
+        self.inference_http: InferenceHttpServer | None = None  # REST form, when configured
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
@@ -163,6 +166,7 @@ class Service:
         lose jobs (ssdrbm_server/redis_checks.py)."""
         await check_redis_config(self.redis, self.settings)
         await self.server.start()
+        self.inference_http = start_inference_http(self.settings, self.inference, self.auth)
         for name in ("", LIVENESS, SERVICE_NAME, READINESS):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._refresh = asyncio.create_task(
@@ -188,6 +192,8 @@ class Service:
         for task in (self._refresh, self._readiness, self._sweeper):
             if task is not None:
                 task.cancel()
+        if self.inference_http is not None:
+            await asyncio.to_thread(self.inference_http.stop)
         await self.server.stop(grace)
         self.models.close()
         if self._owns_redis:

@@ -31,6 +31,10 @@ class Settings:
     listen_address: str = "127.0.0.1:50051"
     metrics_port: int = 9108  # Prometheus /metrics over HTTP; 0 disables the endpoint
     metrics_address: str = "127.0.0.1"
+    # The Open Inference Protocol's REST/JSON form (ssdrbm_server/inference/rest.py) on its own
+    # port; 0 (the default) leaves it off. Its gRPC form is always on, at listen_address.
+    inference_http_port: int = 0
+    inference_http_address: str = "127.0.0.1"
 
     # Storage
     redis_url: str = "redis://127.0.0.1:6379/0"  # redis:// or rediss:// (TLS), may hold a password
@@ -185,6 +189,11 @@ class Settings:
         """Raise ConfigError for values that would only fail later and less clearly."""
         if self.auth_mode not in ("none", "token"):
             raise ConfigError(f"SSDRBM_AUTH_MODE must be 'none' or 'token', not {self.auth_mode!r}")
+        if not 0 <= self.inference_http_port <= 65535:
+            raise ConfigError(
+                "SSDRBM_INFERENCE_HTTP_PORT must be a TCP port (0 turns the endpoint off), not "
+                f"{self.inference_http_port}"
+            )
         positive = [
             "max_message_bytes",
             "max_tensor_elements",

@@ -57,7 +57,16 @@ def _exposed_addresses(settings: Settings) -> list[str]:
         exposed.append(f"SSDRBM_LISTEN_ADDRESS={settings.listen_address}")
     if settings.metrics_port and not is_loopback_host(settings.metrics_address):
         exposed.append(f"SSDRBM_METRICS_ADDRESS={settings.metrics_address}")
+    if _remote_inference_http(settings):
+        exposed.append(f"SSDRBM_INFERENCE_HTTP_ADDRESS={settings.inference_http_address}")
     return exposed
+
+
+def _remote_inference_http(settings: Settings) -> bool:
+    """The REST inference endpoint (on only with a port) listens beyond loopback."""
+    return bool(settings.inference_http_port) and not is_loopback_host(
+        settings.inference_http_address
+    )
 
 
 def check_exposure(settings: Settings) -> None:
@@ -86,7 +95,10 @@ def _plaintext_tokens(settings: Settings) -> bool:
     return (
         settings.auth_mode == "token"
         and not settings.tls_cert_file
-        and not is_loopback_listen_address(settings.listen_address)
+        and (
+            not is_loopback_listen_address(settings.listen_address)
+            or _remote_inference_http(settings)  # the same TLS settings serve it (rest.py)
+        )
     )
 
 

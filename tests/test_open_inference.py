@@ -7,6 +7,9 @@ alias, bad input, and tenancy and authentication as on ssdrbm.v1."""
 from __future__ import annotations
 
 import json
+import socket
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -22,6 +25,8 @@ from tritonclient.utils import InferenceServerException
 
 from ssdcore import BernoulliRBM
 from ssdcore.checkpoint import model_to_bytes
+from ssdrbm_server.config import ConfigError, Settings
+from ssdrbm_server.exposure import check_exposure
 from ssdrbm_server.store import FencedJob, JobState, LeaseStore, connect
 from tests.fixtures.jobs import N_HIDDEN, N_VISIBLE, tiny_request
 from tests.fixtures.service import RunningService
@@ -31,6 +36,13 @@ STEPS = (10, 20)  # checkpoints the stand-in worker writes; the versions served
 TOLERANCE = 1e-6
 ROWS = 5
 OUTPUT_BUDGET = 8 * N_VISIBLE  # elements per computed output: 8 rows of reconstruction
+
+
+def free_port() -> int:
+    """A TCP port free right now on loopback (the REST endpoint takes a fixed port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -91,6 +103,7 @@ def secured(service_factory: Callable[..., RunningService]) -> RunningService:
         auth_mode="token",
         auth_tokens=f"{ALPHA}=alpha,{BETA}=beta",
         max_serving_output_elements=OUTPUT_BUDGET,
+        inference_http_port=free_port(),
     )
 
 
@@ -366,3 +379,112 @@ def test_reflection_still_describes_the_service_beside_the_protocol_package(
     assert "ssdrbm.v1.RBMService" in names
     assert described.file_descriptor_response.file_descriptor_proto
     assert service_pb2.DESCRIPTOR.package == "inference"  # the client's own, loaded unchanged
+
+
+# --- the REST/JSON form -------------------------------------------------------------------------
+
+
+def rest(
+    running: RunningService, path: str, body: Any = None, token: str | None = ALPHA
+) -> tuple[int, Any]:
+    """(HTTP status, JSON answer) of a GET, or a POST when ``body`` is given."""
+    url = f"http://127.0.0.1:{running.settings.inference_http_port}{path}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=bearer(token) if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, json.load(error)
+
+
+def json_request(x: np.ndarray, datatype: str = "FP32", **fields: Any) -> dict[str, Any]:
+    data = x.tolist()  # nested rows; a flat list is accepted too
+    tensor = {"name": "input", "datatype": datatype, "shape": list(x.shape), "data": data}
+    return {"inputs": [tensor], **fields}
+
+
+def test_rest_health_metadata_readiness_and_infer(secured: RunningService) -> None:
+    assert rest(secured, "/v2/health/live") == (200, {"live": True})
+    assert rest(secured, "/v2/health/ready") == (200, {"ready": True})
+    assert rest(secured, "/v2")[1]["name"] == "ssdrbm"
+    waiting = secured.stub(token=ALPHA).StartTraining(tiny_request(name="later")).job.id
+    assert rest(secured, f"/v2/models/{waiting}/ready") == (
+        503,
+        {"name": waiting, "ready": False},
+    )
+    job_id = trained_job(secured, name="rest-features")
+    assert rest(secured, f"/v2/models/{job_id}/ready")[0] == 200
+    status, metadata = rest(secured, "/v2/models/rest-features")
+    assert status == 200 and metadata["name"] == job_id
+    assert metadata["versions"] == [str(step) for step in STEPS]
+    x = visible()
+    client = sdk(secured)
+    body = json_request(
+        x,
+        id="req-1",
+        outputs=[{"name": "reconstruction"}, {"name": "hidden_sample"}],
+        parameters={"seed": 11},
+    )
+    status, answer = rest(secured, f"/v2/models/{job_id}/versions/{STEPS[0]}/infer", body)
+    assert status == 200, answer
+    assert (answer["model_name"], answer["model_version"], answer["id"]) == (
+        job_id,
+        str(STEPS[0]),
+        "req-1",
+    )
+    outputs = {out["name"]: out for out in answer["outputs"]}
+    expected = {
+        "reconstruction": client.reconstruct(
+            job_id, x, k=1, mean_field=True, checkpoint_step=STEPS[0]
+        ),
+        "hidden_sample": client.sample_hidden(
+            job_id, x, mode="sample", seed=11, checkpoint_step=STEPS[0]
+        ),
+    }
+    for name, want in expected.items():
+        assert outputs[name]["datatype"] == "FP32" and outputs[name]["shape"] == list(want.shape)
+        got = np.asarray(outputs[name]["data"], dtype=np.float32).reshape(want.shape)
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE, err_msg=name)
+    as_bool = json_request(x.astype(bool), "BOOL")
+    status, answer = rest(secured, "/v2/models/rest-features/infer", as_bool)
+    got = np.asarray(answer["outputs"][0]["data"], dtype=np.float32).reshape(ROWS, N_HIDDEN)
+    np.testing.assert_allclose(got, client.sample_hidden(job_id, x), rtol=0, atol=TOLERANCE)
+
+
+def test_rest_errors_tenancy_and_authentication(secured: RunningService) -> None:
+    job_id = trained_job(secured)
+    x = visible()
+    infer_path = f"/v2/models/{job_id}/infer"
+    wrong_width = json_request(x[:, :10])
+    cases = {
+        "datatype": (json_request(x, "FP64"), 400, "inputs[0].datatype"),
+        "data kind": (json_request(x.astype(bool), "FP32"), 400, "inputs[0].data"),
+        "width": (wrong_width, 400, f"n_visible={N_VISIBLE}"),
+        "output": (json_request(x, outputs=[{"name": "energy"}]), 400, "outputs[0].name"),
+        "seed": (json_request(x, parameters={"seed": -1}), 400, "seed"),
+        "budget": (json_request(visible(rows=4 * ROWS * 4)), 429, "OUTPUT_ELEMENTS"),
+    }
+    for case, (body, want_status, hint) in cases.items():
+        status, answer = rest(secured, infer_path, body)
+        assert status == want_status and hint in answer["error"], (case, status, answer)
+    assert rest(secured, f"/v2/models/{job_id}/versions/99")[0] == 404
+    assert rest(secured, f"/v2/models/{job_id}/versions/x/ready")[0] == 400
+    assert rest(secured, "/v2/nothing-here")[0] == 404
+    assert rest(secured, infer_path)[0] == 405  # a GET
+    # Another tenant's model is not found; no token or a wrong one is refused.
+    assert rest(secured, f"/v2/models/{job_id}", token=BETA)[0] == 404
+    assert rest(secured, infer_path, json_request(x), token=BETA)[0] == 404
+    for token in (None, "not-a-token"):
+        status, answer = rest(secured, "/v2/health/live", token=token)
+        assert status == 401 and "token" in answer["error"]
+
+
+def test_a_rest_endpoint_beyond_loopback_needs_auth_and_tls() -> None:
+    remote = {"inference_http_port": 8000, "inference_http_address": "0.0.0.0"}
+    with pytest.raises(ConfigError, match="SSDRBM_INFERENCE_HTTP_ADDRESS"):
+        check_exposure(Settings(auth_mode="none", **remote))
+    with pytest.raises(ConfigError, match="plaintext"):
+        check_exposure(Settings(auth_mode="token", auth_tokens=f"{ALPHA}=alpha", **remote))
+    check_exposure(Settings(auth_mode="none", inference_http_port=8000))  # loopback: fine
