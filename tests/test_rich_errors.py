@@ -4,7 +4,8 @@ Against the real service (grpc.aio server on port 0, real Redis): a bad field ca
 BadRequest naming its path, a limit a QuotaFailure naming who hit it, a transient refusal a
 RetryInfo, on unary and streaming calls; a plain grpc client decodes them with
 ``grpc_status.rpc_status.from_call``, the SDK (blocking and asyncio) exposes them as attributes
-of its typed errors and its retries wait as long as the RetryInfo says. The message text is the
+of its typed errors and its retries wait as long as the RetryInfo says; the Open Inference
+Protocol service, behind the same interceptor, refuses with details too. The message text is the
 one the service sent before details existed. A table checks that every error class of
 ``ssdrbm_server.errors`` maps to its details.
 """
@@ -35,6 +36,7 @@ from ssdrbm.errors import (
 )
 from ssdrbm.retry import NO_RETRY, RetryPolicy, call_with_retry
 from ssdrbm.v1 import rbm_pb2
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from ssdrbm_server import errors
 from tests.fixtures.jobs import float_tensor, rpc_error, tiny_request
@@ -317,3 +319,17 @@ def test_the_async_client_exposes_the_details_too(service: RunningService) -> No
         assert str(invalid.value) == f"model.n_hidden: {violation.description}"
 
     asyncio.run(check())
+
+
+def test_the_inference_service_refuses_with_details_too(service: RunningService) -> None:
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(service.channel())
+    request = service_pb2.ModelInferRequest(model_name="0" * 32)
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(float_tensor(1, 16).data)
+    error = rpc_error(lambda: stub.ModelInfer(request, timeout=30))
+    assert error.code() is grpc.StatusCode.NOT_FOUND
+    details = decoded(error)
+    assert details[error_details_pb2.ErrorInfo].reason == "MODEL_NOT_FOUND"
+    resource = details[error_details_pb2.ResourceInfo]
+    assert (resource.resource_type, resource.resource_name) == ("model", "0" * 32)
+    assert from_rpc_error(error).resource == ("model", "0" * 32, error.details())

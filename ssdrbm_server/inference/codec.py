@@ -53,7 +53,8 @@ def check_input_header(
     if elements > max_elements:
         raise ResourceExhaustedError(
             f"{field} has {elements} elements, more than this server's limit of {max_elements} "
-            "(SSDRBM_MAX_TENSOR_ELEMENTS); send smaller batches"
+            "(SSDRBM_MAX_TENSOR_ELEMENTS); send smaller batches",
+            limit="max_tensor_elements",
         )
     return int(shape[0]), int(shape[1])
 

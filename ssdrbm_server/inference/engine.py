@@ -173,5 +173,7 @@ def _version_not_found(job: JobRecord, step: int, versions: list[int]) -> NotFou
     retained = ", ".join(str(s) for s in versions) or "none yet"
     return NotFoundError(
         f"model {job.id} has no version {step} (retained checkpoint steps: {retained}); "
-        "use one of those or an empty version for the latest"
+        "use one of those or an empty version for the latest",
+        resource_type="model_version",
+        resource_name=f"{job.id}/{step}",
     )

@@ -86,7 +86,9 @@ class ModelNames:
                 break
         if not found:
             raise NotFoundError(
-                f"model {name!r} not found: use a job id, or the name of one of your jobs"
+                f"model {name!r} not found: use a job id, or the name of one of your jobs",
+                resource_type="model",
+                resource_name=name,
             )
         if len(self._aliases) >= MAX_NAMES_KEPT:
             self._aliases.clear()  # rare: many names in half a second; start afresh
