@@ -115,7 +115,9 @@ def builtin_shape(name: str, options: Mapping[str, int], settings: Settings) -> 
         if not path.is_file():
             raise FailedPreconditionError(
                 f"dataset 'freyface' is not installed on this server (missing {path}); "
-                "set SSDRBM_DATA_DIR or upload the data with UploadDataset"
+                "set SSDRBM_DATA_DIR or upload the data with UploadDataset",
+                precondition="DATASET_NOT_INSTALLED",
+                subject="dataset:freyface",
             )
         count, width = FREY_FACE_EXAMPLES, FREY_FACE_WIDTH
     limit = options.get("limit", 0)
@@ -142,7 +144,9 @@ def _mnist_count(directory: Path) -> int:
     if total == 0:
         raise FailedPreconditionError(
             f"dataset 'mnist' is not installed on this server (no IDX image files in {directory}); "
-            "set SSDRBM_DATA_DIR or upload the data with UploadDataset"
+            "set SSDRBM_DATA_DIR or upload the data with UploadDataset",
+            precondition="DATASET_NOT_INSTALLED",
+            subject="dataset:mnist",
         )
     return total
 

@@ -58,6 +58,8 @@ def checkpoint_fields(
 class CorruptCheckpointError(FailedPreconditionError):
     """A checkpoint's bytes do not match their recorded sha256."""
 
+    reason = "CHECKPOINT_CORRUPT"
+
 
 _MODEL_FIELDS = ("step", "data", "sha256", "attempt", "config_json")
 _ALL_FIELDS = (*_MODEL_FIELDS, "trainer_state", "trainer_sha256")
@@ -90,7 +92,9 @@ class CheckpointStore:
                 continue  # removed by retention between listing and reading
         if steps:
             raise FailedPreconditionError(
-                f"job {job_id} has no intact checkpoint (all failed their sha256 check)"
+                f"job {job_id} has no intact checkpoint (all failed their sha256 check)",
+                precondition="NO_INTACT_CHECKPOINT",
+                subject=f"job:{job_id}",
             )
         raise FailedPreconditionError(
             f"job {job_id} has no checkpoint yet; wait until it has trained to its first "
