@@ -70,13 +70,28 @@ class RandomSource:
         if self._bits is None:
             scratch.uniform.uniform_(generator=self._generator)
             return torch.lt(scratch.uniform, probs, out=out)
-        n = scratch.flat.numel()
-        words = self._bits.random_raw((n + 3) // 4)
         # integers k in [-32768, 32767], converted to float without a temporary
-        scratch.flat.copy_(torch.from_numpy(words.view(np.int16)[:n]))
+        scratch.flat.copy_(torch.from_numpy(self.bits16(scratch.flat.numel())))
         # k < 65536·p - 32768  ⇔  (k + 32768) / 65536 < p, a 16-bit uniform on [0, 1) below p
         torch.add(self._offset, probs, alpha=_TWO_POW_16, out=scratch.threshold)
         return torch.lt(scratch.uniform, scratch.threshold, out=out)
+
+    @property
+    def uses_bits(self) -> bool:
+        """Whether Bernoulli draws come from the CPU bit stream (:meth:`bits16`), not uniform_."""
+        return self._bits is not None
+
+    def bits16(self, n: int) -> np.ndarray:
+        """The next ``n`` signed 16-bit integers of the CPU bit stream (int16 array).
+
+        Exactly what :meth:`bernoulli_` compares against for ``n`` draws, consuming the stream
+        the same way, so a caller that thresholds them itself (the packed trainer, which draws
+        for many runs at once) reproduces this source's draws.
+        """
+        if self._bits is None:
+            raise RuntimeError("bits16 is for CPU sources; a CUDA source draws with uniform_")
+        words = self._bits.random_raw((n + 3) // 4)
+        return words.view(np.int16)[:n]
 
     def normal_(self, out: torch.Tensor) -> torch.Tensor:
         """Fill `out` with independent standard normal draws."""

@@ -1,0 +1,30 @@
+"""Packed training: M Bernoulli RBMs of one shape trained as one batched computation.
+
+See :mod:`ssdcore.pack.pack` for what holds run by run, and docs/ARCHITECTURE.md for the API.
+"""
+
+from __future__ import annotations
+
+from ssdcore.pack.exchange import (
+    insert_bytes,
+    insert_trainer,
+    run_to_bytes,
+    run_to_trainer,
+    trainer_to_run_state,
+)
+from ssdcore.pack.pack import PackRun, RunDivergence, TrainingPack, pack_key, run_rules
+from ssdcore.pack.state import RunState
+
+__all__ = [
+    "PackRun",
+    "RunDivergence",
+    "RunState",
+    "TrainingPack",
+    "insert_bytes",
+    "insert_trainer",
+    "pack_key",
+    "run_rules",
+    "run_to_bytes",
+    "run_to_trainer",
+    "trainer_to_run_state",
+]

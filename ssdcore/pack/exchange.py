@@ -1,0 +1,127 @@
+"""A pack's run ⇄ the solo :class:`~ssdcore.Trainer` ⇄ ordinary checkpoint bytes.
+
+A run taken out of a pack becomes a Trainer built exactly as the service builds one (same
+model kind and shape, optimizer configuration, batch size, CD-k, persistence, seed,
+``check_every``) with the run's parameters, momentum buffers, persistent chains, random
+states, data order and position, step, step-size scale and wall time loaded; its
+:func:`~ssdcore.checkpoint.trainer_to_bytes` is an ordinary single-model checkpoint, which
+resumes solo with :func:`~ssdcore.checkpoint.trainer_from_bytes`. The other way, any solo
+Trainer (or its checkpoint) with the pack's settings and a compatible optimizer can be put
+into a pack slot.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
+from ssdcore.models.bernoulli import BernoulliRBM
+from ssdcore.pack.state import RunState
+from ssdcore.training import Trainer
+
+if TYPE_CHECKING:
+    from ssdcore.pack.pack import TrainingPack
+
+
+def run_to_trainer(pack: TrainingPack, run: int) -> Trainer:
+    """A solo Trainer continuing run ``run`` exactly (on the pack's device and data)."""
+    state = pack.run_state(run)
+    model = BernoulliRBM(pack.n_visible, pack.n_hidden, init_std=0.0, device=pack.device)
+    with torch.no_grad():
+        for name, tensor in state.parameters.items():
+            getattr(model, name).copy_(tensor)
+    trainer = Trainer(
+        model,
+        pack.train_data,
+        optimizer=state.optimizer,
+        batch_size=pack.batch_size,
+        cd_k=pack.cd_k,
+        persistent=pack.persistent,
+        seed=state.seed,
+        check_every=pack.check_every,
+    )
+    for group in trainer.optimizer.param_groups:
+        buffer = state.momentum.get(group["name"])
+        if buffer is not None:
+            trainer.optimizer.state[group["params"][0]]["momentum_buffer"] = buffer.to(
+                pack.device
+            ).clone()
+    estimator = {f"rng.{name}": tensor for name, tensor in state.random.items()}
+    if state.chains is not None:
+        estimator["chains"] = state.chains
+    trainer.load_state_dict(
+        {
+            "step": state.step,
+            "epoch": state.epoch,
+            "position": state.position,
+            "wall_time_s": state.wall_time_s,
+            "permutation": state.permutation,
+            "generator": state.order_generator,
+            "estimator": estimator,
+            "optimizer": trainer.optimizer.state_dict(),
+            "lr_scale": state.lr_scale,
+        }
+    )
+    return trainer
+
+
+def trainer_to_run_state(trainer: Trainer) -> RunState:
+    """The :class:`RunState` of a solo Trainer (own copies), for :func:`insert_trainer`."""
+    saved = trainer.state_dict()
+    estimator = saved["estimator"]
+    momentum = {}
+    for group in trainer.optimizer.param_groups:
+        buffer = trainer.optimizer.state.get(group["params"][0], {}).get("momentum_buffer")
+        if buffer is not None:
+            momentum[group["name"]] = buffer.detach().cpu().clone()
+    chains = estimator.get("chains")
+    return RunState(
+        parameters={
+            name: getattr(trainer.model, name).detach().clone() for name in ("W", "b", "a")
+        },
+        optimizer=trainer.optimizer_config,
+        seed=trainer.seed,
+        step=trainer.step_count,
+        epoch=int(saved["epoch"]),
+        position=int(saved["position"]),
+        permutation=saved["permutation"],
+        order_generator=saved["generator"],
+        random={k[4:]: v.clone() for k, v in estimator.items() if k.startswith("rng.")},
+        chains=None if chains is None else chains.clone(),
+        momentum=momentum,
+        lr_scale=float(saved["lr_scale"]),
+        wall_time_s=float(saved["wall_time_s"]),
+    )
+
+
+def insert_trainer(pack: TrainingPack, run: int, trainer: Trainer) -> None:
+    """Put a solo Trainer's run into pack slot ``run``; ValueError names what does not fit."""
+    model = trainer.model
+    if type(model) is not BernoulliRBM:
+        raise ValueError(f"the trainer's model is a {type(model).__name__}; packs hold BRBMs")
+    mismatches = [
+        f"{what} {theirs!r} (pack: {ours!r})"
+        for what, theirs, ours in (
+            ("n_visible", model.n_visible, pack.n_visible),
+            ("n_hidden", model.n_hidden, pack.n_hidden),
+            ("batch_size", trainer.batch_size, pack.batch_size),
+            ("cd_k", trainer.cd_k, pack.cd_k),
+            ("persistent", trainer.persistent, pack.persistent),
+        )
+        if theirs != ours
+    ]
+    if mismatches:
+        raise ValueError(f"the trainer does not fit this pack: {', '.join(mismatches)}")
+    pack.load_run_state(run, trainer_to_run_state(trainer))
+
+
+def run_to_bytes(pack: TrainingPack, run: int) -> bytes:
+    """Run ``run`` as an ordinary solo trainer checkpoint (:func:`trainer_to_bytes`)."""
+    return trainer_to_bytes(run_to_trainer(pack, run))
+
+
+def insert_bytes(pack: TrainingPack, run: int, data: bytes) -> None:
+    """Put a solo trainer checkpoint (:func:`trainer_to_bytes` output) into slot ``run``."""
+    insert_trainer(pack, run, trainer_from_bytes(data, pack.train_data, device=pack.device))

@@ -1,0 +1,276 @@
+"""Per-run optimizer steps for a pack: SGD, Nesterov, SSD and the per-parameter hybrids.
+
+Each run's optimizer is whatever :func:`ssdcore.optim.build_optimizer` makes of its
+:class:`~ssdcore.optim.OptimizerConfig`: the pack reads the parameter groups it would build (the
+one place that turns a config into per-parameter settings) and takes the same steps with a
+leading run dimension. Runs may differ in step size, momentum and weight decay; the *rule* of
+each parameter (:class:`ParameterRule`: Euclidean with or without Nesterov, or spectral with its
+polar method) must be the same for every run in a pack — it decides which batched kernels run.
+
+Every update reproduces the solo optimizer's floating-point operations run by run (per-run
+scalars become (M, 1, 1) tensors in the same ``addcmul`` / ``mul`` / ``addmm`` forms), so on the
+CPU a packed run's parameters are its solo parameters bit for bit (``tests/test_pack.py``). The
+one exception is the step of a matrix whose polar factor is exact and fused into an ``addmm``
+with the run's step size as ``alpha``: BLAS applies ``alpha`` inside the product, which no
+batched call with per-run step sizes reproduces, so that update runs as one ``addmm`` per run.
+
+Not supported in a pack (ValueError naming the setting): ``ssd-preconditioned``, the
+``randomized`` polar method, and ``max_spectral_norm`` — the solo trainer runs those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ssdcore.models.bernoulli import BernoulliRBM
+from ssdcore.optim.config import OptimizerConfig, build_optimizer
+from ssdcore.pack.polar import (
+    packed_gram_factors,
+    packed_newton_schulz,
+    packed_newton_schulz_factors,
+    packed_svd,
+)
+
+PARAMETER_NAMES = ("W", "b", "a")
+PACKED_POLAR_METHODS = ("lowrank", "svd", "newton-schulz")
+
+
+@dataclass(frozen=True)
+class ParameterRule:
+    """How one parameter is updated; equal across the runs of a pack."""
+
+    geometry: str  # "euclidean" | "spectral"
+    nesterov: bool = False  # euclidean
+    method: str = ""  # spectral matrices: lowrank | svd | newton-schulz ("" for vectors)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """One run's numbers for one parameter (what may differ between runs)."""
+
+    lr: float
+    momentum: float
+    weight_decay: float
+
+
+def parameter_groups(config: OptimizerConfig, n_visible: int, n_hidden: int, device) -> dict:
+    """``{name: group}`` of the optimizer the solo trainer would build for ``config``."""
+    template = BernoulliRBM(n_visible, n_hidden, init_std=0.0, device=device)
+    optimizer = build_optimizer(template, config)
+    return {group["name"]: group for group in optimizer.param_groups}
+
+
+def rule_and_settings(name: str, group: dict[str, Any]) -> tuple[ParameterRule, RunSettings]:
+    """The rule and numbers of a solo parameter group; ValueError for what packs do not run."""
+    if group.get("max_spectral_norm") is not None:
+        raise ValueError(
+            f"OptimizerConfig.max_spectral_norm is not supported in a pack (parameter {name}); "
+            "train this run with the solo Trainer, or drop the bound"
+        )
+    if group.get("preconditioner") is not None:
+        raise ValueError(
+            "OptimizerConfig.name 'ssd-preconditioned' is not supported in a pack; train this "
+            "run with the solo Trainer"
+        )
+    settings = RunSettings(
+        float(group["lr"]), float(group.get("momentum", 0.0)), float(group["weight_decay"])
+    )
+    if group.get("geometry", "euclidean") == "euclidean":
+        return ParameterRule("euclidean", nesterov=bool(group["nesterov"])), settings
+    if name != "W":
+        return ParameterRule("spectral"), settings
+    if group["method"] not in PACKED_POLAR_METHODS:
+        raise ValueError(
+            f"OptimizerConfig.method {group['method']!r} is not supported in a pack; choose one "
+            f"of {PACKED_POLAR_METHODS}"
+        )
+    return ParameterRule("spectral", method=group["method"]), settings
+
+
+def needs_dense_weight_gradient(rule: ParameterRule, shape: tuple[int, int], rank: int) -> bool:
+    """Whether W's step reads the dense gradient (as :meth:`ssdcore.optim.SSD.needs_dense_gradient`:
+    only Newton–Schulz in factor space, with factors thinner than W, does without it here)."""
+    return not (rule.method == "newton-schulz" and rank < min(shape))
+
+
+class PackedOptimizer:
+    """Steps for parameters stacked over M runs, with per-run step sizes and settings.
+
+    Args:
+        rules: ``{parameter name: ParameterRule}``, shared by all runs.
+        settings: per run, ``{parameter name: RunSettings}`` (base step sizes, before scaling).
+        shapes: ``{parameter name: per-run shape}``.
+        device: where the parameters live.
+    """
+
+    def __init__(
+        self,
+        rules: dict[str, ParameterRule],
+        settings: list[dict[str, RunSettings]],
+        shapes: dict[str, tuple[int, ...]],
+        device: torch.device,
+    ) -> None:
+        self.rules = rules
+        self.settings = settings
+        self.device = device
+        self.lr_scales = [1.0] * len(settings)
+        n = len(settings)
+        f32 = {"device": device, "dtype": torch.float32}
+        # Momentum buffers (zero until a run's first step: 0·m + g is g, as the solo clone).
+        self.momentum_buffers = {
+            name: torch.zeros(n, *shapes[name], **f32)
+            for name, rule in rules.items()
+            if rule.geometry == "euclidean"
+        }
+        self.has_buffer = {name: [False] * n for name in self.momentum_buffers}
+        self._refresh()
+
+    # --- per-run numbers ------------------------------------------------------------------
+
+    def lr(self, run: int, name: str) -> float:
+        """Run ``run``'s current step size for parameter ``name`` (base × its scale)."""
+        return self.settings[run][name].lr * self.lr_scales[run]
+
+    def set_lr_scale(self, run: int, scale: float) -> None:
+        self.lr_scales[run] = float(scale)
+        self._refresh()
+
+    def set_run(self, run: int, settings: dict[str, RunSettings], lr_scale: float) -> None:
+        """Give slot ``run`` another run's settings (same rules) and forget its buffers."""
+        self.settings[run] = settings
+        self.lr_scales[run] = float(lr_scale)
+        for name, buffer in self.momentum_buffers.items():
+            buffer[run].zero_()
+            self.has_buffer[name][run] = False
+        self._refresh()
+
+    def _column(self, values: list[float], name: str) -> Tensor:
+        """Per-run float64 values rounded to float32 as a solo kernel rounds its scalar."""
+        view = (-1,) + (1,) * (2 if name == "W" else 1)
+        return torch.tensor(values, dtype=torch.float32, device=self.device).view(view)
+
+    def _refresh(self) -> None:
+        """Rebuild the per-run scalar columns after a step size or run changed."""
+        self._neg_lr, self._neg_lr_momentum, self._momentum, self._decay = {}, {}, {}, {}
+        self._lrs: dict[str, list[float]] = {}
+        for name in self.rules:
+            lrs = [self.lr(run, name) for run in range(len(self.settings))]
+            momenta = [run[name].momentum for run in self.settings]
+            decays = [run[name].weight_decay for run in self.settings]
+            self._lrs[name] = lrs
+            self._neg_lr[name] = self._column([-lr for lr in lrs], name)
+            self._neg_lr_momentum[name] = self._column(
+                [-lr * m for lr, m in zip(lrs, momenta, strict=True)], name
+            )
+            self._momentum[name] = self._column(momenta, name)
+            self._any_momentum = any(m != 0 for m in momenta)
+            has_decay = any(d != 0 for d in decays)
+            self._decay[name] = (
+                self._column([1 - lr * d for lr, d in zip(lrs, decays, strict=True)], name)
+                if has_decay
+                else None
+            )
+
+    # --- steps ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(
+        self,
+        parameters: dict[str, Tensor],
+        gradients: dict[str, Tensor | None],
+        weight_factors: tuple[Tensor, Tensor] | None = None,
+    ) -> None:
+        """One step of every run; ``gradients["W"]`` may be None when only factors are given."""
+        for name, rule in self.rules.items():
+            parameter, grad = parameters[name], gradients[name]
+            if self._decay[name] is not None:
+                parameter.mul_(self._decay[name])
+            if rule.geometry == "euclidean":
+                if grad is None:
+                    assert weight_factors is not None
+                    grad = torch.bmm(*weight_factors)
+                self._euclidean_(name, parameter, grad, rule)
+            elif parameter.ndim == 3:
+                self._spectral_matrix_(name, parameter, grad, weight_factors, rule)
+            else:
+                self._linf_(name, parameter, grad)
+
+    def _euclidean_(self, name: str, parameter: Tensor, grad: Tensor, rule: ParameterRule) -> None:
+        momenta = [run[name].momentum for run in self.settings]
+        if not any(m != 0 for m in momenta):
+            parameter.addcmul_(grad, self._neg_lr[name])
+            return
+        buffer = self.momentum_buffers[name]
+        buffer.mul_(self._momentum[name]).add_(grad)
+        self.has_buffer[name] = [
+            has or m != 0 for has, m in zip(self.has_buffer[name], momenta, strict=True)
+        ]
+        if rule.nesterov:
+            parameter.addcmul_(grad, self._neg_lr[name])
+            parameter.addcmul_(buffer, self._neg_lr_momentum[name])
+        else:
+            parameter.addcmul_(buffer, self._neg_lr[name])
+
+    def _spectral_matrix_(
+        self,
+        name: str,
+        parameter: Tensor,
+        grad: Tensor | None,
+        factors: tuple[Tensor, Tensor] | None,
+        rule: ParameterRule,
+    ) -> None:
+        if rule.method == "newton-schulz" and grad is None:
+            assert factors is not None
+            self._apply_factored_(name, parameter, *packed_newton_schulz_factors(*factors))
+            return
+        assert grad is not None
+        if rule.method == "lowrank":
+            self._apply_factored_(name, parameter, *packed_gram_factors(grad))
+            return
+        if rule.method == "svd":
+            direction, nuclear_norm = packed_svd(grad)
+        else:
+            direction, nuclear_norm = packed_newton_schulz(grad)
+        # solo: p.addcmul_(direction, ‖σ‖₁, value=-lr) = p + ((-lr)·direction)·‖σ‖₁
+        parameter.addcmul_(direction * self._neg_lr[name], nuclear_norm.view(-1, 1, 1))
+
+    def _apply_factored_(
+        self, name: str, parameter: Tensor, left: Tensor, right: Tensor, nuclear_norm: Tensor
+    ) -> None:
+        """``W_i -= lr_i ‖σ_i‖₁ left_i right_i`` as the solo ``addmm`` with ``alpha = -lr_i``."""
+        scaled = right * nuclear_norm.view(-1, 1, 1)
+        for run, lr in enumerate(self._lrs[name]):
+            parameter[run].addmm_(left[run], scaled[run], alpha=-lr)
+
+    def _linf_(self, name: str, parameter: Tensor, grad: Tensor) -> None:
+        """l∞ step ``x -= lr ‖g‖₁ sign(g)``; ``(-lr)·sign`` is exact, so this is the solo
+        ``addcmul_(sign, ‖g‖₁, value=-lr)`` to the bit."""
+        norm = torch.linalg.vector_norm(grad, 1, dim=-1, keepdim=True)
+        parameter.addcmul_(torch.sign(grad).mul_(self._neg_lr[name]), norm)
+
+    # --- state ----------------------------------------------------------------------------
+
+    def run_buffers(self, run: int) -> dict[str, Tensor]:
+        """Run ``run``'s momentum buffers, as the solo optimizer's state holds them."""
+        return {
+            name: buffer[run].clone()
+            for name, buffer in self.momentum_buffers.items()
+            if self.has_buffer[name][run]
+        }
+
+    def load_run_buffers(self, run: int, buffers: dict[str, Tensor]) -> None:
+        for name, buffer in self.momentum_buffers.items():
+            saved = buffers.get(name)
+            self.has_buffer[name][run] = saved is not None
+            if saved is None:
+                buffer[run].zero_()
+            else:
+                buffer[run].copy_(saved)
+
+    def reset_run_buffers(self, run: int) -> None:
+        """Zero run ``run``'s buffers (a diverged run's may hold NaN)."""
+        self.load_run_buffers(run, {})

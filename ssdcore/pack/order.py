@@ -1,0 +1,44 @@
+"""Each run's minibatch order: its own seeded generator, permutation and position.
+
+The same scheme as the solo :class:`~ssdcore.Trainer` (a fresh ``randperm`` of the training
+rows from a generator seeded with the run's seed at every epoch, the last partial batch
+dropped), kept per run so a run's batches do not depend on the others in its pack.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class RunOrder:
+    """One run's data order; the fields are what a solo checkpoint stores."""
+
+    def __init__(self, n_rows: int, batch_size: int, seed: int, device: torch.device) -> None:
+        self.n_rows = n_rows
+        self.batch_size = batch_size
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.epoch = 0
+        self.position = 0
+        self.permutation = self._new_permutation()
+
+    def _new_permutation(self) -> Tensor:
+        return torch.randperm(self.n_rows, generator=self.generator, device=self.generator.device)
+
+    def next_indices(self) -> Tensor:
+        """The row indices of this run's next batch (B,); reshuffles at an epoch's end."""
+        if self.position + self.batch_size > self.permutation.shape[0]:
+            self.permutation = self._new_permutation()
+            self.position = 0
+            self.epoch += 1
+        index = self.permutation[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return index
+
+
+def gather_batches(orders: list[RunOrder], data: Tensor, out: Tensor) -> Tensor:
+    """Every run's next batch into ``out`` (M, B, V), from the shared (N, V) ``data``."""
+    index = torch.cat([order.next_indices() for order in orders])  # (M·B,)
+    torch.index_select(data, 0, index, out=out.view(-1, data.shape[1]))
+    return out

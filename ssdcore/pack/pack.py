@@ -1,0 +1,468 @@
+"""A pack: M Bernoulli RBMs of one shape trained as one batched computation.
+
+Each run keeps its own model, optimizer settings and step size, data order, random source and
+step count; the pack stacks the parameters (W (M, V, H), b (M, V), a (M, H)) and runs every
+step's Gibbs sweeps, gradients and updates as batched products. What holds run by run:
+
+- *Pack-independence and solo equivalence.* A run's batches and draws come from its own
+  seeded streams, the solo :class:`~ssdcore.Trainer`'s for the same seed, and every batched
+  kernel computes each run's slice as the solo kernel does. On the CPU a packed run's
+  trajectory is its solo trajectory bit for bit, whatever else shares the pack
+  (``tests/test_pack.py``); on CUDA, within float32 rounding (see ``docs/ARCHITECTURE.md``).
+- *Divergence is per run.* After every ``check_every`` steps one reduction per run checks that
+  its parameters are finite (one host sync for the pack). A run that fails is put back to its
+  last finite parameters and frozen — it stops moving and counting steps — and a
+  :class:`RunDivergence` reports it; the others carry on. The caller decides what happens next
+  (:func:`ssdcore.pack.fit_pack` applies fit's backoff per run): :meth:`TrainingPack.restore`
+  a snapshot, :meth:`TrainingPack.set_lr_scale`, and the run continues.
+- *Interchangeable state.* :meth:`TrainingPack.run_state` / :meth:`TrainingPack.load_run_state`
+  move one run out and in; :mod:`ssdcore.pack.exchange` turns that into a solo Trainer and its
+  ordinary checkpoint bytes, and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ssdcore.cuda_graph import GraphedStep
+from ssdcore.models.bernoulli import BernoulliRBM
+from ssdcore.optim.config import OptimizerConfig, resolve_for
+from ssdcore.pack.gradients import PackedCD
+from ssdcore.pack.optim import (
+    PARAMETER_NAMES,
+    PackedOptimizer,
+    ParameterRule,
+    RunSettings,
+    needs_dense_weight_gradient,
+    parameter_groups,
+    rule_and_settings,
+)
+from ssdcore.pack.order import RunOrder, gather_batches
+from ssdcore.pack.random import PackedRandom
+from ssdcore.pack.state import RunState
+from ssdcore.sampling import RandomSource, restore_generator
+from ssdcore.training import (
+    _ESTIMATOR_SEED_OFFSET,
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_CD_K,
+    check_data,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackRun:
+    """One run to pack: its starting model, optimizer configuration and seed (as a Trainer's)."""
+
+    model: BernoulliRBM
+    optimizer: OptimizerConfig | str = "ssd"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RunDivergence:
+    """Run ``run`` stopped: ``what`` went wrong by ``step``; it was put back to
+    ``restored_step``'s parameters and frozen."""
+
+    run: int
+    step: int
+    restored_step: int
+    what: str
+
+
+def _config(optimizer: OptimizerConfig | str) -> OptimizerConfig:
+    if isinstance(optimizer, str):
+        return OptimizerConfig(name=optimizer)
+    if not isinstance(optimizer, OptimizerConfig):
+        raise ValueError(f"optimizer must be an OptimizerConfig or a name, got {optimizer!r}")
+    return optimizer
+
+
+def run_rules(
+    config: OptimizerConfig, n_visible: int, n_hidden: int, device: torch.device | str = "cpu"
+) -> tuple[dict[str, ParameterRule], dict[str, RunSettings]]:
+    """The per-parameter rules and numbers of a run with ``config`` (resolved for a BRBM)."""
+    groups = parameter_groups(config, n_visible, n_hidden, torch.device(device))
+    rules, settings = {}, {}
+    for name in PARAMETER_NAMES:
+        rules[name], settings[name] = rule_and_settings(name, groups[name])
+    return rules, settings
+
+
+def pack_key(
+    model_config: dict,
+    optimizer: OptimizerConfig | str,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    cd_k: int = DEFAULT_CD_K,
+    persistent: bool = False,
+) -> tuple:
+    """A hashable key: runs (and jobs) with equal keys can share a pack (on the same data and
+    device). ``model_config`` is :meth:`RBM.config` output. ValueError says why a run cannot
+    be packed at all (a Gaussian model, an optimizer setting packs do not run)."""
+    if model_config.get("type") != BernoulliRBM.kind:
+        raise ValueError(
+            f"model type {model_config.get('type')!r} cannot be packed yet; packs train "
+            "Bernoulli RBMs (train it with the solo Trainer)"
+        )
+    V, H = int(model_config["n_visible"]), int(model_config["n_hidden"])
+    template = BernoulliRBM(V, H, init_std=0.0)
+    rules, _ = run_rules(resolve_for(template, _config(optimizer)), V, H)
+    return (
+        BernoulliRBM.kind,
+        V,
+        H,
+        int(batch_size),
+        int(cd_k),
+        bool(persistent),
+        tuple(sorted(rules.items())),
+    )
+
+
+class TrainingPack:
+    """Trains M Bernoulli RBMs of one shape together on one (N, V) data set.
+
+    Args:
+        runs: the runs, each a :class:`PackRun` (model copied in; the model objects are not
+            updated — read results with :meth:`model`).
+        train_data: (N, V) float tensor shared by every run (each run has its own order).
+        batch_size, cd_k, persistent, check_every: as the solo Trainer's, for every run.
+        independent_streams: True (default) gives each run its own random streams, the solo
+            Trainer's; False shares one generator across the pack (fewer kernels on CUDA,
+            but a run's draws then depend on its pack).
+        cuda_graph: replay the batched step as one CUDA graph (None: when the device is CUDA
+            and every rule is capturable — SGD/Nesterov and Newton–Schulz SSD).
+    """
+
+    def __init__(
+        self,
+        runs: Sequence[PackRun],
+        train_data: Tensor,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        cd_k: int = DEFAULT_CD_K,
+        persistent: bool = False,
+        check_every: int = 1,
+        independent_streams: bool = True,
+        cuda_graph: bool | None = None,
+    ) -> None:
+        if not runs:
+            raise ValueError("runs must hold at least one PackRun")
+        first = runs[0].model
+        for index, run in enumerate(runs):
+            if not isinstance(run.model, BernoulliRBM) or type(run.model) is not BernoulliRBM:
+                raise ValueError(
+                    f"runs[{index}].model is a {type(run.model).__name__}; packs train "
+                    "BernoulliRBM models only"
+                )
+            if (run.model.n_visible, run.model.n_hidden) != (first.n_visible, first.n_hidden):
+                raise ValueError(
+                    f"runs[{index}].model is {run.model.n_visible}x{run.model.n_hidden}, "
+                    f"runs[0].model {first.n_visible}x{first.n_hidden}: a pack holds one shape"
+                )
+            if run.model.W.device != first.W.device:
+                raise ValueError(f"runs[{index}].model is on another device than runs[0].model")
+        check_data(train_data, first.n_visible, "train_data")
+        if not (isinstance(batch_size, int) and 1 <= batch_size <= train_data.shape[0]):
+            raise ValueError(
+                f"batch_size must be an integer in [1, {train_data.shape[0]}], got {batch_size!r}"
+            )
+        if not (isinstance(cd_k, int) and cd_k >= 1):
+            raise ValueError(f"cd_k must be an integer >= 1, got {cd_k!r}")
+        if not (isinstance(check_every, int) and check_every >= 1):
+            raise ValueError(f"check_every must be an integer >= 1, got {check_every!r}")
+        self.device = first.W.device
+        self.n_visible, self.n_hidden = first.n_visible, first.n_hidden
+        self.n_runs = len(runs)
+        self.batch_size, self.cd_k, self.persistent = batch_size, cd_k, bool(persistent)
+        self.check_every = check_every
+        self.train_data = train_data.to(self.device, torch.float32)
+        self.configs = [resolve_for(run.model, _config(run.optimizer)) for run in runs]
+        self.seeds = [int(run.seed) for run in runs]
+        rules, settings = self._rules_of_runs()
+        self.rules = rules
+        with torch.no_grad():
+            self.parameters = {
+                name: torch.stack([getattr(run.model, name).detach() for run in runs]).clone()
+                for name in PARAMETER_NAMES
+            }
+        shapes = {name: tuple(t.shape[1:]) for name, t in self.parameters.items()}
+        self.optimizer = PackedOptimizer(rules, settings, shapes, self.device)
+        self.sources = [RandomSource(self.device, s + _ESTIMATOR_SEED_OFFSET) for s in self.seeds]
+        self.random = PackedRandom(
+            self.sources, self.device, independent=independent_streams, shared_seed=self.seeds[0]
+        )
+        dense = needs_dense_weight_gradient(
+            rules["W"], (self.n_visible, self.n_hidden), 2 * batch_size
+        )
+        self.estimator = PackedCD(
+            self.n_runs,
+            self.n_visible,
+            self.n_hidden,
+            batch_size,
+            k=cd_k,
+            persistent=self.persistent,
+            random=self.random,
+            device=self.device,
+            dense_weight_grad=dense,
+        )
+        n_rows = self.train_data.shape[0]
+        self.orders = [RunOrder(n_rows, batch_size, s, self.device) for s in self.seeds]
+        self._batch = torch.empty(self.n_runs, batch_size, self.n_visible, device=self.device)
+        self.step_counts = [0] * self.n_runs
+        self.wall_times = [0.0] * self.n_runs
+        self.active = [True] * self.n_runs
+        self.divergences: list[RunDivergence] = []
+        self._pack_steps = 0
+        self._last_good = {name: t.clone() for name, t in self.parameters.items()}
+        self._last_good_steps = [0] * self.n_runs
+        self.cuda_graph = self._resolve_cuda_graph(cuda_graph)
+        self._graphed_step: GraphedStep | None = None
+
+    def _rules_of_runs(self) -> tuple[dict[str, ParameterRule], list[dict[str, RunSettings]]]:
+        rules: dict[str, ParameterRule] | None = None
+        settings = []
+        for index, config in enumerate(self.configs):
+            run_rule, run_settings = run_rules(config, self.n_visible, self.n_hidden, self.device)
+            if rules is None:
+                rules = run_rule
+            elif run_rule != rules:
+                raise ValueError(
+                    f"runs[{index}]'s optimizer updates its parameters as {run_rule}, runs[0]'s "
+                    f"as {rules}; a pack needs one rule per parameter (group runs by pack_key)"
+                )
+            settings.append(run_settings)
+        assert rules is not None
+        return rules, settings
+
+    # --- CUDA graphs ------------------------------------------------------------------------
+
+    def _resolve_cuda_graph(self, requested: bool | None) -> bool:
+        if requested is False:
+            return False
+        capturable = all(
+            rule.geometry == "euclidean" or rule.method in ("", "newton-schulz")
+            for rule in self.rules.values()
+        )
+        obstacle = None
+        if self.device.type != "cuda":
+            obstacle = f"the pack is on {self.device}, not a CUDA device"
+        elif not capturable:
+            obstacle = "exact polar steps synchronize with the host (use newton-schulz)"
+        if requested and obstacle:
+            raise ValueError(f"cuda_graph=True but the step cannot be captured: {obstacle}")
+        return obstacle is None
+
+    # --- training -------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        """Estimate and update every run on ``self._batch``: the unit a CUDA graph captures."""
+        W, b, a = (self.parameters[name] for name in PARAMETER_NAMES)
+        self.estimator.estimate(W, b, a, self._batch)
+        estimator = self.estimator
+        gradients = {
+            "W": estimator.grad_W if estimator.dense_weight_grad else None,
+            "b": estimator.grad_b,
+            "a": estimator.grad_a,
+        }
+        self.optimizer.step(self.parameters, gradients, estimator.factors)
+
+    def _run_step(self) -> None:
+        if not self.cuda_graph:
+            self._step()
+            return
+        if self._graphed_step is None:
+            self._graphed_step = GraphedStep(self._step, self.random.generators, self.device)
+        self._graphed_step()
+
+    def train_steps(self, n: int) -> list[RunDivergence]:
+        """Run ``n`` steps of every active run; returns the runs that diverged meanwhile."""
+        if not (isinstance(n, int) and n >= 0):
+            raise ValueError(f"n (number of steps) must be an integer >= 0, got {n!r}")
+        found: list[RunDivergence] = []
+        started = time.perf_counter()
+        frozen = [run for run, active in enumerate(self.active) if not active]
+        try:
+            for _ in range(n):
+                gather_batches(self.orders, self.train_data, self._batch)
+                self._run_step()
+                if frozen:
+                    self._hold_frozen(frozen)
+                self._pack_steps += 1
+                for run in range(self.n_runs):
+                    if self.active[run]:
+                        self.step_counts[run] += 1
+                if self._pack_steps % self.check_every == 0:
+                    new = self._check_finite()
+                    found += new
+                    frozen = [run for run, active in enumerate(self.active) if not active]
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - started
+            for run in range(self.n_runs):
+                if self.active[run]:
+                    self.wall_times[run] += elapsed
+        return found
+
+    @torch.no_grad()
+    def _hold_frozen(self, frozen: list[int]) -> None:
+        """Put frozen runs' parameters back: they are computed along but must not move."""
+        index = torch.tensor(frozen, device=self.device)
+        for name, parameter in self.parameters.items():
+            parameter.index_copy_(0, index, self._last_good[name].index_select(0, index))
+
+    @torch.no_grad()
+    def _check_finite(self) -> list[RunDivergence]:
+        """One reduction per run, one host sync; freeze the runs that are not finite."""
+        totals = sum(t.flatten(1).sum(dim=1) for t in self.parameters.values())
+        finite = torch.isfinite(totals).tolist()
+        if all(finite):
+            for name, parameter in self.parameters.items():
+                self._last_good[name].copy_(parameter)
+            self._last_good_steps = list(self.step_counts)
+            return []
+        found = []
+        for run, ok in enumerate(finite):
+            if ok:
+                for name, parameter in self.parameters.items():
+                    self._last_good[name][run].copy_(parameter[run])
+                self._last_good_steps[run] = self.step_counts[run]
+            elif self.active[run]:
+                found.append(self._freeze(run, self._non_finite_names(run)))
+        return found
+
+    def _non_finite_names(self, run: int) -> str:
+        bad = [n for n, t in self.parameters.items() if not bool(torch.isfinite(t[run]).all())]
+        return f"parameters {bad or '(overflowing sum)'} became NaN or Inf"
+
+    def _freeze(self, run: int, what: str) -> RunDivergence:
+        failed = self.step_counts[run]
+        with torch.no_grad():
+            for name, parameter in self.parameters.items():
+                parameter[run].copy_(self._last_good[name][run])
+        self.optimizer.reset_run_buffers(run)
+        self.step_counts[run] = self._last_good_steps[run]
+        self.active[run] = False
+        event = RunDivergence(run, failed, self.step_counts[run], what)
+        self.divergences.append(event)
+        logger.warning(
+            "pack run %d: %s by step %d; frozen at step %d", run, what, failed, event.restored_step
+        )
+        return event
+
+    def freeze(self, run: int, why: str) -> RunDivergence:
+        """Stop run ``run`` where it is (e.g. the blow-up detector fired for it)."""
+        self._check_run(run)
+        with torch.no_grad():
+            for name, parameter in self.parameters.items():
+                self._last_good[name][run].copy_(parameter[run])
+        self._last_good_steps[run] = self.step_counts[run]
+        return self._freeze(run, why)
+
+    # --- step sizes -------------------------------------------------------------------------
+
+    def lr(self, run: int) -> float:
+        """Run ``run``'s step size: its configuration's ``lr`` × its ``lr_scale``."""
+        return float(self.configs[run].lr) * self.optimizer.lr_scales[run]
+
+    def lr_scale(self, run: int) -> float:
+        return self.optimizer.lr_scales[run]
+
+    def set_lr_scale(self, run: int, scale: float) -> None:
+        """Every step size of run ``run`` = its configured value × ``scale`` (absolute, as
+        :meth:`Trainer.set_lr_scale`)."""
+        self._check_run(run)
+        if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+        self.optimizer.set_lr_scale(run, float(scale))
+        self._graphed_step = None  # the per-run addmm steps baked the old step sizes in
+
+    # --- per-run state ----------------------------------------------------------------------
+
+    def _check_run(self, run: int) -> None:
+        if not (isinstance(run, int) and 0 <= run < self.n_runs):
+            raise ValueError(f"run must be an integer in [0, {self.n_runs}), got {run!r}")
+
+    def model(self, run: int) -> BernoulliRBM:
+        """A new BernoulliRBM holding run ``run``'s current parameters."""
+        self._check_run(run)
+        model = BernoulliRBM(self.n_visible, self.n_hidden, init_std=0.0, device=self.device)
+        with torch.no_grad():
+            for name, parameter in self.parameters.items():
+                getattr(model, name).copy_(parameter[run])
+        return model
+
+    def run_state(self, run: int) -> RunState:
+        """Run ``run``'s complete state (own copies): a snapshot, or a solo checkpoint's content."""
+        self._check_run(run)
+        order = self.orders[run]
+        return RunState(
+            parameters={name: t[run].detach().clone() for name, t in self.parameters.items()},
+            optimizer=self.configs[run],
+            seed=self.seeds[run],
+            step=self.step_counts[run],
+            epoch=order.epoch,
+            position=order.position,
+            permutation=order.permutation.detach().cpu().clone(),
+            order_generator=order.generator.get_state().clone(),
+            random=self.sources[run].state_dict(),
+            chains=(
+                self.estimator.chains[run].detach().cpu().clone()
+                if self.persistent and self.estimator.has_chains[run]
+                else None
+            ),
+            momentum={n: t.cpu() for n, t in self.optimizer.run_buffers(run).items()},
+            lr_scale=self.optimizer.lr_scales[run],
+            wall_time_s=self.wall_times[run],
+        )
+
+    def load_run_state(self, run: int, state: RunState) -> None:
+        """Put ``state`` into slot ``run`` (a snapshot of it, or another compatible run); the
+        run is active again from ``state.step``."""
+        self._check_run(run)
+        rules, settings = run_rules(state.optimizer, self.n_visible, self.n_hidden, self.device)
+        if rules != self.rules:
+            raise ValueError(
+                f"the run's optimizer updates its parameters as {rules}, this pack's runs as "
+                f"{self.rules}; put it in a pack with its pack_key"
+            )
+        if state.permutation.shape != (self.train_data.shape[0],):
+            raise ValueError(
+                f"the run's data order covers {state.permutation.shape[0]} examples but the "
+                f"pack's training data has {self.train_data.shape[0]}; use the same data"
+            )
+        with torch.no_grad():
+            for name, parameter in self.parameters.items():
+                parameter[run].copy_(state.parameters[name])
+                self._last_good[name][run].copy_(state.parameters[name])
+        self.configs[run], self.seeds[run] = state.optimizer, int(state.seed)
+        self.optimizer.set_run(run, settings, state.lr_scale)
+        self.optimizer.load_run_buffers(
+            run, {n: t.to(self.device) for n, t in state.momentum.items()}
+        )
+        order = self.orders[run]
+        order.epoch, order.position = int(state.epoch), int(state.position)
+        order.permutation = state.permutation.to(self.device, torch.int64).clone()
+        if not restore_generator(order.generator, state.order_generator):
+            logger.warning("run %d: data-order generator from another kind of device", run)
+        self.sources[run].load_state_dict(state.random)
+        if self.persistent:
+            if state.chains is None:
+                self.estimator.reset_chains(run)
+            else:
+                self.estimator.chains[run].copy_(state.chains)
+                self.estimator.has_chains[run] = True
+        self.step_counts[run] = int(state.step)
+        self._last_good_steps[run] = int(state.step)
+        self.wall_times[run] = float(state.wall_time_s)
+        self.active[run] = True
+        self._graphed_step = None

@@ -1,0 +1,88 @@
+"""Bernoulli draws for a pack of runs, each run from its own random source.
+
+Every run keeps the :class:`~ssdcore.sampling.RandomSource` a solo :class:`~ssdcore.Trainer`
+with the same seed would have, and each packed draw takes that run's numbers from it exactly as
+the solo estimator's ``bernoulli_`` of the same shape would. A run's draws therefore do not
+depend on which other runs share the pack, and they are the solo run's draws.
+
+On the CPU the per-run part is one ``random_raw`` call per run (numpy, well under a microsecond
+of work at these sizes); the comparison itself is one torch op for the whole pack. On CUDA each
+run fills its slice with ``uniform_`` from its own Philox generator: one kernel per run and
+draw, which is what ``independent=False`` saves (one generator for the whole pack, one kernel
+per draw; the draws then depend on the pack's composition, see ``docs/ARCHITECTURE.md``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ssdcore.sampling import RandomSource
+
+_TWO_POW_16 = 65536.0
+# Scratch shapes kept before starting afresh (a pack uses two or three).
+_MAX_SCRATCH = 8
+
+
+class PackedRandom:
+    """One :class:`RandomSource` per run; ``bernoulli_`` draws for all runs at once.
+
+    Args:
+        sources: the runs' sources, in pack order (each owned by this object from now on).
+        device: where the draws go.
+        independent: False shares one generator (``shared_seed``) across the pack.
+    """
+
+    def __init__(
+        self,
+        sources: list[RandomSource],
+        device: torch.device,
+        *,
+        independent: bool = True,
+        shared_seed: int = 0,
+    ) -> None:
+        self.sources = sources
+        self.device = device
+        self.independent = independent
+        self.shared = None if independent else RandomSource(device, shared_seed)
+        self._offset = torch.tensor(-_TWO_POW_16 / 2, device=device, dtype=torch.float32)
+        self._scratch: dict[torch.Size, tuple[Tensor, Tensor]] = {}
+
+    @property
+    def generators(self) -> list[torch.Generator]:
+        """Every torch generator a draw may advance (a CUDA graph registers them)."""
+        if self.shared is not None:
+            return [self.shared.generator]
+        return [source.generator for source in self.sources]
+
+    def bernoulli_(self, probs: Tensor, out: Tensor) -> Tensor:
+        """0/1 draws with P(1) = ``probs`` (M, ...) into ``out``; row i from run i's source."""
+        if self.shared is not None:
+            return self.shared.bernoulli_(probs, out=out)
+        uniform, threshold = self._scratch_for(probs.shape)
+        if self.device.type != "cpu":
+            for i, source in enumerate(self.sources):
+                uniform[i].uniform_(generator=source.generator)
+            return torch.lt(uniform, probs, out=out)
+        per_run = probs[0].numel()
+        bits = np.concatenate([source.bits16(per_run) for source in self.sources])
+        uniform.view(-1).copy_(torch.from_numpy(bits))
+        # k < 65536·p - 32768  ⇔  (k + 32768) / 65536 < p, as RandomSource.bernoulli_ compares
+        torch.add(self._offset, probs, alpha=_TWO_POW_16, out=threshold)
+        return torch.lt(uniform, threshold, out=out)
+
+    def bernoulli_run_(self, run: int, probs: Tensor, out: Tensor) -> Tensor:
+        """Draws for one run only (``probs`` and ``out`` are its rows), from its own source."""
+        source = self.shared if self.shared is not None else self.sources[run]
+        return source.bernoulli_(probs, out=out)
+
+    def _scratch_for(self, shape: torch.Size) -> tuple[Tensor, Tensor]:
+        scratch = self._scratch.get(shape)
+        if scratch is None:
+            if len(self._scratch) >= _MAX_SCRATCH:
+                self._scratch.clear()
+            f32 = {"device": self.device, "dtype": torch.float32}
+            scratch = (torch.empty(shape, **f32), torch.empty(shape, **f32))
+            self._scratch[shape] = scratch
+        return scratch
