@@ -4,7 +4,8 @@ service.
 A command-line program (its output is the report): submits a small SSD training job over gRPC,
 follows its live metrics, then uses the trained model — SampleHidden for features, Reconstruct
 for denoising, ExportModel for the safetensors file — and prints a summary. It uses only the
-generated stubs, as any other service would. ``scripts/demo`` starts Redis and the service first.
+generated stubs, as any other service would. ``scripts/demo`` (``ssdrbm_server/demo_stack.py``)
+starts Redis and the service first.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
+from ssdrbm_server.readiness import READINESS
+
 HEALTH_WAIT_S = 60.0
 
 
 def wait_until_serving(channel: grpc.Channel, timeout_s: float = HEALTH_WAIT_S) -> None:
-    """Block until the server's health service answers SERVING."""
+    """Block until the server is ready (its readiness health entry answers SERVING)."""
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=READINESS), timeout=2)
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 return
         except grpc.RpcError:
@@ -173,4 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
