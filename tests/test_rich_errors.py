@@ -34,6 +34,7 @@ from ssdrbm.errors import (
     Unavailable,
     from_rpc_error,
 )
+from ssdrbm.reconnect import Reconnect
 from ssdrbm.retry import NO_RETRY, RetryPolicy, call_with_retry
 from ssdrbm.v1 import rbm_pb2
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -333,3 +334,10 @@ def test_the_inference_service_refuses_with_details_too(service: RunningService)
     resource = details[error_details_pb2.ResourceInfo]
     assert (resource.resource_type, resource.resource_name) == ("model", "0" * 32)
     assert from_rpc_error(error).resource == ("model", "0" * 32, error.details())
+
+
+def test_stream_reconnection_waits_the_requested_delay_within_its_budget() -> None:
+    backoff = Reconnect(RetryPolicy(initial_backoff_s=0.01), budget_s=60.0)
+    assert backoff.next_delay() == pytest.approx(0.01)  # its own backoff without a RetryInfo
+    assert backoff.next_delay(2.5) == 2.5  # the service's delay replaces it
+    assert 0 < Reconnect(RetryPolicy(), budget_s=0.5).next_delay(2.5) <= 0.5  # within the budget

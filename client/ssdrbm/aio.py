@@ -30,7 +30,7 @@ from ssdrbm.datasets import (
     load_array,
     upload_messages,
 )
-from ssdrbm.errors import ResourceExhausted, Unavailable, from_rpc_error
+from ssdrbm.errors import ResourceExhausted, Unavailable, from_rpc_error, retry_delay
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, acall_with_retry, is_retryable
@@ -168,7 +168,7 @@ class AsyncClient:
                     if isinstance(event, StateEvent) and event.state.terminal:
                         return
             except grpc.RpcError as error:
-                delay = backoff.next_delay() if is_retryable(error) else None
+                delay = backoff.next_delay(retry_delay(error)) if is_retryable(error) else None
                 if delay is None:
                     raise from_rpc_error(error, self.target) from None
                 logger.info("metric stream of %s dropped (%s); resuming", job_id, error.code())

@@ -27,7 +27,13 @@ from ssdrbm.datasets import (
     load_array,
     upload_messages,
 )
-from ssdrbm.errors import ResourceExhausted, SSDRBMError, Unavailable, from_rpc_error
+from ssdrbm.errors import (
+    ResourceExhausted,
+    SSDRBMError,
+    Unavailable,
+    from_rpc_error,
+    retry_delay,
+)
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, call_with_retry, is_retryable
@@ -207,7 +213,7 @@ class Client:
                     if isinstance(event, StateEvent) and event.state.terminal:
                         return
             except grpc.RpcError as error:
-                if not is_retryable(error) or not backoff.wait():
+                if not is_retryable(error) or not backoff.wait(retry_delay(error)):
                     raise from_rpc_error(error, self.target) from None
                 logger.info("metric stream of %s dropped (%s); resuming", job_id, error.code())
                 continue

@@ -42,20 +42,22 @@ class Reconnect:
         self.failures = 0
         self.since: float | None = None
 
-    def next_delay(self) -> float | None:
-        """The sleep before the next attempt, or None when the budget is spent."""
+    def next_delay(self, requested: float | None = None) -> float | None:
+        """The sleep before the next attempt, or None when the budget is spent; ``requested``
+        (the service's RetryInfo delay, when it gave one) replaces the backoff's own."""
         now = time.monotonic()
         if self.since is None:
             self.since = now
         if now - self.since >= self.budget_s:
             return None
-        delay = self.policy.initial_backoff_s * self.policy.multiplier**self.failures
+        backoff = self.policy.initial_backoff_s * self.policy.multiplier**self.failures
+        delay = min(backoff, self.policy.max_backoff_s) if requested is None else max(requested, 0)
         self.failures += 1
-        return min(delay, self.policy.max_backoff_s, self.budget_s - (now - self.since))
+        return min(delay, self.budget_s - (now - self.since))
 
-    def wait(self) -> bool:
+    def wait(self, requested: float | None = None) -> bool:
         """Sleep before reconnecting; False when it is time to give up."""
-        delay = self.next_delay()
+        delay = self.next_delay(requested)
         if delay is None:
             return False
         time.sleep(delay)
