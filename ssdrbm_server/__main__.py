@@ -13,6 +13,7 @@ import asyncio
 import logging
 import sys
 
+from ssdrbm_server import logs, tracing
 from ssdrbm_server.app import serve
 from ssdrbm_server.config import ConfigError, Settings
 from ssdrbm_server.cpus import pin_this_process
@@ -38,16 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ssdrbm server: configuration error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        tracing.configure(settings)
+    except ConfigError as exc:
+        print(f"ssdrbm server: configuration error: {exc}", file=sys.stderr)
+        return 2
     pin_this_process(settings.serving_cpu_set, "serving")  # before gRPC starts its threads
     try:
         asyncio.run(serve(settings))
     except RuntimeError:
         logging.getLogger("ssdrbm_server").exception("the service stopped with an error")
         return 1
+    finally:
+        tracing.shutdown()
     return 0
 
 

@@ -39,7 +39,6 @@ from ssdrbm_server.servicer import RBMServicer, Stores
 from ssdrbm_server.serving import ModelServer, ServingLimits
 from ssdrbm_server.store import CheckpointStore, DatasetStore, EventStore, JobStore, connect
 from ssdrbm_server.store.lifecycle import Retention
-from ssdrbm_server.store.records import JobState
 
 if TYPE_CHECKING:
     from ssdrbm_server.worker import Worker
@@ -170,11 +169,7 @@ class Service:
         for name in ("", LIVENESS, SERVICE_NAME, READINESS):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._refresh = asyncio.create_task(
-            refresh_job_gauges(
-                self.metrics,
-                self.stores.jobs.count_by_state,
-                self.running_samples_per_second,
-            )
+            refresh_job_gauges(self.metrics, self.stores.jobs.count_by_state)
         )
         self._readiness = asyncio.create_task(
             follow_redis(self.redis, self.health, SERVICE_NAME, worker_alive=self._worker_running)
@@ -200,19 +195,6 @@ class Service:
             await self.redis.aclose()
         await self.blocking_redis.aclose()
         logger.info("gRPC server stopped")
-
-    async def running_samples_per_second(self) -> float:
-        """Training throughput summed over RUNNING jobs, from their latest metric events."""
-        job_ids = await self.redis.smembers(self.keys.jobs_in_state(JobState.RUNNING.value))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.hget(self.keys.job(job_id.decode()), "latest_metrics")
-            replies = await pipe.execute()
-        total = 0.0
-        for raw in replies:
-            if raw:
-                total += rbm_pb2.Metrics.FromString(raw).samples_per_second
-        return total
 
 
 async def create_server(
@@ -252,7 +234,7 @@ async def serve(
         )
     worker, worker_task = None, None
     if settings.run_worker:
-        worker, worker_task = _start_worker(settings)
+        worker, worker_task = _start_worker(settings, service)
         service.watch_worker(worker_task)
     if on_ready is not None:
         on_ready(service)
@@ -291,10 +273,15 @@ def _stop_or_exit_now(stop: asyncio.Event, signum: int) -> None:
     os._exit(128 + signum)
 
 
-def _start_worker(settings: Settings) -> tuple[Worker, asyncio.Task[None]]:
+def _start_worker(settings: Settings, service: Service) -> tuple[Worker, asyncio.Task[None]]:
     from ssdrbm_server.worker import Worker  # the worker pulls in training; only when it runs here
+    from ssdrbm_server.worker.metrics import WorkerMetrics
 
-    worker = Worker(settings.replace(worker_id=settings.worker_id or default_worker_id()))
+    # One registry: the worker's metrics appear on the server's /metrics endpoint.
+    worker = Worker(
+        settings.replace(worker_id=settings.worker_id or default_worker_id()),
+        metrics=WorkerMetrics(service.metrics.registry),
+    )
     logger.info("worker %s runs in this process", worker.worker_id)
     return worker, asyncio.create_task(worker.run())
 

@@ -35,6 +35,9 @@ class Settings:
     # port; 0 (the default) leaves it off. Its gRPC form is always on, at listen_address.
     inference_http_port: int = 0
     inference_http_address: str = "127.0.0.1"
+    # /metrics of a worker-only process (python -m ssdrbm_server.worker), on metrics_address; 0
+    # disables it. A worker inside the server process reports on metrics_port instead.
+    worker_metrics_port: int = 9109
 
     # Storage
     redis_url: str = "redis://127.0.0.1:6379/0"  # redis:// or rediss:// (TLS), may hold a password
@@ -170,6 +173,10 @@ class Settings:
     tls_ca_file: str = ""
 
     log_level: str = "INFO"
+    log_format: str = "text"  # "json": one JSON object per line (ssdrbm_server/logs.py)
+    # OpenTelemetry spans: "off", "console" (stdout) or "otlp" (OTEL_EXPORTER_OTLP_* variables);
+    # needs the tracing extra (ssdrbm_server/tracing.py)
+    tracing: str = "off"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -193,6 +200,19 @@ class Settings:
             raise ConfigError(
                 "SSDRBM_INFERENCE_HTTP_PORT must be a TCP port (0 turns the endpoint off), not "
                 f"{self.inference_http_port}"
+            )
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(
+                f"SSDRBM_LOG_FORMAT must be 'text' or 'json', not {self.log_format!r}"
+            )
+        if self.tracing not in ("off", "console", "otlp"):
+            raise ConfigError(
+                f"SSDRBM_TRACING must be 'off', 'console' or 'otlp', not {self.tracing!r}"
+            )
+        if not 0 <= self.worker_metrics_port <= 65535:
+            raise ConfigError(
+                "SSDRBM_WORKER_METRICS_PORT must be a TCP port (0 turns the endpoint off), not "
+                f"{self.worker_metrics_port}"
             )
         positive = [
             "max_message_bytes",

@@ -1,7 +1,9 @@
-"""Prometheus metrics of the service: jobs by state, RPC latency, training throughput.
+"""Prometheus metrics of the service: jobs by state, RPC latency, streams, serving chunks.
 
 Each server instance owns its registry (tests run several servers in one process). The job
-gauges are refreshed from Redis by a periodic task, so a scrape never waits on Redis.
+gauges are refreshed from Redis by a periodic task, so a scrape never waits on Redis. Training
+metrics (throughput, step time, queue wait, ...) are the worker's (worker/metrics.py): a worker
+in the server process counts them in this registry, a worker-only process serves its own.
 """
 
 from __future__ import annotations
@@ -40,11 +42,6 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.samples_per_second = Gauge(
-            "ssdrbm_training_samples_per_second",
-            "Training throughput summed over running jobs, from their latest metrics",
-            registry=self.registry,
-        )
         self.streams = Gauge(
             "ssdrbm_metric_streams", "Open StreamMetrics calls", registry=self.registry
         )
@@ -55,7 +52,7 @@ class ServiceMetrics:
             ["outcome"],
             registry=self.registry,
         )
-        self._http: Any = None
+        self._http = MetricsEndpoint(self.registry)
         self.set_job_counts({})  # every state's series exists from the first scrape on
 
     def set_job_counts(self, counts: dict[JobState, int]) -> None:
@@ -65,36 +62,50 @@ class ServiceMetrics:
 
     def start_http(self, port: int, address: str) -> int:
         """Serve /metrics over HTTP in a thread; returns the bound port."""
-        server, _thread = prometheus_client.start_http_server(
-            port, addr=address, registry=self.registry
-        )
-        self._http = server
-        return server.server_port
+        return self._http.start(port, address)
 
     def stop_http(self) -> None:
         """Stop the /metrics HTTP server if it runs."""
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
+        self._http.stop()
 
     def exposition(self) -> bytes:
         """The current metrics in the Prometheus text format."""
         return prometheus_client.generate_latest(self.registry)
 
 
+class MetricsEndpoint:
+    """/metrics of one registry over HTTP, served from a thread."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._server: Any = None
+
+    def start(self, port: int, address: str) -> int:
+        """Start serving; returns the bound port (``port`` 0 picks a free one)."""
+        server, _thread = prometheus_client.start_http_server(
+            port, addr=address, registry=self.registry
+        )
+        self._server = server
+        return server.server_port
+
+    def stop(self) -> None:
+        """Stop serving, if it serves."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
 async def refresh_job_gauges(
     metrics: ServiceMetrics,
     count_by_state: Callable[[], Awaitable[dict[JobState, int]]],
-    samples_per_second: Callable[[], Awaitable[float]],
     *,
     interval_s: float = 5.0,
 ) -> None:
-    """Periodically copy job counts and throughput from Redis into the gauges (runs forever)."""
+    """Periodically copy job counts from Redis into the gauges (runs forever)."""
     while True:
         try:
             metrics.set_job_counts(await count_by_state())
-            metrics.samples_per_second.set(await samples_per_second())
         except Exception as exc:  # Redis down: keep the last values, try again later
             logger.debug("metrics refresh failed: %s", exc)
         await asyncio.sleep(interval_s)

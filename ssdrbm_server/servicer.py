@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
-from ssdrbm_server import convert, model_export, resolver
+from ssdrbm_server import convert, model_export, resolver, tracing
 from ssdrbm_server.auth import current_tenant
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
@@ -104,6 +104,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
 
     # --- jobs -------------------------------------------------------------------------------
 
+    @tracing.traced_rpc("StartTraining")
     async def StartTraining(
         self, request: pb.StartTrainingRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartTrainingResponse:
@@ -127,7 +128,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             max_active=self.settings.max_jobs_per_tenant,
             max_records=self.settings.max_job_records_per_tenant,
             idempotency_ttl_s=self.settings.idempotency_ttl_seconds,
+            traceparent=tracing.current_traceparent(),  # the worker's spans join this trace
         )
+        tracing.set_attribute("ssdrbm.job_id", record.id)
         if created:
             logger.info(
                 "job %s queued for tenant %s (%d steps)", record.id, tenant, job.total_steps
@@ -304,6 +307,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
 
     # --- serving ----------------------------------------------------------------------------
 
+    @tracing.traced_rpc("Reconstruct")
     async def Reconstruct(
         self, request: pb.ReconstructRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReconstructResponse:
@@ -320,6 +324,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         )
         return pb.ReconstructResponse(output=array_to_tensor(out), checkpoint_step=loaded.step)
 
+    @tracing.traced_rpc("SampleHidden")
     async def SampleHidden(
         self, request: pb.SampleHiddenRequest, context: grpc.aio.ServicerContext
     ) -> pb.SampleHiddenResponse:

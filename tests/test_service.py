@@ -304,12 +304,11 @@ def test_cancel_stops_a_running_job(module_service: RunningService) -> None:
     for event in stream:
         if event.WhichOneof("event") == "metrics":
             break  # training is under way
-    # The Prometheus gauges' sources see the running job and its throughput.
+    # The Prometheus gauge's source sees the running job.
     service = module_service.service
     assert service is not None
     counts = module_service.run_in_loop(service.stores.jobs.count_by_state())
     assert counts[JobState.RUNNING] == 1
-    assert module_service.run_in_loop(service.running_samples_per_second()) > 0
     stub.CancelJob(pb.CancelJobRequest(job_id=job.id), timeout=10)
     rest = list(stream)  # the stream ends by itself with the CANCELLED state
     assert states(rest)[-1] == "CANCELLED"

@@ -201,6 +201,7 @@ class JobStore:
         max_active: int = 0,
         max_records: int = 0,
         idempotency_ttl_s: int = 0,
+        traceparent: str = "",
     ) -> tuple[JobRecord, bool]:
         """Record and enqueue a job; returns (job, created).
 
@@ -208,7 +209,8 @@ class JobStore:
         (for `idempotency_ttl_s` seconds when > 0). `max_active` > 0 refuses
         (ResourceExhaustedError) when the tenant already has that many QUEUED + RUNNING jobs,
         `max_records` > 0 when it has that many job records of any state; both are checked
-        atomically with the reservation (see the module notes).
+        atomically with the reservation (see the module notes). `traceparent` links the
+        worker's spans to the submitting call's trace.
         """
         job_id = new_job_id()
         fields = new_job_fields(
@@ -218,6 +220,7 @@ class JobStore:
             total_steps=total_steps,
             n_visible=n_visible,
             created_at=time.time(),
+            traceparent=traceparent,
         )
         fields[REQUEST_ID_FIELD] = request_id or ""  # a delete removes its idempotency key
         event = state_event_fields(JobState.QUEUED, attempt=0, step=0, message="submitted")

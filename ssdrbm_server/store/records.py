@@ -57,6 +57,9 @@ class JobRecord:
     # times its training process died (a signal, an unexpected exit) or hung; the job is
     # retried from its last checkpoint until SSDRBM_MAX_TRAINING_PROCESS_FAILURES
     child_failures: int = 0
+    # W3C trace context of the StartTraining call ("" without tracing): the worker's spans
+    # join that trace (ssdrbm_server/tracing.py)
+    traceparent: str = ""
 
 
 def _text(raw: dict[bytes, bytes], field: str, default: str = "") -> str:
@@ -100,14 +103,22 @@ def record_from_hash(job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
         backoffs=_int(raw, "backoffs"),
         runtime=_text(raw, "runtime"),
         child_failures=_int(raw, "child_failures"),
+        traceparent=_text(raw, "traceparent"),
     )
 
 
 def new_job_fields(
-    *, tenant: str, name: str, spec: bytes, total_steps: int, n_visible: int, created_at: float
+    *,
+    tenant: str,
+    name: str,
+    spec: bytes,
+    total_steps: int,
+    n_visible: int,
+    created_at: float,
+    traceparent: str = "",
 ) -> dict[str, bytes | str | int | float]:
     """Hash fields of a freshly submitted job (QUEUED, attempt 0, no checkpoint)."""
-    return {
+    fields: dict[str, bytes | str | int | float] = {
         "tenant": tenant,
         "name": name,
         "state": JobState.QUEUED.value,
@@ -128,6 +139,9 @@ def new_job_fields(
         "backoffs": 0,
         "runtime": "",
     }
+    if traceparent:  # stored only when tracing is on
+        fields["traceparent"] = traceparent
+    return fields
 
 
 def worker_label(worker_id: str) -> str:

@@ -12,7 +12,9 @@ import logging
 import signal
 import sys
 
+from ssdrbm_server import logs, tracing
 from ssdrbm_server.config import ConfigError, Settings
+from ssdrbm_server.metrics import MetricsEndpoint
 from ssdrbm_server.worker.worker import Worker
 
 logger = logging.getLogger("ssdrbm_server.worker")
@@ -21,6 +23,10 @@ logger = logging.getLogger("ssdrbm_server.worker")
 async def main(settings: Settings) -> None:
     """Run a worker until SIGTERM or SIGINT."""
     worker = Worker(settings)
+    endpoint = MetricsEndpoint(worker.metrics.registry)
+    if settings.worker_metrics_port:
+        port = endpoint.start(settings.worker_metrics_port, settings.metrics_address)
+        logger.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_address, port)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
 
@@ -35,8 +41,11 @@ async def main(settings: Settings) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, request_stop, signum)
-    await worker.run()
-    await asyncio.gather(*stopping)
+    try:
+        await worker.run()
+        await asyncio.gather(*stopping)
+    finally:
+        endpoint.stop()
 
 
 def run() -> int:
@@ -46,10 +55,16 @@ def run() -> int:
     except ConfigError as exc:
         print(f"ssdrbm-worker: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    asyncio.run(main(settings))
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        tracing.configure(settings, service_name="ssdrbm-worker")
+    except ConfigError as exc:
+        print(f"ssdrbm-worker: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(main(settings))
+    finally:
+        tracing.shutdown()
     return 0
 
 

@@ -31,6 +31,7 @@ from ssdcore.blowup import BlowUp, BlowUpDetector, blowup_from_error, suggested_
 from ssdcore.errors import DivergenceError
 from ssdcore.models import model_from_config
 from ssdcore.training import Trainer
+from ssdrbm_server import logs
 from ssdrbm_server.config import Settings
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
@@ -58,10 +59,12 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
-def child_main(conn: Connection, parent_pid: int, log_level: str = "INFO") -> None:
+def child_main(
+    conn: Connection, parent_pid: int, log_level: str = "INFO", log_format: str = "text"
+) -> None:
     """Entry point of the spawned process: warm up, then train each job it is sent, in turn,
     until the worker closes the pipe (or dies)."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[child] %(message)s")
+    logs.configure(log_level, log_format, text_format="%(asctime)s %(name)s[child] %(message)s")
     # Ctrl-C or a SIGTERM sent to the whole process group is for the worker: it decides when
     # this process checkpoints and stops. Parent death is caught by watch_parent.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -82,6 +85,11 @@ def child_main(conn: Connection, parent_pid: int, log_level: str = "INFO") -> No
 
 def train_one(conn: Connection, start: protocol.Message) -> None:
     """Train one job; every failure is reported to the worker, never raised."""
+    with logs.log_context(**start.fields.get("log_context", {})):
+        _train(conn, start)
+
+
+def _train(conn: Connection, start: protocol.Message) -> None:
     try:
         Training(conn, start).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -155,6 +163,8 @@ class Training:
             ALIVE_MAX_INTERVAL_S, self.settings.child_heartbeat_timeout_seconds / 4
         )
         self.last_sent = time.monotonic()
+        self.runs: list[tuple[int, float]] = []  # (steps, seconds) not yet sent to the worker
+        self.progress_sent = self.last_sent
 
     def run(self) -> None:
         spec = self.spec
@@ -221,8 +231,10 @@ class Training:
                 _next_multiple(step, every), _next_multiple(step, checkpoint_every), self.total
             )
             self._beat()
+            started = time.perf_counter()
             try:
                 self.trainer.train_steps(min(boundary - step, MAX_STEPS_BETWEEN_POLLS))
+                self._trained(self.trainer.step_count - step, time.perf_counter() - started)
             except DivergenceError as exc:
                 if not self._recover(blowup_from_error(exc, self.trainer.step_count)):
                     return
@@ -248,6 +260,8 @@ class Training:
         lr = self.trainer.lr  # optimizer.lr at the scale of the backoffs taken so far
         limit = self.spec.training.max_backoffs
         if self.backoffs >= limit:
+            if self.runs:
+                self._send_progress()
             _report_failure(self.conn, self._failure(blowup, lr), step=blowup.step, diverged=True)
             return False
         self.backoffs += 1
@@ -353,7 +367,22 @@ class Training:
         self.last_checkpoint = step
         self.good_state, self.good_step = trainer_state, step
 
+    def _trained(self, steps: int, seconds: float) -> None:
+        """Note a run of steps for the worker's metrics; sent with the next message, or on
+        its own once PROGRESS_INTERVAL_S has passed."""
+        self.runs.append((steps, seconds))
+        if time.monotonic() - self.progress_sent >= protocol.PROGRESS_INTERVAL_S:
+            self._send_progress()
+
+    def _send_progress(self) -> None:
+        runs, self.runs = self.runs, []
+        self.progress_sent = time.monotonic()
+        protocol.send(self.conn, protocol.Message(protocol.PROGRESS, {"runs": runs}))
+        self.last_sent = self.progress_sent
+
     def _send(self, kind: str, *, blobs: dict[str, bytes] | None = None, **fields: Any) -> None:
+        if self.runs:  # the worker counts the steps before it hears of what followed them
+            self._send_progress()
         protocol.send(self.conn, protocol.Message(kind, fields, blobs or {}))
         self.last_sent = time.monotonic()  # any message tells the worker this process lives
 

@@ -29,7 +29,11 @@ STARTUP_ALLOWANCE_S = 120.0
 
 
 def run_child(
-    conn: Connection, parent_pid: int, log_level: str, cpus: frozenset[int] = frozenset()
+    conn: Connection,
+    parent_pid: int,
+    log_level: str,
+    cpus: frozenset[int] = frozenset(),
+    log_format: str = "text",
 ) -> None:
     """Spawn target: runs in the child, where importing torch is wanted.
 
@@ -39,7 +43,7 @@ def run_child(
     pin_this_process(cpus, "training")
     from ssdrbm_server.worker.child import child_main
 
-    child_main(conn, parent_pid, log_level)
+    child_main(conn, parent_pid, log_level, log_format)
 
 
 class ChildProcess:
@@ -50,12 +54,14 @@ class ChildProcess:
     and reuses it for the next job when the last one ended normally.
     """
 
-    def __init__(self, log_level: str, cpus: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, log_level: str, cpus: frozenset[int] = frozenset(), log_format: str = "text"
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child_conn = context.Pipe(duplex=True)
         self.process = context.Process(
             target=run_child,
-            args=(child_conn, os.getpid(), log_level, cpus),
+            args=(child_conn, os.getpid(), log_level, cpus, log_format),
             name="ssdrbm-train",
             daemon=True,
         )
@@ -73,8 +79,8 @@ class ChildProcess:
 
     @classmethod
     def for_settings(cls, settings: Settings) -> ChildProcess:
-        """A training process with the settings' log level and CPU pinning."""
-        return cls(settings.log_level, settings.training_cpu_set)
+        """A training process with the settings' logging and CPU pinning."""
+        return cls(settings.log_level, settings.training_cpu_set, settings.log_format)
 
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         try:

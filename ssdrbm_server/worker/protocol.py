@@ -12,10 +12,14 @@ Child -> worker:
     finished     step                                     the last step is trained and saved
     stopped      step                                     stopped on request, after a checkpoint
     failed       step, reason, diverged                   training cannot go on
+    progress     runs: [[steps, seconds], ...]            steps trained since the last one and
+                                                          their time (the worker's metrics);
+                                                          sent before any other message and at
+                                                          least every PROGRESS_INTERVAL_S
     alive                                                 a heartbeat: still making progress
                                                           (also sent once warm, before a job)
 Worker -> child:
-    start        settings, backoffs, total_steps, n_visible, upload info
+    start        settings, backoffs, total_steps, n_visible, upload info, log_context
                                             + spec, dataset, resume
     stop                                                  checkpoint now, end with "stopped"
 """
@@ -36,9 +40,12 @@ FINISHED = "finished"
 STOPPED = "stopped"
 FAILED = "failed"
 ALIVE = "alive"
+PROGRESS = "progress"
 # worker -> child
 START = "start"
 STOP = "stop"
+
+PROGRESS_INTERVAL_S = 1.0  # how stale the worker's step counts may get while steps run
 
 
 @dataclass

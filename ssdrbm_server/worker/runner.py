@@ -33,8 +33,10 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from google.protobuf.message import DecodeError
 from ssdrbm.v1 import rbm_pb2
 
+from ssdrbm_server import logs, tracing
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import FailedPreconditionError, NotFoundError
 from ssdrbm_server.keys import Keys
@@ -45,6 +47,7 @@ from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.lifecycle import Retention
 from ssdrbm_server.store.records import JobRecord, JobState
 from ssdrbm_server.worker import protocol
+from ssdrbm_server.worker.metrics import WorkerMetrics, job_labels
 from ssdrbm_server.worker.process import ChildProcess, describe_exit
 
 logger = logging.getLogger(__name__)
@@ -97,6 +100,7 @@ class JobRunner:
         *,
         keys: Keys | None = None,
         child: ChildProcess | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys or Keys()
@@ -112,9 +116,28 @@ class JobRunner:
         self._child_idle = True
         self.idle_child: ChildProcess | None = None  # after run(): the child, if reusable
         self._given_at = 0.0  # monotonic time the child got this job; its silence counts from it
+        self.metrics = metrics if metrics is not None else WorkerMetrics()
+        try:
+            spec = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
+        except DecodeError:  # run() fails the job with the reason; its metrics go unlabelled
+            spec = rbm_pb2.StartTrainingRequest()
+        self._labels = job_labels(spec)
+        self._batch_size = spec.training.batch_size
 
     async def run(self) -> str:
-        """Run the job; returns how it ended (a JobState value, "released" or "lost")."""
+        """Run the job; returns how it ended (a JobState value, "released" or "lost").
+
+        Its logs carry the job id and tenant, and its span (the training attempt) is a child
+        of the StartTraining call that submitted it."""
+        attempt = tracing.span(
+            "ssdrbm.worker.attempt",
+            parent=tracing.context_from_traceparent(self.record.traceparent),
+            attributes={"ssdrbm.job_id": self.lease.job_id, "ssdrbm.attempt": self.lease.attempt},
+        )
+        with logs.log_context(job_id=self.lease.job_id, tenant=self.record.tenant), attempt:
+            return await self._run_logged()
+
+    async def _run_logged(self) -> str:
         try:
             return await self._run()
         except LeaseLostError as exc:
@@ -167,6 +190,7 @@ class JobRunner:
             "backoffs": self.record.backoffs,
             "total_steps": self.record.total_steps,
             "n_visible": self.record.n_visible,
+            "log_context": {"job_id": self.lease.job_id, "tenant": self.record.tenant},
         }
         blobs = {"spec": self.record.spec}
         if request.dataset.WhichOneof("source") == "dataset_id":
@@ -260,6 +284,7 @@ class JobRunner:
         failures = self.record.child_failures + 1
         limit = self.settings.max_training_process_failures
         await self._retry(lambda: self.job.update(child_failures=failures))
+        self.metrics.process_failures.inc()
         logger.warning(
             "job %s: the training process %s (failure %d of %d)",
             self.lease.job_id,
@@ -301,26 +326,21 @@ class JobRunner:
                 self.record.total_steps,
                 fields["runtime"],
             )
+        elif kind == protocol.PROGRESS:
+            self.metrics.trained(self._labels, fields["runs"], self._batch_size)
         elif kind == protocol.METRICS:
             self.step = int(fields["step"])
             await self._retry(lambda: self.job.publish_metrics(self.step, message.blobs["metrics"]))
         elif kind == protocol.BACKOFF:
             self.step = int(fields["rollback_step"])
+            self.metrics.backoffs.inc()
             await self._retry(
                 lambda: self.job.backoff(
                     rollback_step=self.step, event_data=message.blobs["backoff"]
                 )
             )
         elif kind == protocol.CHECKPOINT:
-            await self._retry(
-                lambda: self.job.put_checkpoint(
-                    int(fields["step"]),
-                    data=message.blobs["model"],
-                    config_json=fields["config_json"],
-                    trainer_state=message.blobs["trainer"],
-                    keep=self.settings.checkpoint_keep,
-                )
-            )
+            await self._checkpoint(message)
         elif kind == protocol.FINISHED:
             self._child_idle = True
             self.step = int(fields["step"])
@@ -339,11 +359,27 @@ class JobRunner:
             logger.error("unexpected message %r from the training process", kind)
         return None
 
+    async def _checkpoint(self, message: protocol.Message) -> None:
+        step = int(message.fields["step"])
+        started = time.perf_counter()
+        with tracing.span("ssdrbm.worker.checkpoint", attributes={"ssdrbm.step": step}):
+            await self._retry(
+                lambda: self.job.put_checkpoint(
+                    step,
+                    data=message.blobs["model"],
+                    config_json=message.fields["config_json"],
+                    trainer_state=message.blobs["trainer"],
+                    keep=self.settings.checkpoint_keep,
+                )
+            )
+        self.metrics.checkpoint_write.observe(time.perf_counter() - started)
+
     async def _finish(self, state: JobState, *, error: str = "", message: str = "") -> None:
         async def finish() -> None:
             await self.job.finish(state, step=self.step, error=error, message=message)
 
         await self._idempotent(finish, state)
+        self.metrics.jobs_finished.labels(state=state.value).inc()
 
     async def _release(self, message: str) -> None:
         async def release() -> None:

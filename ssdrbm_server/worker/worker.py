@@ -17,16 +17,19 @@ import contextlib
 import logging
 import os
 import socket
+import time
 
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from ssdrbm_server import tracing
 from ssdrbm_server.config import Settings
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.readiness import beat_file
 from ssdrbm_server.store.connection import connect
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.queue import JobQueue
+from ssdrbm_server.worker.metrics import WorkerMetrics
 from ssdrbm_server.worker.process import ChildProcess
 from ssdrbm_server.worker.runner import REDIS_DOWN, JobRunner, StopRequest
 
@@ -44,7 +47,9 @@ def default_worker_id() -> str:
 class Worker:
     """One worker: runs at most one job at a time (one per GPU), configured by ``Settings``."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, metrics: WorkerMetrics | None = None) -> None:
+        """``metrics``: where to count (the server's registry when the worker runs inside the
+        server process); by default a registry of its own, ``self.metrics.registry``."""
         settings.check()
         self.settings = settings
         self.worker_id = settings.worker_id or default_worker_id()
@@ -55,6 +60,7 @@ class Worker:
         self._stopped = asyncio.Event()
         self._started = False
         self._spare: ChildProcess | None = None  # a training process started ahead of its job
+        self.metrics = metrics if metrics is not None else WorkerMetrics()
 
     async def run(self) -> None:
         """Take and run jobs until `stop()`."""
@@ -106,7 +112,15 @@ class Worker:
 
     async def _run_job(self, client: aioredis.Redis, lease: Lease) -> None:
         child, self._spare = self._spare, None
-        runner = JobRunner(client, lease, self.settings, self._stop, keys=self.keys, child=child)
+        runner = JobRunner(
+            client,
+            lease,
+            self.settings,
+            self._stop,
+            keys=self.keys,
+            child=child,
+            metrics=self.metrics,
+        )
         outcome = await runner.run()
         self.jobs_run.append((lease.job_id, outcome))
         self._spare = runner.idle_child
@@ -122,21 +136,56 @@ class Worker:
     ) -> Lease | None:
         lease_ms = int(self.settings.lease_seconds * 1000)
         for job_id in await leases.lapsed():
-            lease = await leases.claim(job_id, self.worker_id, lease_ms=lease_ms)
+            lease = await self._claim(leases, job_id, lease_ms, takeover=True)
             if lease is not None:
                 logger.info("took over job %s after its lease lapsed", job_id)
+                self.metrics.lease_takeovers.inc()
                 return lease
         entries = await queue.pending(self.worker_id, count=1) if check_pending else []
         entries = entries or await queue.autoclaim(self.worker_id, min_idle_ms=lease_ms, count=1)
         entries = entries or await queue.read(self.worker_id, block_ms=self.settings.worker_poll_ms)
         for entry_id, job_id in entries:
-            lease = await leases.claim(job_id, self.worker_id, lease_ms=lease_ms)
+            lease = await self._claim(leases, job_id, lease_ms, takeover=False)
             # Acknowledge either way: a claimed job is now tracked by its lease, and an
             # unclaimable one is finished or held by a worker whose lease covers it.
             await queue.ack(entry_id)
             if lease is not None:
                 return lease
         return None
+
+    async def _claim(
+        self, leases: LeaseStore, job_id: str, lease_ms: int, *, takeover: bool
+    ) -> Lease | None:
+        """Claim a job; once claimed, its wait in the queue (from the submit to the first claim)
+        and the claim itself go into the metrics and the job's trace."""
+        started = time.time()
+        lease = await leases.claim(job_id, self.worker_id, lease_ms=lease_ms)
+        if lease is None:
+            return None
+        claimed = time.time()
+        record = lease.record
+        parent = tracing.context_from_traceparent(record.traceparent)
+        if lease.attempt == 1:
+            self.metrics.queue_wait.observe(max(0.0, started - record.created_at))
+            tracing.record_span(
+                "ssdrbm.queue",
+                parent=parent,
+                start_s=record.created_at,
+                end_s=started,
+                attributes={"ssdrbm.job_id": job_id},
+            )
+        tracing.record_span(
+            "ssdrbm.worker.claim",
+            parent=parent,
+            start_s=started,
+            end_s=claimed,
+            attributes={
+                "ssdrbm.job_id": job_id,
+                "ssdrbm.attempt": lease.attempt,
+                "ssdrbm.takeover": takeover,
+            },
+        )
+        return lease
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -1,0 +1,150 @@
+"""Worker metrics scraped over HTTP, as Prometheus would: a worker-only process on its own
+/metrics port (SSDRBM_WORKER_METRICS_PORT), and a worker inside the server process on the
+server's endpoint (one registry).
+
+The counts are exact: samples = steps × batch size, one step-time observation per step, one
+checkpoint-write observation per checkpoint, one queue wait per first claim, one takeover per
+lapsed lease taken over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+
+from ssdrbm_server.store import LeaseStore, connect
+from tests.fixtures.jobs import tiny_request
+from tests.fixtures.redis import free_port
+from tests.fixtures.service import RunningService
+
+ROOT = Path(__file__).resolve().parents[1]
+WAIT_S = 90.0  # a bound for a loaded 2-core machine, not a speed check
+STEPS, CHECKPOINT_EVERY, BATCH = 30, 20, 20
+CHECKPOINTS_PER_JOB = 2  # steps 20 and 30 (the last step is always saved)
+
+
+def request(optimizer: int) -> rbm_pb2.StartTrainingRequest:
+    spec = tiny_request(steps=STEPS)
+    spec.optimizer.kind = optimizer
+    spec.training.batch_size = BATCH
+    spec.training.checkpoint_every = CHECKPOINT_EVERY
+    return spec
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of http://127.0.0.1:port/metrics, by (sample name, sorted labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def wait_succeeded(stub: rbm_pb2_grpc.RBMServiceStub, job_id: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        job = stub.GetJob(rbm_pb2.GetJobRequest(job_id=job_id), timeout=10)
+        if job.state == rbm_pb2.JOB_STATE_SUCCEEDED:
+            return
+        assert job.state in (rbm_pb2.JOB_STATE_QUEUED, rbm_pb2.JOB_STATE_RUNNING), job
+        assert time.monotonic() < deadline, f"job did not finish: {job}"
+        time.sleep(0.1)
+
+
+def labels(optimizer: str) -> tuple[tuple[str, str], ...]:
+    return (("model", "bernoulli"), ("optimizer", optimizer))
+
+
+def claim_and_abandon(redis_url: str, job_id: str, lease_ms: int) -> None:
+    """A worker that claims the job and dies at once: its lease lapses after ``lease_ms``."""
+
+    async def claim() -> None:
+        redis = connect(redis_url)
+        try:
+            assert await LeaseStore(redis).claim(job_id, "gone-worker", lease_ms=lease_ms)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(claim())
+
+
+def test_worker_process_serves_exact_training_metrics(
+    redis_url: str, service_factory: Callable[..., RunningService]
+) -> None:
+    api = service_factory(run_worker=False)
+    stub = api.stub()
+    # Job A is claimed by a worker that "dies": the real worker takes it over once its lease
+    # lapses. Job B goes through the queue.
+    taken_over = stub.StartTraining(request(rbm_pb2.OPTIMIZER_KIND_SGD), timeout=30).job
+    claim_and_abandon(redis_url, taken_over.id, lease_ms=200)
+    queued = stub.StartTraining(request(rbm_pb2.OPTIMIZER_KIND_SSD), timeout=30).job
+    metrics_port = free_port()
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": redis_url,
+        "SSDRBM_WORKER_METRICS_PORT": str(metrics_port),
+        "SSDRBM_TORCH_THREADS": "1",
+    }
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "ssdrbm_server.worker"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_succeeded(stub, taken_over.id)
+        wait_succeeded(stub, queued.id)
+        samples = scrape(metrics_port)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        output, _ = worker.communicate(timeout=30)
+    assert worker.returncode == 0, output
+
+    for optimizer in ("sgd", "ssd"):
+        assert samples["ssdrbm_training_samples_total", labels(optimizer)] == STEPS * BATCH
+        assert samples["ssdrbm_training_step_seconds_count", labels(optimizer)] == STEPS
+        step_time = samples["ssdrbm_training_step_seconds_sum", labels(optimizer)]
+        assert 0 < step_time < WAIT_S
+    assert samples["ssdrbm_checkpoint_write_seconds_count", ()] == 2 * CHECKPOINTS_PER_JOB
+    # Only job B waited in the queue for its first claim; job A was taken over.
+    assert samples["ssdrbm_queue_wait_seconds_count", ()] == 1
+    assert samples["ssdrbm_queue_wait_seconds_sum", ()] > 0
+    assert samples["ssdrbm_lease_takeovers_total", ()] == 1
+    assert samples["ssdrbm_worker_jobs_finished_total", (("state", "SUCCEEDED"),)] == 2
+    assert samples["ssdrbm_worker_jobs_finished_total", (("state", "FAILED"),)] == 0
+    assert samples["ssdrbm_training_process_failures_total", ()] == 0
+    assert samples["ssdrbm_training_backoffs_total", ()] == 0
+
+
+def test_in_process_worker_reports_on_the_server_endpoint(
+    service_factory: Callable[..., RunningService],
+) -> None:
+    metrics_port = free_port()
+    service = service_factory(metrics_port=metrics_port, torch_threads=1)
+    stub = service.stub()
+    job = stub.StartTraining(request(rbm_pb2.OPTIMIZER_KIND_SSD), timeout=30).job
+    wait_succeeded(stub, job.id)
+    samples = scrape(metrics_port)
+    # One registry: the server's RPC latency beside the worker's training counters.
+    assert samples["ssdrbm_training_samples_total", labels("ssd")] == STEPS * BATCH
+    assert samples["ssdrbm_training_step_seconds_count", labels("ssd")] == STEPS
+    assert samples["ssdrbm_checkpoint_write_seconds_count", ()] == CHECKPOINTS_PER_JOB
+    assert samples["ssdrbm_queue_wait_seconds_count", ()] == 1
+    started = (("code", "OK"), ("method", "StartTraining"))
+    assert samples["ssdrbm_rpc_latency_seconds_count", started] == 1
+    # Throughput is the counter's rate(); the gauge copied from the last event is gone.
+    assert not any(name == "ssdrbm_training_samples_per_second" for name, _ in samples)
