@@ -2,17 +2,18 @@
 
 The graph takes `input` (B, V) float32, B dynamic, and gives two outputs:
 
-    hidden_probs   (B, H) = σ(x W' + a)              p(h = 1 | v)
+    hidden_probs   (B, H) = σ(v W' + a)              p(h = 1 | v)
     reconstruction (B, V) = visible mean of hidden_probs
 
-where `x W'` is the model's hidden input (`v W` for the BRBM, `v C⁻¹ W` for the GRBM) and the
+where `v W'` is the model's hidden input (`v W` for the BRBM, `v C⁻¹ W` for the GRBM) and the
 visible mean is σ(h Wᵀ + b) for the BRBM, b + h Wᵀ for the GRBM: one mean-field up-down pass, as
 `model.reconstruct(v, k=1, mean_field=True)` and the service's Reconstruct(mean_field, k=1).
 
 The tensors come from the model's own `gibbs_kernel()` (the one statement of a sweep's weights
-per model kind and variance form), so the GRBM's C⁻¹W is folded into one matrix. That changes
-only the rounding of the hidden input relative to torch's `(v C⁻¹) W`: agreement is to float32
-rounding (about 1e-6 here), not bit for bit. Built node by node with the `onnx` helper API rather
+per model kind and variance form): W is stored once where the graph goes up and down through it,
+and the GRBM's C⁻¹W is folded into a second matrix. That changes only the rounding of the hidden
+input relative to torch's `(v C⁻¹) W`: agreement is to float32 rounding (about 1e-6 here), not
+bit for bit. Built node by node with the `onnx` helper API rather
 than traced, so the export needs neither a torch exporter nor onnxscript.
 """
 
@@ -60,15 +61,19 @@ def build_onnx_model(
     if kernel.gaussian != (model.kind == "gaussian"):
         raise ValueError(f"model kind {model.kind!r} disagrees with its Gibbs kernel")
     initializers = [
-        _initializer("hidden_weight", kernel.hidden_weight),  # (V, H): W, or C⁻¹W
-        _initializer("hidden_bias", kernel.hidden_bias),  # (H,)
         _initializer("weight", kernel.weight),  # (V, H)
+        _initializer("hidden_bias", kernel.hidden_bias),  # (H,)
         _initializer("visible_bias", kernel.visible_bias),  # (V,)
     ]
+    # The BRBM (and the GRBM with C = I) goes up and down through the same W: store it once.
+    hidden_weight = "weight"
+    if not torch.equal(kernel.hidden_weight, kernel.weight):
+        hidden_weight = "hidden_weight"
+        initializers.append(_initializer(hidden_weight, kernel.hidden_weight))  # (V, H): C⁻¹W
     visible_input = RECONSTRUCTION_OUTPUT if kernel.gaussian else "visible_input"
     nodes = [
         helper.make_node(
-            "Gemm", [INPUT_NAME, "hidden_weight", "hidden_bias"], ["hidden_input"], name="up"
+            "Gemm", [INPUT_NAME, hidden_weight, "hidden_bias"], ["hidden_input"], name="up"
         ),
         helper.make_node("Sigmoid", ["hidden_input"], [HIDDEN_OUTPUT], name="hidden_sigmoid"),
         # h Wᵀ + b with the one (V, H) weight: Gemm transposes its second operand.

@@ -128,6 +128,19 @@ def test_graph_declares_names_shapes_opset_and_config() -> None:
     onnx.checker.check_model(graph_model, full_check=True)  # shapes infer end to end
 
 
+@pytest.mark.parametrize(
+    ("kind", "variance", "matrices"),
+    [("bernoulli", None, 1), ("gaussian", "identity", 1), ("gaussian", "diagonal", 2)],
+)
+def test_w_is_stored_once_where_the_graph_goes_up_and_down_through_it(
+    kind: str, variance: str | None, matrices: int
+) -> None:
+    graph = onnx_export.build_onnx_model(random_model(kind, variance)).graph
+    shapes = [list(tensor.dims) for tensor in graph.initializer]
+    assert shapes.count([N_VISIBLE, N_HIDDEN]) == matrices
+    assert len(shapes) == 2 + matrices  # and the two biases
+
+
 def test_the_sdk_names_the_graph_as_the_core_builds_it() -> None:
     assert client_export.ONNX_INPUT == onnx_export.INPUT_NAME
     assert client_export.ONNX_HIDDEN_OUTPUT == onnx_export.HIDDEN_OUTPUT
