@@ -15,7 +15,8 @@
 # SSDRBM_ALLOW_PLAINTEXT_TOKENS=1 behind a TLS-terminating proxy), or
 # SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE=1 when only trusted machines reach the published ports
 # (docker-compose.yml publishes them on the host's loopback and sets it).
-ARG BASE_IMAGE=python:3.11-slim-bookworm
+# A patch release, so a rebuild gets the same interpreter (docker-compose.yml names the same).
+ARG BASE_IMAGE=python:3.11.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
 # The CPU wheel index keeps the image small; a CUDA build passes a CUDA wheel index.
@@ -29,7 +30,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SSDRBM_LISTEN_ADDRESS=0.0.0.0:50051 \
     SSDRBM_METRICS_ADDRESS=0.0.0.0 \
     SSDRBM_METRICS_PORT=9108 \
-    SSDRBM_DATA_DIR=/data
+    SSDRBM_DATA_DIR=/data \
+    SSDRBM_WORKER_HEARTBEAT_FILE=/tmp/ssdrbm-worker.alive
 
 # CUDA base images come without Python: install it there (python images already have it).
 RUN if ! command -v python3 >/dev/null 2>&1; then \
@@ -56,8 +58,11 @@ RUN useradd --create-home --uid 10001 ssdrbm && mkdir -p /data && chown ssdrbm /
 USER ssdrbm
 
 EXPOSE 50051 9108
+# Readiness (Redis answers, the worker runs) on SSDRBM_LISTEN_ADDRESS's port, over TLS when
+# SSDRBM_TLS_CERT_FILE is set (SSDRBM_TLS_CA_FILE names its CA). A worker-only container
+# (`python -m ssdrbm_server.worker`) is checked with `python -m ssdrbm_server.healthcheck --worker`.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-m", "ssdrbm_server.healthcheck", "127.0.0.1:50051"]
+    CMD ["python", "-m", "ssdrbm_server.healthcheck", "--ready"]
 # SIGTERM starts the graceful shutdown (health NOT_SERVING, worker checkpoints, drain, stop).
 STOPSIGNAL SIGTERM
 CMD ["python", "-m", "ssdrbm_server"]
