@@ -7,8 +7,11 @@ exporter, installed in-process for the test.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -21,6 +24,7 @@ from ssdrbm_server.config import ConfigError, Settings
 from tests.fixtures.jobs import N_VISIBLE, float_tensor, tiny_request
 from tests.fixtures.service import RunningService
 
+ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 90.0  # a bound for a loaded 2-core machine, not a speed check
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER_PARENT = f"00-{CALLER_TRACE}-b7ad6b7169203331-01"
@@ -118,3 +122,30 @@ def test_otlp_without_its_exporter_is_refused_with_the_install_hint() -> None:
     with pytest.raises(ConfigError, match="opentelemetry-exporter-otlp"):
         tracing.configure(Settings(tracing="otlp"))
     assert not tracing.enabled()
+
+
+def test_without_opentelemetry_the_service_imports_and_tracing_is_a_no_op() -> None:
+    """The tracing extra is optional: with opentelemetry unimportable the server modules load,
+    spans are no-ops, and asking for tracing is refused with the install hint."""
+    code = """
+import sys
+sys.modules["opentelemetry"] = None  # every opentelemetry import now fails
+import ssdrbm_server.app, ssdrbm_server.worker.worker
+from ssdrbm_server import tracing
+from ssdrbm_server.config import ConfigError, Settings
+assert not tracing.AVAILABLE
+tracing.configure(Settings())  # off: nothing to do
+with tracing.span("ssdrbm.x") as current:
+    assert current is None
+assert tracing.current_traceparent() == "" and tracing.current_trace_id() == ""
+try:
+    tracing.configure(Settings(tracing="console"))
+except ConfigError as exc:
+    print(exc)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert "SSDRBM_TRACING=console needs OpenTelemetry" in result.stdout
+    assert "ssdrbm-server[tracing]" in result.stdout
