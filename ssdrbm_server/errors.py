@@ -35,6 +35,10 @@ ERROR_DOMAIN = "ssdrbm"  # ErrorInfo.domain of every refusal
 RETRY_SHORTLY_S = 1.0  # RetryInfo of a transient refusal: a race, an outage, a busy cap
 RETRY_STORE_FULL_S = 10.0  # a full store frees room as finished jobs are deleted or expire
 SERVER_SUBJECT = "server"  # QuotaFailure subject of a limit of the whole server or one request
+# The serialized Status goes out base64-encoded beside grpc-message, which holds the message too;
+# gRPC clients refuse trailers over 8 KiB by default (some already past a soft limit there), so
+# the details stay well under it.
+MAX_STATUS_BYTES = 2048
 
 
 def tenant_subject(tenant: str) -> str:
@@ -251,9 +255,28 @@ def _retry_info(seconds: float) -> error_details_pb2.RetryInfo:
     return error_details_pb2.RetryInfo(retry_delay=delay)
 
 
+def _without_descriptions(details: list[Message]) -> None:
+    """Empty the descriptions, which repeat the status message, to make room."""
+    for detail in details:
+        items = [*getattr(detail, "field_violations", ()), *getattr(detail, "violations", ())]
+        for item in (detail, *items):
+            if "description" in item.DESCRIPTOR.fields_by_name:
+                item.description = ""
+
+
+def _packed(code: grpc.StatusCode, message: str, details: list[Message]) -> status_pb2.Status:
+    wrapped = []
+    for detail in details:
+        item = any_pb2.Any()
+        item.Pack(detail)
+        wrapped.append(item)
+    return status_pb2.Status(code=code.value[0], message=message, details=wrapped)
+
+
 def rich_status(exc: BaseException) -> status_pb2.Status:
     """The ``google.rpc.Status`` (code, the same message, details) for a handler's exception;
-    the one place where errors become status details."""
+    the one place where errors become status details. Over ``MAX_STATUS_BYTES`` the details
+    lose their descriptions (the message says the same)."""
     error = _as_service_error(exc)
     code, message = status_for(exc)
     metadata = dict(error.metadata)
@@ -265,12 +288,20 @@ def rich_status(exc: BaseException) -> status_pb2.Status:
     details += _specific_details(error)
     if error.retry_after_s is not None:
         details.append(_retry_info(error.retry_after_s))
-    packed = []
-    for detail in details:
-        wrapped = any_pb2.Any()
-        wrapped.Pack(detail)
-        packed.append(wrapped)
-    return status_pb2.Status(code=code.value[0], message=message, details=packed)
+    status = _packed(code, message, details)
+    if status.ByteSize() > MAX_STATUS_BYTES:
+        _without_descriptions(details)
+        status = _packed(code, message, details)
+    return status
+
+
+def details_trailer(exc: BaseException) -> tuple[tuple[str, bytes], ...]:
+    """The ``grpc-status-details-bin`` trailing metadata for a handler's exception; none for a
+    message too long to repeat within the client's metadata limit (it goes out as before)."""
+    status = rich_status(exc)
+    if status.ByteSize() > MAX_STATUS_BYTES:
+        return ()
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
@@ -281,10 +312,9 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
         logger.warning("%s: %s (%s)", method, message, exc)
     else:
         logger.debug("%s: %s %s", method, code.name, message)
-    status = rpc_status.to_status(rich_status(exc))
     # abort() replaces any trailing metadata the handler set; keep it beside the details.
-    trailing = (*tuple(context.trailing_metadata() or ()), *status.trailing_metadata)
-    await context.abort(status.code, status.details, trailing)
+    trailing = (*tuple(context.trailing_metadata() or ()), *details_trailer(exc))
+    await context.abort(code, message, trailing)
 
 
 class _Undecodable:

@@ -155,6 +155,18 @@ def test_every_error_maps_to_its_details(name: str) -> None:
         assert details[error_details_pb2.RetryInfo].retry_delay.ToNanoseconds() > 0
 
 
+def test_long_messages_keep_the_trailers_under_the_metadata_limit() -> None:
+    # Descriptions repeat the message: past the budget they go, the structure stays ...
+    long = errors.ResourceExhaustedError("x" * 1500, limit="max_streams", subject="tenant:t")
+    status = errors.rich_status(long)
+    assert status.message == long.message and status.ByteSize() <= errors.MAX_STATUS_BYTES
+    (violation,) = details_of(status)[error_details_pb2.QuotaFailure].violations
+    assert (violation.subject, violation.description) == ("tenant:t", "")
+    assert errors.details_trailer(long)
+    # ... and a message too long to repeat goes out alone, as it did before details existed.
+    assert errors.details_trailer(errors.NotFoundError("x" * 3000)) == ()
+
+
 # --- against the real service ----------------------------------------------------------------
 
 
