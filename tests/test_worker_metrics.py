@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,6 +81,25 @@ def claim_and_abandon(redis_url: str, job_id: str, lease_ms: int) -> None:
     asyncio.run(claim())
 
 
+def start_worker(redis_url: str, metrics_port: int) -> subprocess.Popen[str]:
+    """`python -m ssdrbm_server.worker` with its metrics on ``metrics_port``; output (stderr
+    too) on its stdout pipe."""
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": redis_url,
+        "SSDRBM_WORKER_METRICS_PORT": str(metrics_port),
+        "SSDRBM_TORCH_THREADS": "1",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "ssdrbm_server.worker"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def test_worker_process_serves_exact_training_metrics(
     redis_url: str, service_factory: Callable[..., RunningService]
 ) -> None:
@@ -91,20 +111,7 @@ def test_worker_process_serves_exact_training_metrics(
     claim_and_abandon(redis_url, taken_over.id, lease_ms=200)
     queued = stub.StartTraining(request(rbm_pb2.OPTIMIZER_KIND_SSD), timeout=30).job
     metrics_port = free_port()
-    env = {
-        **os.environ,
-        "SSDRBM_REDIS_URL": redis_url,
-        "SSDRBM_WORKER_METRICS_PORT": str(metrics_port),
-        "SSDRBM_TORCH_THREADS": "1",
-    }
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "ssdrbm_server.worker"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = start_worker(redis_url, metrics_port)
     try:
         wait_succeeded(stub, taken_over.id)
         wait_succeeded(stub, queued.id)
@@ -148,3 +155,28 @@ def test_in_process_worker_reports_on_the_server_endpoint(
     assert samples["ssdrbm_rpc_latency_seconds_count", started] == 1
     # Throughput is the counter's rate(); the gauge copied from the last event is gone.
     assert not any(name == "ssdrbm_training_samples_per_second" for name, _ in samples)
+
+
+def test_a_taken_metrics_port_costs_the_worker_its_metrics_not_its_work(redis_url: str) -> None:
+    """Several workers on one host with the default port: the second one logs what to set
+    and goes on taking jobs."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        worker = start_worker(redis_url, port)
+        seen = []
+        try:
+            assert worker.stdout is not None
+            for line in worker.stdout:  # until the worker runs (or its output ends)
+                seen.append(line)
+                if " started" in line:
+                    break
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            rest, _ = worker.communicate(timeout=30)
+    output = "".join(seen) + rest
+    assert worker.returncode == 0, output
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in output
+    assert "SSDRBM_WORKER_METRICS_PORT" in output
+    assert any(" started" in line for line in seen), output

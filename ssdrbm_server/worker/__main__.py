@@ -25,8 +25,7 @@ async def main(settings: Settings) -> None:
     worker = Worker(settings)
     endpoint = MetricsEndpoint(worker.metrics.registry)
     if settings.worker_metrics_port:
-        port = endpoint.start(settings.worker_metrics_port, settings.metrics_address)
-        logger.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_address, port)
+        serve_metrics(endpoint, settings)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
 
@@ -46,6 +45,25 @@ async def main(settings: Settings) -> None:
         await asyncio.gather(*stopping)
     finally:
         endpoint.stop()
+
+
+def serve_metrics(endpoint: MetricsEndpoint, settings: Settings) -> None:
+    """Serve the worker's /metrics. A port already taken (several workers on one host, one per
+    GPU, all with the default) costs this worker its metrics, not its training: logged as an
+    error saying what to set."""
+    address, port = settings.metrics_address, settings.worker_metrics_port
+    try:
+        port = endpoint.start(port, address)
+    except OSError as exc:
+        logger.error(
+            "cannot serve metrics on %s:%d (%s); this worker runs without them: give each worker "
+            "on a host its own SSDRBM_WORKER_METRICS_PORT (0 turns them off)",
+            address,
+            port,
+            exc,
+        )
+        return
+    logger.info("Prometheus metrics on http://%s:%d/metrics", address, port)
 
 
 def run() -> int:
