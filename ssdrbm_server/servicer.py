@@ -133,7 +133,11 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         tracing.set_attribute("ssdrbm.job_id", record.id)
         if created:
             logger.info(
-                "job %s queued for tenant %s (%d steps)", record.id, tenant, job.total_steps
+                "job %s queued for tenant %s (%d steps)",
+                record.id,
+                tenant,
+                job.total_steps,
+                extra={"job_id": record.id},  # a field of its own in JSON logs
             )
         else:
             _check_same_spec(record, job.spec)

@@ -12,6 +12,7 @@ from ssdcore.pack.exchange import (
     run_to_trainer,
     trainer_to_run_state,
 )
+from ssdcore.pack.fit import evaluate_run, fit_pack
 from ssdcore.pack.pack import PackRun, RunDivergence, TrainingPack, pack_key, run_rules
 from ssdcore.pack.state import RunState
 
@@ -20,6 +21,8 @@ __all__ = [
     "RunDivergence",
     "RunState",
     "TrainingPack",
+    "evaluate_run",
+    "fit_pack",
     "insert_bytes",
     "insert_trainer",
     "pack_key",

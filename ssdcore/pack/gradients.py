@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ssdcore.pack.aligned import stacked_empty
 from ssdcore.pack.random import PackedRandom
 
 
@@ -42,41 +43,41 @@ class PackedCD:
         device: torch.device,
         dense_weight_grad: bool = True,
     ) -> None:
-        f32 = {"device": device, "dtype": torch.float32}
         M, V, H, B = n_runs, n_visible, n_hidden, batch_size
         self.k = k
         self.persistent = persistent
         self.random = random
         self.dense_weight_grad = dense_weight_grad
         self.batch_size = B
-        self.visible = torch.empty(M, 2 * B, V, **f32)  # rows [0, B) data, [B, 2B) model
-        self.hidden_probs = torch.empty(M, 2 * B, H, **f32)
-        self.right = torch.empty(M, 2 * B, H, **f32)  # w_n · p_n
+
+        def stack(*shape: int) -> Tensor:  # run slices aligned as solo buffers are
+            return stacked_empty(M, shape, device=device)
+
+        # Each buffer mirrors one of the solo estimator's (same offsets within a run's slice).
+        self.visible = stack(2 * B, V)  # rows [0, B) data, [B, 2B) model
+        self.hidden_probs = stack(2 * B, H)
+        self.right = stack(2 * B, H)  # w_n · p_n
         # The solo estimator's weights, in float32 exactly as it builds them.
         weights = torch.cat([torch.full((B,), -1.0 / B), torch.full((B,), 1.0 / B)])
-        self.weights = weights.to(**f32)
-        self._weights_column = self.weights.view(1, 2 * B, 1).expand(M, 2 * B, 1)
-        # As a row (M, 1, 2B): bmm with it is the solo mv bit for bit, and dozens of times
-        # faster than bmm with the stride-0 column.
-        self._weights_row = self.weights.view(1, 1, 2 * B).expand(M, 1, 2 * B)
-        self.hidden_start = torch.empty(M, B, H, **f32)
-        self.hidden = torch.empty(M, B, H, **f32)  # intermediate binary hidden states
-        self._probs_tmp = torch.empty(M, B, H, **f32)
-        self._visible_tmp = torch.empty(M, B, V, **f32)
-        self.chains = torch.zeros(M, B, H, **f32)
+        self.weights = weights.to(device=device, dtype=torch.float32)
+        self._weights_column = self.weights.view(1, 2 * B, 1)
+        self.hidden_start = stack(B, H)
+        self.hidden = stack(B, H)  # intermediate binary hidden states
+        self.chains = stack(B, H).zero_()
         self.has_chains = [False] * M
-        self.grad_W = torch.empty(M, V, H, **f32)
-        self.grad_b = torch.empty(M, V, **f32)
-        self.grad_a = torch.empty(M, H, **f32)
+        self.grad_W = stack(V, H)
+        self.grad_b = stack(V)
+        self.grad_a = stack(H)
         self.factors: tuple[Tensor, Tensor] = (self.visible.mT, self.right)
 
     @torch.no_grad()
     def estimate(self, weight: Tensor, visible_bias: Tensor, hidden_bias: Tensor, batch: Tensor):
         B = self.batch_size
         hidden_bias_rows = hidden_bias.unsqueeze(1)  # (M, 1, H)
-        self.visible[:, :B].copy_(batch)
-        hidden_data = torch.baddbmm(hidden_bias_rows, batch, weight, out=self._probs_tmp)
-        self.hidden_probs[:, :B].copy_(hidden_data.sigmoid_())
+        visible_data = self.visible[:, :B]
+        visible_data.copy_(batch)
+        hidden_data = self.hidden_probs[:, :B]
+        torch.baddbmm(hidden_bias_rows, visible_data, weight, out=hidden_data).sigmoid_()
         start = self._chain_start(hidden_data)
         self._run_chain(weight, visible_bias, hidden_bias_rows, start)
         if self.persistent:
@@ -100,9 +101,9 @@ class PackedCD:
     def _run_chain(
         self, weight: Tensor, visible_bias: Tensor, hidden_bias_rows: Tensor, start: Tensor
     ) -> None:
-        """k sweeps h → v → h; leaves v_k and p(h | v_k) in the model rows."""
+        """k sweeps h → v → h, written into the model rows: v_k and p(h | v_k)."""
         B = self.batch_size
-        visible, probs = self._visible_tmp, self._probs_tmp
+        visible, probs = self.visible[:, B:], self.hidden_probs[:, B:]
         visible_bias_rows = visible_bias.unsqueeze(1)  # (M, 1, V)
         weight_t = weight.mT
         hidden = start
@@ -112,8 +113,6 @@ class PackedCD:
             torch.baddbmm(hidden_bias_rows, visible, weight, out=probs).sigmoid_()
             if sweep < self.k - 1:
                 hidden = self.random.bernoulli_(probs, out=self.hidden)
-        self.visible[:, B:].copy_(visible)
-        self.hidden_probs[:, B:].copy_(probs)
 
     def _write_gradients(self) -> None:
         right = torch.mul(self.hidden_probs, self._weights_column, out=self.right)
@@ -121,7 +120,11 @@ class PackedCD:
         if self.dense_weight_grad:
             torch.bmm(left, right, out=self.grad_W)
         torch.sum(right, dim=1, out=self.grad_a)
-        torch.bmm(self._weights_row, self.visible, out=self.grad_b.unsqueeze(1))
+        # One mv per run, as the solo estimator: a batched product with a vector takes another
+        # BLAS kernel (gemm, not gemv) whose last-bit rounding differs at some sizes, and the
+        # l∞ step's sign(∂b) turns such a difference into a different step.
+        for run in range(self.grad_b.shape[0]):
+            torch.mv(left[run], self.weights, out=self.grad_b[run])
         self.factors = (left, right)
 
     def reset_chains(self, run: int) -> None:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer
+from ssdcore.pack.aligned import stacked_empty
 from ssdcore.pack.polar import (
     packed_gram_factors,
     packed_newton_schulz,
@@ -119,10 +120,9 @@ class PackedOptimizer:
         self.device = device
         self.lr_scales = [1.0] * len(settings)
         n = len(settings)
-        f32 = {"device": device, "dtype": torch.float32}
         # Momentum buffers (zero until a run's first step: 0·m + g is g, as the solo clone).
         self.momentum_buffers = {
-            name: torch.zeros(n, *shapes[name], **f32)
+            name: stacked_empty(n, shapes[name], device=device).zero_()
             for name, rule in rules.items()
             if rule.geometry == "euclidean"
         }

@@ -34,6 +34,7 @@ from torch import Tensor
 from ssdcore.cuda_graph import GraphedStep
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.optim.config import OptimizerConfig, resolve_for
+from ssdcore.pack.aligned import stacked_copy
 from ssdcore.pack.gradients import PackedCD
 from ssdcore.pack.optim import (
     PARAMETER_NAMES,
@@ -191,7 +192,7 @@ class TrainingPack:
         self.rules = rules
         with torch.no_grad():
             self.parameters = {
-                name: torch.stack([getattr(run.model, name).detach() for run in runs]).clone()
+                name: stacked_copy(torch.stack([getattr(run.model, name).detach() for run in runs]))
                 for name in PARAMETER_NAMES
             }
         shapes = {name: tuple(t.shape[1:]) for name, t in self.parameters.items()}
@@ -222,7 +223,7 @@ class TrainingPack:
         self.active = [True] * self.n_runs
         self.divergences: list[RunDivergence] = []
         self._pack_steps = 0
-        self._last_good = {name: t.clone() for name, t in self.parameters.items()}
+        self._last_good = {name: stacked_copy(t) for name, t in self.parameters.items()}
         self._last_good_steps = [0] * self.n_runs
         self.cuda_graph = self._resolve_cuda_graph(cuda_graph)
         self._graphed_step: GraphedStep | None = None
@@ -359,13 +360,24 @@ class TrainingPack:
         )
         return event
 
-    def freeze(self, run: int, why: str) -> RunDivergence:
-        """Stop run ``run`` where it is (e.g. the blow-up detector fired for it)."""
+    def hold(self, run: int) -> None:
+        """Stop stepping run ``run`` (e.g. it has finished) without reporting a divergence;
+        :meth:`release` or :meth:`load_run_state` lets it go on."""
         self._check_run(run)
         with torch.no_grad():
             for name, parameter in self.parameters.items():
                 self._last_good[name][run].copy_(parameter[run])
         self._last_good_steps[run] = self.step_counts[run]
+        self.active[run] = False
+
+    def release(self, run: int) -> None:
+        """Let a held or frozen run step again from where it stands."""
+        self._check_run(run)
+        self.active[run] = True
+
+    def freeze(self, run: int, why: str) -> RunDivergence:
+        """Stop run ``run`` where it is (e.g. the blow-up detector fired for it)."""
+        self.hold(run)
         return self._freeze(run, why)
 
     # --- step sizes -------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ssdcore.optim.polar import CONVERGENT_QUINTIC, MUON_QUINTIC
 from ssdcore.optim.threads import one_cpu_thread
+from ssdcore.pack.aligned import baddbmm, bmm, stacked_copy, stacked_empty
 
 
 def _finite_runs(stack: Tensor) -> Tensor:
@@ -35,14 +36,28 @@ def _inverse_square_root(
     finite = _finite_runs(gram)
     identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     safe_gram = torch.where(finite.view(-1, 1, 1), gram, identity)
-    eigenvalues, vectors = torch.linalg.eigh(safe_gram)  # (M, k), (M, k, k)
+    eigenvalues, vectors = _eigh_per_run(safe_gram)  # (M, k), (M, k, k)
     largest = eigenvalues.amax(dim=-1, keepdim=True)
     kept = eigenvalues > (max(shape) * torch.finfo(dtype).eps) ** 2 * largest
     noise = max(shape) * torch.finfo(eigenvalues.dtype).eps * largest
     nuclear_norm = torch.where(eigenvalues <= noise, 0.0, eigenvalues).sqrt().sum(dim=-1)
     nuclear_norm = torch.where(finite, nuclear_norm, torch.nan)
     inverse_root = torch.where(kept, torch.where(kept, eigenvalues, 1.0).rsqrt(), 0.0)
-    return (vectors * inverse_root.unsqueeze(1)) @ vectors.mT, nuclear_norm
+    return bmm(vectors * inverse_root.unsqueeze(1), vectors.mT), nuclear_norm
+
+
+def _eigh_per_run(gram: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` of each run's matrix on its own: the batched call runs the same
+    LAPACK routine per matrix anyway, but here each result comes out exactly as the solo
+    step's does (own buffers), for the same rounding."""
+    runs, size = gram.shape[0], gram.shape[-1]
+    eigenvalues = stacked_empty(runs, (size,), dtype=gram.dtype, device=gram.device)
+    vectors = stacked_empty(runs, (size, size), dtype=gram.dtype, device=gram.device)
+    for run in range(runs):
+        values, run_vectors = torch.linalg.eigh(gram[run])
+        eigenvalues[run].copy_(values)
+        vectors[run].copy_(run_vectors)
+    return eigenvalues, vectors
 
 
 def packed_gram_factors(grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -50,11 +65,12 @@ def packed_gram_factors(grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     ``U Vᵀ = left @ right`` — ``(G, S)`` for tall G, ``(S, G)`` for wide G."""
     shape = (grad.shape[-2], grad.shape[-1])
     wide = shape[0] < shape[1]
-    g64 = grad.to(torch.float64)
-    gram = g64 @ g64.mT if wide else g64.mT @ g64  # (M, min, min)
+    g64 = stacked_empty(grad.shape[0], shape, dtype=torch.float64, device=grad.device)
+    g64.copy_(grad)
+    gram = bmm(g64, g64.mT) if wide else bmm(g64.mT, g64)  # (M, min, min)
     with one_cpu_thread(grad.device):
         inverse_root, nuclear_norm = _inverse_square_root(gram, shape, grad.dtype)
-    inverse_root = inverse_root.to(grad.dtype)
+    inverse_root = stacked_copy(inverse_root.to(grad.dtype))
     nuclear_norm = nuclear_norm.to(grad.dtype)
     if wide:
         return inverse_root, grad, nuclear_norm
@@ -65,7 +81,7 @@ def packed_svd(grad: Tensor) -> tuple[Tensor, Tensor]:
     """Reference ``(U Vᵀ (M, m, n), ‖σ‖₁ (M,))`` from a batched SVD, numerical range only."""
     u, s, vh = torch.linalg.svd(grad, full_matrices=False)
     tolerance = s.amax(dim=-1, keepdim=True) * max(grad.shape[-2:]) * torch.finfo(s.dtype).eps
-    return (u * (s > tolerance).unsqueeze(1)) @ vh, s.sum(dim=-1)
+    return bmm(u * (s > tolerance).unsqueeze(1), vh), s.sum(dim=-1)
 
 
 def _coefficients(fast_steps: int, polish_steps: int) -> list[tuple[float, ...]]:
@@ -82,8 +98,8 @@ def packed_newton_schulz(
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     x = x / norm.clamp_min(torch.finfo(grad.dtype).tiny)
     for a, b, c in _coefficients(fast_steps, polish_steps):
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        gram = bmm(x, x.mT)
+        x = baddbmm(x, baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     direction = x.mT if transposed else x
     return direction, (grad * direction).sum(dim=(-2, -1))
 
@@ -93,14 +109,14 @@ def packed_newton_schulz_factors(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Newton–Schulz of ``G = left @ right`` in the r×r factor space, per run (see
     :func:`~ssdcore.optim.polar.polar_newton_schulz_factors`): ``(left, Y @ right, ‖σ‖₁)``."""
-    q = left.mT @ left  # (M, r, r)
-    p = right @ right.mT  # (M, r, r)
+    q = bmm(left.mT, left)  # (M, r, r)
+    p = bmm(right, right.mT)  # (M, r, r)
     frobenius = (q * p).sum(dim=(-2, -1), keepdim=True).sqrt()
     frobenius = frobenius.clamp_min(torch.finfo(left.dtype).tiny)
     eye = torch.eye(q.shape[-1], dtype=left.dtype, device=left.device)
     y = eye / frobenius
     for a, b, c in _coefficients(fast_steps, polish_steps):
-        z = (y @ p) @ y.mT @ q
-        y = torch.baddbmm(y, torch.baddbmm(z, z, z, beta=b, alpha=c), y, beta=a)
-    nuclear_norm = ((q @ y) * p).sum(dim=(-2, -1))
-    return left, y @ right, nuclear_norm
+        z = bmm(bmm(bmm(y, p), y.mT), q)
+        y = baddbmm(y, baddbmm(z, z, z, beta=b, alpha=c), y, beta=a)
+    nuclear_norm = (bmm(q, y) * p).sum(dim=(-2, -1))
+    return left, bmm(y, right), nuclear_norm
