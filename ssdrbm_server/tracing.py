@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -38,7 +39,8 @@ except ImportError:  # the service runs without the tracing extra
 logger = logging.getLogger(__name__)
 
 TRACEPARENT = "traceparent"  # the W3C header, as gRPC metadata and in the job record
-INSTALL_HINT = "pip install 'ssdrbm-server[tracing]'"
+# Neither distribution is on a package index: the extra is installed from a checkout.
+INSTALL_HINT = "pip install '.[tracing]' in a checkout of the ssdrbm repository"
 OTLP_HINT = "pip install opentelemetry-exporter-otlp-proto-grpc (part of the tracing extra)"
 
 RpcMethod = TypeVar("RpcMethod", bound=Callable[..., Awaitable[Any]])
@@ -64,7 +66,8 @@ def configure(settings: Settings, *, service_name: str = "ssdrbm") -> None:
         except ImportError:
             raise ConfigError(f"SSDRBM_TRACING=otlp needs the OTLP exporter: {OTLP_HINT}") from None
         exporter = OTLPSpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name  # the standard variable wins
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     install(provider)
     logger.info("tracing on: spans go to %s", mode)
