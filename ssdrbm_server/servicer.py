@@ -37,6 +37,7 @@ from ssdrbm_server.event_fanout import EventFanout
 from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.recent_jobs import RecentJobs
 from ssdrbm_server.request_checks import enum_value
+from ssdrbm_server.server_info import server_info
 from ssdrbm_server.serving import Caller, ModelServer
 from ssdrbm_server.store.checkpoints import CheckpointStore
 from ssdrbm_server.store.datasets import DatasetInfo, DatasetStore, Upload
@@ -147,6 +148,11 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self, request: pb.GetTrainingDefaultsRequest, context: grpc.aio.ServicerContext
     ) -> pb.TrainingDefaults:
         return await resolver.training_defaults(self.settings)
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerInfo:
+        return server_info()
 
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
         return convert.job_to_proto(await self._job(request.job_id))

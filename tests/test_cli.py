@@ -114,13 +114,11 @@ def test_bad_command_lines_exit_2(capsys) -> None:
 
 
 def test_serve_without_the_server_package_says_what_to_install(monkeypatch, capsys) -> None:
-    monkeypatch.setitem(
-        sys.modules, "ssdrbm_server", None
-    )  # as if ssdrbm-server were not installed
+    monkeypatch.setitem(sys.modules, "ssdrbm_server", None)  # as if only the client were installed
     assert main(["serve"]) == ExitCode.ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and ERROR_LINE.match(err.strip())
-    assert "install ssdrbm-server" in err
+    assert "pip install . (or ./scripts/install) in a checkout" in err
 
 
 # --- progress -----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ for info in pkgutil.walk_packages(ssdrbm.__path__, "ssdrbm."):
         __import__(info.name)
 from ssdrbm.cli import main
 assert main(["--target", "127.0.0.1:1", "--wait", "0", "jobs"]) == 3  # a real command path
-assert main(["serve"]) == 1  # says to install ssdrbm-server
+assert main(["serve"]) == 1  # says how to install the server
 HEAVY = ("torch", "redis", "ssdrbm_server", "ssdcore", "matplotlib")
 heavy = sorted(m for m in HEAVY if m in sys.modules)
 assert not heavy, heavy

@@ -33,6 +33,7 @@ from ssdrbm.events import (
 )
 from ssdrbm.model_file import ExportedModel, read_safetensors
 from ssdrbm.retry import RetryPolicy
+from ssdrbm.server_info import ServerInfo
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,7 @@ __all__ = [
     "RetryPolicy",
     "SSDRBMError",
     "ServerError",
+    "ServerInfo",
     "StateEvent",
     "Unauthenticated",
     "Unavailable",

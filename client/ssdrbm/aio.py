@@ -34,6 +34,7 @@ from ssdrbm.errors import ResourceExhausted, Unavailable, from_rpc_error, retry_
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, acall_with_retry, is_retryable
+from ssdrbm.server_info import ServerInfo
 from ssdrbm.spec import TrainingDefaults, training_request
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
@@ -97,6 +98,12 @@ class AsyncClient:
         """Submit a training job; see :meth:`ssdrbm.Client.start_training` for the arguments."""
         request = training_request(**kwargs)
         return Job.from_proto((await self._call("StartTraining", request)).job)
+
+    async def server_info(self) -> ServerInfo:
+        """The service's version, API and optional features (``GetServerInfo``)."""
+        return ServerInfo.from_proto(
+            await self._call("GetServerInfo", rbm_pb2.GetServerInfoRequest())
+        )
 
     async def training_defaults(self) -> TrainingDefaults:
         """The defaults the service fills into unset fields: step sizes per model and

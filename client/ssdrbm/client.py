@@ -37,6 +37,7 @@ from ssdrbm.errors import (
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, call_with_retry, is_retryable
+from ssdrbm.server_info import ServerInfo
 from ssdrbm.spec import TrainingDefaults, training_request
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
@@ -142,6 +143,10 @@ class Client:
         return TrainingDefaults.from_proto(
             self._call("GetTrainingDefaults", rbm_pb2.GetTrainingDefaultsRequest())
         )
+
+    def server_info(self) -> ServerInfo:
+        """The service's version, API and optional features (``GetServerInfo``)."""
+        return ServerInfo.from_proto(self._call("GetServerInfo", rbm_pb2.GetServerInfoRequest()))
 
     def get_job(self, job_id: str) -> Job:
         """The job's current record; :class:`~ssdrbm.errors.NotFound` when it does not exist."""

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sys
+import time
+from typing import TextIO
+
+import grpc
 
 from ssdrbm.client import Client
 from ssdrbm.connection import TLS, Connection, tls_from_env
 from ssdrbm.retry import RetryPolicy
 
 ENV_WAIT = "SSDRBM_WAIT"
-# Commands typed right after `ssdrbm serve &` find the service still starting; a mistyped
-# address is reported after this long.
-DEFAULT_WAIT_S = 10.0
+# Without --wait a command tries once, so a service that is down (or a mistyped address) is
+# reported at once; commands typed right after `ssdrbm serve &` pass --wait to let it start.
+DEFAULT_WAIT_S = 0.0
+# A running service accepts the connection well within this; only a longer wait is announced.
+QUIET_CONNECT_S = 0.25
 
 # dest, flag, argparse keywords; every default comes from the environment (see ssdrbm.connection)
 _CONNECTION_OPTIONS: list[tuple[str, str, dict]] = [
@@ -23,7 +31,7 @@ _CONNECTION_OPTIONS: list[tuple[str, str, dict]] = [
     ("tls_cert", "--tls-cert", {"metavar": "PEM", "help": "mTLS client cert [$SSDRBM_TLS_CERT]"}),
     ("tls_key", "--tls-key", {"metavar": "PEM", "help": "mTLS client key [$SSDRBM_TLS_KEY]"}),
     ("timeout", "--timeout", {"type": float, "metavar": "S", "help": "deadline per call [30]"}),
-    ("wait", "--wait", {"type": float, "metavar": "S", "help": "retry if unreachable [10]"}),
+    ("wait", "--wait", {"type": float, "metavar": "S", "help": "wait S s for the service [0]"}),
     ("debug", "--debug", {"action": "store_true", "help": "show tracebacks"}),
 ]
 
@@ -59,12 +67,56 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
     )
 
 
-def client_from_args(args: argparse.Namespace) -> Client:
-    """A :class:`~ssdrbm.Client` configured from the command line and the environment."""
-    connection = connection_from_args(args)
+def wait_seconds(args: argparse.Namespace) -> float:
+    """How long to wait for an unreachable service: --wait, $SSDRBM_WAIT, else 0."""
     wait = option(args, "wait")
     if wait is None:
-        wait = float(os.environ.get(ENV_WAIT) or DEFAULT_WAIT_S)
+        raw = os.environ.get(ENV_WAIT, "").strip()
+        try:
+            wait = float(raw) if raw else DEFAULT_WAIT_S
+        except ValueError:
+            raise ValueError(f"{ENV_WAIT} must be a number of seconds, not {raw!r}") from None
+    return max(wait, 0.0)
+
+
+def wait_for_service(connection: Connection, seconds: float, stream: TextIO | None = None) -> None:
+    """Wait until the service accepts a connection, for at most ``seconds``.
+
+    Said on stderr once the connection takes longer than a running service would, so a command
+    never sits silent; the command's own call then reports a service that did not come up.
+    """
+    channel = connection.sync_channel()
+    ready = grpc.channel_ready_future(channel)
+    try:
+        try:
+            ready.result(timeout=min(QUIET_CONNECT_S, seconds))
+            return
+        except grpc.FutureTimeoutError:
+            pass
+        print(
+            f"waiting for {connection.target}… (up to {seconds:g} s, --wait)",
+            file=stream or sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(grpc.FutureTimeoutError):
+            ready.result(timeout=max(seconds - QUIET_CONNECT_S, 0.0))
+    finally:
+        ready.cancel()
+        channel.close()
+
+
+def client_from_args(args: argparse.Namespace) -> Client:
+    """A :class:`~ssdrbm.Client` configured from the command line and the environment.
+
+    Without a wait, calls are tried once (an unreachable service fails at once); with one, the
+    service is waited for first, and calls are retried while UNAVAILABLE for what is left of it.
+    """
+    connection = connection_from_args(args)
+    wait = wait_seconds(args)
+    if wait > 0:
+        started = time.monotonic()
+        wait_for_service(connection, wait)
+        wait -= time.monotonic() - started
     return Client(
         connection.target,
         token=connection.token,

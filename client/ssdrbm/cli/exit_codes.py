@@ -20,6 +20,8 @@ class ExitCode(enum.IntEnum):
     NOT_READY                 8     the job cannot answer yet (e.g. no checkpoint so far)
     LIMIT                     9     a service limit was hit (message size, jobs per tenant, ...)
     INTERRUPTED               130   stopped with Ctrl-C (128 + SIGINT, as shells expect)
+    BROKEN_PIPE               141   the reader of the output went away (``| head``): 128 +
+                                    SIGPIPE, as coreutils report it, without a message
     ========================  ====  ==========================================================
     """
 
@@ -34,3 +36,4 @@ class ExitCode(enum.IntEnum):
     NOT_READY = 8
     LIMIT = 9
     INTERRUPTED = 130
+    BROKEN_PIPE = 141

@@ -21,6 +21,27 @@ class ServerNotInstalled(Exception):
     """``ssdrbm serve`` / ``ssdrbm worker`` need the server package, which is not importable."""
 
 
+class MissingExtra(Exception):
+    """A command needs an optional dependency (an extra of the package) that is not installed."""
+
+    def __init__(self, extra: str, module: str) -> None:
+        super().__init__(f"{module} is not installed (the [{extra}] extra)")
+        self.extra = extra
+        self.module = module
+
+
+# How to install from a checkout of the repository (neither distribution is on a package index).
+INSTALL_SERVER = "pip install . (or ./scripts/install) in a checkout of the ssdrbm repository"
+
+
+def install_extra(extra: str) -> str:
+    """The pip commands that add ``extra`` to the client-only or to the full install."""
+    return (
+        f"install the [{extra}] extra: pip install './client[{extra}]' (client only) or "
+        f"pip install '.[{extra}]' (with the server), in a checkout of the ssdrbm repository"
+    )
+
+
 class UsageError(Exception):
     """A command-line value that cannot work, found before anything was sent."""
 
@@ -59,7 +80,13 @@ def describe(error: BaseException, context: Context) -> Failure:
     if isinstance(error, ServerNotInstalled):
         return Failure(
             f"'{PROGRAM} {context.command}' needs the ssdrbm server, which is not installed here",
-            "install ssdrbm-server (pip install ssdrbm-server) or run it where it is installed",
+            f"install it with {INSTALL_SERVER}, or run it where it is installed",
+            ExitCode.ERROR,
+        )
+    if isinstance(error, MissingExtra):
+        return Failure(
+            f"'{PROGRAM} {context.command}' needs {error.module}, which is not installed here",
+            install_extra(error.extra),
             ExitCode.ERROR,
         )
     if isinstance(error, UsageError):
@@ -85,7 +112,8 @@ def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Fail
     if isinstance(error, errors.Unavailable):
         return Failure(
             f"cannot reach the ssdrbm service at {target} ({_connection_problem(details)})",
-            f"start it with '{PROGRAM} serve', or point --target / SSDRBM_TARGET at a running one",
+            f"start it with '{PROGRAM} serve', point --target / SSDRBM_TARGET at a running one, "
+            "or wait for one that is starting with --wait SECONDS",
             ExitCode.UNAVAILABLE,
         )
     if isinstance(error, errors.DeadlineExceeded):

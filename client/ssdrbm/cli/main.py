@@ -2,29 +2,37 @@
 
 Every command is ``ssdrbm <verb> [options]``; ``ssdrbm <verb> --help`` lists the options. Where a
 command prints data, ``--json`` prints it as JSON instead. Exit codes: see ``exit_codes.py``.
+
+Output that nobody reads any more (``ssdrbm jobs --json | head -1``) ends the command quietly with
+exit code 141, as coreutils do when SIGPIPE stops them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from ssdrbm import __version__
-from ssdrbm.cli import data, jobs, models, servers
+from ssdrbm.cli import completion, data, jobs, models, servers
 from ssdrbm.cli.context import add_connection_options, connection_from_args, option
+from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import Context, report
+from ssdrbm.cli.version import run_version
 
 EPILOG = """\
 examples:
-  ssdrbm serve &                               # service + worker (needs ssdrbm-server)
-  JOB=$(ssdrbm train --hidden 25 --steps 2000) # prints the job id
+  ssdrbm serve &                               # service + worker (needs the server install)
+  JOB=$(ssdrbm train --wait 30 --hidden 25 --steps 2000)  # waits for it; prints the job id
   ssdrbm watch $JOB                            # live progress until the job ends
   ssdrbm features $JOB --input x.npy --output h.npy
   ssdrbm plot $JOB --output figures/
 
 exit codes: 0 ok, 1 error, 2 usage or invalid argument, 3 service unreachable, 4 not found,
-5 unauthenticated, 6 job failed, 7 job cancelled, 8 not ready, 9 limit reached, 130 Ctrl-C
+5 unauthenticated, 6 job failed, 7 job cancelled, 8 not ready, 9 limit reached, 130 Ctrl-C,
+141 output closed (| head)
+
+shell completion: source <(ssdrbm completion bash)   (also zsh, fish)
 """
 
 
@@ -36,15 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"ssdrbm {__version__}")
+    parser.add_argument(
+        "--version",
+        action="store_true",
+        help="show the client's version and the service's (when it answers), and exit",
+    )
     add_connection_options(parser)
     common = argparse.ArgumentParser(add_help=False)
     add_connection_options(common)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Not required by argparse, so that --version works alone; main() asks for one otherwise.
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     servers.register(commands, [common])
     jobs.register(commands, [common])
     data.register(commands, [common])
     models.register(commands, [common])
+    completion.register(commands, [common])
     return parser
 
 
@@ -58,17 +72,43 @@ def _context(args: argparse.Namespace) -> Context:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``ssdrbm`` command and return its exit code (see :class:`ExitCode`)."""
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        return _output_closed()
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if not args.version and args.command is None:
+            parser.error("the following arguments are required: COMMAND")
     except SystemExit as exit_:  # argparse prints its own message; 2 for usage errors
         return int(exit_.code or 0)
     try:
-        return int(args.run(args))
+        code = int(run_version(args) if args.version else args.run(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at exit after the code is returned
+        return code
     except BaseException as error:  # the one funnel: a line on stderr and an exit code
-        if isinstance(error, SystemExit):
+        if isinstance(error, SystemExit | BrokenPipeError):
             raise
         return int(report(error, _context(args), debug=bool(option(args, "debug"))))
+
+
+def _output_closed() -> int:
+    """The reader of stdout went away: stop without a message or a traceback.
+
+    What is still buffered for stdout can never be written; stdout is pointed at /dev/null so
+    that flushing it at exit does not fail again (and print "Exception ignored ...").
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (tests, embedding)
+        pass
+    return int(ExitCode.BROKEN_PIPE)
 
 
 if __name__ == "__main__":

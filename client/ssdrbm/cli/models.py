@@ -155,6 +155,7 @@ def run_plot(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm plot JOB --output DIR``: metric curves, filters, W histogram, and more."""
     from ssdrbm.cli import plot  # matplotlib is imported only for this command
 
+    plot.require_matplotlib()  # before anything is fetched: say at once what to install
     image_shape = parse_image_shape(args.image_shape)
     inputs = load_input(args.input) if args.input else None
     with client_from_args(args) as client:

@@ -1,7 +1,7 @@
 """PNG figures of a job: metric curves, weight filters, W histogram, reconstructions, variances.
 
 matplotlib is imported inside :func:`write_figures` only, so the rest of the CLI never pays for it
-(and works where it is not installed: ``pip install 'ssdrbm-client[plot]'`` adds it).
+(and works where it is not installed: the ``[plot]`` extra adds it, see :func:`require_matplotlib`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ssdrbm.cli.funnel import MissingExtra
 from ssdrbm.events import Metrics
 from ssdrbm.model_file import ExportedModel
 
@@ -146,6 +147,16 @@ def _plot_variances(
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def require_matplotlib() -> None:
+    """MissingExtra naming the [plot] extra when matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError as error:
+        if (error.name or "matplotlib").split(".")[0] != "matplotlib":
+            raise  # matplotlib is there but broken: its own error says more
+        raise MissingExtra("plot", "matplotlib") from None
 
 
 def write_figures(

@@ -643,3 +643,21 @@ class DeleteDatasetResponse(_message.Message):
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     dataset_id: str
     def __init__(self, dataset_id: _Optional[str] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "api", "python_version", "torch_version", "features")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    api: str
+    python_version: str
+    torch_version: str
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., api: _Optional[str] = ..., python_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -100,6 +100,11 @@ class RBMServiceStub(object):
                 request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetRequest.SerializeToString,
                 response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetResponse.FromString,
                 _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/GetServerInfo',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.ServerInfo.FromString,
+                _registered_method=True)
 
 
 class RBMServiceServicer(object):
@@ -209,6 +214,13 @@ class RBMServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerInfo(self, request, context):
+        """/ What this service is: its version, the API it implements and its optional features.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RBMServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -276,6 +288,11 @@ def add_RBMServiceServicer_to_server(servicer, server):
                     servicer.DeleteDataset,
                     request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetRequest.FromString,
                     response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -630,6 +647,33 @@ class RBMService(object):
             '/ssdrbm.v1.RBMService/DeleteDataset',
             ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetRequest.SerializeToString,
             ssdrbm_dot_v1_dot_rbm__pb2.DeleteDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/GetServerInfo',
+            ssdrbm_dot_v1_dot_rbm__pb2.GetServerInfoRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.ServerInfo.FromString,
             options,
             channel_credentials,
             insecure,
