@@ -201,9 +201,9 @@ def fish_script(root: Command, commands: list[Command]) -> str:
         f"# {PROGRAM} completion for fish. Install it with:",
         f"#   {PROGRAM} completion fish > ~/.config/fish/completions/{PROGRAM}.fish",
         f"complete -c {PROGRAM} -e",
-        f"set -l {PROGRAM}_commands {names}",
     ]
-    before_command = f"-n 'not __fish_seen_subcommand_from ${PROGRAM}_commands'"
+    # The names are spelled out: a condition runs later, where this file's variables are gone.
+    before_command = f"-n 'not __fish_seen_subcommand_from {names}'"
     for command in commands:
         lines.append(
             f"complete -c {PROGRAM} -f {before_command} -a {command.name} "

@@ -1,9 +1,9 @@
 """Commands that run the service itself: ``serve`` and ``worker``.
 
-They need the server package (``ssdrbm-server``: torch, Redis), imported only here and only when
-one of these commands runs, so the client stays light. ``ssdrbm serve ARGS`` is exactly
-``python -m ssdrbm_server ARGS``, and ``ssdrbm worker ARGS`` is
-``python -m ssdrbm_server.worker ARGS``.
+They need the server (``ssdcore`` and ``ssdrbm_server``: torch, Redis; ``pip install .`` in a
+checkout), imported only here and only when one of these commands runs, so the client stays
+light. ``ssdrbm serve ARGS`` is exactly ``python -m ssdrbm_server ARGS``, and
+``ssdrbm worker ARGS`` is ``python -m ssdrbm_server.worker ARGS``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
         "serve",
         prefix_chars="+",
         add_help=False,
-        help="run the gRPC service with a worker (needs ssdrbm-server; --help for its options)",
+        help="run the gRPC service with a worker (needs the server install; --help for options)",
     )
     serve.add_argument("server_args", nargs=argparse.REMAINDER)
     serve.set_defaults(run=run_server, server_command="serve")
@@ -36,7 +36,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
         "worker",
         prefix_chars="+",
         add_help=False,
-        help="run a training worker only (needs ssdrbm-server)",
+        help="run a training worker only (needs the server install)",
     )
     worker.add_argument("server_args", nargs=argparse.REMAINDER)
     worker.set_defaults(run=run_server, server_command="worker")
