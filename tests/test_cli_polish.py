@@ -20,12 +20,16 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
+import grpc
+import pytest
 import ssdrbm
 from ssdrbm import Client
 from ssdrbm.cli.exit_codes import ExitCode
+from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from tests.fixtures.redis import free_port
 
@@ -250,6 +254,34 @@ def test_version_without_a_service_shows_the_client_with_a_note() -> None:
     assert result.stdout == f"ssdrbm {ssdrbm.__version__} (client)\n"
     assert f"cannot reach the ssdrbm service at {target}" in result.stderr
     assert "only the client's is shown" in result.stderr
+
+
+class OtherVersion(rbm_pb2_grpc.RBMServiceServicer):
+    """A service of another release: only GetServerInfo, answering version 0.0.1."""
+
+    def GetServerInfo(self, request, context):
+        return rbm_pb2.ServerInfo(version="0.0.1", api="ssdrbm.v1")
+
+
+@pytest.mark.parametrize("servicer", [None, OtherVersion()], ids=["older", "other-version"])
+def test_version_against_an_older_or_other_service(servicer) -> None:
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    if servicer is not None:
+        rbm_pb2_grpc.add_RBMServiceServicer_to_server(servicer, server)
+    target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        result = _run("--version", "--target", target)
+    finally:
+        server.stop(None)
+    assert result.returncode == 0
+    assert result.stdout.splitlines()[0] == f"ssdrbm {ssdrbm.__version__} (client)"
+    if servicer is None:  # a service from before GetServerInfo: UNIMPLEMENTED
+        assert len(result.stdout.splitlines()) == 1
+        assert f"the service at {target} is older than GetServerInfo" in result.stderr
+    else:
+        assert result.stdout.splitlines()[1].startswith(f"server 0.0.1 at {target}")
+        assert f"the client ({ssdrbm.__version__}) and the service (0.0.1)" in result.stderr
 
 
 def test_a_command_is_still_required() -> None:
