@@ -130,7 +130,7 @@ def test_without_opentelemetry_the_service_imports_and_tracing_is_a_no_op() -> N
     code = """
 import sys
 sys.modules["opentelemetry"] = None  # every opentelemetry import now fails
-import ssdrbm_server.app, ssdrbm_server.worker.worker
+import ssdrbm_server.logs, ssdrbm_server.worker.worker  # (the servicer would pull in torch)
 from ssdrbm_server import tracing
 from ssdrbm_server.config import ConfigError, Settings
 assert not tracing.AVAILABLE

@@ -137,9 +137,24 @@ def test_worker_process_serves_exact_training_metrics(
     assert samples["ssdrbm_training_backoffs_total", ()] == 0
 
 
+def diverging_request() -> rbm_pb2.StartTrainingRequest:
+    """A Gaussian RBM with plain SGD at lr 2: it blows up at its first evaluation (seeded)."""
+    spec = tiny_request(steps=STEPS)
+    spec.model.kind = rbm_pb2.MODEL_KIND_GAUSSIAN
+    spec.model.variance = rbm_pb2.VARIANCE_KIND_IDENTITY
+    spec.optimizer.kind = rbm_pb2.OPTIMIZER_KIND_SGD
+    spec.optimizer.lr = 2.0
+    spec.training.batch_size = BATCH
+    spec.training.checkpoint_every = 5
+    spec.eval.every = 5
+    return spec
+
+
 def test_in_process_worker_reports_on_the_server_endpoint(
     service_factory: Callable[..., RunningService],
 ) -> None:
+    """The worker in the server process counts in the server's registry. A job that blows up
+    counts each backoff, and the steps trained again after a rollback count as samples too."""
     metrics_port = free_port()
     service = service_factory(metrics_port=metrics_port, torch_threads=1)
     stub = service.stub()
@@ -155,6 +170,20 @@ def test_in_process_worker_reports_on_the_server_endpoint(
     assert samples["ssdrbm_rpc_latency_seconds_count", started] == 1
     # Throughput is the counter's rate(); the gauge copied from the last event is gone.
     assert not any(name == "ssdrbm_training_samples_per_second" for name, _ in samples)
+
+    diverging = stub.StartTraining(diverging_request(), timeout=30).job
+    wait_succeeded(stub, diverging.id)
+    events = stub.StreamMetrics(rbm_pb2.StreamMetricsRequest(job_id=diverging.id), timeout=WAIT_S)
+    backoffs = [event.backoff for event in events if event.WhichOneof("event") == "backoff"]
+    samples = scrape(metrics_port)
+    assert backoffs, "the job did not blow up"
+    assert samples["ssdrbm_training_backoffs_total", ()] == len(backoffs)
+    # Trained: every step once, plus those between each rollback and the blow-up seen after.
+    trained = STEPS + sum(backoff.step - backoff.rollback_step for backoff in backoffs)
+    gaussian_sgd = (("model", "gaussian"), ("optimizer", "sgd"))
+    assert samples["ssdrbm_training_step_seconds_count", gaussian_sgd] == trained
+    assert samples["ssdrbm_training_samples_total", gaussian_sgd] == trained * BATCH
+    assert samples["ssdrbm_worker_jobs_finished_total", (("state", "SUCCEEDED"),)] == 2
 
 
 def test_a_taken_metrics_port_costs_the_worker_its_metrics_not_its_work(redis_url: str) -> None:
@@ -180,34 +209,3 @@ def test_a_taken_metrics_port_costs_the_worker_its_metrics_not_its_work(redis_ur
     assert f"cannot serve metrics on 127.0.0.1:{port}" in output
     assert "SSDRBM_WORKER_METRICS_PORT" in output
     assert any(" started" in line for line in seen), output
-
-
-def test_a_blow_up_counts_a_backoff_and_the_steps_trained_again(
-    service_factory: Callable[..., RunningService],
-) -> None:
-    """A Gaussian RBM with plain SGD at lr 2 blows up at its first evaluation (seeded): each
-    backoff is counted, and the steps trained again after a rollback count as samples too."""
-    metrics_port = free_port()
-    service = service_factory(metrics_port=metrics_port, torch_threads=1)
-    stub = service.stub()
-    spec = tiny_request(steps=STEPS)
-    spec.model.kind = rbm_pb2.MODEL_KIND_GAUSSIAN
-    spec.model.variance = rbm_pb2.VARIANCE_KIND_IDENTITY
-    spec.optimizer.kind = rbm_pb2.OPTIMIZER_KIND_SGD
-    spec.optimizer.lr = 2.0
-    spec.training.batch_size = BATCH
-    spec.training.checkpoint_every = 5
-    spec.eval.every = 5
-    job = stub.StartTraining(spec, timeout=30).job
-    wait_succeeded(stub, job.id)
-    events = stub.StreamMetrics(rbm_pb2.StreamMetricsRequest(job_id=job.id), timeout=WAIT_S)
-    backoffs = [event.backoff for event in events if event.WhichOneof("event") == "backoff"]
-    samples = scrape(metrics_port)
-    assert backoffs, "the job did not blow up"
-    assert samples["ssdrbm_training_backoffs_total", ()] == len(backoffs)
-    # Trained: every step once, plus those between each rollback and the blow-up seen after.
-    retrained = sum(backoff.step - backoff.rollback_step for backoff in backoffs)
-    gaussian_sgd = (("model", "gaussian"), ("optimizer", "sgd"))
-    assert samples["ssdrbm_training_step_seconds_count", gaussian_sgd] == STEPS + retrained
-    assert samples["ssdrbm_training_samples_total", gaussian_sgd] == (STEPS + retrained) * BATCH
-    assert samples["ssdrbm_worker_jobs_finished_total", (("state", "SUCCEEDED"),)] == 1
