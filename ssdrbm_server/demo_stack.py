@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -40,6 +41,7 @@ START_TIMEOUT_S = 60.0
 DEMO_SERVICE_SETTINGS = {"SSDRBM_SHUTDOWN_GRACE_S": "2", "SSDRBM_STOP_TIMEOUT_SECONDS": "5"}
 SERVICE_STOP_S = 15.0  # past the settings above: then the service is killed
 REDIS_STOP_S = 5.0
+PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 
 
 class Interrupted(Exception):
@@ -86,6 +88,7 @@ class LocalStack:
              "--daemonize", "no", "--logfile", str((self.logs / "redis.log").resolve())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,  # out of the terminal's process group: Ctrl-C is ours
+            preexec_fn=_die_with_parent,
         )  # fmt: skip
         client = redis.Redis(port=self.redis_port, socket_connect_timeout=0.5)
         try:
@@ -116,6 +119,7 @@ class LocalStack:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group, training process included
+                preexec_fn=_die_with_parent,
             )
         self._wait(
             lambda: check(self.target, service=READINESS, timeout_s=1.0),
@@ -161,6 +165,14 @@ def _pings(client: redis.Redis) -> bool:
         return bool(client.ping())
     except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
         return False
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the demo process dies, even by SIGKILL,
+    so a demo killed outright leaves no service or Redis behind either."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _kill_group(pgid: int) -> None:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -53,6 +54,22 @@ def test_readiness_follows_redis_and_liveness_does_not(
     assert probe("--service", "", target) == 0  # the whole server: alive
     store.start()
     eventually(lambda: probe("--ready", target) == 0, "readiness SERVING once Redis is back")
+
+
+def test_readiness_requires_the_in_process_worker(
+    service_factory: Callable[..., RunningService],
+) -> None:
+    running = service_factory(run_worker=False)
+    assert probe(running.target) == 0
+
+    async def stopped_worker() -> None:
+        task = asyncio.create_task(asyncio.sleep(0))  # a worker task that has ended
+        await task
+        running.service.watch_worker(task)
+
+    running.run_in_loop(stopped_worker())
+    eventually(lambda: probe("--ready", running.target) == 1, "readiness without the worker")
+    assert probe("--live", running.target) == 0
 
 
 def test_the_probe_command_defaults_to_the_servers_listen_address(
@@ -159,4 +176,3 @@ def test_a_stale_heartbeat_file_fails_the_worker_probe(tmp_path: Path) -> None:
     old = time.time() - 6
     os.utime(heartbeat, (old, old))  # a hung worker stops touching it
     assert probe("--worker", **env) == 1
-
