@@ -418,6 +418,8 @@ def test_kubernetes_settings_pass_the_start_checks_and_match_ports_and_mounts() 
             grace = settings.shutdown_grace_s
         else:
             assert spec["command"] == ["python", "-m", "ssdrbm_server.worker"]
+            ports = {p["name"]: p["containerPort"] for p in spec["ports"]}
+            assert ports == {"metrics": settings.worker_metrics_port}
             grace = settings.stop_timeout_seconds
         assert pod["terminationGracePeriodSeconds"] > grace, name
         # The heartbeat file (and anything else written) is on a writable volume.
