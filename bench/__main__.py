@@ -1,4 +1,4 @@
-"""Command line: `python -m bench [core|sklearn|service|all] [--json] [--quick]`."""
+"""Command line: `python -m bench [core|sklearn|service|pack|all] [--json] [--quick]`."""
 
 from __future__ import annotations
 
@@ -33,7 +33,12 @@ def _suites() -> dict[str, Suite]:
 
         return service.run(quick=quick)
 
-    return {"core": core, "sklearn": sklearn, "service": service}
+    def pack(quick: bool):
+        from bench import pack
+
+        return pack.run(quick=quick)
+
+    return {"core": core, "sklearn": sklearn, "service": service, "pack": pack}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Measure ssdrbm's speed; ratios measured in one run are the figures of record.",
     )
     parser.add_argument(
-        "suite", nargs="?", default="all", choices=["core", "sklearn", "service", "all"]
+        "suite", nargs="?", default="all", choices=["core", "sklearn", "service", "pack", "all"]
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")

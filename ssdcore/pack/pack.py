@@ -324,7 +324,7 @@ class TrainingPack:
     @torch.no_grad()
     def _check_finite(self) -> list[RunDivergence]:
         """One reduction per run, one host sync; freeze the runs that are not finite."""
-        totals = sum(t.flatten(1).sum(dim=1) for t in self.parameters.values())
+        totals = sum(t.sum(dim=tuple(range(1, t.ndim))) for t in self.parameters.values())
         finite = torch.isfinite(totals).tolist()
         if all(finite):
             for name, parameter in self.parameters.items():

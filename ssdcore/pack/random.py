@@ -56,17 +56,19 @@ class PackedRandom:
             return [self.shared.generator]
         return [source.generator for source in self.sources]
 
-    def bernoulli_(self, probs: Tensor, out: Tensor) -> Tensor:
-        """0/1 draws with P(1) = ``probs`` (M, ...) into ``out``; row i from run i's source."""
+    def bernoulli_(self, probs: Tensor, out: Tensor, runs: slice | None = None) -> Tensor:
+        """0/1 draws with P(1) = ``probs`` (R, ...) into ``out``; row i from the source of run
+        ``runs.start + i`` (``runs``: the pack's runs these rows belong to; None: all)."""
         if self.shared is not None:
             return self.shared.bernoulli_(probs, out=out)
+        sources = self.sources if runs is None else self.sources[runs]
         uniform, threshold = self._scratch_for(probs.shape)
         if self.device.type != "cpu":
-            for i, source in enumerate(self.sources):
+            for i, source in enumerate(sources):
                 uniform[i].uniform_(generator=source.generator)
             return torch.lt(uniform, probs, out=out)
         per_run = probs[0].numel()
-        bits = np.concatenate([source.bits16(per_run) for source in self.sources])
+        bits = np.concatenate([source.bits16(per_run) for source in sources])
         uniform.view(-1).copy_(torch.from_numpy(bits))
         # k < 65536·p - 32768  ⇔  (k + 32768) / 65536 < p, as RandomSource.bernoulli_ compares
         torch.add(self._offset, probs, alpha=_TWO_POW_16, out=threshold)
