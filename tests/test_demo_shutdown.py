@@ -31,6 +31,8 @@ from tests.fixtures.jobs import tiny_request
 from tests.fixtures.redis import RedisServer, free_port
 from tests.fixtures.server_process import ROOT, python_m_server, wait_until
 
+pytestmark = pytest.mark.slow  # real processes start, train and stop: about a minute in all
+
 EXIT_BOUND_S = 20.0  # generous on a loaded 2-core machine; a hang is what it catches
 START_BOUND_S = 90.0
 
