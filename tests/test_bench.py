@@ -135,6 +135,17 @@ def test_service_upload_case_reports_redis_stall_and_api_memory(quick_records):
         assert case["config"]["store_chunk_bytes"] > 0
 
 
+def test_pack_cases_compare_packed_with_the_same_runs_in_turn(quick_records):
+    cases = {case["name"]: case for case in _cases(quick_records, "pack")}
+    packed = [name for name in cases if name.endswith("/packed")]
+    assert len(packed) >= 2
+    for name in packed:
+        label = name.removesuffix("/packed")
+        assert _is_positive_number(cases[name]["metrics"]["model_iters_per_s"])
+        assert _is_positive_number(cases[f"{label}/sequential"]["ratios"]["packed_x_faster"])
+        assert cases[name]["config"]["runs"] >= 2
+
+
 def test_targets_state_goal_measurement_and_verdict(quick_records):
     targets = [r for r in quick_records if r["kind"] == "target"]
     assert {t["suite"] for t in targets} == {"core", "sklearn", "service"}
