@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -128,9 +128,9 @@ class LocalStack:
         )
 
     @staticmethod
-    def _wait(ready: object, process: subprocess.Popen[bytes], what: str) -> None:
+    def _wait(ready: Callable[[], bool], process: subprocess.Popen[bytes], what: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready():  # type: ignore[operator]
+        while not ready():
             if process.poll() is not None:
                 raise SystemExit(f"demo: {what} failed: exit status {process.returncode}")
             if time.monotonic() > deadline:
