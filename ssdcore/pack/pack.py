@@ -105,10 +105,12 @@ def pack_key(
     batch_size: int = DEFAULT_BATCH_SIZE,
     cd_k: int = DEFAULT_CD_K,
     persistent: bool = False,
+    device: torch.device | str = "cpu",
 ) -> tuple:
     """A hashable key: runs (and jobs) with equal keys can share a pack (on the same data and
-    device). ``model_config`` is :meth:`RBM.config` output. ValueError says why a run cannot
-    be packed at all (a Gaussian model, an optimizer setting packs do not run)."""
+    ``device``, which decides what ``method="auto"`` means). ``model_config`` is
+    :meth:`RBM.config` output. ValueError says why a run cannot be packed at all (a Gaussian
+    model, an optimizer setting packs do not run)."""
     if model_config.get("type") != BernoulliRBM.kind:
         raise ValueError(
             f"model type {model_config.get('type')!r} cannot be packed yet; packs train "
@@ -116,7 +118,7 @@ def pack_key(
         )
     V, H = int(model_config["n_visible"]), int(model_config["n_hidden"])
     template = BernoulliRBM(V, H, init_std=0.0)
-    rules, _ = run_rules(resolve_for(template, _config(optimizer)), V, H)
+    rules, _ = run_rules(resolve_for(template, _config(optimizer)), V, H, device)
     return (
         BernoulliRBM.kind,
         V,
