@@ -229,6 +229,36 @@ def test_a_run_is_the_same_alone_or_with_seven_others(data):
     assert len(configs) > 1
 
 
+def test_one_shared_stream_is_reproducible_but_not_the_solo_trajectory(data):
+    config = CONFIGS["sgd"]
+
+    def trained() -> TrainingPack:
+        runs = [PackRun(model(s), config, s) for s in (0, 1)]
+        pack = TrainingPack(runs, data, batch_size=BATCH, independent_streams=False)
+        pack.train_steps(STEPS)
+        return pack
+
+    first, second = trained(), trained()
+    assert torch.equal(first.parameters["W"], second.parameters["W"])
+    assert max_difference(first, 0, solo(data, config, 0).model) > 0
+
+
+def test_a_held_run_stands_still_until_released(data):
+    pack = TrainingPack(
+        [PackRun(model(s), CONFIGS["sgd"], s) for s in (0, 1)], data, batch_size=BATCH
+    )
+    pack.train_steps(3)
+    pack.hold(1)
+    held = pack.parameters["W"][1].clone()
+    pack.train_steps(5)
+    assert torch.equal(pack.parameters["W"][1], held)
+    assert pack.step_counts == [8, 3]
+    pack.release(1)
+    pack.train_steps(2)
+    assert pack.step_counts == [10, 5]
+    assert not torch.equal(pack.parameters["W"][1], held)
+
+
 def test_a_diverging_run_is_frozen_and_reported_and_the_others_go_on(data):
     configs = [CONFIGS["sgd"], OptimizerConfig("sgd", lr=1e38), CONFIGS["sgd"]]
     pack = TrainingPack(

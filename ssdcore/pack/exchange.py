@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.models.bernoulli import BernoulliRBM
@@ -25,8 +26,10 @@ if TYPE_CHECKING:
     from ssdcore.pack.pack import TrainingPack
 
 
-def run_to_trainer(pack: TrainingPack, run: int) -> Trainer:
-    """A solo Trainer continuing run ``run`` exactly (on the pack's device and data)."""
+def run_to_trainer(pack: TrainingPack, run: int, *, valid_data: Tensor | None = None) -> Trainer:
+    """A solo Trainer continuing run ``run`` exactly (on the pack's device and data); also the
+    way to the full :meth:`Trainer.evaluate` metrics of a run (``valid_data`` for the held-out
+    ones)."""
     state = pack.run_state(run)
     model = BernoulliRBM(pack.n_visible, pack.n_hidden, init_std=0.0, device=pack.device)
     with torch.no_grad():
@@ -41,6 +44,7 @@ def run_to_trainer(pack: TrainingPack, run: int) -> Trainer:
         persistent=pack.persistent,
         seed=state.seed,
         check_every=pack.check_every,
+        valid_data=valid_data,
     )
     for group in trainer.optimizer.param_groups:
         buffer = state.momentum.get(group["name"])
