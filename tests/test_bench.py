@@ -148,7 +148,7 @@ def test_pack_cases_compare_packed_with_the_same_runs_in_turn(quick_records):
 
 def test_targets_state_goal_measurement_and_verdict(quick_records):
     targets = [r for r in quick_records if r["kind"] == "target"]
-    assert {t["suite"] for t in targets} == {"core", "sklearn", "service"}
+    assert {t["suite"] for t in targets} == {"core", "sklearn", "service", "pack"}
     for target in targets:
         assert target["sense"] in ("<=", ">=")
         assert target["met"] in (True, False, None)
