@@ -331,6 +331,22 @@ def test_a_solo_run_inserted_at_any_step_continues_as_solo(data):
     )
 
 
+def test_a_fresh_pcd_run_joins_a_pack_whose_chains_are_running(data):
+    config = CONFIGS["ssd"]
+    options = {"batch_size": BATCH, "persistent": True}
+    pack = TrainingPack([PackRun(model(s), config, s) for s in (0, 1, 2)], data, **options)
+    pack.train_steps(5)
+    fresh = Trainer(model(6), data, optimizer=config, seed=6, **options)  # no chains yet
+    insert_trainer(pack, 1, fresh)
+    pack.train_steps(STEPS)
+    fresh.train_steps(STEPS)
+    assert max_difference(pack, 1, fresh.model) == 0.0
+    assert (
+        max_difference(pack, 0, solo(data, config, 0, steps=5 + STEPS, persistent=True).model)
+        == 0.0
+    )
+
+
 def test_a_run_that_does_not_fit_is_refused_with_the_reason(data):
     pack = TrainingPack([PackRun(model(0), CONFIGS["sgd"], 0)], data, batch_size=BATCH)
     with pytest.raises(ValueError, match="cd_k"):
