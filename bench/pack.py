@@ -27,6 +27,7 @@ import torch
 from bench import data as bench_data
 from bench.report import Case, Target
 from bench.timing import interleaved_rounds, paired_ratio, synchronize
+from ssdcore.cuda_graph import WARMUP_STEPS
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,9 @@ def measure(config: Config, data: torch.Tensor, plan_: Plan) -> list[Case]:
     device = data.device
     trains = variants(config, data, plan_.with_solo)
     for train in trains.values():
-        train(2)  # warm-up: buffers, first-step branches, CUDA graph capture
+        # Warm-up: buffers, first-step branches and, on CUDA, the eager steps before capture
+        # and the capture itself.
+        train(WARMUP_STEPS + 1)
     steps = {name: _steps_per_call(t, device, plan_.round_seconds) for name, t in trains.items()}
     calls = {name: (lambda t=trains[name], n=steps[name]: t(n)) for name in trains}
     units = {name: steps[name] * config.n_runs for name in trains}  # model-iterations per call
