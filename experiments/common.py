@@ -32,7 +32,7 @@ from PIL import Image
 import ssdcore
 from ssdcore.data import default_data_dir
 from ssdcore.evaluation import (
-    ais_log_partition,
+    certified_log_likelihood,
     exact_log_partition,
     log_likelihood,
     reconstruction_error,
@@ -242,7 +242,9 @@ class EvalPlan:
     """What to measure, and when.
 
     Reconstruction error is measured every `every` steps on `train` and `test`; the test
-    log-likelihood at the steps in `likelihood_at` ("exact": hidden states enumerated, or "ais").
+    log-likelihood at the steps in `likelihood_at` ("exact": hidden states enumerated, or "ais":
+    AIS with the training data's base rates as `test_ll`, an optimistic stochastic bound, with
+    reverse AIS's conservative one beside it as `ll_lower`).
     """
 
     train: torch.Tensor
@@ -253,6 +255,8 @@ class EvalPlan:
     ais_chains: int = 100
     ais_betas: int = 1000
     ais_seed: int = 0
+    reverse_chains: int = 4
+    reverse_examples: int | None = 500
 
     def steps(self, total: int) -> list[int]:
         points = set(range(0, total + 1, self.every)) | {total}
@@ -272,15 +276,27 @@ class EvalPlan:
     def _log_likelihood(self, model: ssdcore.RBM) -> dict[str, float]:
         started = time.perf_counter()
         if self.likelihood == "exact":
-            log_z, stderr = float(exact_log_partition(model)), 0.0
+            value = float(log_likelihood(model, self.test, float(exact_log_partition(model))))
+            record = {"test_ll": value, "ll_stderr": 0.0, "ll_lower": value, "ll_gap": 0.0}
         else:
-            result = ais_log_partition(
-                model, n_chains=self.ais_chains, n_betas=self.ais_betas, seed=self.ais_seed
+            bounds = certified_log_likelihood(
+                model,
+                self.test,
+                data=self.train,
+                n_betas=self.ais_betas,
+                ais_chains=self.ais_chains,
+                reverse_chains=self.reverse_chains,
+                max_examples=self.reverse_examples,
+                seed=self.ais_seed,
             )
-            log_z, stderr = float(result.log_z), float(result.stderr)
-        return {
-            "test_ll": float(log_likelihood(model, self.test, log_z)),
-            "ll_stderr": stderr,
+            record = {
+                "test_ll": bounds.upper,
+                "ll_stderr": bounds.upper_stderr,
+                "ll_lower": bounds.lower,
+                "ll_lower_stderr": bounds.lower_stderr,
+                "ll_gap": bounds.gap,
+            }
+        return record | {
             "ll_seconds": time.perf_counter() - started,
         }
 
@@ -417,7 +433,16 @@ def write_table(rows: Sequence[dict[str, Any]], directory: Path, name: str) -> s
 
 def write_curves(results: Sequence[RunResult], directory: Path, name: str) -> None:
     """Every record of every run as one long CSV/JSON table (label, step, metrics...)."""
-    keys = ["step", "train_seconds", "train_recon", "test_recon", "test_ll", "ll_stderr"]
+    keys = [
+        "step",
+        "train_seconds",
+        "train_recon",
+        "test_recon",
+        "test_ll",
+        "ll_stderr",
+        "ll_lower",
+        "ll_gap",
+    ]
     rows = [
         {"label": r.label} | {k: record.get(k, math.nan) for k in keys}
         for r in results
@@ -518,6 +543,8 @@ def summary_rows(results: Sequence[RunResult]) -> list[dict[str, Any]]:
             "train_recon": r.final("train_recon"),
             "test_recon": r.final("test_recon"),
             "test_ll": r.final("test_ll"),
+            "ll_lower": r.final("ll_lower"),
+            "ll_gap": r.final("ll_gap"),
             "ms_per_step": r.ms_per_step,
         }
         for r in results

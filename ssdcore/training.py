@@ -401,7 +401,7 @@ class Trainer:
                 n_chains=ais_chains,
                 n_betas=ais_betas,
                 seed=ais_seed,
-                base_visible_bias=_data_visible_bias(model, train),
+                data=train,
             )
             metrics["log_likelihood"] = float(
                 mean_log_likelihood(model, valid, float(result.log_z))
@@ -453,14 +453,6 @@ class Trainer:
         self._graphed_step = None
         self._last_good = [p.detach().clone() for _, p in self._named_parameters]
         self._last_good_step = self.step_count
-
-
-def _data_visible_bias(model: RBM, data: Tensor) -> Tensor | None:
-    """AIS base-model visible bias for a BRBM: the logit of the data mean (a closer start)."""
-    if not isinstance(model, BernoulliRBM):
-        return None
-    mean = data.mean(dim=0).clamp(1e-3, 1 - 1e-3)
-    return torch.log(mean) - torch.log1p(-mean)
 
 
 def fit(

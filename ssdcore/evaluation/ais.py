@@ -1,22 +1,18 @@
 """Annealed importance sampling (AIS) estimate of log Z (Neal 2001; Salakhutdinov & Murray 2008).
 
-The chain anneals from a tractable base model at β = 0 to the model at β = 1 through
+Chains start from the tractable base model (β = 0) and follow the annealing path of
+`annealing.py` to the model (β = 1): at each temperature the chain's importance weight gains
+log f_βk(v) - log f_βk-1(v), then one Gibbs sweep leaves p_βk invariant. Then
+log Z ≈ log Z_0 + log mean_n w_n.
 
-    Bernoulli: log f_β(v) = ((1-β)·b_A + β·b)ᵀv + Σ_j softplus(β·(vᵀW + a)_j)
-    Gaussian:  log f_β(v) = -½(v - b)ᵀC⁻¹(v - b) + Σ_j softplus(β·(vᵀC⁻¹W + a)_j)
-
-The base models are the visible-bias-only model with bias b_A (default: the model's own b) for
-the BRBM, and the h-free Gaussian N(b, C) for the GRBM; their hidden units are uniform, so
-
-    log Z_A = Σ_i softplus(b_A,i) + H·log 2,    or    (V/2)·log 2π + ½·log|C| + H·log 2.
-
-Each intermediate distribution is sampled by one block-Gibbs sweep that leaves it invariant
-(h ~ σ(β·x), then v from the β-tempered conditional), and the importance weight of a chain is
-Σ_k [log f_βk(v_k-1) - log f_βk-1(v_k-1)]. Then log Z ≈ log Z_A + log mean_n w_n.
+The estimate of Z is unbiased, so log Ẑ is a stochastic *lower* bound of log Z (Jensen) and a
+log-likelihood computed from it, -F(v) - log Ẑ, a stochastic *upper* bound of log p(v). Its
+conservative partner is reverse AIS (`reverse_ais.py`); `certified.py` reports both.
 
 The standard error is the delta-method estimate std(w)/(√n·mean(w)) on the weights (computed
-relative to the largest, which cancels). It is itself noisy and tends to understate the error
-when a few chains dominate; more chains or more temperatures tighten both.
+relative to the largest, which cancels). It is itself noisy and understates the error when a
+few chains dominate; it does not cover the bias of a poor base model, which is why a BRBM's
+base must come from the data (`data_base_rates`).
 """
 
 from __future__ import annotations
@@ -26,11 +22,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ssdcore.models.base import RBM, GibbsKernel
+from ssdcore.evaluation.annealing import annealing_path, data_base_rates
+from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
-from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.sampling import RandomSource
 
 # AIS settings when the caller gives none: chains averaged, intermediate temperatures.
@@ -73,91 +68,29 @@ def ais_log_partition(
     n_betas: int = DEFAULT_AIS_BETAS,
     seed: int = 0,
     *,
+    data: torch.Tensor | None = None,
     base_visible_bias: torch.Tensor | None = None,
 ) -> AISResult:
     """Estimate log Z by AIS with `n_chains` independent chains and `n_betas` temperatures.
 
-    `base_visible_bias` (BRBM only) sets b_A of the base model; a good choice is the logit of
-    the training data's mean, which makes the base closer to the model.
+    A Bernoulli RBM needs its training `data` (its base rates set the base model), or
+    `base_visible_bias` computed from it by `data_base_rates`; without either this refuses.
+    A Gaussian RBM's base is its own N(b, C) and needs neither.
     """
     if n_chains < 2:
         raise ValueError(f"n_chains must be at least 2 to estimate an error, got {n_chains}")
     betas = annealing_schedule(int(n_betas)).tolist()
     source = RandomSource(model.W.device, seed)
-    if isinstance(model, GaussianRBM):
-        log_weights, log_z_base = _anneal_gaussian(model, n_chains, betas, source)
-    elif isinstance(model, BernoulliRBM):
-        log_weights, log_z_base = _anneal_bernoulli(
-            model, n_chains, betas, source, base_visible_bias
-        )
-    else:
-        raise TypeError(f"ais_log_partition does not know {type(model).__name__}")
-    log_z, stderr = _combine(log_weights)
-    return AISResult(log_z_base + log_z, stderr, log_weights)
-
-
-def _anneal_bernoulli(
-    model: BernoulliRBM,
-    n_chains: int,
-    betas: list[float],
-    source: RandomSource,
-    base_visible_bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, float]:
-    W, b, a = model.W.detach(), model.b.detach(), model.a.detach()
-    base = b if base_visible_bias is None else base_visible_bias.to(b).reshape(b.shape)
-    log_z_base = float(F.softplus(base.double()).sum()) + model.n_hidden * math.log(2.0)
-    device = W.device
-    v = torch.empty(n_chains, model.n_visible, device=device, dtype=W.dtype)
-    source.bernoulli_(torch.sigmoid(base).expand_as(v).contiguous(), out=v)
-    h = torch.empty(n_chains, model.n_hidden, device=device, dtype=W.dtype)
-    probs_v = torch.empty_like(v)
-    log_w = torch.zeros(n_chains, dtype=torch.float64, device=device)
-    bias_shift = b - base  # d/dβ of the visible bias term
+    if base_visible_bias is None and data is not None and isinstance(model, BernoulliRBM):
+        base_visible_bias = data_base_rates(data.to(model.W))
+    path = annealing_path(model, source, base_visible_bias)
+    v = path.sample_base(n_chains)
+    log_w = torch.zeros(n_chains, dtype=torch.float64, device=model.W.device)
     for previous, beta in itertools.pairwise(betas):
-        x = torch.addmm(a, v, W)  # (n, H)
-        # log f_β(v) - log f_β'(v), evaluated at the current state
-        delta = (beta - previous) * (v @ bias_shift)
-        delta += (F.softplus(beta * x) - F.softplus(previous * x)).sum(dim=1)
-        log_w += delta.double()
-        # one Gibbs sweep leaving p_β invariant
-        source.bernoulli_(torch.sigmoid(beta * x), out=h)
-        torch.addmm(b, h, W.t(), beta=beta, alpha=beta, out=probs_v)
-        probs_v.add_(base, alpha=1.0 - beta).sigmoid_()
-        source.bernoulli_(probs_v, out=v)
-    return log_w, log_z_base
-
-
-def _anneal_gaussian(
-    model: GaussianRBM, n_chains: int, betas: list[float], source: RandomSource
-) -> tuple[torch.Tensor, float]:
-    kernel = model.gibbs_kernel()
-    W, b, a = kernel.weight, kernel.visible_bias, kernel.hidden_bias
-    log_z_base = (
-        0.5 * model.n_visible * math.log(2 * math.pi)
-        + 0.5 * float(model.log_det_covariance())
-        + model.n_hidden * math.log(2.0)
-    )
-    device = W.device
-    noise = torch.empty(n_chains, model.n_visible, device=device, dtype=W.dtype)
-    h = torch.empty(n_chains, model.n_hidden, device=device, dtype=W.dtype)
-    v = _correlated(source.normal_(noise), kernel).add_(b)  # v ~ N(b, C)
-    log_w = torch.zeros(n_chains, dtype=torch.float64, device=device)
-    for previous, beta in itertools.pairwise(betas):
-        x = torch.addmm(a, v, kernel.hidden_weight)  # vᵀC⁻¹W + a
-        log_w += (F.softplus(beta * x) - F.softplus(previous * x)).sum(dim=1).double()
-        source.bernoulli_(torch.sigmoid(beta * x), out=h)
-        v = _correlated(source.normal_(noise), kernel)
-        v.add_(b).addmm_(h, W.t(), alpha=beta)  # v ~ N(b + βWh, C)
-    return log_w, log_z_base
-
-
-def _correlated(eps: torch.Tensor, kernel: GibbsKernel) -> torch.Tensor:
-    """N(0, C) rows from standard normal rows `eps`, as a new tensor."""
-    if kernel.noise_transform is not None:
-        return eps @ kernel.noise_transform
-    if kernel.noise_scale is not None:
-        return eps * kernel.noise_scale
-    return eps.clone()
+        log_w += path.log_ratio(v, previous, beta)
+        v = path.transition(v, beta)
+    log_z, stderr = _combine(log_w)
+    return AISResult(path.log_z_base + log_z, stderr, log_w)
 
 
 def _combine(log_weights: torch.Tensor) -> tuple[float, float]:
