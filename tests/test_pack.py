@@ -25,6 +25,7 @@ from ssdcore.pack import (
     insert_bytes,
     insert_trainer,
     pack_key,
+    pack_trainers,
     run_to_bytes,
     run_to_trainer,
 )
@@ -345,6 +346,17 @@ def test_a_fresh_pcd_run_joins_a_pack_whose_chains_are_running(data):
         max_difference(pack, 0, solo(data, config, 0, steps=5 + STEPS, persistent=True).model)
         == 0.0
     )
+
+
+def test_solo_trainers_packed_together_continue_as_they_would_alone(data):
+    configs = [CONFIGS["nesterov"], OptimizerConfig("nesterov", lr=0.01), CONFIGS["nesterov"]]
+    trainers = [solo(data, config, seed, steps=3 + seed) for seed, config in enumerate(configs)]
+    pack = pack_trainers(trainers)
+    assert pack.step_counts == [3, 4, 5]
+    pack.train_steps(STEPS)
+    for run, trainer in enumerate(trainers):
+        trainer.train_steps(STEPS)
+        assert max_difference(pack, run, trainer.model) == 0.0
 
 
 def test_a_run_that_does_not_fit_is_refused_with_the_reason(data):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ssdcore.pack.exchange import (
     insert_bytes,
     insert_trainer,
+    pack_trainers,
     run_to_bytes,
     run_to_trainer,
     trainer_to_run_state,
@@ -26,6 +27,7 @@ __all__ = [
     "insert_bytes",
     "insert_trainer",
     "pack_key",
+    "pack_trainers",
     "run_rules",
     "run_to_bytes",
     "run_to_trainer",

@@ -12,6 +12,7 @@ into a pack slot.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -119,6 +120,35 @@ def insert_trainer(pack: TrainingPack, run: int, trainer: Trainer) -> None:
     if mismatches:
         raise ValueError(f"the trainer does not fit this pack: {', '.join(mismatches)}")
     pack.load_run_state(run, trainer_to_run_state(trainer))
+
+
+def pack_trainers(trainers: Sequence[Trainer], *, independent_streams: bool = True) -> TrainingPack:
+    """One pack continuing every solo Trainer exactly where it stands (same data, shape, batch
+    size, CD-k and persistence; compatible optimizers, see :func:`~ssdcore.pack.pack_key`):
+    e.g. a worker's claimed jobs, each built or resumed as the solo worker would."""
+    from ssdcore.pack.pack import PackRun, TrainingPack
+
+    if not trainers:
+        raise ValueError("trainers must hold at least one Trainer")
+    first = trainers[0]
+    for index, trainer in enumerate(trainers):
+        if trainer.train_data is not first.train_data and not torch.equal(
+            trainer.train_data, first.train_data
+        ):
+            raise ValueError(f"trainers[{index}] trains on other data than trainers[0]")
+    runs = [PackRun(t.model, t.optimizer_config, t.seed) for t in trainers]
+    pack = TrainingPack(
+        runs,
+        first.train_data,
+        batch_size=first.batch_size,
+        cd_k=first.cd_k,
+        persistent=first.persistent,
+        check_every=first.check_every,
+        independent_streams=independent_streams,
+    )
+    for run, trainer in enumerate(trainers):
+        insert_trainer(pack, run, trainer)
+    return pack
 
 
 def run_to_bytes(pack: TrainingPack, run: int) -> bytes:
