@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ssdcore import BernoulliRBM, CDEstimator, GaussianRBM, OptimizerConfig, Trainer
-from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
+from ssdcore.checkpoint import load_trainer_state, trainer_from_bytes, trainer_to_bytes
 from ssdcore.data import synthetic_rbm_data
 from ssdcore.optim.polar import polar_gram_factors, polar_newton_schulz
 from ssdcore.pack import (
@@ -314,6 +314,22 @@ def test_checkpoint_round_trip_pack_to_solo_to_pack(data):
     assert other.step_counts[0] == pack.step_counts[1] == 3 * STEPS
     for name in ("W", "b", "a"):
         assert torch.equal(other.parameters[name][0], pack.parameters[name][1])
+
+
+def test_a_packed_run_checkpoint_loads_into_the_trainer_its_job_would_build(data):
+    """The service resumes a job by building its Trainer from the spec and loading the
+    checkpoint into it, which checks the model config (init_std included) and settings."""
+    config = CONFIGS["ssd"]
+    pack = TrainingPack(
+        [PackRun(BernoulliRBM(V, H, init_std=0.05), config, 5)], data, batch_size=BATCH
+    )
+    pack.train_steps(STEPS)
+    trainer = Trainer(
+        BernoulliRBM(V, H, init_std=0.05), data, optimizer=config, batch_size=BATCH, seed=5
+    )
+    load_trainer_state(trainer, run_to_bytes(pack, 0))
+    assert trainer.step_count == STEPS
+    assert max_difference(pack, 0, trainer.model) == 0.0
 
 
 def test_a_solo_run_inserted_at_any_step_continues_as_solo(data):

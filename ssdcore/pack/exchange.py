@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.models.bernoulli import BernoulliRBM
+from ssdcore.models.factory import model_from_config
 from ssdcore.pack.state import RunState
 from ssdcore.training import Trainer
 
@@ -32,7 +33,7 @@ def run_to_trainer(pack: TrainingPack, run: int, *, valid_data: Tensor | None = 
     way to the full :meth:`Trainer.evaluate` metrics of a run (``valid_data`` for the held-out
     ones)."""
     state = pack.run_state(run)
-    model = BernoulliRBM(pack.n_visible, pack.n_hidden, init_std=0.0, device=pack.device)
+    model = model_from_config(state.model_config, device=pack.device)
     with torch.no_grad():
         for name, tensor in state.parameters.items():
             getattr(model, name).copy_(tensor)
@@ -83,6 +84,7 @@ def trainer_to_run_state(trainer: Trainer) -> RunState:
             momentum[group["name"]] = buffer.detach().cpu().clone()
     chains = estimator.get("chains")
     return RunState(
+        model_config=trainer.model.config(),
         parameters={
             name: getattr(trainer.model, name).detach().clone() for name in ("W", "b", "a")
         },

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ssdcore.cuda_graph import GraphedStep
 from ssdcore.models.bernoulli import BernoulliRBM
+from ssdcore.models.factory import model_from_config
 from ssdcore.optim.config import OptimizerConfig, resolve_for
 from ssdcore.pack.aligned import stacked_copy
 from ssdcore.pack.gradients import PackedCD
@@ -188,6 +189,7 @@ class TrainingPack:
         self.batch_size, self.cd_k, self.persistent = batch_size, cd_k, bool(persistent)
         self.check_every = check_every
         self.train_data = train_data.to(self.device, torch.float32)
+        self.model_configs = [run.model.config() for run in runs]
         self.configs = [resolve_for(run.model, _config(run.optimizer)) for run in runs]
         self.seeds = [int(run.seed) for run in runs]
         rules, settings = self._rules_of_runs()
@@ -409,7 +411,7 @@ class TrainingPack:
     def model(self, run: int) -> BernoulliRBM:
         """A new BernoulliRBM holding run ``run``'s current parameters."""
         self._check_run(run)
-        model = BernoulliRBM(self.n_visible, self.n_hidden, init_std=0.0, device=self.device)
+        model = model_from_config(self.model_configs[run], device=self.device)
         with torch.no_grad():
             for name, parameter in self.parameters.items():
                 getattr(model, name).copy_(parameter[run])
@@ -420,6 +422,7 @@ class TrainingPack:
         self._check_run(run)
         order = self.orders[run]
         return RunState(
+            model_config=dict(self.model_configs[run]),
             parameters={name: t[run].detach().clone() for name, t in self.parameters.items()},
             optimizer=self.configs[run],
             seed=self.seeds[run],
@@ -443,6 +446,16 @@ class TrainingPack:
         """Put ``state`` into slot ``run`` (a snapshot of it, or another compatible run); the
         run is active again from ``state.step``."""
         self._check_run(run)
+        config = state.model_config
+        if (config.get("type"), config.get("n_visible"), config.get("n_hidden")) != (
+            BernoulliRBM.kind,
+            self.n_visible,
+            self.n_hidden,
+        ):
+            raise ValueError(
+                f"the run's model is {config}; this pack holds {BernoulliRBM.kind} RBMs of "
+                f"{self.n_visible}x{self.n_hidden}"
+            )
         rules, settings = run_rules(state.optimizer, self.n_visible, self.n_hidden, self.device)
         if rules != self.rules:
             raise ValueError(
@@ -459,6 +472,7 @@ class TrainingPack:
                 parameter[run].copy_(state.parameters[name])
                 self._last_good[name][run].copy_(state.parameters[name])
         self.configs[run], self.seeds[run] = state.optimizer, int(state.seed)
+        self.model_configs[run] = dict(config)
         self.optimizer.set_run(run, settings, state.lr_scale)
         self.optimizer.load_run_buffers(
             run, {n: t.to(self.device) for n, t in state.momentum.items()}

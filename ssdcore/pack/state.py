@@ -19,6 +19,7 @@ from ssdcore.optim.config import OptimizerConfig
 class RunState:
     """Everything run ``i`` of a pack needs to continue exactly (tensors are own copies)."""
 
+    model_config: dict  # RBM.config() of the run's model (its solo checkpoint checks it)
     parameters: dict[str, Tensor]  # "W" (V, H), "b" (V,), "a" (H,)
     optimizer: OptimizerConfig  # resolved: every step size explicit
     seed: int
