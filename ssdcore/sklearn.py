@@ -65,10 +65,9 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
     def fit(self, X: Any, y: Any = None) -> _SSDRBM:
         """Train a fresh model for ``n_iter`` epochs over ``X`` (n_samples, n_features)."""
+        self._check_training_parameters()
         data = self._validated(X, reset=True)
-        seed = self._new_seed()
-        self.model_ = self._new_model(data.shape[1], seed)
-        self.random_state_ = check_random_state(seed)
+        seed = self._start(data.shape[1])
         trainer = self._trainer(data, seed)
         per_epoch = steps_per_epoch(data.shape[0], trainer.batch_size)
         for epoch in range(1, self.n_iter + 1):
@@ -82,13 +81,11 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         """One epoch over ``X``, continuing the model (and the optimizer's state and PCD chains)
         of earlier calls; the first call starts a fresh model. With no more rows than
         ``batch_size`` that is one step on all of ``X``, as scikit-learn's ``partial_fit``."""
+        self._check_training_parameters()
         first = not hasattr(self, "model_")
         data = self._validated(X, reset=first)
         if first:
-            seed = self._new_seed()
-            self.model_ = self._new_model(data.shape[1], seed)
-            self.random_state_ = check_random_state(seed)
-            calls = 0
+            seed, calls = self._start(data.shape[1]), 0
         else:
             seed, calls = self._training_state_["seed"], self._training_state_["calls"] + 1
         # Each call shuffles with its own seed; the CD estimator's random stream and the
@@ -101,8 +98,15 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self._keep_training_state(trainer, seed, calls)
         return self
 
+    def _start(self, n_features: int) -> int:
+        """A fresh model for ``n_features`` inputs; returns the seed it was drawn with."""
+        seed = self._new_seed()
+        self.model_ = self._new_model(n_features, seed)
+        # What gibbs() draws from, as scikit-learn's estimator keeps it.
+        self.random_state_ = check_random_state(seed)
+        return seed
+
     def _trainer(self, data: torch.Tensor, seed: int) -> Trainer:
-        self._check_training_parameters()
         return Trainer(
             self.model_,
             data,
@@ -122,15 +126,12 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             "optimizer": trainer.optimizer.state_dict(),
         }
         self.learning_rate_ = trainer.lr
-        self._n_features_out = self.n_components
+        self._n_features_out = self.model_.n_hidden
 
     def _optimizer_config(self) -> OptimizerConfig:
-        auto = self.learning_rate is None or (
-            isinstance(self.learning_rate, str) and self.learning_rate in AUTO_LEARNING_RATE
-        )
         return OptimizerConfig(
             name=self.optimizer,
-            lr=None if auto else self.learning_rate,
+            lr=None if self.learning_rate in AUTO_LEARNING_RATE else self.learning_rate,
             method=self.method,
             max_spectral_norm=self.max_spectral_norm,
         )
@@ -340,7 +341,6 @@ class SSDBernoulliRBM(_SSDRBM):
         self.device = device
 
     def _new_model(self, n_features: int, seed: int) -> RBM:
-        self._check_training_parameters()
         generator = torch.Generator().manual_seed(seed)
         return BernoulliRBM(n_features, self.n_components, generator=generator).to(self.device)
 
@@ -405,7 +405,6 @@ class SSDGaussianRBM(_SSDRBM):
         self.min_variance = min_variance
 
     def _new_model(self, n_features: int, seed: int) -> RBM:
-        self._check_training_parameters()
         if self.variance not in VARIANCE_KINDS:
             raise ValueError(
                 f"{type(self).__name__}: variance {self.variance!r} is unknown; choose one of "

@@ -58,6 +58,10 @@ def test_fit_trains_a_job_transform_is_sample_hidden_and_it_fits_a_pipeline(
     assert features.dtype == np.float32 and features.shape == (200, 8)
     np.testing.assert_array_equal(features, expected)
     assert list(estimator.get_feature_names_out()[:2]) == ["remoterbm0", "remoterbm1"]
+    # The exported parameters, in scikit-learn's layout, give the same probabilities.
+    assert estimator.components_.shape == (8, 16) and estimator.intercept_visible_.shape == (16,)
+    logits = x @ estimator.components_.T + estimator.intercept_hidden_
+    np.testing.assert_allclose(features, 1 / (1 + np.exp(-logits)), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="16 features"):
         estimator.transform(x[:, :4])
 

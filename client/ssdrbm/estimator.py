@@ -70,8 +70,10 @@ class RemoteRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator
             cancelled and ``fit`` raises :class:`~ssdrbm.errors.DeadlineExceeded`.
 
     Attributes after ``fit``: ``job_id_``, ``job_`` (the final :class:`~ssdrbm.Job`),
-    ``dataset_id_``, ``n_components_`` (as the service resolved it), ``n_features_in_``,
-    ``feature_names_in_`` (for named columns).
+    ``dataset_id_``, ``n_components_`` (as the service resolved it), ``components_``
+    (n_components, n_features), ``intercept_hidden_``, ``intercept_visible_`` (the trained
+    model's parameters, as exported), ``n_features_in_``, ``feature_names_in_`` (for named
+    columns).
     """
 
     def __init__(
@@ -147,8 +149,13 @@ class RemoteRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator
                 # The caller gave up on this fit: do not leave the job using the service.
                 client.cancel(job.id)
                 raise
-        if final.state is not JobState.SUCCEEDED:
-            raise TrainingFailed(final)
+            if final.state is not JobState.SUCCEEDED:
+                raise TrainingFailed(final)
+            parameters = client.fetch_model(final.id).parameters
+        # scikit-learn's names and layout: weights (n_components, n_features).
+        self.components_ = parameters["W"].T
+        self.intercept_hidden_ = parameters["a"]
+        self.intercept_visible_ = parameters["b"]
         self.dataset_id_ = dataset_id
         self.job_id_ = final.id
         self.job_ = final
