@@ -47,7 +47,9 @@ class RemoteRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator
     once), submits a training job on it and waits for the job to end; ``transform(X)`` returns
     the hidden-unit probabilities from the service's SampleHidden. Every parameter left as None
     is sent unset, so the service fills in its own default (``ssdrbm defaults`` lists them;
-    ``job_.spec`` shows what was used).
+    ``job_.spec`` shows what was used). The job and the dataset stay on the service after ``fit``
+    (``Client.delete_job(job_id_)`` and ``Client.delete_dataset(dataset_id_)`` remove them);
+    ``transform`` needs the job.
 
     Parameters (scikit-learn's names where ``sklearn.neural_network.BernoulliRBM`` has one):
         n_components: hidden units (the request's ``n_hidden``).
