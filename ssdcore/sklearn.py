@@ -6,6 +6,10 @@
 (Stochastic Spectral Descent by default), CD-k / PCD-k and divergence checks.
 :class:`SSDGaussianRBM` is the same for real-valued features (standardize them first).
 
+Defaults: ``n_components`` and ``n_iter`` are scikit-learn's (read from its BernoulliRBM), the
+batch size, ``cd_k`` and the optimizer ssdcore's (:class:`ssdcore.Trainer`,
+:class:`ssdcore.optim.OptimizerConfig`).
+
 Differences from scikit-learn's estimator, on purpose:
 
 - ``learning_rate="auto"`` (the default) takes the step size of ssdcore's step-size table
@@ -24,6 +28,7 @@ Differences from scikit-learn's estimator, on purpose:
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import time
 from typing import Any, ClassVar
@@ -32,6 +37,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, TransformerMixin
+from sklearn.neural_network import BernoulliRBM as SklearnBernoulliRBM
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted, validate_data
 
@@ -44,9 +50,14 @@ from ssdcore.optim.config import CONFIG_METHODS, OPTIMIZER_NAMES
 from ssdcore.step_sizes import DEFAULT_VARIANCE
 from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, Trainer, steps_per_epoch
 
-# scikit-learn's own defaults for the parameters that have no ssdcore owner.
-SKLEARN_N_COMPONENTS = 256
-SKLEARN_N_ITER = 10
+
+def _sklearn_default(parameter: str) -> Any:
+    """scikit-learn's BernoulliRBM default for a parameter that ssdcore has no default for."""
+    return inspect.signature(SklearnBernoulliRBM).parameters[parameter].default
+
+
+SKLEARN_N_COMPONENTS: int = _sklearn_default("n_components")
+SKLEARN_N_ITER: int = _sklearn_default("n_iter")
 # learning_rate values that mean "the step-size table's value".
 AUTO_LEARNING_RATE = ("auto", None)
 # Seeds drawn from a RandomState (or numpy's global one, for random_state=None) lie below this.
