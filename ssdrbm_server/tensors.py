@@ -22,21 +22,8 @@ def tensor_to_array(tensor: rbm_pb2.Tensor, *, field: str, max_elements: int) ->
     Raises InvalidArgumentError (naming ``field``) for a missing or inconsistent shape, a byte
     length that does not match it, or NaN/Inf values; ResourceExhaustedError over the limit.
     """
-    shape = tuple(tensor.shape)
-    if len(shape) != 2:
-        raise InvalidArgumentError(
-            f"{field}.shape",
-            f"must be (batch, n_visible) with 2 dimensions, got {list(shape)}",
-        )
-    if any(dim < 1 for dim in shape):
-        raise InvalidArgumentError(f"{field}.shape", f"dimensions must be >= 1, got {list(shape)}")
+    shape = check_batch_shape(tuple(tensor.shape), field=field, max_elements=max_elements)
     elements = math.prod(shape)
-    if elements > max_elements:
-        raise ResourceExhaustedError(
-            f"{field} has {elements} elements, more than this server's limit of {max_elements}; "
-            "send smaller batches",
-            limit="max_tensor_elements",
-        )
     expected_bytes = elements * FLOAT32_LE.itemsize
     if len(tensor.data) != expected_bytes:
         raise InvalidArgumentError(
@@ -49,6 +36,28 @@ def tensor_to_array(tensor: rbm_pb2.Tensor, *, field: str, max_elements: int) ->
         raise InvalidArgumentError(f"{field}.data", "contains NaN or Inf; send finite values")
     # frombuffer views the immutable request bytes; torch wants a writable, native-order array.
     return array.astype(np.float32, copy=True)
+
+
+def check_batch_shape(shape: tuple[int, ...], *, field: str, max_elements: int) -> tuple[int, int]:
+    """(batch, width) of a 2-D input shape within the element limit, or an error naming ``field``.
+
+    The one shape rule of every serving input (ssdrbm.v1 tensors and Open Inference inputs).
+    """
+    if len(shape) != 2:
+        raise InvalidArgumentError(
+            f"{field}.shape",
+            f"must be (batch, n_visible) with 2 dimensions, got {list(shape)}",
+        )
+    if any(dim < 1 for dim in shape):
+        raise InvalidArgumentError(f"{field}.shape", f"dimensions must be >= 1, got {list(shape)}")
+    elements = math.prod(shape)
+    if elements > max_elements:
+        raise ResourceExhaustedError(
+            f"{field} has {elements} elements, more than this server's limit of {max_elements} "
+            "(SSDRBM_MAX_TENSOR_ELEMENTS); send smaller batches",
+            limit="max_tensor_elements",
+        )
+    return int(shape[0]), int(shape[1])
 
 
 def array_to_tensor(array: np.ndarray) -> rbm_pb2.Tensor:

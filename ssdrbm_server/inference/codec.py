@@ -10,13 +10,13 @@ per UINT8 or BOOL element) or as the typed ``contents`` field; outputs go back a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 from ssdrbm.inference.v2 import open_inference_pb2 as oip
 
-from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError
+from ssdrbm_server.errors import InvalidArgumentError
+from ssdrbm_server.tensors import check_batch_shape
 
 INPUT_NAME = "input"
 OUTPUT_DATATYPE = "FP32"
@@ -44,19 +44,7 @@ def check_input_header(
         raise InvalidArgumentError(
             f"{field}.datatype", f"{datatype!r} is not accepted; send {ACCEPTED}"
         )
-    if len(shape) != 2 or any(dim < 1 for dim in shape):
-        raise InvalidArgumentError(
-            f"{field}.shape",
-            f"must be [batch, n_visible] with both at least 1, got {list(shape)}",
-        )
-    elements = math.prod(shape)
-    if elements > max_elements:
-        raise ResourceExhaustedError(
-            f"{field} has {elements} elements, more than this server's limit of {max_elements} "
-            "(SSDRBM_MAX_TENSOR_ELEMENTS); send smaller batches",
-            limit="max_tensor_elements",
-        )
-    return int(shape[0]), int(shape[1])
+    return check_batch_shape(tuple(shape), field=field, max_elements=max_elements)
 
 
 def to_model_input(
