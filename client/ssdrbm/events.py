@@ -18,7 +18,8 @@ from ssdrbm.v1 import rbm_pb2
 
 
 class JobState(enum.StrEnum):
-    """Where a job is in its life: QUEUED → RUNNING → SUCCEEDED | FAILED | CANCELLED."""
+    """Where a job is in its life: QUEUED → RUNNING → SUCCEEDED | FAILED | CANCELLED | STOPPED
+    (STOPPED: ended early by its sweep's early-stopping rule; its model is served)."""
 
     UNSPECIFIED = "unspecified"
     QUEUED = "queued"
@@ -26,11 +27,12 @@ class JobState(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    STOPPED = "stopped"
 
     @property
     def terminal(self) -> bool:
         """True once the job can no longer change."""
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.STOPPED)
 
     @classmethod
     def from_proto(cls, value: int) -> JobState:
@@ -200,7 +202,7 @@ class Job:
 
     @property
     def done(self) -> bool:
-        """True once the job is SUCCEEDED, FAILED or CANCELLED."""
+        """True once the job is SUCCEEDED, FAILED, CANCELLED or STOPPED."""
         return self.state.terminal
 
     @classmethod

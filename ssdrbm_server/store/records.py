@@ -8,7 +8,10 @@ from enum import StrEnum
 
 
 class JobState(StrEnum):
-    """Lifecycle of a job: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED.
+    """Lifecycle of a job: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED | STOPPED.
+
+STOPPED: ended early by its sweep's early-stopping rule (ssdrbm_server/sweeps/); its model and
+checkpoints stay servable, as a SUCCEEDED job's do.
 
     A RUNNING job goes back to QUEUED when its worker releases it (SIGTERM) and to RUNNING again
     when a worker (re)claims it.
@@ -19,13 +22,16 @@ class JobState(StrEnum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    STOPPED = "STOPPED"
 
     @property
     def is_terminal(self) -> bool:
         return self in TERMINAL_STATES
 
 
-TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+TERMINAL_STATES = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.STOPPED}
+)
 ACTIVE_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
 
 

@@ -9,7 +9,8 @@ class ExitCode(enum.IntEnum):
     """What ``ssdrbm`` returns to the shell.
 
     ========================  ====  ==========================================================
-    OK                        0     the command did what was asked (a watched job SUCCEEDED)
+    OK                        0     the command did what was asked (a watched job SUCCEEDED or
+                                    was STOPPED by its sweep's early stopping)
     ERROR                     1     anything else that went wrong (server error, bad file, ...)
     USAGE                     2     bad command line or an argument the service refused
     UNAVAILABLE               3     the service could not be reached, or did not answer in time

@@ -19,6 +19,7 @@ FINAL_EXIT_CODES = {
     JobState.SUCCEEDED: ExitCode.OK,
     JobState.FAILED: ExitCode.JOB_FAILED,
     JobState.CANCELLED: ExitCode.JOB_CANCELLED,
+    JobState.STOPPED: ExitCode.OK,  # ended by its sweep's early stopping: an expected outcome
 }
 
 

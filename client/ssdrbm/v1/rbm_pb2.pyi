@@ -63,6 +63,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+    JOB_STATE_STOPPED: _ClassVar[JobState]
 
 class LogLikelihoodMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -88,6 +89,26 @@ class ExportFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXPORT_FORMAT_UNSPECIFIED: _ClassVar[ExportFormat]
     EXPORT_FORMAT_SAFETENSORS: _ClassVar[ExportFormat]
     EXPORT_FORMAT_ONNX: _ClassVar[ExportFormat]
+
+class SweepMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SWEEP_MODE_UNSPECIFIED: _ClassVar[SweepMode]
+    SWEEP_MODE_GRID: _ClassVar[SweepMode]
+    SWEEP_MODE_RANDOM: _ClassVar[SweepMode]
+
+class AxisScale(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AXIS_SCALE_UNSPECIFIED: _ClassVar[AxisScale]
+    AXIS_SCALE_LINEAR: _ClassVar[AxisScale]
+    AXIS_SCALE_LOG: _ClassVar[AxisScale]
+
+class SweepState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SWEEP_STATE_UNSPECIFIED: _ClassVar[SweepState]
+    SWEEP_STATE_RUNNING: _ClassVar[SweepState]
+    SWEEP_STATE_SUCCEEDED: _ClassVar[SweepState]
+    SWEEP_STATE_FAILED: _ClassVar[SweepState]
+    SWEEP_STATE_CANCELLED: _ClassVar[SweepState]
 MODEL_KIND_UNSPECIFIED: ModelKind
 MODEL_KIND_BERNOULLI: ModelKind
 MODEL_KIND_GAUSSIAN: ModelKind
@@ -121,6 +142,7 @@ JOB_STATE_RUNNING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+JOB_STATE_STOPPED: JobState
 LOG_LIKELIHOOD_METHOD_UNSPECIFIED: LogLikelihoodMethod
 LOG_LIKELIHOOD_METHOD_EXACT: LogLikelihoodMethod
 LOG_LIKELIHOOD_METHOD_AIS: LogLikelihoodMethod
@@ -134,6 +156,17 @@ DTYPE_UINT8: DType
 EXPORT_FORMAT_UNSPECIFIED: ExportFormat
 EXPORT_FORMAT_SAFETENSORS: ExportFormat
 EXPORT_FORMAT_ONNX: ExportFormat
+SWEEP_MODE_UNSPECIFIED: SweepMode
+SWEEP_MODE_GRID: SweepMode
+SWEEP_MODE_RANDOM: SweepMode
+AXIS_SCALE_UNSPECIFIED: AxisScale
+AXIS_SCALE_LINEAR: AxisScale
+AXIS_SCALE_LOG: AxisScale
+SWEEP_STATE_UNSPECIFIED: SweepState
+SWEEP_STATE_RUNNING: SweepState
+SWEEP_STATE_SUCCEEDED: SweepState
+SWEEP_STATE_FAILED: SweepState
+SWEEP_STATE_CANCELLED: SweepState
 
 class ModelSpec(_message.Message):
     __slots__ = ("kind", "variance", "n_hidden", "min_variance")
@@ -275,7 +308,7 @@ class StartTrainingResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., created: bool = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics", "runtime", "backoffs", "training_process_failures")
+    __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics", "runtime", "backoffs", "training_process_failures", "sweep_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +327,7 @@ class Job(_message.Message):
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     BACKOFFS_FIELD_NUMBER: _ClassVar[int]
     TRAINING_PROCESS_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SWEEP_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -312,7 +346,8 @@ class Job(_message.Message):
     runtime: Runtime
     backoffs: int
     training_process_failures: int
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempt: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., n_visible: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., runtime: _Optional[_Union[Runtime, _Mapping]] = ..., backoffs: _Optional[int] = ..., training_process_failures: _Optional[int] = ...) -> None: ...
+    sweep_id: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempt: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., n_visible: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., runtime: _Optional[_Union[Runtime, _Mapping]] = ..., backoffs: _Optional[int] = ..., training_process_failures: _Optional[int] = ..., sweep_id: _Optional[str] = ...) -> None: ...
 
 class Runtime(_message.Message):
     __slots__ = ("device", "method", "cuda_graph", "summary")
@@ -661,3 +696,154 @@ class ServerInfo(_message.Message):
     torch_version: str
     features: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, version: _Optional[str] = ..., api: _Optional[str] = ..., python_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SweepRange(_message.Message):
+    __slots__ = ("low", "high", "scale")
+    LOW_FIELD_NUMBER: _ClassVar[int]
+    HIGH_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    low: float
+    high: float
+    scale: AxisScale
+    def __init__(self, low: _Optional[float] = ..., high: _Optional[float] = ..., scale: _Optional[_Union[AxisScale, str]] = ...) -> None: ...
+
+class SweepAxis(_message.Message):
+    __slots__ = ("field", "values", "kinds", "range")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    values: _containers.RepeatedScalarFieldContainer[float]
+    kinds: _containers.RepeatedScalarFieldContainer[OptimizerKind]
+    range: SweepRange
+    def __init__(self, field: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ..., kinds: _Optional[_Iterable[_Union[OptimizerKind, str]]] = ..., range: _Optional[_Union[SweepRange, _Mapping]] = ...) -> None: ...
+
+class EarlyStopping(_message.Message):
+    __slots__ = ("rungs", "min_steps", "reduction_factor")
+    RUNGS_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REDUCTION_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    rungs: _containers.RepeatedScalarFieldContainer[int]
+    min_steps: int
+    reduction_factor: int
+    def __init__(self, rungs: _Optional[_Iterable[int]] = ..., min_steps: _Optional[int] = ..., reduction_factor: _Optional[int] = ...) -> None: ...
+
+class StartSweepRequest(_message.Message):
+    __slots__ = ("base", "axes", "mode", "samples", "seed", "rank_metric", "early_stopping", "name", "request_id", "validate_only", "seeds")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    AXES_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    RANK_METRIC_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    base: StartTrainingRequest
+    axes: _containers.RepeatedCompositeFieldContainer[SweepAxis]
+    mode: SweepMode
+    samples: int
+    seed: int
+    rank_metric: str
+    early_stopping: EarlyStopping
+    name: str
+    request_id: str
+    validate_only: bool
+    seeds: int
+    def __init__(self, base: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., axes: _Optional[_Iterable[_Union[SweepAxis, _Mapping]]] = ..., mode: _Optional[_Union[SweepMode, str]] = ..., samples: _Optional[int] = ..., seed: _Optional[int] = ..., rank_metric: _Optional[str] = ..., early_stopping: _Optional[_Union[EarlyStopping, _Mapping]] = ..., name: _Optional[str] = ..., request_id: _Optional[str] = ..., validate_only: bool = ..., seeds: _Optional[int] = ...) -> None: ...
+
+class SweepRun(_message.Message):
+    __slots__ = ("job_id", "point", "state", "step", "total_steps", "latest_metrics", "rank", "rank_value", "error")
+    class PointEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    POINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_METRICS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_VALUE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    point: _containers.ScalarMap[str, str]
+    state: JobState
+    step: int
+    total_steps: int
+    latest_metrics: Metrics
+    rank: int
+    rank_value: float
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., point: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., rank: _Optional[int] = ..., rank_value: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class Sweep(_message.Message):
+    __slots__ = ("id", "name", "state", "request", "runs", "best_job_id", "created_at", "run_count", "cancel_requested")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    BEST_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    RUN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    state: SweepState
+    request: StartSweepRequest
+    runs: _containers.RepeatedCompositeFieldContainer[SweepRun]
+    best_job_id: str
+    created_at: _timestamp_pb2.Timestamp
+    run_count: int
+    cancel_requested: bool
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[SweepState, str]] = ..., request: _Optional[_Union[StartSweepRequest, _Mapping]] = ..., runs: _Optional[_Iterable[_Union[SweepRun, _Mapping]]] = ..., best_job_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., run_count: _Optional[int] = ..., cancel_requested: bool = ...) -> None: ...
+
+class GetSweepRequest(_message.Message):
+    __slots__ = ("sweep_id",)
+    SWEEP_ID_FIELD_NUMBER: _ClassVar[int]
+    sweep_id: str
+    def __init__(self, sweep_id: _Optional[str] = ...) -> None: ...
+
+class ListSweepsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListSweepsResponse(_message.Message):
+    __slots__ = ("sweeps", "next_page_token")
+    SWEEPS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    sweeps: _containers.RepeatedCompositeFieldContainer[Sweep]
+    next_page_token: str
+    def __init__(self, sweeps: _Optional[_Iterable[_Union[Sweep, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class CancelSweepRequest(_message.Message):
+    __slots__ = ("sweep_id",)
+    SWEEP_ID_FIELD_NUMBER: _ClassVar[int]
+    sweep_id: str
+    def __init__(self, sweep_id: _Optional[str] = ...) -> None: ...
+
+class StreamSweepRequest(_message.Message):
+    __slots__ = ("sweep_id",)
+    SWEEP_ID_FIELD_NUMBER: _ClassVar[int]
+    sweep_id: str
+    def __init__(self, sweep_id: _Optional[str] = ...) -> None: ...
+
+class SweepUpdate(_message.Message):
+    __slots__ = ("sweep", "time")
+    SWEEP_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    sweep: Sweep
+    time: _timestamp_pb2.Timestamp
+    def __init__(self, sweep: _Optional[_Union[Sweep, _Mapping]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

@@ -105,6 +105,31 @@ class RBMServiceStub(object):
                 request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.StartSweep = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/StartSweep',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.StartSweepRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.Sweep.FromString,
+                _registered_method=True)
+        self.GetSweep = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/GetSweep',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.GetSweepRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.Sweep.FromString,
+                _registered_method=True)
+        self.ListSweeps = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/ListSweeps',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.ListSweepsRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.ListSweepsResponse.FromString,
+                _registered_method=True)
+        self.CancelSweep = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/CancelSweep',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.CancelSweepRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.Sweep.FromString,
+                _registered_method=True)
+        self.StreamSweep = channel.unary_stream(
+                '/ssdrbm.v1.RBMService/StreamSweep',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.StreamSweepRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.SweepUpdate.FromString,
+                _registered_method=True)
 
 
 class RBMServiceServicer(object):
@@ -221,6 +246,44 @@ class RBMServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartSweep(self, request, context):
+        """/ Starts a sweep: one ordinary training job per point of the axes' grid (or per random
+        / sample), every point resolved and checked before any job is created. Early stopping
+        / (successive halving) ends runs that rank poorly at a rung step STOPPED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSweep(self, request, context):
+        """/ One sweep with its runs ranked by the sweep's rank metric.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSweeps(self, request, context):
+        """/ The caller's sweeps, newest first, a page at a time (runs not included).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelSweep(self, request, context):
+        """/ Cancels every queued or running run of the sweep.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamSweep(self, request, context):
+        """/ The sweep's live leaderboard: sent when a run reports or changes state, and at least every
+        / few seconds; ends after the update in which every run has ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RBMServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -293,6 +356,31 @@ def add_RBMServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.GetServerInfoRequest.FromString,
                     response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.ServerInfo.SerializeToString,
+            ),
+            'StartSweep': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartSweep,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.StartSweepRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.Sweep.SerializeToString,
+            ),
+            'GetSweep': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSweep,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.GetSweepRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.Sweep.SerializeToString,
+            ),
+            'ListSweeps': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSweeps,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.ListSweepsRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.ListSweepsResponse.SerializeToString,
+            ),
+            'CancelSweep': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelSweep,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.CancelSweepRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.Sweep.SerializeToString,
+            ),
+            'StreamSweep': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamSweep,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.StreamSweepRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.SweepUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -674,6 +762,141 @@ class RBMService(object):
             '/ssdrbm.v1.RBMService/GetServerInfo',
             ssdrbm_dot_v1_dot_rbm__pb2.GetServerInfoRequest.SerializeToString,
             ssdrbm_dot_v1_dot_rbm__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartSweep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/StartSweep',
+            ssdrbm_dot_v1_dot_rbm__pb2.StartSweepRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.Sweep.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSweep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/GetSweep',
+            ssdrbm_dot_v1_dot_rbm__pb2.GetSweepRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.Sweep.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSweeps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/ListSweeps',
+            ssdrbm_dot_v1_dot_rbm__pb2.ListSweepsRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.ListSweepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelSweep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/CancelSweep',
+            ssdrbm_dot_v1_dot_rbm__pb2.CancelSweepRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.Sweep.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamSweep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/StreamSweep',
+            ssdrbm_dot_v1_dot_rbm__pb2.StreamSweepRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.SweepUpdate.FromString,
             options,
             channel_credentials,
             insecure,
