@@ -67,6 +67,9 @@ class Settings:
     # pool of max_streams + 1 connections, so live StreamMetrics followers never starve these
     redis_connections: int = 100
     max_jobs_per_tenant: int = 16  # QUEUED + RUNNING jobs of one tenant
+    # Points (jobs) of one sweep (ssdrbm_server/sweeps/); a sweep must also fit in the tenant's
+    # max_jobs_per_tenant beside its active jobs, which is checked before any job is created
+    max_sweep_points: int = 256
     max_streams: int = 1000  # concurrent StreamMetrics calls of the whole server
     max_string_length: int = 256  # names, ids and option values in requests
 
@@ -223,6 +226,7 @@ class Settings:
             "dataset_chunk_bytes",
             "redis_connections",
             "max_jobs_per_tenant",
+            "max_sweep_points",
             "max_streams",
             "max_streams_per_tenant",
             "max_visibles",

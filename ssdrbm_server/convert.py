@@ -55,6 +55,7 @@ def job_to_proto(record: JobRecord) -> rbm_pb2.Job:
         job.latest_metrics.ParseFromString(record.latest_metrics)
     job.backoffs = record.backoffs
     job.training_process_failures = record.child_failures
+    job.sweep_id = record.sweep_id
     if record.runtime:
         json_format.Parse(record.runtime, job.runtime)
     return job

@@ -26,6 +26,13 @@ keys with the same tag live together and one Lua script may use them all.
 | `tenant:{<t>}:idem:<sha256(rid)>` | string | job id created for that StartTraining request_id  |
 | `tenant:{<t>}:datasets`           | hash   | dataset id -> JSON: this tenant's name, size, time |
 | `tenant:{<t>}:dataset_bytes`      | string | bytes of the tenant's datasets (per-tenant quota) |
+| `tenant:{<t>}:sweeps`             | zset   | the tenant's sweep ids by sequence (ListSweeps)   |
+| `tenant:{<t>}:sweep_seq`          | string | counter giving the tenant's sweeps their position |
+| `tenant:{<t>}:sweep_idem:<sha256>`| string | sweep id created for that StartSweep request_id   |
+| `tenant:{<t>}:sweep:<sid>`        | hash   | one sweep: request, points, rungs (sweeps/store)  |
+| `tenant:{<t>}:sweep:<sid>:runs`   | list   | the sweep's job ids, in point order               |
+| `tenant:{<t>}:sweep:<sid>:rung:<s>` | zset | job id -> signed rank value at rung step s (ASHA) |
+| `tenant:{<t>}:sweep:<sid>:decisions` | hash | `<job> <step>` -> promote/stop, decided once     |
 | `dataset:{<sha256>}`              | hash   | uploaded array: dtype, shape, blob, `complete`    |
 | `dataset:{<sha256>}:tenants`      | set    | tenants referencing it (bytes go when empty)      |
 | `upload:{<uid>}`                  | hash   | an upload's bytes: field `<i>` = chunk i (bounded) |
@@ -37,7 +44,7 @@ explains the order of the steps between them). The job hash is the source of
 truth for a job's state, attempt and lease; `{jobs}:*` and `tenant:{<t>}:active` are indexes
 that follow it in separate steps (ssdrbm_server/store/indexes.py explains the order).
 
-Job and upload ids are 32 hex digits and dataset ids 64; ids from clients are checked against
+Job, sweep and upload ids are 32 hex digits and dataset ids 64; ids from clients are checked against
 those forms before any key is built, so a crafted id cannot name another key (e.g.
 `x:metrics`). No part of a key may contain a brace: it would move the hash tag.
 """
@@ -149,6 +156,30 @@ class Keys:
 
     def tenant_dataset_bytes(self, tenant: str) -> str:
         return f"{self._tenant(tenant)}:dataset_bytes"
+
+    # A sweep's keys share its tenant's slot: the ASHA decision script reads the sweep's
+    # settings and its rung in one step (ssdrbm_server/sweeps/rungs.py).
+    def tenant_sweeps(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:sweeps"
+
+    def tenant_sweep_sequence(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:sweep_seq"
+
+    def sweep_idempotency(self, tenant: str, request_id: str) -> str:
+        digest = hashlib.sha256(request_id.encode()).hexdigest()
+        return f"{self._tenant(tenant)}:sweep_idem:{digest}"
+
+    def sweep(self, tenant: str, sweep_id: str) -> str:
+        return f"{self._tenant(tenant)}:sweep:{_no_braces('sweep id', sweep_id)}"
+
+    def sweep_runs(self, tenant: str, sweep_id: str) -> str:
+        return f"{self.sweep(tenant, sweep_id)}:runs"
+
+    def sweep_rung(self, tenant: str, sweep_id: str, step: int) -> str:
+        return f"{self.sweep(tenant, sweep_id)}:rung:{int(step)}"
+
+    def sweep_decisions(self, tenant: str, sweep_id: str) -> str:
+        return f"{self.sweep(tenant, sweep_id)}:decisions"
 
     # --- one dataset: hash tag {<sha256>} ---
     def dataset(self, dataset_id: str) -> str:

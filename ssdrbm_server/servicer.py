@@ -44,6 +44,8 @@ from ssdrbm_server.store.datasets import DatasetInfo, DatasetStore, Upload
 from ssdrbm_server.store.events import EventStore
 from ssdrbm_server.store.jobs import JobStore
 from ssdrbm_server.store.records import JobRecord
+from ssdrbm_server.sweeps.service import SweepService
+from ssdrbm_server.sweeps.store import SweepStore
 from ssdrbm_server.tensors import array_to_tensor, tensor_to_array
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self._uploads = 0  # UploadDataset calls in progress (max_concurrent_uploads)
         self._draining = False
         self.fanout = EventFanout(self._poll, buffer_events=settings.stream_buffer_events)
+        self.sweeps = SweepService(
+            settings, stores.jobs, SweepStore(stores.jobs.redis, stores.jobs.keys)
+        )
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -532,6 +537,47 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         chunk = max(1, min(EXPORT_CHUNK_BYTES, self.settings.max_message_bytes // 2))
         for start in range(0, len(data), chunk):
             yield pb.ExportModelResponse(chunk=data[start : start + chunk])
+
+    # --- sweeps (ssdrbm_server/sweeps/) -----------------------------------------------------
+
+    async def StartSweep(
+        self, request: pb.StartSweepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Sweep:
+        tenant = current_tenant()
+
+        async def find_upload(dataset_id: str) -> DatasetInfo:
+            return await self.stores.datasets.info(tenant, dataset_id)
+
+        return await self.sweeps.start(request, tenant, find_upload)
+
+    async def GetSweep(
+        self, request: pb.GetSweepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Sweep:
+        _check_id(request.sweep_id, "sweep_id")
+        return await self.sweeps.get(current_tenant(), request.sweep_id)
+
+    async def ListSweeps(
+        self, request: pb.ListSweepsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSweepsResponse:
+        page_size = _page_size(request.page_size)
+        _check_id(request.page_token, "page_token", required=False)
+        return await self.sweeps.list(
+            current_tenant(), page_size=page_size, page_token=request.page_token
+        )
+
+    async def CancelSweep(
+        self, request: pb.CancelSweepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Sweep:
+        _check_id(request.sweep_id, "sweep_id")
+        return await self.sweeps.cancel(current_tenant(), request.sweep_id)
+
+    async def StreamSweep(
+        self, request: pb.StreamSweepRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SweepUpdate]:
+        _check_id(request.sweep_id, "sweep_id")
+        async with aclosing(self.sweeps.stream(current_tenant(), request.sweep_id)) as updates:
+            async for update in updates:
+                yield update
 
     # --- helpers ----------------------------------------------------------------------------
 

@@ -202,6 +202,7 @@ class JobStore:
         max_records: int = 0,
         idempotency_ttl_s: int = 0,
         traceparent: str = "",
+        sweep_id: str = "",
     ) -> tuple[JobRecord, bool]:
         """Record and enqueue a job; returns (job, created).
 
@@ -210,7 +211,7 @@ class JobStore:
         (ResourceExhaustedError) when the tenant already has that many QUEUED + RUNNING jobs,
         `max_records` > 0 when it has that many job records of any state; both are checked
         atomically with the reservation (see the module notes). `traceparent` links the
-        worker's spans to the submitting call's trace.
+        worker's spans to the submitting call's trace; `sweep_id` tags a sweep's run.
         """
         job_id = new_job_id()
         fields = new_job_fields(
@@ -221,6 +222,7 @@ class JobStore:
             n_visible=n_visible,
             created_at=time.time(),
             traceparent=traceparent,
+            sweep_id=sweep_id,
         )
         fields[REQUEST_ID_FIELD] = request_id or ""  # a delete removes its idempotency key
         event = state_event_fields(JobState.QUEUED, attempt=0, step=0, message="submitted")

@@ -66,6 +66,7 @@ class JobRecord:
     # W3C trace context of the StartTraining call ("" without tracing): the worker's spans
     # join that trace (ssdrbm_server/tracing.py)
     traceparent: str = ""
+    sweep_id: str = ""  # the sweep that created the job ("" for none)
 
 
 def _text(raw: dict[bytes, bytes], field: str, default: str = "") -> str:
@@ -110,6 +111,7 @@ def record_from_hash(job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
         runtime=_text(raw, "runtime"),
         child_failures=_int(raw, "child_failures"),
         traceparent=_text(raw, "traceparent"),
+        sweep_id=_text(raw, "sweep_id"),
     )
 
 
@@ -122,6 +124,7 @@ def new_job_fields(
     n_visible: int,
     created_at: float,
     traceparent: str = "",
+    sweep_id: str = "",
 ) -> dict[str, bytes | str | int | float]:
     """Hash fields of a freshly submitted job (QUEUED, attempt 0, no checkpoint)."""
     fields: dict[str, bytes | str | int | float] = {
@@ -147,6 +150,8 @@ def new_job_fields(
     }
     if traceparent:  # stored only when tracing is on
         fields["traceparent"] = traceparent
+    if sweep_id:  # stored only for a sweep's runs
+        fields["sweep_id"] = sweep_id
     return fields
 
 

@@ -46,6 +46,7 @@ from ssdrbm_server.store.fencing import FencedJob, LeaseLostError
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.lifecycle import Retention
 from ssdrbm_server.store.records import JobRecord, JobState
+from ssdrbm_server.sweeps.rungs import RungGate
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.metrics import WorkerMetrics, job_labels
 from ssdrbm_server.worker.process import ChildProcess, describe_exit
@@ -123,6 +124,7 @@ class JobRunner:
             spec = rbm_pb2.StartTrainingRequest()
         self._labels = job_labels(spec)
         self._batch_size = spec.training.batch_size
+        self.rungs = RungGate(redis, self.keys, self.record)  # its sweep's early stopping
 
     async def run(self) -> str:
         """Run the job; returns how it ended (a JobState value, "released" or "lost").
@@ -326,11 +328,15 @@ class JobRunner:
                 self.record.total_steps,
                 fields["runtime"],
             )
+            if await self._retry(lambda: self.rungs.stopped_at_or_before(self.step)):
+                self._stop_early()
         elif kind == protocol.PROGRESS:
             self.metrics.trained(self._labels, fields["runs"], self._batch_size)
         elif kind == protocol.METRICS:
             self.step = int(fields["step"])
             await self._retry(lambda: self.job.publish_metrics(self.step, message.blobs["metrics"]))
+            if await self._retry(lambda: self.rungs.check(self.step, message.blobs["metrics"])):
+                self._stop_early()
         elif kind == protocol.BACKOFF:
             self.step = int(fields["rollback_step"])
             self.metrics.backoffs.inc()
@@ -348,6 +354,10 @@ class JobRunner:
             return JobState.SUCCEEDED.value
         elif kind == protocol.STOPPED:
             self.step = int(fields["step"])
+            if self.rungs.stop_reason:  # early stopping: the run ends, its checkpoint kept
+                self._child_idle = True
+                await self._finish(JobState.STOPPED, message=self.rungs.stop_reason)
+                return JobState.STOPPED.value
             await self._release("worker stopped; resumes from the last checkpoint")
             return "released"
         elif kind == protocol.FAILED:
@@ -358,6 +368,11 @@ class JobRunner:
         else:
             logger.error("unexpected message %r from the training process", kind)
         return None
+
+    def _stop_early(self) -> None:
+        """The sweep's early stopping ends this run: the child checkpoints and stops."""
+        assert self.child is not None
+        self.child.send(protocol.Message(protocol.STOP))
 
     async def _checkpoint(self, message: protocol.Message) -> None:
         step = int(message.fields["step"])

@@ -1,0 +1,346 @@
+"""The sweep RPCs: StartSweep, GetSweep, ListSweeps, CancelSweep, StreamSweep.
+
+StartSweep checks everything before it creates anything: the axes and their points, each point
+resolved by the one resolver (a bad point is INVALID_ARGUMENT naming the axis and its value), the
+points limit (SSDRBM_MAX_SWEEP_POINTS) and the tenant's job limit (the sweep's jobs beside its
+queued and running ones, SSDRBM_MAX_JOBS_PER_TENANT). Then the sweep record, then one ordinary
+job per point, tagged with the sweep's id (store.py has the order and its repair).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ssdrbm.v1 import rbm_pb2 as pb
+
+from ssdrbm_server import convert, resolver
+from ssdrbm_server.config import Settings
+from ssdrbm_server.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    tenant_subject,
+)
+from ssdrbm_server.request_checks import check_text, enum_value
+from ssdrbm_server.store.jobs import JobStore
+from ssdrbm_server.store.records import JobState
+from ssdrbm_server.sweeps import axes as sweep_axes
+from ssdrbm_server.sweeps.ranking import metric_value, resolve_rank_metric, signed_value
+from ssdrbm_server.sweeps.rungs import eval_every_for, resolve_rungs
+from ssdrbm_server.sweeps.store import SweepRecord, SweepStore
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.25  # how often a StreamSweep call reads its runs
+HEARTBEAT_S = 2.0  # an update at least this often, changed or not
+_RUN_FIELDS = ["state", "step", "total_steps", "latest_metrics", "error"]
+
+
+class SweepService:
+    """The sweep operations of one API process, over the job and sweep stores."""
+
+    def __init__(self, settings: Settings, jobs: JobStore, sweeps: SweepStore) -> None:
+        self.settings = settings
+        self.jobs = jobs
+        self.sweeps = sweeps
+
+    # --- StartSweep ------------------------------------------------------------------------
+
+    async def start(
+        self, request: pb.StartSweepRequest, tenant: str, find_upload: resolver.UploadLookup
+    ) -> pb.Sweep:
+        resolved, points, jobs = await self._resolve(request, find_upload)
+        point_text = [
+            {field: sweep_axes.format_value(field, value) for field, value in point.items()}
+            for point in points
+        ]
+        if request.validate_only:
+            return _unsubmitted(resolved, point_text, jobs)
+        sweep_id, new = await self.sweeps.reserve_id(
+            tenant, request.request_id, self.settings.idempotency_ttl_seconds
+        )
+        done = 0
+        if not new:
+            existing = await self.sweeps.get(tenant, sweep_id)
+            _check_same_request(existing, resolved)
+            if existing.cancel_requested:
+                return await self.get(tenant, sweep_id)
+            done = len(existing.job_ids)
+        await self._check_quota(tenant, len(jobs) - done)
+        rungs = list(resolved.early_stopping.rungs)
+        await self.sweeps.create(
+            tenant,
+            sweep_id,
+            name=resolved.name,
+            request=resolved.SerializeToString(),
+            points=point_text,
+            rungs=rungs,
+            eta=resolved.early_stopping.reduction_factor,
+            rank_metric=resolved.rank_metric,
+        )
+        for index in range(done, len(jobs)):
+            await self._submit_run(tenant, sweep_id, resolved, index, jobs[index], points[index])
+        logger.info("sweep %s: %d runs for tenant %s", sweep_id, len(jobs), tenant)
+        return await self.get(tenant, sweep_id)
+
+    async def _resolve(
+        self, request: pb.StartSweepRequest, find_upload: resolver.UploadLookup
+    ) -> tuple[pb.StartSweepRequest, list[sweep_axes.Point], list[resolver.ResolvedJob]]:
+        """The resolved request (rank metric and rungs filled in), its points and their jobs;
+        nothing is written."""
+        check_text(request.name, "name", self.settings.max_string_length)
+        check_text(request.request_id, "request_id", resolver.MAX_REQUEST_ID_LENGTH)
+        enum_value(pb.SweepMode, request.mode, "mode")
+        if request.base.request_id:
+            raise InvalidArgumentError(
+                "base.request_id", "leave it empty; the sweep's request_id covers its runs"
+            )
+        metric = resolve_rank_metric(request.rank_metric)
+        axes = sweep_axes.check_axes(request)
+        points = sweep_axes.expand(axes, request, self.settings.max_sweep_points)
+        # The runs' step count (the rungs need it) does not depend on any axis: the first point
+        # tells it.
+        first = await self._resolve_point(request.base, axes, points[0], 0, find_upload)
+        rungs, eta = resolve_rungs(request.early_stopping, first.total_steps)
+        base = pb.StartTrainingRequest()
+        base.CopyFrom(request.base)
+        base.validate_only = False
+        base.eval.every = eval_every_for(base.eval.every, self.settings.default_eval_every, rungs)
+        jobs = [
+            await self._resolve_point(base, axes, point, index, find_upload)
+            for index, point in enumerate(points)
+        ]
+        resolved = pb.StartSweepRequest()
+        resolved.CopyFrom(request)
+        resolved.base.CopyFrom(base)
+        resolved.validate_only = False
+        resolved.rank_metric = metric
+        resolved.early_stopping.min_steps = 0  # expanded into the rungs
+        resolved.early_stopping.rungs[:] = rungs
+        resolved.early_stopping.reduction_factor = eta
+        return resolved, points, jobs
+
+    async def _resolve_point(
+        self,
+        base: pb.StartTrainingRequest,
+        axes: list[sweep_axes.Axis],
+        point: sweep_axes.Point,
+        index: int,
+        find_upload: resolver.UploadLookup,
+    ) -> resolver.ResolvedJob:
+        spec = sweep_axes.apply_point(base, point)
+        try:
+            return await resolver.resolve(spec, self.settings, find_upload)
+        except InvalidArgumentError as error:
+            raise _point_error(error, axes, point, index) from None
+
+    async def _check_quota(self, tenant: str, new_jobs: int) -> None:
+        limit = self.settings.max_jobs_per_tenant
+        active = await self.jobs.count_active(tenant)
+        if new_jobs > 0 and active + new_jobs > limit:
+            raise ResourceExhaustedError(
+                f"the sweep needs {new_jobs} jobs, but the tenant has {active} queued or running "
+                f"of its {limit} (max_jobs_per_tenant); use fewer points, or wait for jobs to "
+                "finish or cancel some",
+                limit="max_jobs_per_tenant",
+                subject=tenant_subject(tenant),
+            )
+
+    async def _submit_run(
+        self,
+        tenant: str,
+        sweep_id: str,
+        sweep: pb.StartSweepRequest,
+        index: int,
+        job: resolver.ResolvedJob,
+        point: sweep_axes.Point,
+    ) -> None:
+        label = sweep.name or f"sweep {sweep_id[:8]}"
+        name = f"{label} #{index}: {sweep_axes.describe(point)}"[: self.settings.max_string_length]
+        try:
+            record, _ = await self.jobs.submit(
+                tenant,
+                job.spec.SerializeToString(),
+                name=name,
+                total_steps=job.total_steps,
+                n_visible=job.n_visible,
+                request_id=f"sweep-{sweep_id}-{index}",
+                max_active=self.settings.max_jobs_per_tenant,
+                max_records=self.settings.max_job_records_per_tenant,
+                idempotency_ttl_s=self.settings.idempotency_ttl_seconds,
+                sweep_id=sweep_id,
+            )
+        except ResourceExhaustedError as error:
+            # Another submit took the room checked above: the sweep is cancelled as a whole.
+            await self.sweeps.mark(tenant, sweep_id, cancel=True, error=error.message)
+            await self._cancel_runs(tenant, await self.sweeps.get(tenant, sweep_id))
+            raise
+        await self.sweeps.add_run(tenant, sweep_id, index, record.id)
+
+    # --- reads and cancel ------------------------------------------------------------------
+
+    async def get(self, tenant: str, sweep_id: str) -> pb.Sweep:
+        """The sweep with its runs ranked by its rank metric, best first."""
+        return await self._to_proto(await self.sweeps.get(tenant, sweep_id))
+
+    async def list(self, tenant: str, *, page_size: int, page_token: str) -> pb.ListSweepsResponse:
+        records, next_token = await self.sweeps.list(
+            tenant, page_size=page_size, page_token=page_token
+        )
+        response = pb.ListSweepsResponse(next_page_token=next_token)
+        for record in records:
+            sweep = await self._to_proto(record)
+            del sweep.runs[:]  # GetSweep has them
+            response.sweeps.append(sweep)
+        return response
+
+    async def cancel(self, tenant: str, sweep_id: str) -> pb.Sweep:
+        """Cancel every queued run at once and ask running ones to stop."""
+        record = await self.sweeps.get(tenant, sweep_id)
+        await self.sweeps.mark(tenant, sweep_id, cancel=True)
+        await self._cancel_runs(tenant, record)
+        logger.info("sweep %s cancelled by tenant %s", sweep_id, tenant)
+        return await self.get(tenant, sweep_id)
+
+    async def _cancel_runs(self, tenant: str, record: SweepRecord) -> None:
+        for job_id in record.job_ids:
+            try:
+                await self.jobs.cancel(tenant, job_id)
+            except NotFoundError:
+                continue  # deleted meanwhile
+
+    async def stream(self, tenant: str, sweep_id: str) -> AsyncIterator[pb.SweepUpdate]:
+        """The leaderboard on every change and at least every HEARTBEAT_S; ends after the
+        update that shows the sweep ended."""
+        last: bytes | None = None
+        sent_at = 0.0
+        while True:
+            sweep = await self.get(tenant, sweep_id)
+            snapshot = sweep.SerializeToString()
+            now = time.monotonic()
+            ended = sweep.state != pb.SWEEP_STATE_RUNNING
+            if snapshot != last or now - sent_at >= HEARTBEAT_S or ended:
+                update = pb.SweepUpdate(sweep=sweep)
+                update.time.GetCurrentTime()
+                yield update
+                last, sent_at = snapshot, now
+            if ended:
+                return
+            await asyncio.sleep(POLL_S)
+
+    # --- record → proto --------------------------------------------------------------------
+
+    async def _to_proto(self, record: SweepRecord) -> pb.Sweep:
+        request = pb.StartSweepRequest.FromString(record.request)
+        sweep = pb.Sweep(
+            id=record.id,
+            name=record.name,
+            request=request,
+            run_count=record.run_count,
+            cancel_requested=record.cancel_requested,
+        )
+        sweep.created_at.FromNanoseconds(int(record.created_at * 1e9))
+        runs = await self._runs(record)
+        _rank(runs, record.rank_metric)
+        sweep.runs.extend(sorted(runs, key=lambda run: (run.rank == 0, run.rank)))
+        if sweep.runs and sweep.runs[0].rank == 1:
+            sweep.best_job_id = sweep.runs[0].job_id
+        sweep.state = _state(record, runs)
+        return sweep
+
+    async def _runs(self, record: SweepRecord) -> list[pb.SweepRun]:
+        async with self.jobs.redis.pipeline(transaction=False) as pipe:
+            for job_id in record.job_ids:
+                pipe.hmget(self.jobs.keys.job(job_id), _RUN_FIELDS)
+            replies = await pipe.execute()
+        runs = []
+        for index, (job_id, reply) in enumerate(zip(record.job_ids, replies, strict=True)):
+            state, step, total, metrics, error = reply
+            if state is None:
+                continue  # the job was deleted
+            run = pb.SweepRun(
+                job_id=job_id,
+                point=record.points[index] if index < len(record.points) else {},
+                state=convert.state_to_proto(JobState(state.decode())),
+                step=int(step or 0),
+                total_steps=int(total or 0),
+                error=(error or b"").decode(),
+            )
+            if metrics:
+                run.latest_metrics.ParseFromString(metrics)
+            runs.append(run)
+        return runs
+
+
+def _rank(runs: list[pb.SweepRun], metric: str) -> None:
+    """Set each run's rank (1 = best) by its latest value of ``metric``; 0 without one."""
+    scored = []
+    for position, run in enumerate(runs):
+        value = metric_value(run.latest_metrics, metric) if run.HasField("latest_metrics") else None
+        if value is not None:
+            run.rank_value = value
+            scored.append((signed_value(value, metric), position, run))
+    for rank, (_, _, run) in enumerate(sorted(scored, key=lambda item: item[:2]), start=1):
+        run.rank = rank
+
+
+def _state(record: SweepRecord, runs: list[pb.SweepRun]) -> int:
+    """The sweep's state, read from its runs: it is never stored."""
+    if not record.cancel_requested and len(record.job_ids) < record.run_count:
+        return pb.SWEEP_STATE_RUNNING  # still being created
+    if any(run.state not in convert.TERMINAL_PROTO_STATES for run in runs):
+        return pb.SWEEP_STATE_RUNNING
+    if record.cancel_requested:
+        return pb.SWEEP_STATE_CANCELLED
+    states = {run.state for run in runs}
+    if states & {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_STOPPED}:
+        return pb.SWEEP_STATE_SUCCEEDED
+    if pb.JOB_STATE_CANCELLED in states:
+        return pb.SWEEP_STATE_CANCELLED
+    return pb.SWEEP_STATE_FAILED
+
+
+def _point_error(
+    error: InvalidArgumentError,
+    axes: list[sweep_axes.Axis],
+    point: sweep_axes.Point,
+    index: int,
+) -> InvalidArgumentError:
+    """The resolver's refusal of one point, naming the axis and its value when an axis set
+    the field (else the base request's field)."""
+    where = f"sweep point {index} ({sweep_axes.describe(point)})"
+    for axis in axes:
+        if axis.sets(error.field):
+            value = sweep_axes.format_value(axis.field, point[axis.field])
+            return InvalidArgumentError(
+                axis.where,
+                f"{axis.field} = {value} is refused: {error.description} ({where})",
+            )
+    return InvalidArgumentError(f"base.{error.field}", f"{error.description} ({where})")
+
+
+def _check_same_request(existing: SweepRecord, resolved: pb.StartSweepRequest) -> None:
+    first = pb.StartSweepRequest.FromString(existing.request)
+    difference = resolver.first_difference(first, resolved)
+    if difference is not None:
+        raise AlreadyExistsError(
+            f"request_id {resolved.request_id!r} was already used for sweep {existing.id} with "
+            f"a different request (first difference: {difference}); use a new request_id",
+            reason="REQUEST_ID_REUSED",
+        )
+
+
+def _unsubmitted(
+    resolved: pb.StartSweepRequest,
+    points: list[dict[str, str]],
+    jobs: list[resolver.ResolvedJob],
+) -> pb.Sweep:
+    """What StartSweep would create for validate_only: no ids, nothing stored."""
+    sweep = pb.Sweep(name=resolved.name, request=resolved, run_count=len(jobs))
+    for point, job in zip(points, jobs, strict=True):
+        sweep.runs.add(point=point, total_steps=job.total_steps)
+    return sweep

@@ -1,0 +1,193 @@
+"""The sweep record in Redis: one hash per sweep, its runs' job ids, the tenant's listing.
+
+Every key is in the tenant's slot (`tenant:{<t>}:sweep...`, keys.py), so a sweep is found only
+under its own tenant (another tenant's sweep is NOT_FOUND) and each step below is one script.
+A sweep is created before its jobs: the hash and its listing position first, then each job
+(submitted with the request id ``sweep-<sweep id>-<point>``, so a repeat finds it) and its id
+appended at its point's index. A StartSweep that died half-way is finished by its repeat (same
+request_id): the points are resolved again, identically, and the missing jobs created.
+The sweep's state is never stored; it is read from its runs (service.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from ssdrbm_server.errors import InvalidArgumentError, NotFoundError
+from ssdrbm_server.keys import Keys, is_job_id
+from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.page_tokens import decode_page_token, encode_page_token
+
+# KEYS: sweep hash, tenant listing, tenant sequence. ARGV: sweep id, then field/value pairs.
+# Returns the sweep's listing position (its existing one when it exists already).
+_CREATE = """
+local seq = redis.call('HGET', KEYS[1], 'seq')
+if seq then return tonumber(seq) end
+seq = redis.call('INCR', KEYS[3])
+redis.call('HSET', KEYS[1], 'seq', seq, unpack(ARGV, 2))
+redis.call('ZADD', KEYS[2], seq, ARGV[1])
+return seq
+"""
+
+# KEYS: the sweep's runs. ARGV: point index, job id. Appends once per index.
+_ADD_RUN = """
+if redis.call('LLEN', KEYS[1]) == tonumber(ARGV[1]) then
+  redis.call('RPUSH', KEYS[1], ARGV[2])
+end
+return redis.call('LLEN', KEYS[1])
+"""
+
+
+@dataclass
+class SweepRecord:
+    """One sweep as stored; ``points`` are the runs' axis values as text, in point order."""
+
+    id: str
+    tenant: str
+    name: str
+    request: bytes  # serialized ssdrbm.v1.StartSweepRequest, as resolved
+    points: list[dict[str, str]]
+    run_count: int
+    job_ids: list[str]
+    created_at: float
+    seq: int
+    rank_metric: str
+    cancel_requested: bool
+    error: str
+
+
+def new_sweep_id() -> str:
+    """A random sweep id: 32 hex digits (the job id form, checked before a key is built)."""
+    return uuid.uuid4().hex
+
+
+def _not_found(sweep_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"sweep {sweep_id[:64]!r} not found; check the id (ListSweeps shows your sweeps)",
+        resource_type="sweep",
+        resource_name=sweep_id[:64],
+    )
+
+
+class SweepStore:
+    """Sweep records of each tenant."""
+
+    def __init__(self, redis: RedisClient, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._create = redis.register_script(_CREATE)
+        self._add_run = redis.register_script(_ADD_RUN)
+
+    async def reserve_id(self, tenant: str, request_id: str, ttl_s: int) -> tuple[str, bool]:
+        """(sweep id, new): a fresh id, or the one an earlier StartSweep with this request_id
+        got (kept ``ttl_s`` seconds when > 0)."""
+        sweep_id = new_sweep_id()
+        if not request_id:
+            return sweep_id, True
+        key = self.keys.sweep_idempotency(tenant, request_id)
+        if await self.redis.set(key, sweep_id, nx=True, ex=ttl_s or None):
+            return sweep_id, True
+        existing = await self.redis.get(key)
+        if existing is None:  # expired between the two commands
+            return await self.reserve_id(tenant, request_id, ttl_s)
+        return existing.decode(), False
+
+    async def create(
+        self,
+        tenant: str,
+        sweep_id: str,
+        *,
+        name: str,
+        request: bytes,
+        points: list[dict[str, str]],
+        rungs: list[int],
+        eta: int,
+        rank_metric: str,
+    ) -> None:
+        """Write the sweep's record and listing position (once; a repeat changes nothing)."""
+        fields: dict[str, bytes | str | int] = {
+            "tenant": tenant,
+            "name": name,
+            "request": request,
+            "points": json.dumps(points),
+            "run_count": len(points),
+            "created_at": repr(time.time()),
+            "rank_metric": rank_metric,
+            # read by the worker's RungGate (rungs.py)
+            "rungs": ",".join(str(step) for step in rungs),
+            "eta": eta,
+            "cancel_requested": 0,
+            "error": "",
+        }
+        args: list[bytes | str | int] = [sweep_id]
+        for field, value in fields.items():
+            args += [field, value]
+        await self._create(
+            keys=[
+                self.keys.sweep(tenant, sweep_id),
+                self.keys.tenant_sweeps(tenant),
+                self.keys.tenant_sweep_sequence(tenant),
+            ],
+            args=args,
+        )
+
+    async def add_run(self, tenant: str, sweep_id: str, index: int, job_id: str) -> None:
+        """Record the job of point ``index`` (appended once, in point order)."""
+        await self._add_run(keys=[self.keys.sweep_runs(tenant, sweep_id)], args=[index, job_id])
+
+    async def mark(self, tenant: str, sweep_id: str, *, cancel: bool, error: str = "") -> None:
+        """Flag the sweep cancelled (and why, when it could not be created whole)."""
+        fields: dict[str, str | int] = {"cancel_requested": int(cancel)}
+        if error:
+            fields["error"] = error
+        await self.redis.hset(self.keys.sweep(tenant, sweep_id), mapping=fields)
+
+    async def get(self, tenant: str, sweep_id: str) -> SweepRecord:
+        """The sweep; NotFoundError when unknown or another tenant's."""
+        if not is_job_id(sweep_id):
+            raise _not_found(sweep_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.sweep(tenant, sweep_id))
+            pipe.lrange(self.keys.sweep_runs(tenant, sweep_id), 0, -1)
+            raw, runs = await pipe.execute()
+        if not raw or raw.get(b"tenant", b"").decode() != tenant:
+            raise _not_found(sweep_id)
+        return SweepRecord(
+            id=sweep_id,
+            tenant=tenant,
+            name=raw.get(b"name", b"").decode(),
+            request=raw.get(b"request", b""),
+            points=json.loads(raw.get(b"points", b"[]")),
+            run_count=int(raw.get(b"run_count", 0)),
+            job_ids=[job_id.decode() for job_id in runs],
+            created_at=float(raw.get(b"created_at", 0)),
+            seq=int(raw.get(b"seq", 0)),
+            rank_metric=raw.get(b"rank_metric", b"").decode(),
+            cancel_requested=raw.get(b"cancel_requested") == b"1",
+            error=raw.get(b"error", b"").decode(),
+        )
+
+    async def list(
+        self, tenant: str, *, page_size: int, page_token: str
+    ) -> tuple[list[SweepRecord], str]:
+        """One page of the tenant's sweeps, newest first, and the next page's token ("" at the
+        end); the tokens are ListJobs' (store/page_tokens.py), over the sweeps' positions."""
+        if page_size < 1:
+            raise InvalidArgumentError("page_size", "must be at least 1")
+        below = decode_page_token(tenant, page_token)
+        upper = "+inf" if below is None else f"({below}"
+        listing = self.keys.tenant_sweeps(tenant)
+        ids = await self.redis.zrevrangebyscore(
+            listing, upper, "-inf", start=0, num=page_size + 1, withscores=True
+        )
+        page = []
+        for member, _score in ids[:page_size]:
+            try:
+                page.append(await self.get(tenant, member.decode()))
+            except NotFoundError:
+                continue  # listed but gone
+        more = len(ids) > page_size
+        return page, encode_page_token(tenant, int(ids[page_size - 1][1])) if more else ""
