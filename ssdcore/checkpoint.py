@@ -28,6 +28,7 @@ from torch import Tensor
 from ssdcore.models import model_from_config
 from ssdcore.models.base import RBM
 from ssdcore.optim.config import OptimizerConfig
+from ssdcore.tempering import TemperingConfig
 from ssdcore.training import Trainer
 
 MODEL_FORMAT = "ssdrbm.model.v1"
@@ -130,6 +131,8 @@ def _trainer_settings(trainer: Trainer) -> dict[str, Any]:
         "persistent": trainer.persistent,
         "seed": trainer.seed,
         "check_every": trainer.check_every,
+        # Only with tempering on, so other checkpoints keep the settings they always had.
+        **({"tempering": trainer.tempering.to_dict()} if trainer.tempering else {}),
     }
 
 
@@ -201,6 +204,9 @@ def trainer_from_bytes(
         seed=settings["seed"],
         valid_data=valid_data,
         check_every=settings["check_every"],
+        tempering=(
+            TemperingConfig.from_dict(settings["tempering"]) if "tempering" in settings else None
+        ),
     )
     load_trainer_state(trainer, data)
     return trainer

@@ -28,6 +28,7 @@ import torch
 from ssdcore.models.base import RBM, GibbsKernel, check_visible
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.sampling import GibbsChain, RandomSource, seed_from
+from ssdcore.tempering import ParallelTempering, TemperingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,10 @@ class CDEstimator:
     Random draws come from this estimator's own seeded source (`seed`, or drawn from
     `generator`, or from torch's global generator); `state_dict()` holds the chains and the
     source's state for an exact resume.
+
+    ``tempering`` (PCD only) runs the chains as parallel tempering over that ladder of inverse
+    temperatures (:mod:`ssdcore.tempering`): the β = 1 chains are the negative phase, and
+    ``self.tempering`` holds every temperature's chains and the swap rates.
     """
 
     def __init__(
@@ -91,6 +96,7 @@ class CDEstimator:
         seed: int | None = None,
         generator: torch.Generator | None = None,
         dense_weight_grad: bool = True,
+        tempering: TemperingConfig | None = None,
     ):
         if not isinstance(model, RBM):
             raise TypeError(f"model must be an ssdcore RBM, got {type(model).__name__}")
@@ -107,6 +113,11 @@ class CDEstimator:
             model.W.device, seed if seed is not None else seed_from(generator)
         )
         self.chains: torch.Tensor | None = None  # (n_chains, H) binary hidden states (PCD)
+        if tempering is not None and not self.persistent:
+            raise ValueError("tempering needs persistent chains: pass persistent=True (PCD)")
+        self.tempering = (
+            None if tempering is None else ParallelTempering(tempering, model, self.source)
+        )
         self._workspaces: dict[tuple[int, int], _Workspace] = {}
 
     # --- estimation -------------------------------------------------------------------------
@@ -135,8 +146,13 @@ class CDEstimator:
         else:
             start = self.source.bernoulli_(hidden_data, out=ws.hidden_start)
         visible_model, hidden_model = ws.visible[model_rows], ws.hidden_probs[model_rows]
-        ws.chain.run(kernel, start, self.k, visible_model, hidden_model)
-        if self.persistent:
+        if self.tempering is not None:
+            fresh = None if resuming else start
+            self.tempering.run(kernel, self.k, fresh, visible_model, hidden_model)
+            self.chains = self.tempering.chains[0]
+        else:
+            ws.chain.run(kernel, start, self.k, visible_model, hidden_model)
+        if self.persistent and self.tempering is None:
             if self.chains is None:
                 self.chains = torch.empty_like(hidden_model)
             self.source.bernoulli_(hidden_model, out=self.chains)
@@ -209,12 +225,17 @@ class CDEstimator:
     def reset_chains(self) -> None:
         """Forget the persistent chains; the next estimate restarts them from its data batch."""
         self.chains = None
+        if self.tempering is not None:
+            self.tempering.chains = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Chains (PCD) and random state as tensors, for an exact resume (safetensors-friendly)."""
         state = {f"rng.{name}": tensor for name, tensor in self.source.state_dict().items()}
         if self.chains is not None:
             state["chains"] = self.chains.detach().cpu().clone()
+        if self.tempering is not None:
+            for name, tensor in self.tempering.state_dict().items():
+                state[f"tempering.{name}"] = tensor
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -222,6 +243,7 @@ class CDEstimator:
         rng = {name[4:]: tensor for name, tensor in state.items() if name.startswith("rng.")}
         if rng:
             self.source.load_state_dict(rng)
+        self._load_tempering(state)
         chains = state.get("chains")
         if chains is None:
             self.chains = None
@@ -230,6 +252,19 @@ class CDEstimator:
             expected = f"(n, {self.model.n_hidden})"
             raise ValueError(f"saved chains have shape {tuple(chains.shape)}; expected {expected}")
         self.chains = chains.to(device=self.model.W.device, dtype=torch.float32).clone()
+        if self.tempering is not None and self.tempering.chains is not None:
+            self.chains = self.tempering.chains[0]  # the same chains, one tensor
+
+    def _load_tempering(self, state: dict[str, torch.Tensor]) -> None:
+        prefix = "tempering."
+        saved = {name[len(prefix) :]: t for name, t in state.items() if name.startswith(prefix)}
+        if self.tempering is None:
+            if saved:
+                raise ValueError("saved state has tempering chains; resume with tempering on")
+            return
+        if not saved:
+            raise ValueError("saved state has no tempering chains; resume with tempering off")
+        self.tempering.load_state_dict(saved)
 
 
 def _weighted_row_sums(

@@ -61,6 +61,7 @@ from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer, resolve_for
 from ssdcore.sampling import restore_generator
+from ssdcore.tempering import TemperingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,10 @@ class Trainer:
             batch of an epoch is dropped.
         cd_k: Gibbs sweeps per gradient estimate.
         persistent: PCD-k (persistent chains) instead of CD-k.
+        tempering: parallel tempering of the persistent chains over this ladder of inverse
+            temperatures (:mod:`ssdcore.tempering`; needs ``persistent=True``); the metrics
+            then carry the swap rates ``pt_swap_rate_min``, ``pt_swap_rate_mean`` and
+            ``pt_swap_rates``. None (default): plain PCD.
         seed: seeds the shuffling and the estimator's random draws.
         valid_data: optional (M, V) held-out data for the validation metrics.
         check_every: steps between divergence checks (1 = every step).
@@ -135,6 +140,7 @@ class Trainer:
         valid_data: Tensor | None = None,
         check_every: int = 1,
         cuda_graph: bool | None = None,
+        tempering: TemperingConfig | None = None,
     ) -> None:
         if isinstance(optimizer, str):
             optimizer = OptimizerConfig(name=optimizer)
@@ -159,6 +165,7 @@ class Trainer:
         self.batch_size = batch_size
         self.cd_k = cd_k
         self.persistent = persistent
+        self.tempering = tempering
         self.seed = seed
         self.check_every = check_every
         self.optimizer = build_optimizer(model, self.optimizer_config)
@@ -175,6 +182,7 @@ class Trainer:
             persistent=persistent,
             seed=seed + _ESTIMATOR_SEED_OFFSET,
             dense_weight_grad=needs_dense is None or needs_dense(model.W, 2 * batch_size),
+            tempering=tempering,
         )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -214,6 +222,8 @@ class Trainer:
             return f"the model is on {self.device}, not a CUDA device"
         if isinstance(self.model, GaussianRBM) and self.model.variance == "full":
             return "the full-covariance projection decides on the host (eigenvalue clipping)"
+        if self.tempering is not None:
+            return "parallel tempering runs eagerly (its capture is not verified)"
         capturable = getattr(self.optimizer, "capturable", None)
         if capturable is None or not capturable():
             return (
@@ -387,6 +397,8 @@ class Trainer:
             ),
             "log_likelihood_method": log_likelihood,
         }
+        if self.estimator.tempering is not None:
+            metrics.update(self.estimator.tempering.metrics())
         if self.valid_data is not None:
             metrics["free_energy_gap"] = float(free_energy_gap(model, train, valid))
         if isinstance(model, BernoulliRBM):
@@ -465,6 +477,7 @@ def fit(
     optimizer: OptimizerConfig | str = "ssd",
     lr: float | None = None,
     persistent: bool = False,
+    tempering: TemperingConfig | None = None,
     seed: int = 0,
     callback: Callable[[dict[str, Any]], bool | None] | None = None,
     eval_every: int | None = None,
@@ -509,6 +522,7 @@ def fit(
         persistent=persistent,
         seed=seed,
         valid_data=valid_data,
+        tempering=tempering,
     )
     detector = BlowUpDetector()
     history: list[dict[str, Any]] = []
