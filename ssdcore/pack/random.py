@@ -23,6 +23,9 @@ from ssdcore.sampling import RandomSource
 _TWO_POW_16 = 65536.0
 # Scratch shapes kept before starting afresh (a pack uses two or three).
 _MAX_SCRATCH = 8
+# Draws per run from which each run's bits are copied into its rows one run at a time (no
+# gathering copy); below it one gathered copy is cheaper than a copy call per run.
+_PER_RUN_COPY_MIN = 4096
 
 
 class PackedRandom:
@@ -48,6 +51,7 @@ class PackedRandom:
         self.shared = None if independent else RandomSource(device, shared_seed)
         self._offset = torch.tensor(-_TWO_POW_16 / 2, device=device, dtype=torch.float32)
         self._scratch: dict[torch.Size, tuple[Tensor, Tensor]] = {}
+        self._bits = np.empty(0, dtype=np.int16)
 
     @property
     def generators(self) -> list[torch.Generator]:
@@ -68,8 +72,13 @@ class PackedRandom:
                 uniform[i].uniform_(generator=source.generator)
             return torch.lt(uniform, probs, out=out)
         per_run = probs[0].numel()
-        bits = np.concatenate([source.bits16(per_run) for source in sources])
-        uniform.view(-1).copy_(torch.from_numpy(bits))
+        if per_run >= _PER_RUN_COPY_MIN:
+            for row, source in zip(uniform, sources, strict=True):
+                row.view(-1).copy_(torch.from_numpy(source.bits16(per_run)))
+        else:
+            bits = self._bits_buffer(probs.shape)
+            np.concatenate([source.bits16(per_run) for source in sources], out=bits)
+            uniform.view(-1).copy_(torch.from_numpy(bits))
         # k < 65536·p - 32768  ⇔  (k + 32768) / 65536 < p, as RandomSource.bernoulli_ compares
         torch.add(self._offset, probs, alpha=_TWO_POW_16, out=threshold)
         return torch.lt(uniform, threshold, out=out)
@@ -78,6 +87,14 @@ class PackedRandom:
         """Draws for one run only (``probs`` and ``out`` are its rows), from its own source."""
         source = self.shared if self.shared is not None else self.sources[run]
         return source.bernoulli_(probs, out=out)
+
+    def _bits_buffer(self, shape: torch.Size) -> np.ndarray:
+        """A reused int16 buffer for one draw's bits: a fresh multi-MiB array per draw costs
+        page faults that took longer than drawing the bits."""
+        size = int(np.prod(shape))
+        if self._bits.size < size:
+            self._bits = np.empty(size, dtype=np.int16)
+        return self._bits[:size]
 
     def _scratch_for(self, shape: torch.Size) -> tuple[Tensor, Tensor]:
         scratch = self._scratch.get(shape)
