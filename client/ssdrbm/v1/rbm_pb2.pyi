@@ -219,7 +219,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, kind: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., preconditioner: _Optional[_Union[Preconditioner, str]] = ..., weight_decay: _Optional[float] = ..., max_spectral_norm: _Optional[float] = ..., rank: _Optional[int] = ..., per_parameter: _Optional[_Mapping[str, OptimizerKind]] = ..., per_parameter_lr: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("cd_k", "persistent", "batch_size", "steps", "epochs", "seed", "checkpoint_every", "max_backoffs", "backoff_factor")
+    __slots__ = ("cd_k", "persistent", "batch_size", "steps", "epochs", "seed", "checkpoint_every", "max_backoffs", "backoff_factor", "parallel_tempering")
     CD_K_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class TrainingSpec(_message.Message):
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     MAX_BACKOFFS_FIELD_NUMBER: _ClassVar[int]
     BACKOFF_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TEMPERING_FIELD_NUMBER: _ClassVar[int]
     cd_k: int
     persistent: bool
     batch_size: int
@@ -238,7 +239,16 @@ class TrainingSpec(_message.Message):
     checkpoint_every: int
     max_backoffs: int
     backoff_factor: float
-    def __init__(self, cd_k: _Optional[int] = ..., persistent: bool = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., max_backoffs: _Optional[int] = ..., backoff_factor: _Optional[float] = ...) -> None: ...
+    parallel_tempering: ParallelTempering
+    def __init__(self, cd_k: _Optional[int] = ..., persistent: bool = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., max_backoffs: _Optional[int] = ..., backoff_factor: _Optional[float] = ..., parallel_tempering: _Optional[_Union[ParallelTempering, _Mapping]] = ...) -> None: ...
+
+class ParallelTempering(_message.Message):
+    __slots__ = ("temperatures", "min_beta")
+    TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    MIN_BETA_FIELD_NUMBER: _ClassVar[int]
+    temperatures: int
+    min_beta: float
+    def __init__(self, temperatures: _Optional[int] = ..., min_beta: _Optional[float] = ...) -> None: ...
 
 class EvalSpec(_message.Message):
     __slots__ = ("every", "ais", "ais_chains", "ais_betas", "validation_fraction")
@@ -392,7 +402,7 @@ class CancelJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class Metrics(_message.Message):
-    __slots__ = ("step", "total_steps", "reconstruction_error", "train_reconstruction_error", "free_energy_gap", "pseudo_log_likelihood", "log_likelihood", "log_likelihood_stderr", "log_likelihood_method", "spectral_norm", "wall_time_s", "samples_per_second", "saturated_hidden_fraction")
+    __slots__ = ("step", "total_steps", "reconstruction_error", "train_reconstruction_error", "free_energy_gap", "pseudo_log_likelihood", "log_likelihood", "log_likelihood_stderr", "log_likelihood_method", "spectral_norm", "wall_time_s", "samples_per_second", "saturated_hidden_fraction", "pt_swap_rate_min", "pt_swap_rate_mean", "pt_swap_rates")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     RECONSTRUCTION_ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +416,9 @@ class Metrics(_message.Message):
     WALL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SATURATED_HIDDEN_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    PT_SWAP_RATE_MIN_FIELD_NUMBER: _ClassVar[int]
+    PT_SWAP_RATE_MEAN_FIELD_NUMBER: _ClassVar[int]
+    PT_SWAP_RATES_FIELD_NUMBER: _ClassVar[int]
     step: int
     total_steps: int
     reconstruction_error: float
@@ -419,7 +432,10 @@ class Metrics(_message.Message):
     wall_time_s: float
     samples_per_second: float
     saturated_hidden_fraction: float
-    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., reconstruction_error: _Optional[float] = ..., train_reconstruction_error: _Optional[float] = ..., free_energy_gap: _Optional[float] = ..., pseudo_log_likelihood: _Optional[float] = ..., log_likelihood: _Optional[float] = ..., log_likelihood_stderr: _Optional[float] = ..., log_likelihood_method: _Optional[_Union[LogLikelihoodMethod, str]] = ..., spectral_norm: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., saturated_hidden_fraction: _Optional[float] = ...) -> None: ...
+    pt_swap_rate_min: float
+    pt_swap_rate_mean: float
+    pt_swap_rates: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., reconstruction_error: _Optional[float] = ..., train_reconstruction_error: _Optional[float] = ..., free_energy_gap: _Optional[float] = ..., pseudo_log_likelihood: _Optional[float] = ..., log_likelihood: _Optional[float] = ..., log_likelihood_stderr: _Optional[float] = ..., log_likelihood_method: _Optional[_Union[LogLikelihoodMethod, str]] = ..., spectral_norm: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., saturated_hidden_fraction: _Optional[float] = ..., pt_swap_rate_min: _Optional[float] = ..., pt_swap_rate_mean: _Optional[float] = ..., pt_swap_rates: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Backoff(_message.Message):
     __slots__ = ("step", "rollback_step", "reason", "old_lr", "new_lr", "backoff", "max_backoffs")
