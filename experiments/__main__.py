@@ -1,4 +1,4 @@
-"""Command line: `python -m experiments NAME [--quick] [--out DIR]`."""
+"""Command line: `python -m experiments NAME [--quick] [--out DIR] [--sequential]`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 
 from experiments import common
 
-EXPERIMENTS = ("tuning", "simulation", "mnist", "freyface", "beyond", "grbm")
+EXPERIMENTS = ("tuning", "simulation", "mnist", "freyface", "beyond", "grbm", "transfer")
+# The experiments that pack compatible runs (experiments/packed.py) and take --sequential.
+PACKED = ("tuning",)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,12 +27,20 @@ def main(argv: list[str] | None = None) -> int:
         default=common.DEFAULT_OUT,
         help="root directory for figures and tables (default: docs/figures)",
     )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help=f"train every run alone instead of packing compatible runs ({', '.join(PACKED)})",
+    )
     arguments = parser.parse_args(argv)
+    if arguments.sequential and arguments.name not in PACKED:
+        parser.error(f"--sequential applies to {', '.join(PACKED)}; {arguments.name} runs alone")
+    options = {"sequential": True} if arguments.sequential else {}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     threads = common.configure_threads()
     module = importlib.import_module(f"experiments.{arguments.name}")
     started = time.perf_counter()
-    summary = module.run(arguments.out, quick=arguments.quick)
+    summary = module.run(arguments.out, quick=arguments.quick, **options)
     summary["wall_seconds"] = time.perf_counter() - started
     summary["quick"] = arguments.quick
     summary["torch_threads"] = threads

@@ -8,6 +8,11 @@ by one more half-decade in that direction (at most `MAX_EXTENSIONS` times), so t
 is a minimum rather than a boundary. The best value of each grid goes into
 `experiments/step_sizes.json`, which the other experiments read; a full run rewrites it after
 each setting (so the next experiment may start early), a quick run leaves it alone.
+
+The runs of a grid differ only in their step size, so those `ssdcore.pack` can train together
+(Bernoulli RBMs with SGD, Nesterov or SSD) are trained as one pack per optimizer, each run with
+its own seed and step size and bit for bit its solo trajectory on the CPU; the rest (Gaussian
+RBMs, Adam, RMSprop, preconditioned SSD) run one by one. `--sequential` trains every run alone.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +29,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import torch
 
-from experiments import common, freyface, mnist, simulation
+from experiments import common, freyface, mnist, packed, simulation
 from experiments.common import EvalPlan, ModelSpec, RunSpec, TorchOptimizer
 from ssdcore.data import split
 from ssdcore.optim import OptimizerConfig
@@ -163,50 +169,66 @@ def score(result: common.RunResult) -> float:
     return sum(tail) / len(tail) if tail and all(map(math.isfinite, tail)) else math.inf
 
 
-def tune_optimizer(
-    setting: Setting, name: str, grid: tuple[float, ...], plan: EvalPlan, seed: int, extensions: int
-) -> tuple[dict[float, float], float, bool]:
-    """Scores every step size of `grid`, extending it past an end that wins; returns the scores,
-    the best step size, and whether the best is still at an end of the (extended) grid."""
+def run_spec(setting: Setting, name: str, lr: float, seed: int) -> RunSpec:
+    """The short run that scores step size `lr` of optimizer `name` on `setting`."""
+    return RunSpec(
+        f"{setting.key}/{name} lr={lr:.3g}",
+        setting.model,
+        optimizer_for(name, lr, setting.ssd_method),
+        setting.steps,
+        setting.batch_size,
+        setting.cd_k,
+        seed=seed,
+    )
 
-    def evaluate(lr: float) -> float:
-        spec = RunSpec(
-            f"{setting.key}/{name} lr={lr:.3g}",
-            setting.model,
-            optimizer_for(name, lr, setting.ssd_method),
-            setting.steps,
-            setting.batch_size,
-            setting.cd_k,
-            seed=seed,
-        )
-        return score(common.execute(spec, plan))
 
-    scores = {lr: evaluate(lr) for lr in grid}
-    for _ in range(extensions):
-        ordered = sorted(scores)
-        best = min(ordered, key=lambda lr: scores[lr])
-        if math.isinf(scores[best]) or best not in (ordered[0], ordered[-1]):
-            break
-        beyond = best * HALF_DECADE if best == ordered[-1] else best / HALF_DECADE
-        scores[float(f"{beyond:.3g}")] = evaluate(float(f"{beyond:.3g}"))
+def next_step_size(scores: dict[float, float]) -> float | None:
+    """One half-decade past the end of the grid where the best score sits, or None when the
+    best is inside the grid (or every run diverged)."""
     ordered = sorted(scores)
     best = min(ordered, key=lambda lr: scores[lr])
-    return scores, best, best in (ordered[0], ordered[-1])
+    if math.isinf(scores[best]) or best not in (ordered[0], ordered[-1]):
+        return None
+    beyond = best * HALF_DECADE if best == ordered[-1] else best / HALF_DECADE
+    return float(f"{beyond:.3g}")
 
 
 def tune_setting(
-    setting: Setting, quick: bool, seed: int
+    setting: Setting, quick: bool, seed: int, *, sequential: bool = False
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Tunes every optimizer of `setting`; returns the table rows and the chosen step sizes."""
+    """Tunes every optimizer of `setting`; returns the table rows and the chosen step sizes.
+
+    The grids of all optimizers are trained in one round, then each extension in a round of
+    its own: within a round, runs that can share a pack are trained as one
+    (`experiments.packed`) unless `sequential`; each run is scored as if trained alone.
+    """
     train, valid = split(setting.load(), VALID_FRACTION, seed=seed)
     plan = EvalPlan(train, valid, every=setting.eval_every)
+    scores: dict[str, dict[float, float]] = {name: {} for name in setting.optimizers}
+    pack_sizes: dict[tuple[str, float], int] = {}
+    grids = GRIDS[setting.model.kind]
+    pending = {
+        name: list(grids[name][1:3] if quick else grids[name]) for name in setting.optimizers
+    }
+    for _ in range(1 + (0 if quick else MAX_EXTENSIONS)):
+        points = [(name, lr) for name, grid in pending.items() for lr in grid]
+        specs = [run_spec(setting, name, lr, seed) for name, lr in points]
+        results = packed.execute_all(specs, plan, packed=not sequential)
+        for (name, lr), result in zip(points, results, strict=True):
+            scores[name][lr] = score(result)
+            pack_sizes[name, lr] = result.extra.get("pack_size", 1)
+        pending = {
+            name: [lr]
+            for name in setting.optimizers
+            if (lr := next_step_size(scores[name])) is not None
+        }
+        if not pending:
+            break
     rows, chosen = [], {}
     for name in setting.optimizers:
-        grid = GRIDS[setting.model.kind][name]
-        grid = grid[1:3] if quick else grid
-        scores, best, edge = tune_optimizer(
-            setting, name, grid, plan, seed, 0 if quick else MAX_EXTENSIONS
-        )
+        ordered = sorted(scores[name])
+        best = min(ordered, key=lambda lr: scores[name][lr])
+        edge = best in (ordered[0], ordered[-1])
         if edge:
             logger.warning(
                 "%s/%s: best step size %g is at the end of the grid", setting.key, name, best
@@ -217,21 +239,27 @@ def tune_setting(
                 "setting": setting.key,
                 "optimizer": name,
                 "lr": lr,
-                "valid_recon": scores[lr],
+                "valid_recon": scores[name][lr],
                 "chosen": ("yes (grid end)" if edge else "yes") if lr == best else "",
+                "pack": pack_sizes[name, lr],
             }
-            for lr in sorted(scores)
+            for lr in ordered
         ]
     return rows, chosen
 
 
-def run(out: Path, quick: bool = False) -> dict[str, Any]:
-    """Tunes every setting and writes the grid table, a figure and the chosen step sizes."""
+def run(out: Path, quick: bool = False, sequential: bool = False) -> dict[str, Any]:
+    """Tunes every setting and writes the grid table, a figure and the chosen step sizes;
+    `sequential` trains every run alone (the reference the packed runs must match)."""
     directory = common.output_dir(out, NAME)
     rows: list[dict[str, Any]] = []
     chosen: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     for setting in settings(quick):
-        setting_rows, setting_chosen = tune_setting(setting, quick, seed=0)
+        started = time.perf_counter()
+        setting_rows, setting_chosen = tune_setting(setting, quick, seed=0, sequential=sequential)
+        seconds[setting.key] = time.perf_counter() - started
+        logger.info("%s tuned in %.0f s", setting.key, seconds[setting.key])
         rows += setting_rows
         chosen |= setting_chosen
         document = {
@@ -247,7 +275,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
             common.STEP_SIZES_PATH.write_text(text)
         common.write_table(rows, directory, "grid")
     grid_figure(rows, directory / "grid.png")
-    return {"chosen": chosen}
+    return {"chosen": chosen, "packed": not sequential, "setting_seconds": seconds}
 
 
 def grid_figure(rows: list[dict[str, Any]], path: Path) -> Path:

@@ -133,6 +133,17 @@ def test_tuning_quick_leaves_chosen_step_sizes_alone(tmp_path: Path) -> None:
         assert lr in tuning.GRIDS[kinds[setting]][optimizer], key
     written = json.loads((tmp_path / "tuning" / "step_sizes.json").read_text())
     assert written["chosen"] == chosen
+    # the grids of Bernoulli RBMs with SGD, Nesterov and SSD train as packs, the rest alone
+    assert summary["packed"] is True
+    for row in json.loads((tmp_path / "tuning" / "grid.json").read_text()):
+        packable = kinds[row["setting"]] == "bernoulli" and row["setting"] != "beyond"
+        assert row["pack"] == (2 if packable else 1), row
+
+
+def test_only_packed_experiments_take_sequential(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["freyface", "--quick", "--sequential", "--out", str(tmp_path)])
+    assert refused.value.code == 2
 
 
 def test_command_line_writes_run_summary(tmp_path: Path) -> None:
