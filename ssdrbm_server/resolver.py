@@ -31,6 +31,7 @@ from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, DEFAULT_AIS_CHAINS
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
 from ssdcore.optim.config import DEFAULT_NESTEROV_MOMENTUM
 from ssdcore.step_sizes import default_lr, step_size_table
+from ssdcore.tempering import DEFAULT_MIN_BETA, DEFAULT_N_TEMPERATURES, MAX_TEMPERATURES
 from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, steps_per_epoch
 from ssdrbm_server import catalog
 from ssdrbm_server.catalog import DatasetShape
@@ -332,6 +333,42 @@ def _resolve_training(training: pb.TrainingSpec, settings: Settings) -> None:
             f"must be > 1 (each backoff divides the step sizes by it), got "
             f"{training.backoff_factor}",
         )
+    _resolve_tempering(training)
+
+
+def _resolve_tempering(training: pb.TrainingSpec) -> None:
+    """Parallel tempering: PCD only; unset counts take ssdcore's defaults (ssdcore/tempering.py)."""
+    if not training.HasField("parallel_tempering"):
+        return
+    field = "training.parallel_tempering"
+    if not training.persistent:
+        raise InvalidArgumentError(
+            field,
+            "tempers persistent chains: set training.persistent = true (PCD), or leave "
+            f"{field} unset",
+        )
+    tempering = training.parallel_tempering
+    if tempering.temperatures == 0:
+        tempering.temperatures = DEFAULT_N_TEMPERATURES
+    if not 2 <= tempering.temperatures <= MAX_TEMPERATURES:
+        raise InvalidArgumentError(
+            f"{field}.temperatures",
+            f"must be between 2 and {MAX_TEMPERATURES}, got {tempering.temperatures} "
+            f"(one temperature is plain PCD: leave {field} unset)",
+        )
+    if tempering.min_beta == 0:
+        tempering.min_beta = DEFAULT_MIN_BETA
+    if not 0 < finite(tempering.min_beta, f"{field}.min_beta") < 1:
+        raise InvalidArgumentError(
+            f"{field}.min_beta",
+            f"must be in (0, 1) (the hottest chains' inverse temperature), got "
+            f"{tempering.min_beta}",
+        )
+
+
+def temperatures(training: pb.TrainingSpec) -> int:
+    """Chain sets a resolved job runs: its ladder's length with parallel tempering, else 1."""
+    return training.parallel_tempering.temperatures or 1
 
 
 def _resolve_eval(eval_spec: pb.EvalSpec, settings: Settings) -> None:
@@ -501,15 +538,17 @@ def check_budgets(spec: pb.StartTrainingRequest, n_visible: int, settings: Setti
             "max_value_bytes",
             "lower model.n_hidden (or training.batch_size for PCD)",
         )
-    flops = step_flops(n_visible, n_hidden, training.batch_size, training.cd_k)
+    sweeps = training.cd_k * temperatures(training)  # every temperature sweeps cd_k times
+    flops = step_flops(n_visible, n_hidden, training.batch_size, sweeps)
     if flops > settings.max_step_flops:
         _exhausted(
             "training step cost",
-            f"about {flops:.3g} FLOPs per step (2·B·V·H·(2·cd_k+2) with B={training.batch_size}, "
-            f"V={n_visible}, H={n_hidden}, cd_k={training.cd_k})",
+            f"about {flops:.3g} FLOPs per step (2·B·V·H·(2·cd_k·T+2) with "
+            f"B={training.batch_size}, V={n_visible}, H={n_hidden}, cd_k={training.cd_k}, "
+            f"T={sweeps // training.cd_k} temperatures)",
             f"{settings.max_step_flops:.3g}",
             "max_step_flops",
-            "lower training.cd_k, training.batch_size or model.n_hidden",
+            "lower training.cd_k, training.batch_size, model.n_hidden or the temperatures",
         )
     if spec.eval.ais:
         cost = eval_flops(n_visible, n_hidden, spec.eval.ais_chains, spec.eval.ais_betas)
@@ -540,6 +579,7 @@ def checkpoint_bytes(model: pb.ModelSpec, n_visible: int, training: pb.TrainingS
     """The trainer state's size, the largest value a checkpoint writes (an estimate that errs
     high): the parameters and their buffers, and the PCD chains (B, V) and (B, H)."""
     chains = 4 * training.batch_size * (n_visible + model.n_hidden) if training.persistent else 0
+    chains *= temperatures(training)
     return TRAINER_STATE_COPIES * model_bytes(model, n_visible) + chains
 
 

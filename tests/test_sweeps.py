@@ -7,15 +7,24 @@ Jobs are tiny (8 hidden units, 16 visible, 200 synthetic examples, tens of steps
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
+from ssdrbm import Client, JobState
+from ssdrbm.aio import AsyncClient
+from ssdrbm.sweeps import Range, SweepState
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdrbm_server.sweeps.rungs import eval_every_for, resolve_rungs
-from tests.fixtures.jobs import rpc_error, tiny_request
+from tests.fixtures.jobs import float_tensor, rpc_error, tiny_request
 from tests.fixtures.service import RunningService
 
 WAIT_S = 120.0  # a bound for a loaded 2-core machine, not a speed check
@@ -180,3 +189,203 @@ def test_every_point_is_a_job_that_succeeds_and_the_board_ranks_them(
         assert job.name.startswith("lr scan #")
     # Updates came while runs were going: the board changed between the first and the last.
     assert len(updates) >= 2 and updates[0].sweep != final
+
+
+def test_cancel_sweep_cancels_queued_and_running_runs(service: RunningService) -> None:
+    stub = service.stub()
+    sweep = stub.StartSweep(sweep_request(lr_axis(0.01, 0.02, 0.03), steps=5000))
+
+    def states() -> list[int]:
+        return [run.state for run in stub.GetSweep(pb.GetSweepRequest(sweep_id=sweep.id)).runs]
+
+    wait_for(lambda: pb.JOB_STATE_RUNNING in states(), "a running run")
+    cancelled = stub.CancelSweep(pb.CancelSweepRequest(sweep_id=sweep.id))
+    assert cancelled.cancel_requested
+    final = follow(stub, sweep.id)[-1].sweep
+    assert final.state == pb.SWEEP_STATE_CANCELLED
+    assert [run.state for run in final.runs] == [pb.JOB_STATE_CANCELLED] * 3
+    assert all(run.step < 5000 for run in final.runs)
+
+
+def test_asha_stops_the_worst_runs_at_a_rung_and_the_best_completes(
+    service: RunningService,
+) -> None:
+    stub = service.stub()
+    # SGD at 0.1 learns within 10 steps; at 1e-6 and 1e-7 the models barely move, so their
+    # reconstruction errors rank below it at the first rung. One worker takes the runs in point
+    # order: the good run reaches each rung first (alone: promoted), the others meet its value.
+    request = sweep_request(
+        lr_axis(0.1, 1e-6, 1e-7),
+        steps=40,
+        early_stopping=pb.EarlyStopping(min_steps=10, reduction_factor=3),
+    )
+    request.base.optimizer.kind = pb.OPTIMIZER_KIND_SGD
+    sweep = stub.StartSweep(request)
+    assert list(sweep.request.early_stopping.rungs) == [10, 30]
+    final = follow(stub, sweep.id)[-1].sweep
+    assert final.state == pb.SWEEP_STATE_SUCCEEDED
+    by_lr = {run.point["optimizer.lr"]: run for run in final.runs}
+    best, worse = by_lr["0.1"], [by_lr["1e-06"], by_lr["1e-07"]]
+    assert best.state == pb.JOB_STATE_SUCCEEDED and best.step == 40
+    assert final.best_job_id == best.job_id
+    for run in worse:
+        assert run.state == pb.JOB_STATE_STOPPED, run
+        assert 10 <= run.step < 30
+        job = stub.GetJob(pb.GetJobRequest(job_id=run.job_id))
+        assert job.checkpoint_step >= 10  # checkpointed when stopped: its model is served
+        stopped = [
+            event.state
+            for event in stub.StreamMetrics(pb.StreamMetricsRequest(job_id=run.job_id))
+            if event.WhichOneof("event") == "state"
+        ][-1]
+        assert stopped.state == pb.JOB_STATE_STOPPED and "rung step 10" in stopped.message
+        output = stub.Reconstruct(
+            pb.ReconstructRequest(job_id=run.job_id, input=float_tensor(2, 16), mean_field=True)
+        )
+        assert list(output.output.shape) == [2, 16]
+    # StateChange filters and listings know the new state.
+    stopped_jobs = stub.ListJobs(pb.ListJobsRequest(state=pb.JOB_STATE_STOPPED)).jobs
+    assert {job.id for job in stopped_jobs} == {run.job_id for run in worse}
+
+
+@pytest.fixture
+def tenants(service_factory: Callable[..., RunningService]) -> RunningService:
+    return service_factory(
+        run_worker=False, auth_mode="token", auth_tokens=f"{ALPHA}=alpha,{BETA}=beta"
+    )
+
+
+def test_list_sweeps_pages_newest_first_and_tenants_see_only_their_own(
+    tenants: RunningService,
+) -> None:
+    alpha, beta = tenants.stub(token=ALPHA), tenants.stub(token=BETA)
+    created = [alpha.StartSweep(sweep_request(lr_axis(0.01), name=f"s{i}")).id for i in range(3)]
+    seen, token = [], ""
+    while True:
+        page = alpha.ListSweeps(pb.ListSweepsRequest(page_size=2, page_token=token))
+        assert len(page.sweeps) <= 2
+        seen += [sweep.id for sweep in page.sweeps]
+        assert all(not sweep.runs and sweep.run_count == 1 for sweep in page.sweeps)
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == created[::-1]
+    error = rpc_error(lambda: alpha.ListSweeps(pb.ListSweepsRequest(page_size=1001)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "page_size" in error.details()
+
+    assert not list(beta.ListSweeps(pb.ListSweepsRequest()).sweeps)
+    for call in (
+        lambda: beta.GetSweep(pb.GetSweepRequest(sweep_id=created[0])),
+        lambda: beta.CancelSweep(pb.CancelSweepRequest(sweep_id=created[0])),
+        lambda: beta.StreamSweep(pb.StreamSweepRequest(sweep_id=created[0])),
+        lambda: alpha.GetSweep(pb.GetSweepRequest(sweep_id="not-a-sweep")),
+    ):
+        assert rpc_error(call).code() == grpc.StatusCode.NOT_FOUND
+    page_token = alpha.ListSweeps(pb.ListSweepsRequest(page_size=1)).next_page_token
+    error = rpc_error(lambda: beta.ListSweeps(pb.ListSweepsRequest(page_token=page_token)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The runs are the tenant's ordinary jobs, tagged with their sweep.
+    jobs = alpha.ListJobs(pb.ListJobsRequest()).jobs
+    assert sorted(job.sweep_id for job in jobs) == sorted(created)
+
+
+# --- SDK and CLI --------------------------------------------------------------------------------
+
+SSDRBM = str(Path(sys.executable).parent / "ssdrbm")
+TINY = ["--hidden", "8", "--batch-size", "20", "--eval-every", "10", "--dataset", "synthetic"]
+TINY += ["--option", "n_visible=16", "--option", "n_hidden=4", "--option", "n_samples=200"]
+TINY += ["--validation-fraction", "0.2"]
+
+
+def cli(service: RunningService, *args: str) -> subprocess.CompletedProcess:
+    """The console script, as a user's shell runs it, against the service."""
+    return subprocess.run(
+        [SSDRBM, *args],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        env={**os.environ, "SSDRBM_TARGET": service.target},
+    )
+
+
+def test_sdk_starts_streams_lists_and_cancels_sweeps(idle: RunningService) -> None:
+    with Client(idle.target) as client:
+        dry = client.start_sweep(
+            n_hidden=8, steps=20, axes={"lr": [0.01, 0.1], "optimizer": ["ssd", "sgd"]},
+            validate_only=True,
+        )  # fmt: skip
+        assert dry.state is SweepState.UNSPECIFIED and dry.run_count == 4 and not dry.id
+        random = client.start_sweep(
+            n_hidden=8, steps=20, axes={"lr": Range(1e-3, 1e-1, log=True)}, random=3,
+            sample_seed=5, validate_only=True,
+        )  # fmt: skip
+        assert [run.point for run in random.runs] == [
+            run.point
+            for run in client.start_sweep(
+                n_hidden=8, steps=20, axes={"lr": Range(1e-3, 1e-1, log=True)}, random=3,
+                sample_seed=5, validate_only=True,
+            ).runs
+        ]  # fmt: skip
+        sweep = client.start_sweep(
+            n_hidden=8, steps=40, axes={"lr.W": [0.01, 0.02]}, seeds=2, name="pp",
+            early_stop=(10, 2),
+        )  # fmt: skip
+        assert sweep.state is SweepState.RUNNING and sweep.rungs == [10, 20]
+        assert sweep.reduction_factor == 2 and len(sweep.runs) == 4
+        assert {run.point["optimizer.per_parameter_lr.W"] for run in sweep.runs} == {"0.01", "0.02"}
+        job = client.get_job(sweep.runs[0].job_id)
+        assert job.state is JobState.QUEUED and job.spec["eval"]["every"] == 10  # divides 10, 20
+        assert [s.id for s in client.list_sweeps(page_size=1)] == [sweep.id]
+        cancelled = client.cancel_sweep(sweep.id)
+        assert cancelled.cancel_requested
+        boards = list(client.stream_sweep(sweep.id, timeout=WAIT_S))
+        assert boards[-1].state is SweepState.CANCELLED and boards[-1].done
+        assert {run.state for run in boards[-1].runs} == {JobState.CANCELLED}
+
+    async def asynchronous() -> list[str]:
+        async with AsyncClient(idle.target) as client:
+            got = await client.get_sweep(sweep.id)
+            listed = [s.id async for s in client.list_sweeps()]
+            boards = [board async for board in client.stream_sweep(sweep.id)]
+            assert boards[-1].state is SweepState.CANCELLED
+            return [got.id, *listed]
+
+    assert asyncio.run(asynchronous()) == [sweep.id, sweep.id]
+
+
+def test_cli_sweep_json_and_watch_against_the_service(service: RunningService, tmp_path) -> None:
+    result = cli(service, "sweep", *TINY, "--steps", "20", "--lr", "0.01,0.05", "--json")
+    assert result.returncode == 0, result.stderr
+    started = json.loads(result.stdout)
+    assert started["run_count"] == 2 and started["state"] == "running"
+
+    result = cli(
+        service, "sweep", *TINY, "--steps", "20", "--optimizer", "sgd", "--lr", "0.1,1e-6",
+        "--name", "watched", "--watch",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    sweep_id = lines[0]
+    assert lines[1].startswith(f"sweep {sweep_id} watched — succeeded, 2 runs")
+    assert lines[2].split()[:5] == ["RANK", "JOB", "STATE", "STEP", "RECONSTRUCTION_ERROR"]
+    assert lines[3].split()[0] == "1" and lines[3].split()[-1] == "0.1"  # lr 0.1 ranks first
+    assert "succeeded" in lines[3] and "20/20" in lines[3]
+    assert f"sweep {sweep_id} succeeded: 2/2 runs ended" in result.stderr
+
+    listing = cli(service, "sweeps", "--json")
+    assert listing.returncode == 0, listing.stderr
+    assert json.loads(listing.stdout)[0]["id"] == sweep_id
+    result = cli(service, "sweep-show", started["id"], "--watch", "--json")
+    assert result.returncode == 0, result.stderr
+    final = json.loads(result.stdout.splitlines()[-1])["sweep"]
+    assert final["state"] == "succeeded" and [run["rank"] for run in final["runs"]] == [1, 2]
+
+    plotted = cli(service, "plot", sweep_id, "--output", str(tmp_path), "--json")
+    assert plotted.returncode == 0, plotted.stderr
+    assert json.loads(plotted.stdout) == {
+        "sweep_id": sweep_id, "files": [str(tmp_path / "sweep.png")]
+    }  # fmt: skip
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+    bad = cli(service, "sweep", *TINY, "--steps", "20", "--lr", "0.01,-1")
+    assert bad.returncode == 2 and "axes[0]: optimizer.lr = -1 is refused" in bad.stderr

@@ -34,6 +34,7 @@ from ssdrbm.events import (
 from ssdrbm.model_file import ExportedModel, read_safetensors
 from ssdrbm.retry import RetryPolicy
 from ssdrbm.server_info import ServerInfo
+from ssdrbm.sweeps import Sweep, SweepRun, SweepState
 
 __version__ = "0.1.0"
 
@@ -61,6 +62,9 @@ __all__ = [
     "ServerError",
     "ServerInfo",
     "StateEvent",
+    "Sweep",
+    "SweepRun",
+    "SweepState",
     "Unauthenticated",
     "Unavailable",
     "UploadedDataset",

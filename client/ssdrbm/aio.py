@@ -36,6 +36,7 @@ from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, acall_with_retry, is_retryable
 from ssdrbm.server_info import ServerInfo
 from ssdrbm.spec import TrainingDefaults, training_request
+from ssdrbm.sweeps import Sweep, sweep_request
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
@@ -142,6 +143,62 @@ class AsyncClient:
         """Delete a finished job and all it stored; ``force`` cancels an unfinished one first."""
         request = rbm_pb2.DeleteJobRequest(job_id=job_id, force=force)
         await self._call("DeleteJob", request)
+
+    # -- sweeps (ssdrbm/sweeps.py) --------------------------------------------------------------
+
+    async def start_sweep(self, **kwargs: Any) -> Sweep:
+        """Start a sweep; see :meth:`ssdrbm.Client.start_sweep` for the arguments."""
+        return Sweep.from_proto(await self._call("StartSweep", sweep_request(**kwargs)))
+
+    async def get_sweep(self, sweep_id: str) -> Sweep:
+        """The sweep with its leaderboard (runs best first)."""
+        request = rbm_pb2.GetSweepRequest(sweep_id=sweep_id)
+        return Sweep.from_proto(await self._call("GetSweep", request))
+
+    async def list_sweeps(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> AsyncIterator[Sweep]:
+        """Every sweep of the caller, newest first (without their runs)."""
+        token = ""
+        while True:
+            request = rbm_pb2.ListSweepsRequest(page_size=page_size, page_token=token)
+            response = await self._call("ListSweeps", request)
+            for message in response.sweeps:
+                yield Sweep.from_proto(message)
+            token = response.next_page_token
+            if not token:
+                return
+
+    async def cancel_sweep(self, sweep_id: str) -> Sweep:
+        """Cancel every queued or running run of the sweep."""
+        request = rbm_pb2.CancelSweepRequest(sweep_id=sweep_id)
+        return Sweep.from_proto(await self._call("CancelSweep", request))
+
+    async def stream_sweep(
+        self, sweep_id: str, *, timeout: float | None = None
+    ) -> AsyncIterator[Sweep]:
+        """The live leaderboard until the sweep ends; see the blocking client."""
+        deadline = reconnect.deadline_after(timeout)
+        backoff = reconnect.Reconnect(self.retry, self.reconnect_s)
+        while True:
+            call = self._stub.StreamSweep(
+                rbm_pb2.StreamSweepRequest(sweep_id=sweep_id),
+                timeout=reconnect.remaining(deadline),
+                metadata=self.connection.metadata(),
+            )
+            try:
+                async for message in call:
+                    backoff.reset()
+                    sweep = Sweep.from_proto(message.sweep)
+                    yield sweep
+                    if sweep.done:
+                        return
+                return
+            except grpc.RpcError as error:
+                delay = backoff.next_delay(retry_delay(error)) if is_retryable(error) else None
+                if delay is None:
+                    raise from_rpc_error(error, self.target) from None
+                await asyncio.sleep(delay)
+            finally:
+                call.cancel()
 
     async def stream_metrics(
         self,

@@ -39,6 +39,7 @@ from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import RetryPolicy, call_with_retry, is_retryable
 from ssdrbm.server_info import ServerInfo
 from ssdrbm.spec import TrainingDefaults, training_request
+from ssdrbm.sweeps import Sweep, sweep_request
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
@@ -178,6 +179,65 @@ class Client:
         a queued or running job raises FailedPrecondition unless ``force`` cancels it first."""
         request = rbm_pb2.DeleteJobRequest(job_id=job_id, force=force)
         self._call("DeleteJob", request)
+
+    # -- sweeps (ssdrbm/sweeps.py) --------------------------------------------------------------
+
+    def start_sweep(self, **kwargs: Any) -> Sweep:
+        """Start a sweep: one job per point of ``axes`` (and ``seeds``), all checked first.
+
+        Takes :func:`ssdrbm.sweeps.sweep_request`'s keywords: ``axes`` ({"lr": [1e-3, 1e-2],
+        "optimizer": ["ssd", "sgd"]}, or :class:`~ssdrbm.sweeps.Range` values with ``random=N``),
+        ``seeds``, ``sample_seed``, ``rank_by``, ``early_stop`` (MIN_STEPS or (MIN_STEPS, ETA)),
+        ``rungs``, ``name``, ``request_id`` (generated when missing), ``validate_only``, and
+        :meth:`start_training`'s keywords for what every run shares.
+        """
+        return Sweep.from_proto(self._call("StartSweep", sweep_request(**kwargs)))
+
+    def get_sweep(self, sweep_id: str) -> Sweep:
+        """The sweep with its leaderboard (runs best first)."""
+        return Sweep.from_proto(self._call("GetSweep", rbm_pb2.GetSweepRequest(sweep_id=sweep_id)))
+
+    def list_sweeps(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[Sweep]:
+        """Every sweep of the caller, newest first (without their runs: see get_sweep)."""
+        token = ""
+        while True:
+            request = rbm_pb2.ListSweepsRequest(page_size=page_size, page_token=token)
+            response = self._call("ListSweeps", request)
+            yield from (Sweep.from_proto(message) for message in response.sweeps)
+            token = response.next_page_token
+            if not token:
+                return
+
+    def cancel_sweep(self, sweep_id: str) -> Sweep:
+        """Cancel every queued or running run of the sweep."""
+        request = rbm_pb2.CancelSweepRequest(sweep_id=sweep_id)
+        return Sweep.from_proto(self._call("CancelSweep", request))
+
+    def stream_sweep(self, sweep_id: str, *, timeout: float | None = None) -> Iterator[Sweep]:
+        """The live leaderboard: a :class:`~ssdrbm.sweeps.Sweep` on every change (and every
+        few seconds) until the sweep ends. Each update is whole, so a dropped connection is
+        simply opened again."""
+        deadline = reconnect.deadline_after(timeout)
+        backoff = reconnect.Reconnect(self.retry, self.reconnect_s)
+        while True:
+            call = self._stub.StreamSweep(
+                rbm_pb2.StreamSweepRequest(sweep_id=sweep_id),
+                timeout=reconnect.remaining(deadline),
+                metadata=self.connection.metadata(),
+            )
+            try:
+                for message in call:
+                    backoff.reset()
+                    sweep = Sweep.from_proto(message.sweep)
+                    yield sweep
+                    if sweep.done:
+                        return
+                return
+            except grpc.RpcError as error:
+                if not is_retryable(error) or not backoff.wait(retry_delay(error)):
+                    raise from_rpc_error(error, self.target) from None
+            finally:
+                call.cancel()
 
     # -- metrics -------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ssdrbm.cli import completion, data, jobs, models, servers
+from ssdrbm.cli import completion, data, jobs, models, servers, sweeps
 from ssdrbm.cli.context import add_connection_options, connection_from_args, option
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import Context, report
@@ -27,6 +27,7 @@ examples:
   ssdrbm watch $JOB                            # live progress until the job ends
   ssdrbm features $JOB --input x.npy --output h.npy
   ssdrbm plot $JOB --output figures/
+  ssdrbm sweep --hidden 25 --steps 2000 --lr 1e-3,3e-3,1e-2 --seeds 3 --early-stop 200 --watch
 
 exit codes: 0 ok, 1 error, 2 usage or invalid argument, 3 service unreachable, 4 not found,
 5 unauthenticated, 6 job failed, 7 job cancelled, 8 not ready, 9 limit reached, 130 Ctrl-C,
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     servers.register(commands, [common])
     jobs.register(commands, [common])
+    sweeps.register(commands, [common])
     data.register(commands, [common])
     models.register(commands, [common])
     completion.register(commands, [common])

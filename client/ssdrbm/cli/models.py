@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ssdrbm.cli import sweeps
 from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
@@ -52,8 +53,10 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     export.add_argument("--json", action="store_true", help="print the written paths as JSON")
     export.set_defaults(run=run_export)
 
-    plot = commands.add_parser("plot", parents=parents, help="PNG figures of a job and its model")
-    plot.add_argument("job", metavar="JOB")
+    plot = commands.add_parser(
+        "plot", parents=parents, help="PNG figures of a job and its model, or of a sweep's runs"
+    )
+    plot.add_argument("job", metavar="JOB|SWEEP")
     plot.add_argument("--output", "-o", required=True, metavar="DIR")
     plot.add_argument("--input", "-i", metavar="X.npy", help="inputs shown beside reconstructions")
     plot.add_argument("--image-shape", metavar="HxW", help="e.g. 28x28 (guessed when missing)")
@@ -156,6 +159,11 @@ def run_plot(args: argparse.Namespace) -> ExitCode:
     from ssdrbm.cli import plot  # matplotlib is imported only for this command
 
     plot.require_matplotlib()  # before anything is fetched: say at once what to install
+    with client_from_args(args) as client:  # a sweep's id: one curve per run
+        sweep = sweeps.find_sweep(client, args.job)
+        if sweep is not None:
+            written = sweeps.plot_sweep(client, sweep, Path(args.output))
+            return _print_written(args, {"sweep_id": sweep.id}, written)
     image_shape = parse_image_shape(args.image_shape)
     inputs = load_input(args.input) if args.input else None
     with client_from_args(args) as client:
@@ -177,8 +185,14 @@ def run_plot(args: argparse.Namespace) -> ExitCode:
         reconstructions=reconstructions,
         image_shape=image_shape,
     )
+    return _print_written(args, {"job_id": args.job}, written)
+
+
+def _print_written(
+    args: argparse.Namespace, subject: dict[str, str], written: list[Path]
+) -> ExitCode:
     if args.json:
-        print_json({"job_id": args.job, "files": [str(path) for path in written]})
+        print_json({**subject, "files": [str(path) for path in written]})
     else:
         print("\n".join(str(path) for path in written))
     return ExitCode.OK

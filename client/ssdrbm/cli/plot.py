@@ -1,4 +1,5 @@
-"""PNG figures of a job: metric curves, weight filters, W histogram, reconstructions, variances.
+"""PNG figures of a job: metric curves, weight filters, W histogram, reconstructions, variances;
+of a sweep: one metric curve per run.
 
 matplotlib is imported inside :func:`write_figures` only, so the rest of the CLI never pays for it
 (and works where it is not installed: the ``[plot]`` extra adds it, see :func:`require_matplotlib`).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +201,37 @@ def write_figures(
             _plot_variances(plt, model.visible_variance(), shape, directory / "variances.png")
         )
     return [path for path in written if path is not None]
+
+
+@dataclass(frozen=True)
+class SweepCurve:
+    """One run of a sweep: its label (the point), its metric history, whether it is the best."""
+
+    label: str
+    history: Sequence[Metrics]
+    best: bool = False
+
+
+def write_sweep_figure(directory: Path, curves: Sequence[SweepCurve], metric: str) -> Path:
+    """``sweep.png``: the metric over steps, one curve per run, the best run drawn on top in
+    a thick line; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for curve in sorted(curves, key=lambda curve: curve.best):  # the best last, on top
+        steps, values = _metric_series(curve.history, metric)
+        style = {"linewidth": 2.8, "color": "black", "zorder": 3} if curve.best else {"alpha": 0.6}
+        label = f"{curve.label} (best)" if curve.best else curve.label
+        axis.plot(steps, values, label=label, **style)
+    axis.set_title(f"sweep: {metric.replace('_', ' ')} per run")
+    axis.set_xlabel("step")
+    axis.legend(fontsize="x-small")
+    figure.tight_layout()
+    path = directory / "sweep.png"
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -1,0 +1,292 @@
+"""Commands about sweeps: ``sweep`` (start, ``--watch`` a live leaderboard), ``sweeps`` (list),
+``sweep-show``, ``sweep-cancel``; ``plot SWEEP`` draws one curve per run (models.py asks here).
+
+``ssdrbm sweep`` takes ``ssdrbm train``'s options; the ones a sweep can vary take a comma list
+(``--lr 1e-3,3e-3,1e-2 --optimizer ssd,sgd``), or with ``--random N`` a range ``LOW..HIGH``
+(log-uniform for step sizes, uniform otherwise). One value is the base every run shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ssdrbm import spec
+from ssdrbm.cli.context import client_from_args
+from ssdrbm.cli.exit_codes import ExitCode
+from ssdrbm.cli.funnel import UsageError
+from ssdrbm.cli.jobs import _add_training_options, _pairs, training_kwargs
+from ssdrbm.cli.output import format_number, print_json
+from ssdrbm.cli.tables import render_table
+from ssdrbm.client import Client
+from ssdrbm.errors import NotFound
+from ssdrbm.events import MetricsEvent
+from ssdrbm.sweeps import Range, Sweep, SweepState
+
+# --option dest -> (axis name, value type); each takes a comma list in `ssdrbm sweep`
+SWEEPABLE = {
+    "lr": ("lr", float),
+    "optimizer": ("optimizer", str),
+    "momentum": ("momentum", float),
+    "seed": ("seed", int),
+    "cd_k": ("cd_k", int),
+    "n_hidden": ("n_hidden", int),
+}
+LOG_SCALE_AXES = ("lr",)  # ranges of step sizes are drawn log-uniformly
+RANGE_SEPARATOR = ".."
+FINAL_EXIT_CODES = {
+    SweepState.SUCCEEDED: ExitCode.OK,
+    SweepState.FAILED: ExitCode.JOB_FAILED,
+    SweepState.CANCELLED: ExitCode.JOB_CANCELLED,
+}
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+
+def register(commands: argparse._SubParsersAction, parents: list) -> None:
+    """Add the sweep commands to the ``ssdrbm`` parser."""
+    sweep = commands.add_parser(
+        "sweep",
+        parents=parents,
+        help="start many training jobs over a grid or random points, ranked live",
+    )
+    _add_training_options(sweep)
+    for action in sweep._actions:  # the sweepable options take comma lists here
+        if action.dest in SWEEPABLE:
+            action.type, action.choices = str, None
+            action.help = f"{action.help or ''} — comma list to sweep".strip(" —")
+    sweep.add_argument(
+        "--per-parameter-lr-axis",
+        action="append",
+        default=[],
+        metavar="NAME=LR,LR",
+        help="sweep one parameter's step size, e.g. W=1e-3,1e-2 (repeatable)",
+    )
+    sweep.add_argument("--seeds", type=int, help="runs per point with seeds SEED, SEED+1, ...")
+    sweep.add_argument("--random", type=int, metavar="N", help="N random points instead of a grid")
+    sweep.add_argument("--sample-seed", type=int, help="seed of the random points [0]")
+    sweep.add_argument(
+        "--early-stop",
+        metavar="MIN_STEPS[,ETA]",
+        help="successive halving: rungs at MIN_STEPS·ETA^k, keep the best 1/ETA [ETA 3]",
+    )
+    sweep.add_argument(
+        "--rank-by",
+        metavar="METRIC",
+        help="reconstruction_error [default], log_likelihood, pseudo_log_likelihood, "
+        "free_energy_gap",
+    )
+    sweep.add_argument("--watch", action="store_true", help="show the leaderboard until it ends")
+    sweep.add_argument("--dry-run", action="store_true", help="check every point, create nothing")
+    sweep.add_argument("--json", action="store_true", help="print the sweep as JSON")
+    sweep.set_defaults(run=run_sweep)
+
+    listing = commands.add_parser("sweeps", parents=parents, help="list sweeps, newest first")
+    listing.add_argument("--limit", type=int, default=50, help="at most this many (0 = all)")
+    listing.add_argument("--json", action="store_true", help="print a JSON list")
+    listing.set_defaults(run=run_sweeps)
+
+    show = commands.add_parser("sweep-show", parents=parents, help="show a sweep's leaderboard")
+    show.add_argument("sweep", metavar="SWEEP")
+    show.add_argument("--watch", action="store_true", help="follow it until it ends")
+    show.add_argument("--json", action="store_true", help="print it as JSON")
+    show.set_defaults(run=run_sweep_show)
+
+    cancel = commands.add_parser("sweep-cancel", parents=parents, help="cancel a sweep's runs")
+    cancel.add_argument("sweep", metavar="SWEEP")
+    cancel.add_argument("--json", action="store_true", help="print the sweep as JSON")
+    cancel.set_defaults(run=run_sweep_cancel)
+
+
+def _parse_values(flag: str, text: str, kind: type, random: bool) -> list[Any] | Range:
+    if RANGE_SEPARATOR in text:
+        if not random:
+            raise UsageError(f"--{flag} {text}: ranges are for --random N; give a comma list")
+        low, _, high = text.partition(RANGE_SEPARATOR)
+        try:
+            return Range(float(low), float(high), log=flag in LOG_SCALE_AXES)
+        except ValueError:
+            raise UsageError(f"--{flag} expects LOW..HIGH, got {text!r}") from None
+    try:
+        return [kind(item) for item in text.split(",") if item]
+    except ValueError:
+        raise UsageError(f"--{flag} expects a comma list of numbers, got {text!r}") from None
+
+
+def sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The :meth:`Client.start_sweep` arguments given on the command line."""
+    random = args.random is not None
+    axes: dict[str, Any] = {}
+    for dest, (axis, kind) in SWEEPABLE.items():
+        text = getattr(args, dest)
+        if text is None:
+            continue
+        values = _parse_values(dest.replace("_", "-"), text, kind, random)
+        if isinstance(values, list) and len(values) == 1:
+            setattr(args, dest, values[0])  # one value: the base every run shares
+        else:
+            setattr(args, dest, None)
+            axes[axis] = values
+    if args.optimizer is not None and args.optimizer not in spec.OPTIMIZERS:
+        spec.choose("optimizer", args.optimizer, spec.OPTIMIZERS)  # names the choices
+    for name, text in _pairs(args.per_parameter_lr_axis, "--per-parameter-lr-axis").items():
+        axes[f"lr.{name}"] = _parse_values("per-parameter-lr-axis", text, float, random)
+    kwargs = training_kwargs(args)  # its name is the sweep's (the runs are named after it)
+    early: tuple[int, ...] | None = None
+    if args.early_stop:
+        try:
+            early = tuple(int(part) for part in args.early_stop.split(","))
+        except ValueError:
+            raise UsageError(
+                f"--early-stop expects MIN_STEPS[,ETA], got {args.early_stop!r}"
+            ) from None
+    return {
+        **kwargs,
+        "axes": axes,
+        "seeds": args.seeds,
+        "random": args.random,
+        "sample_seed": args.sample_seed,
+        "rank_by": args.rank_by,
+        "early_stop": early,
+    }
+
+
+def run_sweep(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm sweep``: print the sweep's id (or JSON); ``--watch`` shows its leaderboard."""
+    kwargs = sweep_kwargs(args)
+    with client_from_args(args) as client:
+        if args.data:
+            kwargs["dataset_id"] = client.upload_dataset(args.data)
+        if args.dry_run:
+            sweep = client.start_sweep(validate_only=True, **kwargs)
+            print_json(sweep) if args.json else print(leaderboard(sweep))
+            return ExitCode.OK
+        sweep = client.start_sweep(**kwargs)
+        if args.json:
+            print_json(sweep, lines=args.watch)
+        else:
+            print(sweep.id, flush=True)
+        if not args.watch:
+            return ExitCode.OK
+        return watch(client, sweep.id, as_json=args.json)
+
+
+def watch(client: Client, sweep_id: str, *, as_json: bool) -> ExitCode:
+    """Follow the leaderboard until the sweep ends: redrawn in place on a terminal, a summary
+    line per update on stderr otherwise (then the final table), or JSON lines."""
+    in_place = sys.stdout.isatty() and not as_json
+    sweep = client.get_sweep(sweep_id)
+    for sweep in client.stream_sweep(sweep_id):
+        if as_json:
+            print_json({"event": "sweep", "sweep": sweep}, lines=True)
+        elif in_place:
+            print(CLEAR_SCREEN + leaderboard(sweep), flush=True)
+        else:
+            print(summary(sweep), file=sys.stderr, flush=True)
+    if not as_json and not in_place:
+        print(leaderboard(sweep))
+    return FINAL_EXIT_CODES.get(sweep.state, ExitCode.ERROR)
+
+
+def summary(sweep: Sweep) -> str:
+    """One line: the state, how many runs ended, and the best run so far."""
+    ended = sum(run.state.terminal for run in sweep.runs)
+    line = f"sweep {sweep.id} {sweep.state.value}: {ended}/{sweep.run_count} runs ended"
+    if sweep.runs and sweep.runs[0].rank == 1:
+        best = sweep.runs[0]
+        line += f", best {best.job_id} {sweep.rank_metric} {format_number(best.rank_value)}"
+    return line
+
+
+def leaderboard(sweep: Sweep) -> str:
+    """The runs, best first: rank, job, state, step, the rank metric, and the point."""
+    axes = sorted({field for run in sweep.runs for field in run.point})
+    headers = ["RANK", "JOB", "STATE", "STEP", (sweep.rank_metric or "metric").upper(), *axes]
+    rows = [
+        [
+            str(run.rank or "-"),
+            run.job_id or "-",
+            run.state.value if run.job_id else "-",
+            f"{run.step}/{run.total_steps}",
+            format_number(run.rank_value),
+            *(run.point.get(field, "-") for field in axes),
+        ]
+        for run in sweep.runs
+    ]
+    title = f"sweep {sweep.id or '(dry run: nothing was created)'} {sweep.name}".rstrip()
+    rungs = f", early stopping at steps {sweep.rungs}" if sweep.rungs else ""
+    state = f"{sweep.state.value}, {sweep.run_count} runs{rungs}"
+    return f"{title} — {state}\n{render_table(headers, rows)}"
+
+
+def run_sweeps(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm sweeps``: a table (or JSON list) of sweeps."""
+    if args.limit < 0:
+        raise UsageError("--limit must be 0 (all) or more")
+    with client_from_args(args) as client:
+        sweeps: list[Sweep] = []
+        for sweep in client.list_sweeps(page_size=min(args.limit, 1000) if args.limit else 1000):
+            sweeps.append(sweep)
+            if args.limit and len(sweeps) >= args.limit:
+                break
+    if args.json:
+        print_json(sweeps)
+    elif sweeps:
+        rows = [
+            [
+                sweep.id,
+                sweep.name or "-",
+                sweep.state.value,
+                str(sweep.run_count),
+                sweep.best_job_id or "-",
+                sweep.created_at.strftime("%Y-%m-%d %H:%M:%S") if sweep.created_at else "-",
+            ]
+            for sweep in sweeps
+        ]
+        print(render_table(("ID", "NAME", "STATE", "RUNS", "BEST JOB", "CREATED"), rows))
+    else:
+        print("no sweeps yet — start one with 'ssdrbm sweep'")
+    return ExitCode.OK
+
+
+def run_sweep_show(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm sweep-show SWEEP [--watch]``."""
+    with client_from_args(args) as client:
+        if args.watch:
+            return watch(client, args.sweep, as_json=args.json)
+        sweep = client.get_sweep(args.sweep)
+    print_json(sweep) if args.json else print(leaderboard(sweep))
+    return ExitCode.OK
+
+
+def run_sweep_cancel(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm sweep-cancel SWEEP``: the sweep after the request."""
+    with client_from_args(args) as client:
+        sweep = client.cancel_sweep(args.sweep)
+    print_json(sweep) if args.json else print(f"{sweep.id} cancel requested ({sweep.state.value})")
+    return ExitCode.OK
+
+
+def find_sweep(client: Client, some_id: str) -> Sweep | None:
+    """The sweep ``some_id`` names, None when it names none (it may be a job's id)."""
+    try:
+        return client.get_sweep(some_id)
+    except NotFound:
+        return None
+
+
+def plot_sweep(client: Client, sweep: Sweep, output: Path) -> list[Path]:
+    """One curve per run of the sweep's rank metric over steps, the best run highlighted."""
+    from ssdrbm.cli import plot
+
+    curves = []
+    for run in sweep.runs:
+        history = [
+            event.metrics
+            for event in client.stream_metrics(run.job_id, follow=False)
+            if isinstance(event, MetricsEvent)
+        ]
+        label = " ".join(f"{field}={value}" for field, value in run.point.items())
+        curves.append(plot.SweepCurve(label, history, best=run.job_id == sweep.best_job_id))
+    return [plot.write_sweep_figure(output, curves, sweep.rank_metric or "reconstruction_error")]
