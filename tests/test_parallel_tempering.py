@@ -6,8 +6,10 @@ from __future__ import annotations
 import itertools
 import math
 
+import grpc
 import pytest
 import torch
+from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore import BernoulliRBM, GaussianRBM, Trainer
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
@@ -15,6 +17,7 @@ from ssdcore.data import synthetic_rbm_data
 from ssdcore.gradients import CDEstimator
 from ssdcore.sampling import RandomSource
 from ssdcore.tempering import (
+    DEFAULT_MIN_BETA,
     MAX_TEMPERATURES,
     ParallelTempering,
     TemperingConfig,
@@ -22,6 +25,7 @@ from ssdcore.tempering import (
     tempered_log_marginal,
     visible_energy,
 )
+from tests.fixtures.jobs import tiny_request
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -388,3 +392,60 @@ def test_gaussian_rbm_trains_with_tempering():
     metrics = trainer.evaluate()
     assert all(math.isfinite(p.sum().item()) for p in model.parameters())
     assert 0.0 <= metrics["pt_swap_rate_min"] <= 1.0
+
+
+# --- the service --------------------------------------------------------------------------------
+
+
+def tempered_request(steps: int, **tempering: object) -> pb.StartTrainingRequest:
+    training = pb.TrainingSpec(
+        batch_size=20,
+        steps=steps,
+        seed=1,
+        persistent=True,
+        parallel_tempering=pb.ParallelTempering(**tempering),
+    )
+    return tiny_request(training=training)
+
+
+def test_service_trains_a_tempered_job_and_streams_swap_rates(service_factory):
+    stub = service_factory().stub()
+    job = stub.StartTraining(tempered_request(30, temperatures=4), timeout=30).job
+    tempering = job.spec.training.parallel_tempering
+    assert (tempering.temperatures, tempering.min_beta) == (4, DEFAULT_MIN_BETA)
+    stream = list(stub.StreamMetrics(pb.StreamMetricsRequest(job_id=job.id), timeout=120))
+    final = stream[-1].state
+    assert final.state == pb.JOB_STATE_SUCCEEDED, final.message
+    metrics = [e.metrics for e in stream if e.WhichOneof("event") == "metrics"]
+    trained = [m for m in metrics if m.step > 0]
+    assert trained and trained[-1].step == 30
+    for m in trained:
+        assert len(m.pt_swap_rates) == 3
+        assert all(0.0 <= rate <= 1.0 for rate in m.pt_swap_rates)
+        assert m.HasField("pt_swap_rate_min") and m.HasField("pt_swap_rate_mean")
+        assert m.pt_swap_rate_min == pytest.approx(min(m.pt_swap_rates))
+    assert trained[-1].pt_swap_rate_mean > 0  # 15 attempts per pair: some swaps happened
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"persistent": False}, "training.parallel_tempering"),
+        ({"temperatures": 1}, "training.parallel_tempering.temperatures"),
+        ({"temperatures": MAX_TEMPERATURES + 1}, "training.parallel_tempering.temperatures"),
+        ({"min_beta": 1.0}, "training.parallel_tempering.min_beta"),
+        ({"min_beta": -0.5}, "training.parallel_tempering.min_beta"),
+    ],
+)
+def test_service_refuses_bad_tempering_naming_the_field(service_factory, change, field):
+    stub = service_factory(run_worker=False).stub()
+    request = tempered_request(10, temperatures=4)
+    if "persistent" in change:
+        request.training.persistent = change["persistent"]
+    else:
+        for name, value in change.items():
+            setattr(request.training.parallel_tempering, name, value)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.StartTraining(request, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in caught.value.details()

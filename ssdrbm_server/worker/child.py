@@ -35,7 +35,13 @@ from ssdrbm_server import logs
 from ssdrbm_server.config import Settings
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
-from ssdrbm_server.worker.spec import check_resolved, model_config, optimizer_config, runtime
+from ssdrbm_server.worker.spec import (
+    check_resolved,
+    model_config,
+    optimizer_config,
+    runtime,
+    tempering_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +192,7 @@ class Training:
             batch_size=spec.training.batch_size,
             cd_k=spec.training.cd_k,
             persistent=spec.training.persistent,
+            tempering=tempering_config(spec.training),
             seed=spec.training.seed,
             valid_data=None if data.valid is None else data.valid.to(device),
         )
@@ -410,6 +417,10 @@ def metrics_message(values: dict[str, Any], *, step: int, total: int) -> rbm_pb2
             continue
         if name == "log_likelihood_method":
             metrics.log_likelihood_method = _LL_METHODS.get(str(value).lower(), 0)
-        elif name in rbm_pb2.Metrics.DESCRIPTOR.fields_by_name:
+        elif name not in rbm_pb2.Metrics.DESCRIPTOR.fields_by_name:
+            continue
+        elif isinstance(value, list):  # a repeated field: the tempering's swap rate per pair
+            getattr(metrics, name).extend(float(item) for item in value)
+        else:
             setattr(metrics, name, float(value))
     return metrics

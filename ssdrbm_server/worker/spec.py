@@ -10,6 +10,7 @@ from __future__ import annotations
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.optim import OptimizerConfig
+from ssdcore.tempering import TemperingConfig
 from ssdrbm_server.vocabulary import (
     MODEL_NAMES,
     OPTIMIZER_NAMES,
@@ -38,6 +39,11 @@ def check_resolved(spec: pb.StartTrainingRequest) -> None:
             ("training.backoff_factor", spec.training.backoff_factor > 1),
             ("training.batch_size", spec.training.batch_size > 0),
             ("training.checkpoint_every", spec.training.checkpoint_every > 0),
+            (
+                "training.parallel_tempering.temperatures",
+                not spec.training.HasField("parallel_tempering")
+                or spec.training.parallel_tempering.temperatures > 1,
+            ),
             ("eval.every", spec.eval.every > 0),
             ("dataset.preprocess", spec.dataset.preprocess != pb.PREPROCESS_UNSPECIFIED),
         )
@@ -83,6 +89,14 @@ def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
         per_parameter_lr=dict(spec.per_parameter_lr),
         **choices,
     )
+
+
+def tempering_config(training: pb.TrainingSpec) -> TemperingConfig | None:
+    """The ladder of a resolved job's parallel tempering (a geometric one), or None without."""
+    if not training.HasField("parallel_tempering"):
+        return None
+    tempering = training.parallel_tempering
+    return TemperingConfig(n_temperatures=tempering.temperatures, min_beta=tempering.min_beta)
 
 
 def runtime(
