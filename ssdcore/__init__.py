@@ -28,6 +28,7 @@ from ssdcore.models import RBM, BernoulliRBM, GaussianRBM, model_from_config
 # --- optimizers and training ---
 # isort: split
 from ssdcore import optim
+from ssdcore.centering import CenteringConfig
 from ssdcore.optim import OptimizerConfig, build_optimizer
 from ssdcore.training import Trainer, fit, steps_per_epoch
 
@@ -40,6 +41,7 @@ __all__ = [
     "BlowUpError",
     "CDEstimator",
     "CDStats",
+    "CenteringConfig",
     "DivergenceError",
     "GaussianRBM",
     "LikelihoodBounds",

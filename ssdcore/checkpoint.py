@@ -25,6 +25,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
+from ssdcore.centering import CenteringConfig
 from ssdcore.models import model_from_config
 from ssdcore.models.base import RBM
 from ssdcore.optim.config import OptimizerConfig
@@ -124,7 +125,7 @@ def load_model(path: str | Path, *, device: str | torch.device | None = None) ->
 
 
 def _trainer_settings(trainer: Trainer) -> dict[str, Any]:
-    return {
+    settings = {
         "optimizer": trainer.optimizer_config.to_dict(),
         "batch_size": trainer.batch_size,
         "cd_k": trainer.cd_k,
@@ -134,6 +135,10 @@ def _trainer_settings(trainer: Trainer) -> dict[str, Any]:
         # Only with tempering on, so other checkpoints keep the settings they always had.
         **({"tempering": trainer.tempering.to_dict()} if trainer.tempering else {}),
     }
+    # Only when on, so checkpoints of uncentered runs keep the settings they always had.
+    if trainer.centering is not None:
+        settings["centering"] = trainer.centering.config.to_dict()
+    return settings
 
 
 def trainer_to_bytes(trainer: Trainer) -> bytes:
@@ -194,6 +199,7 @@ def trainer_from_bytes(
     _, metadata = _read(data, TRAINER_FORMAT)
     model = model_from_config(json.loads(metadata["config"]), device=device)
     settings = json.loads(metadata["settings"])
+    centering = settings.get("centering")
     trainer = Trainer(
         model,
         train_data,
@@ -207,6 +213,7 @@ def trainer_from_bytes(
         tempering=(
             TemperingConfig.from_dict(settings["tempering"]) if "tempering" in settings else None
         ),
+        centering=None if centering is None else CenteringConfig.from_dict(centering),
     )
     load_trainer_state(trainer, data)
     return trainer

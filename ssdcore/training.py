@@ -42,6 +42,7 @@ from ssdcore.blowup import (
     blowup_from_error,
     suggested_lr,
 )
+from ssdcore.centering import Centering, CenteringConfig
 from ssdcore.cuda_graph import GraphedStep
 from ssdcore.errors import DivergenceError
 from ssdcore.evaluation import (
@@ -125,6 +126,9 @@ class Trainer:
             Gaussian RBM without full covariance, with SGD/Nesterov, or SSD whose matrices take
             the Newton–Schulz step, and no ‖W‖₂ bound. True insists (ValueError if it cannot);
             False never uses one.
+        centering: a :class:`~ssdcore.centering.CenteringConfig` trains the model as a
+            centered RBM (offsets in the trainer's state, the stored model stays ordinary; see
+            :mod:`ssdcore.centering`); None (default) trains it uncentered.
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class Trainer:
         check_every: int = 1,
         cuda_graph: bool | None = None,
         tempering: TemperingConfig | None = None,
+        centering: CenteringConfig | None = None,
     ) -> None:
         if isinstance(optimizer, str):
             optimizer = OptimizerConfig(name=optimizer)
@@ -184,6 +189,7 @@ class Trainer:
             dense_weight_grad=needs_dense is None or needs_dense(model.W, 2 * batch_size),
             tempering=tempering,
         )
+        self.centering = None if centering is None else Centering(model, centering, self.train_data)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.step_count = 0
@@ -243,8 +249,11 @@ class Trainer:
 
     def _step(self) -> None:
         """One estimate-and-update on ``self._batch``: the unit a CUDA graph captures."""
-        self.estimator.estimate(self._batch)
-        self.optimizer.step()
+        stats = self.estimator.estimate(self._batch)
+        if self.centering is None:
+            self.optimizer.step()
+        else:
+            self.centering.step(stats, self.optimizer)
         self.model.constrain_()
 
     def _run_step(self) -> None:
@@ -425,7 +434,7 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything but the model and the data needed to continue exactly where this stopped."""
-        return {
+        state = {
             "step": self.step_count,
             "epoch": self.epoch,
             "position": self._position,
@@ -436,6 +445,9 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "lr_scale": self.lr_scale,
         }
+        if self.centering is not None:
+            state["centering"] = self.centering.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output into this trainer (same model and settings)."""
@@ -458,6 +470,8 @@ class Trainer:
             )
         self.estimator.load_state_dict(state["estimator"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.centering is not None:
+            self.centering.load_state_dict(state["centering"])
         # States saved before step-size scaling existed ran at scale 1.
         self.set_lr_scale(float(state.get("lr_scale", 1.0)))
         # Loading replaced the optimizer's buffers and the chains with new tensors, which a

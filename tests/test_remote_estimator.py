@@ -112,5 +112,5 @@ def test_without_scikit_learn_the_import_error_names_the_extra(
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "sklearn", None)  # what an installation without it gives
     monkeypatch.delitem(sys.modules, "ssdrbm.estimator")
-    with pytest.raises(ImportError, match=r"pip install 'ssdrbm-client\[sklearn\]'"):
+    with pytest.raises(ImportError, match=r"pip install './client\[sklearn\]'"):
         importlib.import_module("ssdrbm.estimator")

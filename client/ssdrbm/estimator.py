@@ -7,7 +7,8 @@ from ssdrbm.estimator import RemoteRBM
 pipeline = make_pipeline(RemoteRBM(n_components=100, n_iter=10), LogisticRegression())
 pipeline.fit(X_train, y_train)   # X in [0, 1]: uploaded, trained as a job, awaited
 
-Needs scikit-learn (``pip install 'ssdrbm-client[sklearn]'``); the rest of the SDK does not.
+Needs scikit-learn (the ``sklearn`` extra: ``pip install './client[sklearn]'`` in a checkout);
+the rest of the SDK does not.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ try:
     from sklearn.utils.validation import check_is_fitted, validate_data
 except ImportError as error:  # scikit-learn is an optional extra of the client
     raise ImportError(
-        "ssdrbm.estimator needs scikit-learn >= 1.6; install the client with its 'sklearn' "
-        "extra: pip install 'ssdrbm-client[sklearn]'"
+        "ssdrbm.estimator needs scikit-learn >= 1.6: install the 'sklearn' extra, in a checkout "
+        "pip install './client[sklearn]' (or '.[sklearn]' with the service)"
     ) from error
 
 from ssdrbm.client import Client

@@ -75,6 +75,8 @@ def run_to_trainer(pack: TrainingPack, run: int, *, valid_data: Tensor | None = 
 
 def trainer_to_run_state(trainer: Trainer) -> RunState:
     """The :class:`RunState` of a solo Trainer (own copies), for :func:`insert_trainer`."""
+    if trainer.centering is not None:
+        raise ValueError("a centered run cannot be packed; train it with the solo Trainer")
     saved = trainer.state_dict()
     estimator = saved["estimator"]
     momentum = {}
