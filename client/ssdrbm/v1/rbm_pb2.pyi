@@ -219,7 +219,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, kind: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., preconditioner: _Optional[_Union[Preconditioner, str]] = ..., weight_decay: _Optional[float] = ..., max_spectral_norm: _Optional[float] = ..., rank: _Optional[int] = ..., per_parameter: _Optional[_Mapping[str, OptimizerKind]] = ..., per_parameter_lr: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("cd_k", "persistent", "batch_size", "steps", "epochs", "seed", "checkpoint_every", "max_backoffs", "backoff_factor", "parallel_tempering")
+    __slots__ = ("cd_k", "persistent", "batch_size", "steps", "epochs", "seed", "checkpoint_every", "max_backoffs", "backoff_factor", "parallel_tempering", "centering")
     CD_K_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class TrainingSpec(_message.Message):
     MAX_BACKOFFS_FIELD_NUMBER: _ClassVar[int]
     BACKOFF_FACTOR_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TEMPERING_FIELD_NUMBER: _ClassVar[int]
+    CENTERING_FIELD_NUMBER: _ClassVar[int]
     cd_k: int
     persistent: bool
     batch_size: int
@@ -240,7 +241,14 @@ class TrainingSpec(_message.Message):
     max_backoffs: int
     backoff_factor: float
     parallel_tempering: ParallelTempering
-    def __init__(self, cd_k: _Optional[int] = ..., persistent: bool = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., max_backoffs: _Optional[int] = ..., backoff_factor: _Optional[float] = ..., parallel_tempering: _Optional[_Union[ParallelTempering, _Mapping]] = ...) -> None: ...
+    centering: Centering
+    def __init__(self, cd_k: _Optional[int] = ..., persistent: bool = ..., batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., max_backoffs: _Optional[int] = ..., backoff_factor: _Optional[float] = ..., parallel_tempering: _Optional[_Union[ParallelTempering, _Mapping]] = ..., centering: _Optional[_Union[Centering, _Mapping]] = ...) -> None: ...
+
+class Centering(_message.Message):
+    __slots__ = ("sliding_factor",)
+    SLIDING_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    sliding_factor: float
+    def __init__(self, sliding_factor: _Optional[float] = ...) -> None: ...
 
 class ParallelTempering(_message.Message):
     __slots__ = ("temperatures", "min_beta")
