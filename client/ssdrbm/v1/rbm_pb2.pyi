@@ -47,6 +47,20 @@ class Preconditioner(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PRECONDITIONER_RMSPROP: _ClassVar[Preconditioner]
     PRECONDITIONER_ADAM: _ClassVar[Preconditioner]
 
+class StepRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_RULE_UNSPECIFIED: _ClassVar[StepRule]
+    STEP_RULE_PAPER: _ClassVar[StepRule]
+    STEP_RULE_NORMALIZED: _ClassVar[StepRule]
+
+class ScheduleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULE_KIND_UNSPECIFIED: _ClassVar[ScheduleKind]
+    SCHEDULE_KIND_CONSTANT: _ClassVar[ScheduleKind]
+    SCHEDULE_KIND_EXPONENTIAL: _ClassVar[ScheduleKind]
+    SCHEDULE_KIND_INVERSE_TIME: _ClassVar[ScheduleKind]
+    SCHEDULE_KIND_COSINE: _ClassVar[ScheduleKind]
+
 class Preprocess(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PREPROCESS_UNSPECIFIED: _ClassVar[Preprocess]
@@ -131,6 +145,14 @@ POLAR_METHOD_AUTO: PolarMethod
 PRECONDITIONER_UNSPECIFIED: Preconditioner
 PRECONDITIONER_RMSPROP: Preconditioner
 PRECONDITIONER_ADAM: Preconditioner
+STEP_RULE_UNSPECIFIED: StepRule
+STEP_RULE_PAPER: StepRule
+STEP_RULE_NORMALIZED: StepRule
+SCHEDULE_KIND_UNSPECIFIED: ScheduleKind
+SCHEDULE_KIND_CONSTANT: ScheduleKind
+SCHEDULE_KIND_EXPONENTIAL: ScheduleKind
+SCHEDULE_KIND_INVERSE_TIME: ScheduleKind
+SCHEDULE_KIND_COSINE: ScheduleKind
 PREPROCESS_UNSPECIFIED: Preprocess
 PREPROCESS_NONE: Preprocess
 PREPROCESS_BINARIZE: Preprocess
@@ -180,8 +202,24 @@ class ModelSpec(_message.Message):
     min_variance: float
     def __init__(self, kind: _Optional[_Union[ModelKind, str]] = ..., variance: _Optional[_Union[VarianceKind, str]] = ..., n_hidden: _Optional[int] = ..., min_variance: _Optional[float] = ...) -> None: ...
 
+class StepSizeSchedule(_message.Message):
+    __slots__ = ("kind", "decay_rate", "decay_steps", "floor", "horizon", "warmup_steps")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DECAY_RATE_FIELD_NUMBER: _ClassVar[int]
+    DECAY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_FIELD_NUMBER: _ClassVar[int]
+    HORIZON_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    kind: ScheduleKind
+    decay_rate: float
+    decay_steps: int
+    floor: float
+    horizon: int
+    warmup_steps: int
+    def __init__(self, kind: _Optional[_Union[ScheduleKind, str]] = ..., decay_rate: _Optional[float] = ..., decay_steps: _Optional[int] = ..., floor: _Optional[float] = ..., horizon: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
+
 class OptimizerSpec(_message.Message):
-    __slots__ = ("kind", "lr", "momentum", "method", "preconditioner", "weight_decay", "max_spectral_norm", "rank", "per_parameter", "per_parameter_lr")
+    __slots__ = ("kind", "lr", "momentum", "method", "preconditioner", "weight_decay", "max_spectral_norm", "rank", "per_parameter", "per_parameter_lr", "step_rule", "schedule")
     class PerParameterEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +244,8 @@ class OptimizerSpec(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     PER_PARAMETER_FIELD_NUMBER: _ClassVar[int]
     PER_PARAMETER_LR_FIELD_NUMBER: _ClassVar[int]
+    STEP_RULE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     kind: OptimizerKind
     lr: float
     momentum: float
@@ -216,7 +256,9 @@ class OptimizerSpec(_message.Message):
     rank: int
     per_parameter: _containers.ScalarMap[str, OptimizerKind]
     per_parameter_lr: _containers.ScalarMap[str, float]
-    def __init__(self, kind: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., preconditioner: _Optional[_Union[Preconditioner, str]] = ..., weight_decay: _Optional[float] = ..., max_spectral_norm: _Optional[float] = ..., rank: _Optional[int] = ..., per_parameter: _Optional[_Mapping[str, OptimizerKind]] = ..., per_parameter_lr: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    step_rule: StepRule
+    schedule: StepSizeSchedule
+    def __init__(self, kind: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., method: _Optional[_Union[PolarMethod, str]] = ..., preconditioner: _Optional[_Union[Preconditioner, str]] = ..., weight_decay: _Optional[float] = ..., max_spectral_norm: _Optional[float] = ..., rank: _Optional[int] = ..., per_parameter: _Optional[_Mapping[str, OptimizerKind]] = ..., per_parameter_lr: _Optional[_Mapping[str, float]] = ..., step_rule: _Optional[_Union[StepRule, str]] = ..., schedule: _Optional[_Union[StepSizeSchedule, _Mapping]] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
     __slots__ = ("cd_k", "persistent", "batch_size", "steps", "epochs", "seed", "checkpoint_every", "max_backoffs", "backoff_factor", "parallel_tempering", "centering")
@@ -410,7 +452,7 @@ class CancelJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class Metrics(_message.Message):
-    __slots__ = ("step", "total_steps", "reconstruction_error", "train_reconstruction_error", "free_energy_gap", "pseudo_log_likelihood", "log_likelihood", "log_likelihood_stderr", "log_likelihood_method", "spectral_norm", "wall_time_s", "samples_per_second", "saturated_hidden_fraction", "pt_swap_rate_min", "pt_swap_rate_mean", "pt_swap_rates")
+    __slots__ = ("step", "total_steps", "reconstruction_error", "train_reconstruction_error", "free_energy_gap", "pseudo_log_likelihood", "log_likelihood", "log_likelihood_stderr", "log_likelihood_method", "spectral_norm", "wall_time_s", "samples_per_second", "saturated_hidden_fraction", "pt_swap_rate_min", "pt_swap_rate_mean", "pt_swap_rates", "lr")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     RECONSTRUCTION_ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +469,7 @@ class Metrics(_message.Message):
     PT_SWAP_RATE_MIN_FIELD_NUMBER: _ClassVar[int]
     PT_SWAP_RATE_MEAN_FIELD_NUMBER: _ClassVar[int]
     PT_SWAP_RATES_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
     step: int
     total_steps: int
     reconstruction_error: float
@@ -443,7 +486,8 @@ class Metrics(_message.Message):
     pt_swap_rate_min: float
     pt_swap_rate_mean: float
     pt_swap_rates: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., reconstruction_error: _Optional[float] = ..., train_reconstruction_error: _Optional[float] = ..., free_energy_gap: _Optional[float] = ..., pseudo_log_likelihood: _Optional[float] = ..., log_likelihood: _Optional[float] = ..., log_likelihood_stderr: _Optional[float] = ..., log_likelihood_method: _Optional[_Union[LogLikelihoodMethod, str]] = ..., spectral_norm: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., saturated_hidden_fraction: _Optional[float] = ..., pt_swap_rate_min: _Optional[float] = ..., pt_swap_rate_mean: _Optional[float] = ..., pt_swap_rates: _Optional[_Iterable[float]] = ...) -> None: ...
+    lr: float
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., reconstruction_error: _Optional[float] = ..., train_reconstruction_error: _Optional[float] = ..., free_energy_gap: _Optional[float] = ..., pseudo_log_likelihood: _Optional[float] = ..., log_likelihood: _Optional[float] = ..., log_likelihood_stderr: _Optional[float] = ..., log_likelihood_method: _Optional[_Union[LogLikelihoodMethod, str]] = ..., spectral_norm: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., saturated_hidden_fraction: _Optional[float] = ..., pt_swap_rate_min: _Optional[float] = ..., pt_swap_rate_mean: _Optional[float] = ..., pt_swap_rates: _Optional[_Iterable[float]] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class Backoff(_message.Message):
     __slots__ = ("step", "rollback_step", "reason", "old_lr", "new_lr", "backoff", "max_backoffs")
