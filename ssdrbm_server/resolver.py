@@ -26,6 +26,7 @@ from google.protobuf.message import Message
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
+from ssdcore.centering import DEFAULT_SLIDING_FACTOR
 from ssdcore.data import split_sizes
 from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, DEFAULT_AIS_CHAINS
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
@@ -334,6 +335,7 @@ def _resolve_training(training: pb.TrainingSpec, settings: Settings) -> None:
             f"{training.backoff_factor}",
         )
     _resolve_tempering(training)
+    _resolve_centering(training)
 
 
 def _resolve_tempering(training: pb.TrainingSpec) -> None:
@@ -363,6 +365,22 @@ def _resolve_tempering(training: pb.TrainingSpec) -> None:
             f"{field}.min_beta",
             f"must be in (0, 1) (the hottest chains' inverse temperature), got "
             f"{tempering.min_beta}",
+        )
+
+
+def _resolve_centering(training: pb.TrainingSpec) -> None:
+    """Centered training: the sliding factor from ssdcore (ssdcore/centering.py) when unset."""
+    if not training.HasField("centering"):
+        return
+    centering = training.centering
+    if not centering.HasField("sliding_factor"):
+        centering.sliding_factor = DEFAULT_SLIDING_FACTOR
+    field = "training.centering.sliding_factor"
+    if not 0 <= finite(centering.sliding_factor, field) <= 1:
+        raise InvalidArgumentError(
+            field,
+            f"must be in [0, 1] (how far the offsets move towards each batch's means; 0 keeps "
+            f"them fixed), got {centering.sliding_factor}",
         )
 
 

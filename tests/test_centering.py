@@ -9,12 +9,22 @@ reparameterization of Melchior et al. The trainer's float32 path must follow to 
 from __future__ import annotations
 
 import itertools
+import json
+import math
 
+import grpc
+import numpy as np
 import pytest
 import torch
+from ssdrbm.cli import main as cli_main
+from ssdrbm.cli.exit_codes import ExitCode
+from ssdrbm.errors import InvalidArgument
+from ssdrbm.spec import training_request
+from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore import BernoulliRBM, CDEstimator, GaussianRBM, Trainer
 from ssdcore.centering import (
+    DEFAULT_SLIDING_FACTOR,
     Centering,
     CenteringConfig,
     centered_gradient,
@@ -26,6 +36,8 @@ from ssdcore.data import load_mnist, preprocess, synthetic_rbm_data
 from ssdcore.evaluation import exact_log_partition
 from ssdcore.optim import OptimizerConfig, build_optimizer
 from ssdcore.pack import pack_trainers
+from ssdrbm_server.tensors import array_to_tensor
+from tests.fixtures.jobs import tiny_request
 
 F64 = torch.float64
 # float32 trainer vs float64 reference after a few steps of parameters of size ~1.
@@ -357,3 +369,80 @@ def test_synthetic_fit_runs_centered():
     before = trainer.evaluate("exact")["log_likelihood"]
     trainer.train_steps(100)
     assert trainer.evaluate("exact")["log_likelihood"] > before
+
+
+# --- the service, the SDK and the CLI ------------------------------------------------------------
+
+
+def centered_request(steps: int, **centering: object) -> pb.StartTrainingRequest:
+    training = pb.TrainingSpec(
+        batch_size=20, steps=steps, seed=1, centering=pb.Centering(**centering)
+    )
+    return tiny_request(training=training)
+
+
+def test_service_trains_a_centered_job(service_factory):
+    """The resolved spec shows centering with ssdcore's sliding factor, the job trains, and its
+    stored checkpoint is a centered trainer's (offsets included) around an ordinary model."""
+    stub = service_factory().stub()
+    job = stub.StartTraining(centered_request(30), timeout=30).job
+    assert job.spec.training.HasField("centering")
+    assert job.spec.training.centering.sliding_factor == DEFAULT_SLIDING_FACTOR
+    stream = list(stub.StreamMetrics(pb.StreamMetricsRequest(job_id=job.id), timeout=120))
+    final = stream[-1].state
+    assert final.state == pb.JOB_STATE_SUCCEEDED, final.message
+    metrics = [e.metrics for e in stream if e.WhichOneof("event") == "metrics"]
+    assert metrics[-1].step == 30
+    assert all(math.isfinite(m.reconstruction_error) for m in metrics)
+    parts = list(stub.ExportModel(pb.ExportModelRequest(job_id=job.id), timeout=30))
+    data = b"".join(part.chunk for part in parts if part.WhichOneof("part") == "chunk")
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+    if header["format"] == "ssdrbm.trainer.v1":  # the trainer checkpoint as stored
+        settings = json.loads(header["settings"])
+        assert settings["centering"] == {"sliding_factor": DEFAULT_SLIDING_FACTOR}
+    served = stub.Reconstruct(
+        pb.ReconstructRequest(job_id=job.id, input=array_to_tensor(np.ones((2, 16), "float32"))),
+        timeout=30,
+    )
+    assert list(served.output.shape) == [2, 16]
+
+
+def test_uncentered_jobs_leave_centering_unset(service_factory):
+    stub = service_factory(run_worker=False).stub()
+    request = tiny_request()
+    request.validate_only = True
+    job = stub.StartTraining(request, timeout=30).job
+    assert not job.spec.training.HasField("centering")
+
+
+@pytest.mark.parametrize("factor", [-0.5, 1.5, float("inf")])
+def test_service_refuses_a_bad_sliding_factor_naming_the_field(service_factory, factor):
+    stub = service_factory(run_worker=False).stub()
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.StartTraining(centered_request(10, sliding_factor=factor), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "training.centering.sliding_factor" in caught.value.details()
+
+
+def test_sdk_request_carries_centering():
+    request = training_request(n_hidden=4, centered=True, centering_sliding_factor=0.05)
+    assert request.training.centering.sliding_factor == 0.05
+    defaults = training_request(n_hidden=4, centered=True)
+    assert defaults.training.HasField("centering")
+    assert not defaults.training.centering.HasField("sliding_factor")  # the server's default
+    assert not training_request(n_hidden=4).training.HasField("centering")
+    with pytest.raises(InvalidArgument, match="centered=True"):
+        training_request(n_hidden=4, centering_sliding_factor=0.05)
+
+
+def test_cli_centered_option(service_factory, capsys):
+    target = ["--target", service_factory(run_worker=False).target]
+    train = [*target, "train", "--hidden", "4", "--dry-run", "--json"]
+    assert cli_main([*train, "--centered"]) == ExitCode.OK
+    spec = json.loads(capsys.readouterr().out)["spec"]
+    assert spec["training"]["centering"] == {"sliding_factor": DEFAULT_SLIDING_FACTOR}
+    assert cli_main([*train, "--centered", "--centering-sliding-factor", "0.1"]) == ExitCode.OK
+    spec = json.loads(capsys.readouterr().out)["spec"]
+    assert spec["training"]["centering"] == {"sliding_factor": 0.1}
+    assert cli_main(train) == ExitCode.OK
+    assert "centering" not in json.loads(capsys.readouterr().out)["spec"]["training"]

@@ -140,6 +140,8 @@ def training_request(
     per_parameter_lr: Mapping[str, float] | None = None,
     cd_k: int | None = None,
     persistent: bool | None = None,
+    centered: bool | None = None,
+    centering_sliding_factor: float | None = None,
     batch_size: int | None = None,
     steps: int | None = None,
     epochs: int | None = None,
@@ -221,6 +223,13 @@ def training_request(
         max_backoffs=max_backoffs,
         backoff_factor=backoff_factor,
     )
+    if centering_sliding_factor is not None and not centered:
+        raise InvalidArgument(
+            "centering_sliding_factor: applies to centered training; pass centered=True too"
+        )
+    if centered:
+        request.training.centering.SetInParent()  # on, the sliding factor left to the server
+        _set(request.training.centering, sliding_factor=centering_sliding_factor)
     _set(
         request.eval,
         every=eval_every,

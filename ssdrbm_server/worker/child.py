@@ -36,6 +36,7 @@ from ssdrbm_server.config import Settings
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
 from ssdrbm_server.worker.spec import (
+    centering_config,
     check_resolved,
     model_config,
     optimizer_config,
@@ -193,6 +194,7 @@ class Training:
             cd_k=spec.training.cd_k,
             persistent=spec.training.persistent,
             tempering=tempering_config(spec.training),
+            centering=centering_config(spec.training),
             seed=spec.training.seed,
             valid_data=None if data.valid is None else data.valid.to(device),
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ssdrbm.v1 import rbm_pb2 as pb
 
+from ssdcore.centering import CenteringConfig
 from ssdcore.optim import OptimizerConfig
 from ssdcore.tempering import TemperingConfig
 from ssdrbm_server.vocabulary import (
@@ -89,6 +90,13 @@ def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
         per_parameter_lr=dict(spec.per_parameter_lr),
         **choices,
     )
+
+
+def centering_config(training: pb.TrainingSpec) -> CenteringConfig | None:
+    """A resolved job's centered training (its sliding factor), or None when uncentered."""
+    if not training.HasField("centering"):
+        return None
+    return CenteringConfig(sliding_factor=training.centering.sliding_factor)
 
 
 def tempering_config(training: pb.TrainingSpec) -> TemperingConfig | None:

@@ -117,6 +117,18 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("training")
     train.add_argument("--cd-k", type=int, help="Gibbs steps per gradient [1]")
     train.add_argument("--persistent", action="store_true", default=None, help="PCD instead of CD")
+    train.add_argument(
+        "--centered",
+        action="store_true",
+        default=None,
+        help="centered RBM training (offsets from the data and hidden means)",
+    )
+    train.add_argument(
+        "--centering-sliding-factor",
+        type=float,
+        metavar="NU",
+        help="how far the offsets move per step, in [0, 1] (with --centered)" + SERVER_DEFAULT,
+    )
     train.add_argument("--batch-size", type=int, help=SERVER_DEFAULT.strip())
     length = train.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="iterations" + SERVER_DEFAULT)
@@ -198,6 +210,8 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "per_parameter_lr": _step_sizes(args.per_parameter_lr) or None,
         "cd_k": args.cd_k,
         "persistent": args.persistent,
+        "centered": args.centered,
+        "centering_sliding_factor": args.centering_sliding_factor,
         "batch_size": args.batch_size,
         "steps": args.steps,
         "epochs": args.epochs,
