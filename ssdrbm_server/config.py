@@ -140,6 +140,15 @@ class Settings:
     # unexpected exit) or hangs this many times ends FAILED; fewer are retried from the last
     # checkpoint. 3: a one-off crash is retried, a job that kills its process every time is not
     max_training_process_failures: int = 3
+    # Packed training (ssdrbm_server/worker/pack_claim.py): a free worker claims one job as
+    # always, then up to max_pack_size - 1 more queued jobs with the same pack key (same model
+    # shape and kind, batch size, CD-k, persistence, update rule, data and its split) and
+    # trains them as one batched computation in one process. 32: on the CPU a 32-run pack of
+    # small models costs a few solo steps per step; 1 trains every job alone (no packing)
+    max_pack_size: int = 32
+    # Memory of one pack's runs, summed (each run's estimate as training_memory_mb's, without
+    # the process itself): a pack stops growing here, so packing never needs a bigger worker
+    pack_memory_mb: int = 4096
     checkpoint_keep: int = 3  # checkpoints kept per job: the newest and older ones to fall back on
     # Lifecycle (ssdrbm_server/store/lifecycle.py): a finished job keeps its newest checkpoints
     # only (at least 1, which serving and export use); its StartTraining request_id is
@@ -247,6 +256,8 @@ class Settings:
             "worker_poll_ms",
             "finished_checkpoints_kept",
             "max_job_records_per_tenant",
+            "max_pack_size",
+            "pack_memory_mb",
         ]
         for name in positive:
             if getattr(self, name) < 1:

@@ -135,6 +135,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             max_records=self.settings.max_job_records_per_tenant,
             idempotency_ttl_s=self.settings.idempotency_ttl_seconds,
             traceparent=tracing.current_traceparent(),  # the worker's spans join this trace
+            pack_key=job.pack_key,
         )
         tracing.set_attribute("ssdrbm.job_id", record.id)
         if created:

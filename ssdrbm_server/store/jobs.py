@@ -203,6 +203,7 @@ class JobStore:
         idempotency_ttl_s: int = 0,
         traceparent: str = "",
         sweep_id: str = "",
+        pack_key: str = "",
     ) -> tuple[JobRecord, bool]:
         """Record and enqueue a job; returns (job, created).
 
@@ -223,6 +224,7 @@ class JobStore:
             created_at=time.time(),
             traceparent=traceparent,
             sweep_id=sweep_id,
+            pack_key=pack_key,
         )
         fields[REQUEST_ID_FIELD] = request_id or ""  # a delete removes its idempotency key
         event = state_event_fields(JobState.QUEUED, attempt=0, step=0, message="submitted")

@@ -67,6 +67,9 @@ class JobRecord:
     # join that trace (ssdrbm_server/tracing.py)
     traceparent: str = ""
     sweep_id: str = ""  # the sweep that created the job ("" for none)
+    # Jobs with equal non-empty keys can be trained together in one pack (set at submit by
+    # ssdrbm_server/packing.py; "" for a job that trains alone)
+    pack_key: str = ""
 
 
 def _text(raw: dict[bytes, bytes], field: str, default: str = "") -> str:
@@ -112,6 +115,7 @@ def record_from_hash(job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
         child_failures=_int(raw, "child_failures"),
         traceparent=_text(raw, "traceparent"),
         sweep_id=_text(raw, "sweep_id"),
+        pack_key=_text(raw, "pack_key"),
     )
 
 
@@ -125,6 +129,7 @@ def new_job_fields(
     created_at: float,
     traceparent: str = "",
     sweep_id: str = "",
+    pack_key: str = "",
 ) -> dict[str, bytes | str | int | float]:
     """Hash fields of a freshly submitted job (QUEUED, attempt 0, no checkpoint)."""
     fields: dict[str, bytes | str | int | float] = {
@@ -152,6 +157,8 @@ def new_job_fields(
         fields["traceparent"] = traceparent
     if sweep_id:  # stored only for a sweep's runs
         fields["sweep_id"] = sweep_id
+    if pack_key:  # stored only for jobs a pack can hold
+        fields["pack_key"] = pack_key
     return fields
 
 

@@ -173,6 +173,7 @@ class SweepService:
                 max_records=self.settings.max_job_records_per_tenant,
                 idempotency_ttl_s=self.settings.idempotency_ttl_seconds,
                 sweep_id=sweep_id,
+                pack_key=job.pack_key,  # a sweep's points train together where they can
             )
         except ResourceExhaustedError as error:
             # Another submit took the room checked above: the sweep is cancelled as a whole.

@@ -22,6 +22,16 @@ Worker -> child:
     start        settings, backoffs, total_steps, n_visible, upload info, log_context
                                             + spec, dataset, resume
     stop                                                  checkpoint now, end with "stopped"
+
+Packed training (worker/pack_child.py, worker/pack_runner.py): the worker sends one
+    start_pack   settings, upload info, jobs: [{backoffs, total_steps, n_visible, log_context}]
+                                            + spec.<i>, resume.<i> (run i), dataset (shared)
+    drop         run                                      run i leaves the pack, nothing more
+                                                          is sent for it (cancel, lost lease)
+    stop_run     run                                      checkpoint run i now, end it with
+                                                          "stopped" (a sweep's early stopping)
+and every child message above about one job carries ``run`` (the job's index in jobs);
+progress counts the pack's steps (every run trained them), alive and stop are the pack's.
 """
 
 from __future__ import annotations
@@ -44,6 +54,9 @@ PROGRESS = "progress"
 # worker -> child
 START = "start"
 STOP = "stop"
+START_PACK = "start_pack"
+DROP = "drop"
+STOP_RUN = "stop_run"
 
 PROGRESS_INTERVAL_S = 1.0  # how stale the worker's step counts may get while steps run
 

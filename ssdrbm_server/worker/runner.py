@@ -185,7 +185,9 @@ class JobRunner:
         self.child.send(start)
         return await self._supervise(self.child)
 
-    async def _start_message(self) -> protocol.Message:
+    async def _start_message(self, *, with_dataset: bool = True) -> protocol.Message:
+        """The job's start message; ``with_dataset=False`` leaves an uploaded dataset out (a
+        pack sends its shared data once)."""
         request = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
         fields: dict[str, Any] = {
             "settings": dataclasses.asdict(self.settings),
@@ -195,7 +197,7 @@ class JobRunner:
             "log_context": {"job_id": self.lease.job_id, "tenant": self.record.tenant},
         }
         blobs = {"spec": self.record.spec}
-        if request.dataset.WhichOneof("source") == "dataset_id":
+        if with_dataset and request.dataset.WhichOneof("source") == "dataset_id":
             info, data = await self._retry(
                 lambda: DatasetStore(self.redis, keys=self.keys).load(
                     self.record.tenant, request.dataset.dataset_id
@@ -447,9 +449,14 @@ def training_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) ->
     term the CD chains (a visible and a hidden sample and mean per Gibbs sweep) and the
     low-rank gradient factors, for batch B.
     """
+    return PROCESS_BASE_MB + round(run_memory_mb(request, n_visible))
+
+
+def run_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) -> float:
+    """The model's own share of training_memory_mb (MB): what one more run of a pack adds."""
     n_hidden, training = request.model.n_hidden, request.training
     params = n_visible * n_hidden + n_visible + n_hidden
     if request.model.variance == rbm_pb2.VARIANCE_KIND_FULL:
         params += n_visible * n_visible
     chains = (2 * training.cd_k + 4) * training.batch_size * (n_visible + n_hidden)
-    return PROCESS_BASE_MB + round(4 * (PARAMETER_COPIES * params + chains) / 1e6)
+    return 4 * (PARAMETER_COPIES * params + chains) / 1e6

@@ -8,6 +8,8 @@ Where the next job comes from, in order:
    died between taking and claiming);
 4. the oldest job of the least recently served tenant with queued jobs (tenants in rotation,
    store/queue.py), waiting briefly for one so that `stop()` is noticed quickly.
+Then, with SSDRBM_MAX_PACK_SIZE > 1, up to that many more jobs with the same pack key join it
+(worker/pack_claim.py) and the jobs train as one pack in one process (worker/pack_runner.py).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from ssdrbm_server.keys import Keys
 from ssdrbm_server.readiness import beat_file
 from ssdrbm_server.store.connection import connect
 from ssdrbm_server.store.leases import Lease, LeaseStore
+from ssdrbm_server.store.pack_claims import PackClaims
 from ssdrbm_server.store.queue import JobQueue
 from ssdrbm_server.worker.metrics import WorkerMetrics
+from ssdrbm_server.worker.pack_claim import claim_riders
+from ssdrbm_server.worker.pack_runner import PackRunner
 from ssdrbm_server.worker.process import ChildProcess
 from ssdrbm_server.worker.runner import REDIS_DOWN, JobRunner, StopRequest
 
@@ -80,7 +85,11 @@ class Worker:
                     lease = await self._next_lease(queue, leases, check_pending)
                     check_pending = False
                     if lease is not None:
-                        await self._run_job(client, lease)
+                        riders = await self._riders(client, lease, queue, leases)
+                        if riders:
+                            await self._run_pack(client, [lease, *riders])
+                        else:
+                            await self._run_job(client, lease)
                 except REDIS_DOWN as exc:
                     logger.warning("worker %s: Redis unreachable (%s)", self.worker_id, exc)
                     await self._pause(REDIS_RETRY_S)
@@ -110,6 +119,45 @@ class Worker:
             return None
         return asyncio.create_task(beat_file(path, self.settings.heartbeat_seconds))
 
+    async def _riders(
+        self, client: aioredis.Redis, lease: Lease, queue: JobQueue, leases: LeaseStore
+    ) -> list[Lease]:
+        """The jobs that train beside ``lease``'s in one pack (none unless packing is on)."""
+        if self.settings.max_pack_size <= 1 or not lease.record.pack_key:
+            return []
+        lease_ms = int(self.settings.lease_seconds * 1000)
+
+        async def claim(job_id: str, takeover: bool) -> Lease | None:
+            rider = await self._claim(leases, job_id, lease_ms, takeover=takeover)
+            if rider is not None and takeover:
+                self.metrics.lease_takeovers.inc()
+            return rider
+
+        return await claim_riders(
+            lease,
+            self.settings,
+            worker_id=self.worker_id,
+            queue=queue,
+            leases=leases,
+            claims=PackClaims(client, keys=self.keys),
+            claim=claim,
+        )
+
+    async def _run_pack(self, client: aioredis.Redis, pack: list[Lease]) -> None:
+        child, self._spare = self._spare, None
+        runner = PackRunner(
+            client,
+            pack,
+            self.settings,
+            self._stop,
+            keys=self.keys,
+            child=child,
+            metrics=self.metrics,
+        )
+        outcomes = await runner.run()
+        self.jobs_run += [(lease.job_id, o) for lease, o in zip(pack, outcomes, strict=True)]
+        await self._keep_child(runner.idle_child)
+
     async def _run_job(self, client: aioredis.Redis, lease: Lease) -> None:
         child, self._spare = self._spare, None
         runner = JobRunner(
@@ -123,7 +171,11 @@ class Worker:
         )
         outcome = await runner.run()
         self.jobs_run.append((lease.job_id, outcome))
-        self._spare = runner.idle_child
+        await self._keep_child(runner.idle_child)
+
+    async def _keep_child(self, idle_child: ChildProcess | None) -> None:
+        """Keep the job's training process for the next job, or have a fresh one ready."""
+        self._spare = idle_child
         if self._spare is not None and self._spare.jobs_started >= MAX_JOBS_PER_CHILD:
             await self._spare.kill()  # start afresh now and then: no growth over months
             self._spare.close()

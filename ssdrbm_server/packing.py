@@ -1,0 +1,58 @@
+"""A job's pack key: which queued jobs a worker may train together in one pack.
+
+Computed once, when the job is submitted, and stored in its record (``pack_key``), so a worker
+matches jobs by comparing strings, without loading a spec, a dataset or torch. Two jobs share a
+key when :func:`ssdcore.pack.pack_key` says their runs fit one pack (Bernoulli model of one
+shape, batch size, CD-k, persistence, the same update rule for every parameter) and one data
+tensor serves both: the same dataset (built-in with its options, or the same upload), the same
+preprocessing and the same validation split — which is drawn with ``training.seed``, so jobs
+that differ in seed get different keys. The polar method is part of the key as requested
+(AUTO or a named one), since AUTO resolves per device. Everything else (step sizes, momentum,
+weight decay, steps, evaluation and checkpoint spacing, backoff policy) may differ within a
+pack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from ssdrbm.v1 import rbm_pb2 as pb
+
+from ssdcore.pack import pack_key
+from ssdrbm_server.worker.spec import model_config, optimizer_config
+
+NOT_PACKABLE = ""  # the key of a job that always trains alone
+
+
+def job_pack_key(spec: pb.StartTrainingRequest, n_visible: int) -> str:
+    """The resolved job's pack key (32 hex digits), or NOT_PACKABLE."""
+    training = spec.training
+    if training.HasField("parallel_tempering"):  # tempered chains: the solo Trainer's
+        return NOT_PACKABLE
+    if training.HasField("centering"):  # centered runs: the solo Trainer's (packs refuse them)
+        return NOT_PACKABLE
+    try:
+        runs = pack_key(
+            model_config(spec, n_visible),
+            optimizer_config(spec.optimizer),
+            batch_size=training.batch_size,
+            cd_k=training.cd_k,
+            persistent=training.persistent,
+            device="cpu",
+        )
+    except ValueError:  # a Gaussian model, an optimizer setting packs do not run
+        return NOT_PACKABLE
+    dataset = spec.dataset
+    if dataset.WhichOneof("source") == "dataset_id":
+        source: object = ["upload", dataset.dataset_id]
+    else:
+        source = ["builtin", dataset.builtin.name, sorted(dataset.builtin.options.items())]
+    data = [
+        source,
+        int(dataset.preprocess),
+        repr(float(spec.eval.validation_fraction)),
+        int(training.seed),  # the validation split's seed
+    ]
+    text = json.dumps([repr(runs), int(spec.optimizer.method), data], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

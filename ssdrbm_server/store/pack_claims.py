@@ -1,0 +1,94 @@
+"""Taking queued jobs that fit a pack: named jobs out of their tenants' lists, not the oldest.
+
+A worker that has taken a job the ordinary way (store/queue.py: the least recently served
+tenant's oldest job) may add more queued jobs with the same pack key to it. Those riders are
+taken by id, in the order the caller gives (the first job's tenant, then the other tenants in
+rotation), with the same bookkeeping as an ordinary take: the job leaves its tenant's list
+(the tenant leaves the rotation once its list is empty) and is recorded in `{jobs}:taken`, so
+the claim and acknowledgement that follow, and a worker's death in between, are handled
+exactly as for any taken job (store/queue.py explains the order).
+
+A rider does not spend its tenant's turn: it trains in capacity its worker had anyway (a pack
+of N costs far less than N jobs), so the rotation that decides whose job is served next — and
+the guarantee that no tenant waits behind another's backlog — is unchanged by packing.
+
+The pack key of a queued job is read from its record (`pack_key`, set at submit), one pipeline
+per tenant over the first SCAN_PER_TENANT entries of its list, so a claim costs a bounded
+number of round trips whatever the queue's length.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ssdrbm_server.keys import Keys
+from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.indexes import NOW_MS
+
+logger = logging.getLogger(__name__)
+
+SCAN_PER_TENANT = 256  # queued jobs of one tenant looked at for riders (from the oldest)
+SCAN_TENANTS = 64  # tenants looked at for riders, in rotation order
+
+# KEYS: rotation, taken, ready, the tenant's list. ARGV: tenant, job id, worker.
+# Returns the taken entry, or '' when the job is no longer in the list (someone took it).
+_TAKE_JOB = (
+    NOW_MS
+    + """
+if redis.call('LREM', KEYS[4], 1, ARGV[2]) == 0 then return '' end
+if redis.call('LLEN', KEYS[4]) == 0 then redis.call('ZREM', KEYS[1], ARGV[1]) end
+if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[3]) end
+local entry = ARGV[2] .. ' ' .. ARGV[3]
+redis.call('ZADD', KEYS[2], now, entry)
+return entry
+"""
+)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class PackClaims:
+    """Finds and takes queued jobs with a given pack key."""
+
+    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+        self._take_job = redis.register_script(_TAKE_JOB)
+
+    async def tenants_in_order(self, first: str) -> list[str]:
+        """``first``, then the tenants with queued jobs in rotation order (next served first)."""
+        rotation = await self.redis.zrange(self.keys.queue_rotation(), 0, SCAN_TENANTS - 1)
+        others = [_text(t) for t in rotation if _text(t) != first]
+        return [first, *others]
+
+    async def matching(self, tenant: str, pack_key: str, limit: int) -> list[str]:
+        """Up to ``limit`` of the tenant's queued job ids with ``pack_key``, oldest first."""
+        if limit <= 0 or not pack_key:
+            return []
+        listed = await self.redis.lrange(self.keys.tenant_queue(tenant), 0, SCAN_PER_TENANT - 1)
+        job_ids = [_text(j) for j in listed]
+        if not job_ids:
+            return []
+        # One key per call (job hashes live in their own slots): a pipeline, not a script.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id), "pack_key")
+            keys = await pipe.execute()
+        found = [j for j, k in zip(job_ids, keys, strict=True) if k and _text(k) == pack_key]
+        return found[:limit]
+
+    async def take(self, tenant: str, job_id: str, consumer: str) -> str | None:
+        """Take one queued job by id; its taken entry, or None when it is no longer queued."""
+        entry = await self._take_job(
+            keys=[
+                self.keys.queue_rotation(),
+                self.keys.queue_taken(),
+                self.keys.queue_ready(),
+                self.keys.tenant_queue(tenant),
+            ],
+            args=[tenant, job_id, consumer],
+        )
+        entry = _text(entry)
+        return entry or None

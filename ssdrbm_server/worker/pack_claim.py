@@ -1,0 +1,98 @@
+"""Which jobs join a claimed job's pack: the worker's side of packed training.
+
+A free worker claims one job exactly as before (worker.py: a lapsed lease, its own or others'
+stale taken entries, or the next tenant in rotation). If that job has a pack key
+(ssdrbm_server/packing.py) and SSDRBM_MAX_PACK_SIZE > 1, the worker then claims up to
+``room - 1`` more jobs with the same key, in this order:
+
+1. running jobs whose lease lapsed (a dead worker's pack is resumed as a pack, each job from
+   its own checkpoint);
+2. queued jobs of the first job's tenant, then of the other tenants in rotation order
+   (store/pack_claims.py; riders do not spend their tenant's turn).
+
+``room`` is SSDRBM_MAX_PACK_SIZE, lowered so that the runs' memory estimates
+(runner.run_memory_mb) fit SSDRBM_PACK_MEMORY_MB. Each rider is claimed with the ordinary
+claim (a new attempt, its own lease and fencing token), so from here on every job of the pack
+is exactly as leased as a solo job.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+
+from google.protobuf.message import DecodeError
+from ssdrbm.v1 import rbm_pb2
+
+from ssdrbm_server.config import Settings
+from ssdrbm_server.store.leases import Lease, LeaseStore
+from ssdrbm_server.store.pack_claims import PackClaims
+from ssdrbm_server.store.queue import JobQueue
+from ssdrbm_server.store.records import JobRecord
+from ssdrbm_server.worker.runner import run_memory_mb
+
+logger = logging.getLogger(__name__)
+
+# claim(job_id, takeover) -> the lease, or None when the job cannot be claimed
+Claim = Callable[[str, bool], Awaitable[Lease | None]]
+
+
+def pack_room(record: JobRecord, settings: Settings) -> int:
+    """How many runs a pack started from this job may hold (1: it trains alone)."""
+    if settings.max_pack_size <= 1 or not record.pack_key:
+        return 1
+    try:
+        request = rbm_pb2.StartTrainingRequest.FromString(record.spec)
+    except DecodeError:
+        return 1  # the runner fails it with the reason
+    per_run = run_memory_mb(request, record.n_visible)
+    by_memory = math.floor(settings.pack_memory_mb / per_run) if per_run > 0 else 1 << 30
+    return max(1, min(settings.max_pack_size, by_memory))
+
+
+async def claim_riders(
+    first: Lease,
+    settings: Settings,
+    *,
+    worker_id: str,
+    queue: JobQueue,
+    leases: LeaseStore,
+    claims: PackClaims,
+    claim: Claim,
+) -> list[Lease]:
+    """Claim the jobs that join ``first``'s pack (possibly none)."""
+    wanted = pack_room(first.record, settings) - 1
+    key = first.record.pack_key
+    riders: list[Lease] = []
+    if wanted <= 0:
+        return riders
+    for job_id in await leases.lapsed(limit=wanted):
+        if len(riders) >= wanted:
+            break
+        record = await leases.load(job_id)
+        if record is None or record.pack_key != key or job_id == first.job_id:
+            continue
+        lease = await claim(job_id, True)
+        if lease is not None:
+            logger.info("took over job %s into a pack after its lease lapsed", job_id)
+            riders.append(lease)
+    for tenant in await claims.tenants_in_order(first.record.tenant):
+        if len(riders) >= wanted:
+            break
+        for job_id in await claims.matching(tenant, key, wanted - len(riders)):
+            entry = await claims.take(tenant, job_id, worker_id)
+            if entry is None:
+                continue  # another worker took it meanwhile
+            lease = await claim(job_id, False)
+            await queue.ack(entry)  # as for any taken entry: claimed, or not claimable
+            if lease is not None:
+                riders.append(lease)
+    if riders:
+        logger.info(
+            "job %s trains in a pack of %d (%s)",
+            first.job_id,
+            len(riders) + 1,
+            ", ".join(r.job_id for r in riders),
+        )
+    return riders

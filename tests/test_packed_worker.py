@@ -1,0 +1,297 @@
+"""Packed training through the worker, against a real redis-server and real training processes.
+
+Compatible jobs queued together are claimed as one pack and trained in one process; each job
+stays a job of its own: its lease, fenced writes, metric stream, checkpoints, backoffs and
+final state. Each test states what it proves. Jobs are tiny (16 visibles, 8 hidden units);
+on the CPU a packed run equals its solo run bit for bit (tests/test_pack.py), so the
+comparisons with solo runs below are exact (tolerance 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+from collections.abc import Awaitable, Callable, Iterator
+
+import pytest
+import torch
+from ssdrbm.v1 import rbm_pb2
+
+from ssdcore.checkpoint import model_from_bytes
+from ssdrbm_server.packing import job_pack_key
+from ssdrbm_server.resolver import resolve
+from ssdrbm_server.store import JobRecord, JobState
+from ssdrbm_server.worker import Worker
+from ssdrbm_server.worker.pack_child import packed_summary
+from tests.test_worker import (
+    SETTINGS,
+    TENANT,
+    Harness,
+    is_running,
+    make_worker,
+    spec,
+    start_worker_process,
+    training_processes_of,
+    wait_until,
+)
+
+SGD = rbm_pb2.OPTIMIZER_KIND_SGD
+BLOWING_UP_LR = 20.0  # SGD at this step size saturates every hidden unit within 5 steps
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Worker processes a test starts, killed at its end if still running."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+class PackHarness(Harness):
+    """Submits as StartTraining does, pack key included."""
+
+    async def submit(self, request: rbm_pb2.StartTrainingRequest) -> str:
+        job = await resolve(request, SETTINGS, self.datasets.info)
+        record, _ = await self.jobs.submit(
+            TENANT,
+            job.spec.SerializeToString(),
+            name="packed",
+            total_steps=job.total_steps,
+            request_id=None,
+            n_visible=job.n_visible,
+            pack_key=job.pack_key,
+        )
+        return record.id
+
+    async def final_parameters(self, job_id: str) -> dict[str, torch.Tensor]:
+        return model_from_bytes((await self.checkpoints.latest(job_id)).data).state_dict()
+
+    async def wait_done(self, job_id: str) -> JobRecord:
+        return await self.wait_for(job_id, lambda r: r.state.is_terminal)
+
+
+def summary(record: JobRecord) -> str:
+    return json.loads(record.runtime)["summary"]
+
+
+def run_queued(
+    redis_url: str,
+    requests: list[rbm_pb2.StartTrainingRequest],
+    scenario: Callable[[PackHarness, list[str], Worker], Awaitable[None]],
+    **overrides,
+) -> Worker:
+    """Queue every request first, then start one worker (``overrides``: its settings) and run
+    ``scenario(harness, job ids, worker)``."""
+    worker = make_worker(redis_url, "packer", **overrides)
+
+    async def main() -> None:
+        h = PackHarness(redis_url)
+        job_ids = [await h.submit(request) for request in requests]
+        task = asyncio.create_task(worker.run())
+        try:
+            await scenario(h, job_ids, worker)
+        finally:
+            await worker.stop(graceful=False)
+            await task
+            await h.redis.aclose()
+
+    asyncio.run(main())
+    return worker
+
+
+def sgd(steps: int, lr: float = 0.05, **changes) -> rbm_pb2.StartTrainingRequest:
+    return spec(steps=steps, lr=lr, optimizer=SGD, **changes)
+
+
+def test_compatible_jobs_train_as_one_pack_each_equal_to_its_solo_run(redis_url: str) -> None:
+    """Four compatible jobs (step sizes differ) and one of another shape, queued together:
+    the four train in one pack (their runtime says so), the other alone; each packed job's
+    stream, checkpoints and final parameters equal the same job trained solo (which is what
+    SSDRBM_MAX_PACK_SIZE=1 does: today's worker), bit for bit."""
+    packable = [spec(steps=60, lr=lr) for lr in (0.05, 0.03, 0.02, 0.04)]
+    other = spec(steps=60)
+    other.model.n_hidden = 6
+    requests = [*packable, other]
+    keys = set()
+    for request in packable:
+        resolved = asyncio.run(resolve(request, SETTINGS, _no_uploads))
+        keys.add(job_pack_key(resolved.spec, resolved.n_visible))
+    assert len(keys) == 1 and "" not in keys
+    results: dict[str, list] = {}
+
+    def collect(label: str) -> Callable[[PackHarness, list[str], Worker], Awaitable[None]]:
+        async def scenario(h: PackHarness, job_ids: list[str], worker: Worker) -> None:
+            records = [await h.wait_done(job_id) for job_id in job_ids]
+            assert all(r.state is JobState.SUCCEEDED for r in records), [r.error for r in records]
+            results[label] = [
+                (
+                    record,
+                    await h.metric_steps(record.id),
+                    await h.checkpoints.list_steps(record.id),
+                    [
+                        rbm_pb2.Metrics.FromString(data)
+                        for kind, data, _ in await h.events_of(record.id)
+                        if kind == "metrics"
+                    ],
+                    await h.final_parameters(record.id),
+                )
+                for record in records
+            ]
+
+        return scenario
+
+    run_queued(redis_url, requests, collect("packed"), max_pack_size=8)
+    run_queued(redis_url, requests, collect("solo"), max_pack_size=1)
+
+    for index, (packed, solo) in enumerate(zip(results["packed"], results["solo"], strict=True)):
+        packed_record, steps, checkpoints, metrics, parameters = packed
+        solo_record, solo_steps, solo_checkpoints, solo_metrics, solo_parameters = solo
+        if index < len(packable):
+            assert summary(packed_record).endswith(packed_summary(len(packable)))
+        else:
+            assert "packed" not in summary(packed_record)  # another shape: trained alone
+        assert "packed" not in summary(solo_record)
+        assert steps == solo_steps == [(s, 1) for s in range(10, 61, 10)]
+        assert checkpoints == solo_checkpoints == [60]
+        for name in parameters:
+            assert torch.equal(parameters[name], solo_parameters[name]), (index, name)
+        for event, solo_event in zip(metrics, solo_metrics, strict=True):
+            assert event.reconstruction_error == solo_event.reconstruction_error
+            assert event.log_likelihood == solo_event.log_likelihood
+            assert event.log_likelihood_method == rbm_pb2.LOG_LIKELIHOOD_METHOD_EXACT
+
+
+async def _no_uploads(dataset_id: str):
+    raise AssertionError("no uploads here")
+
+
+def test_a_blow_up_or_a_cancel_in_a_pack_leaves_the_other_runs_undisturbed(
+    redis_url: str,
+) -> None:
+    """A pack of five SGD jobs: one blows up with backoff off (FAILED alone, with the solo
+    message), one blows up with backoff on (Backoff events, trained on with smaller steps),
+    one is cancelled while the pack trains (CANCELLED, nothing written after), and the two
+    healthy ones go on to SUCCEEDED with exactly their solo parameters."""
+    requests = [
+        sgd(60),
+        sgd(400),
+        sgd(60, lr=BLOWING_UP_LR, max_backoffs=0, eval_every=5, checkpoint_every=5),
+        sgd(60, lr=BLOWING_UP_LR, eval_every=5, checkpoint_every=5),
+        sgd(1_000_000, checkpoint_every=20),
+    ]
+    packed: dict[str, dict] = {}
+
+    async def scenario(h: PackHarness, job_ids: list[str], worker: Worker) -> None:
+        healthy, long_one, failing, backing_off, cancelled = job_ids
+        await h.wait_for(cancelled, lambda r: r.checkpoint_step >= 20)
+        running = await h.jobs.get(TENANT, long_one)
+        assert running.state is JobState.RUNNING and running.step < 400
+        await h.jobs.cancel(TENANT, cancelled)
+        cancelled_record = await h.wait_done(cancelled)
+        assert cancelled_record.state is JobState.CANCELLED
+        events_at_cancel = await h.events_of(cancelled)
+
+        long_record = await h.wait_done(long_one)
+        assert long_record.state is JobState.SUCCEEDED, long_record.error
+        healthy_record = await h.wait_done(healthy)
+        assert healthy_record.state is JobState.SUCCEEDED, healthy_record.error
+        assert summary(healthy_record).endswith(packed_summary(5))
+
+        failed = await h.wait_done(failing)
+        assert failed.state is JobState.FAILED and failed.backoffs == 0
+        assert "blew up with backoff off" in failed.error and "at step 5" in failed.error
+        assert f"try optimizer.lr = {BLOWING_UP_LR / 10:.3g}" in failed.error
+
+        backed = await h.wait_done(backing_off)
+        assert backed.backoffs >= 1
+        backoffs = [
+            rbm_pb2.Backoff.FromString(data)
+            for kind, data, _ in await h.events_of(backing_off)
+            if kind == "backoff"
+        ]
+        assert len(backoffs) == backed.backoffs
+        assert backoffs[0].old_lr == BLOWING_UP_LR
+        assert abs(backoffs[0].new_lr - BLOWING_UP_LR / 10) < 1e-9
+
+        await asyncio.sleep(0.5)  # nothing more is written for the cancelled job
+        assert await h.events_of(cancelled) == events_at_cancel
+        packed["parameters"] = {
+            "healthy": await h.final_parameters(healthy),
+            "long": await h.final_parameters(long_one),
+        }
+
+    run_queued(redis_url, requests, scenario, max_pack_size=8)
+
+    solo: dict[str, dict] = {}
+
+    async def solo_scenario(h: PackHarness, job_ids: list[str], worker: Worker) -> None:
+        for job_id in job_ids:
+            assert (await h.wait_done(job_id)).state is JobState.SUCCEEDED
+        solo["healthy"] = await h.final_parameters(job_ids[0])
+        solo["long"] = await h.final_parameters(job_ids[1])
+
+    run_queued(redis_url, requests[:2], solo_scenario, max_pack_size=1)
+    for label in ("healthy", "long"):
+        for name, value in packed["parameters"][label].items():
+            assert torch.equal(value, solo[label][name]), (label, name)
+
+
+def test_sigkilled_worker_mid_pack_every_job_resumes_with_each_step_once(
+    redis_url: str, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """SIGKILL a worker process while it trains a pack of three: its training process exits,
+    another worker takes the jobs over once their leases lapse (packing them again), each
+    resumes from its own checkpoint, and every step is in each job's stream exactly once; the
+    resumed models equal uninterrupted solo runs bit for bit."""
+    total = 600
+    requests = [sgd(total, lr=lr, checkpoint_every=50) for lr in (0.05, 0.04, 0.03)]
+
+    async def main() -> None:
+        h = PackHarness(redis_url)
+        job_ids = [await h.submit(request) for request in requests]
+        doomed = start_worker_process(redis_url, "doomed")
+        processes.append(doomed)
+        for job_id in job_ids:
+            await h.wait_for(job_id, lambda r: 50 <= r.checkpoint_step < r.step < total)
+        trainers = training_processes_of(doomed.pid)
+        assert len(trainers) == 1  # one training process for the three jobs
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        killed = [await h.jobs.get(TENANT, job_id) for job_id in job_ids]
+        assert all(r.worker == "doomed" and r.state is JobState.RUNNING for r in killed)
+        assert all(summary(r).endswith(packed_summary(3)) for r in killed)
+        await wait_until(lambda: all(not is_running(pid) for pid in trainers), timeout=10)
+        survivor = make_worker(redis_url, "survivor")
+        task = asyncio.create_task(survivor.run())
+        try:
+            finals = [await h.wait_done(job_id) for job_id in job_ids]
+        finally:
+            await survivor.stop(graceful=False)
+            await task
+        for job_id, before, final in zip(job_ids, killed, finals, strict=True):
+            assert final.state is JobState.SUCCEEDED, final.error
+            assert final.attempt == 2 and final.worker == "survivor"
+            published = await h.metric_steps(job_id)
+            assert [step for step, _ in published] == list(range(10, total + 1, 10))
+            assert all(attempt == 2 for step, attempt in published if step > before.step)
+        resumed = [await h.final_parameters(job_id) for job_id in job_ids]
+        await h.redis.aclose()
+
+        solo: list[dict] = []
+
+        async def solo_scenario(h2: PackHarness, ids: list[str], worker: Worker) -> None:
+            for job_id in ids:
+                assert (await h2.wait_done(job_id)).state is JobState.SUCCEEDED
+                solo.append(await h2.final_parameters(job_id))
+
+        await asyncio.to_thread(run_queued, redis_url, requests, solo_scenario, max_pack_size=1)
+        for packed_run, solo_run in zip(resumed, solo, strict=True):
+            for name, value in packed_run.items():
+                assert torch.equal(value, solo_run[name]), name
+
+    asyncio.run(main())
