@@ -85,6 +85,13 @@ class ResolvedJob:
     n_visible: int
     n_examples: int
 
+    @property
+    def pack_key(self) -> str:
+        """Which queued jobs this one may train beside (ssdrbm_server/packing.py)."""
+        from ssdrbm_server.packing import job_pack_key  # imports the pack's rules (torch)
+
+        return job_pack_key(self.spec, self.n_visible)
+
 
 async def resolve(
     request: pb.StartTrainingRequest, settings: Settings, find_upload: UploadLookup

@@ -34,7 +34,7 @@ from ssdcore.training import Trainer
 from ssdrbm_server import logs
 from ssdrbm_server.config import Settings
 from ssdrbm_server.worker import protocol
-from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
+from ssdrbm_server.worker.datasets import DatasetError, SplitData, Uploaded, prepare
 from ssdrbm_server.worker.spec import (
     centering_config,
     check_resolved,
@@ -84,6 +84,10 @@ def child_main(
             message = protocol.receive(conn)
             if message.kind == protocol.START:  # a stop that arrives after its job is ignored
                 train_one(conn, message)
+            elif message.kind == protocol.START_PACK:  # a drop after its pack is ignored too
+                from ssdrbm_server.worker.pack_child import train_pack
+
+                train_pack(conn, message)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(EXIT_PARENT_GONE)  # the worker went away or is done with us
     finally:
@@ -185,19 +189,8 @@ class Training:
                 f"the dataset now has {data.n_visible} visible units, but the job was accepted "
                 f"for {self.n_visible}; its data changed on this server since — submit it again"
             )
-        self.model = model_from_config(model_config(spec, data.n_visible), device=device)
-        self.trainer = Trainer(
-            self.model,
-            data.train.to(device),
-            optimizer=optimizer_config(spec.optimizer),
-            batch_size=spec.training.batch_size,
-            cd_k=spec.training.cd_k,
-            persistent=spec.training.persistent,
-            tempering=tempering_config(spec.training),
-            centering=centering_config(spec.training),
-            seed=spec.training.seed,
-            valid_data=None if data.valid is None else data.valid.to(device),
-        )
+        self.trainer = build_trainer(spec, data, device)
+        self.model = self.trainer.model
         if self.resume:
             ssdcheckpoint.load_trainer_state(self.trainer, self.resume)
             self.last_checkpoint = self.trainer.step_count
@@ -301,28 +294,7 @@ class Training:
         return True
 
     def _failure(self, blowup: BlowUp, lr: float) -> str:
-        """Why the job failed, with the step size that blew up and one to try instead."""
-        training = self.spec.training
-        spent = (
-            f"after {self.backoffs} backoffs"
-            if training.max_backoffs
-            else "with backoff off (training.max_backoffs 0)"
-        )
-        scaled = (
-            f" (optimizer.lr {self.spec.optimizer.lr:.3g} / {training.backoff_factor:g}^"
-            f"{self.backoffs})"
-            if self.backoffs
-            else ""
-        )
-        suggestion = suggested_lr(lr, training.backoff_factor)
-        return (
-            f"training blew up {spent}: {blowup.describe()}; its step size was {lr:.3g}{scaled}; "
-            f"try optimizer.lr = {suggestion:.3g} or smaller (the last good checkpoint is "
-            f"{self._kept()})"
-        )
-
-    def _kept(self) -> str:
-        return f"step {self.last_checkpoint}" if self.last_checkpoint >= 0 else "none"
+        return failure_reason(self.spec, self.backoffs, self.last_checkpoint, blowup, lr)
 
     def _stop_requested(self) -> bool:
         if not self.conn.poll():
@@ -339,17 +311,7 @@ class Training:
         return values
 
     def _evaluate_now(self, *, with_ais: bool) -> dict[str, Any]:
-        if with_ais:
-            method = "ais"
-        elif self.spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN:
-            method = "exact"
-        else:
-            method = "none"
-        return self.trainer.evaluate(
-            log_likelihood=method,
-            ais_chains=self.spec.eval.ais_chains,
-            ais_betas=self.spec.eval.ais_betas,
-        )
+        return evaluate_job(self.trainer, self.spec, with_ais=with_ais)
 
     def _publish(self, values: dict[str, Any]) -> None:
         # wall_time_s and samples_per_second come from the trainer: its training time is part
@@ -403,6 +365,69 @@ class Training:
 
 def _next_multiple(step: int, every: int) -> int:
     return (step // every + 1) * every
+
+
+def build_trainer(
+    spec: rbm_pb2.StartTrainingRequest, data: SplitData, device: torch.device
+) -> Trainer:
+    """A fresh Trainer for the job, exactly as its training process builds it (packed runs
+    too: the pack continues such Trainers, ssdcore.pack.pack_trainers)."""
+    model = model_from_config(model_config(spec, data.n_visible), device=device)
+    return Trainer(
+        model,
+        data.train.to(device),
+        optimizer=optimizer_config(spec.optimizer),
+        batch_size=spec.training.batch_size,
+        cd_k=spec.training.cd_k,
+        persistent=spec.training.persistent,
+        tempering=tempering_config(spec.training),
+        centering=centering_config(spec.training),
+        seed=spec.training.seed,
+        valid_data=None if data.valid is None else data.valid.to(device),
+    )
+
+
+def evaluate_job(
+    trainer: Trainer, spec: rbm_pb2.StartTrainingRequest, *, with_ais: bool
+) -> dict[str, Any]:
+    """The job's metric event values: AIS when asked, else the exact log-likelihood for
+    small hidden layers."""
+    if with_ais:
+        method = "ais"
+    elif spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN:
+        method = "exact"
+    else:
+        method = "none"
+    return trainer.evaluate(
+        log_likelihood=method, ais_chains=spec.eval.ais_chains, ais_betas=spec.eval.ais_betas
+    )
+
+
+def failure_reason(
+    spec: rbm_pb2.StartTrainingRequest,
+    backoffs: int,
+    last_checkpoint: int,
+    blowup: BlowUp,
+    lr: float,
+) -> str:
+    """Why the job failed, with the step size that blew up and one to try instead."""
+    training = spec.training
+    spent = (
+        f"after {backoffs} backoffs"
+        if training.max_backoffs
+        else "with backoff off (training.max_backoffs 0)"
+    )
+    scaled = (
+        f" (optimizer.lr {spec.optimizer.lr:.3g} / {training.backoff_factor:g}^{backoffs})"
+        if backoffs
+        else ""
+    )
+    suggestion = suggested_lr(lr, training.backoff_factor)
+    kept = f"step {last_checkpoint}" if last_checkpoint >= 0 else "none"
+    return (
+        f"training blew up {spent}: {blowup.describe()}; its step size was {lr:.3g}{scaled}; "
+        f"try optimizer.lr = {suggestion:.3g} or smaller (the last good checkpoint is {kept})"
+    )
 
 
 _LL_METHODS = {
