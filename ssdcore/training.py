@@ -230,6 +230,8 @@ class Trainer:
             return "the full-covariance projection decides on the host (eigenvalue clipping)"
         if self.tempering is not None:
             return "parallel tempering runs eagerly (its capture is not verified)"
+        if self.centering is not None:
+            return "centered training runs eagerly (its capture is not verified)"
         capturable = getattr(self.optimizer, "capturable", None)
         if capturable is None or not capturable():
             return (
