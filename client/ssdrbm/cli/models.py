@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ssdrbm.cli import sweeps
+from ssdrbm.cli import sweeps
 from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
@@ -159,13 +160,13 @@ def run_plot(args: argparse.Namespace) -> ExitCode:
     from ssdrbm.cli import plot  # matplotlib is imported only for this command
 
     plot.require_matplotlib()  # before anything is fetched: say at once what to install
+    image_shape = parse_image_shape(args.image_shape)
+    inputs = load_input(args.input) if args.input else None
     with client_from_args(args) as client:  # a sweep's id: one curve per run
         sweep = sweeps.find_sweep(client, args.job)
         if sweep is not None:
             written = sweeps.plot_sweep(client, sweep, Path(args.output))
             return _print_written(args, {"sweep_id": sweep.id}, written)
-    image_shape = parse_image_shape(args.image_shape)
-    inputs = load_input(args.input) if args.input else None
     with client_from_args(args) as client:
         history = [
             event.metrics
