@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 
 from ssdrbm.cli import sweeps
-from ssdrbm.cli import sweeps
 from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
