@@ -28,8 +28,8 @@ NOT_PACKABLE = ""  # the key of a job that always trains alone
 def job_pack_key(spec: pb.StartTrainingRequest, n_visible: int) -> str:
     """The resolved job's pack key (32 hex digits), or NOT_PACKABLE."""
     training = spec.training
-    if training.HasField("parallel_tempering"):  # tempered chains: the solo Trainer's
-        return NOT_PACKABLE
+    if training.HasField("parallel_tempering") or training.HasField("centering"):
+        return NOT_PACKABLE  # Trainer options packs do not run (tempered chains, centering)
     if training.HasField("centering"):  # centered runs: the solo Trainer's (packs refuse them)
         return NOT_PACKABLE
     try:

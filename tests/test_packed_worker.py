@@ -20,11 +20,14 @@ import torch
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore.checkpoint import model_from_bytes
-from ssdrbm_server.packing import job_pack_key
+from ssdrbm_server.packing import NOT_PACKABLE, job_pack_key
 from ssdrbm_server.resolver import resolve
-from ssdrbm_server.store import JobRecord, JobState
+from ssdrbm_server.store import JobQueue, JobRecord, JobState, JobStore, LeaseStore
+from ssdrbm_server.store.pack_claims import PackClaims
 from ssdrbm_server.worker import Worker
 from ssdrbm_server.worker.pack_child import packed_summary
+from ssdrbm_server.worker.pack_claim import claim_riders, pack_room
+from tests.test_store import run
 from tests.test_worker import (
     SETTINGS,
     TENANT,
@@ -295,3 +298,143 @@ def test_sigkilled_worker_mid_pack_every_job_resumes_with_each_step_once(
                 assert torch.equal(value, solo_run[name]), name
 
     asyncio.run(main())
+
+
+def key_of(request: rbm_pb2.StartTrainingRequest) -> str:
+    resolved = asyncio.run(resolve(request, SETTINGS, _no_uploads))
+    return resolved.pack_key
+
+
+def test_the_pack_key_groups_what_one_pack_and_one_data_tensor_can_serve() -> None:
+    """Step sizes, momentum, steps and evaluation spacing may differ within a pack; the model
+    shape, batch size, CD-k, persistence, update rule, data, preprocessing and split (its seed)
+    may not; Gaussian, tempered and centered jobs, and step-size schedules, train alone."""
+    base = key_of(sgd(60))
+    assert base != NOT_PACKABLE
+    same = [sgd(60, lr=0.01), sgd(500, eval_every=5, checkpoint_every=25)]
+    momentum = sgd(60)
+    momentum.optimizer.momentum = 0.5
+    same.append(momentum)
+    assert all(key_of(request) == base for request in same)
+
+    different = []
+    for change in (
+        lambda r: setattr(r.model, "n_hidden", 6),
+        lambda r: setattr(r.training, "batch_size", 40),
+        lambda r: setattr(r.training, "cd_k", 2),
+        lambda r: setattr(r.training, "persistent", True),
+        lambda r: setattr(r.training, "seed", 4),
+        lambda r: setattr(r.eval, "validation_fraction", 0.25),
+        lambda r: setattr(r.dataset, "preprocess", rbm_pb2.PREPROCESS_BINARIZE),
+        lambda r: r.dataset.builtin.options.__setitem__("n_samples", "500"),
+        lambda r: setattr(r.optimizer, "kind", rbm_pb2.OPTIMIZER_KIND_SSD),
+    ):
+        request = sgd(60)
+        change(request)
+        different.append(key_of(request))
+    assert NOT_PACKABLE not in different and len({base, *different}) == len(different) + 1
+
+    alone = [spec(steps=60, gaussian=True)]
+    for change in (
+        lambda r: r.training.centering.SetInParent(),
+        lambda r: setattr(r.optimizer.schedule, "kind", rbm_pb2.SCHEDULE_KIND_COSINE),
+    ):
+        request = sgd(60)
+        change(request)
+        alone.append(request)
+    tempered = sgd(60)
+    tempered.training.persistent = True
+    tempered.training.parallel_tempering.temperatures = 3
+    alone.append(tempered)
+    assert [key_of(request) for request in alone] == [NOT_PACKABLE] * len(alone)
+
+
+def test_riders_come_from_the_first_tenant_then_the_rotation_and_spend_no_turn(
+    redis_url: str,
+) -> None:
+    """Tenants a, b, c queue jobs (key K or another): a worker takes a's oldest job (the
+    rotation's choice), then its riders: a's other K job, then b's and c's K jobs in rotation
+    order, up to the pack's room; jobs of another key stay queued, and c, whose K job rode
+    along, is still served before a, whose turn the pack's first job spent."""
+    settings = SETTINGS.replace(max_pack_size=4)
+
+    async def scenario(redis) -> None:
+        jobs, queue, leases = JobStore(redis), JobQueue(redis), LeaseStore(redis)
+        spec_bytes = sgd(60).SerializeToString()
+        ids: dict[str, str] = {}
+        for name, tenant, key in (
+            ("a1", "a", "K"),
+            ("a2", "a", "K"),
+            ("a3", "a", "other"),
+            ("b1", "b", "K"),
+            ("c1", "c", "other"),
+            ("c2", "c", "K"),
+            ("c3", "c", "K"),
+        ):
+            record, _ = await jobs.submit(
+                tenant, spec_bytes, name=name, total_steps=60, request_id=None, pack_key=key
+            )
+            ids[record.id] = name
+        [(entry, first_id)] = await queue.read("w1", block_ms=0)
+        first = await leases.claim(first_id, "w1", lease_ms=10_000)
+        await queue.ack(entry)
+        assert first is not None and ids[first_id] == "a1"
+
+        async def claim(job_id: str, takeover: bool) -> object:
+            return await leases.claim(job_id, "w1", lease_ms=10_000)
+
+        riders = await claim_riders(
+            first,
+            settings,
+            worker_id="w1",
+            queue=queue,
+            leases=leases,
+            claims=PackClaims(redis),
+            claim=claim,
+        )
+        assert [ids[r.job_id] for r in riders] == ["a2", "b1", "c2"]
+        for rider in riders:
+            assert (await jobs.get(rider.record.tenant, rider.job_id)).state is JobState.RUNNING
+        assert await queue.rotation() == ["c", "a"]  # b's list is empty; c was not served
+        left = []
+        for _ in range(3):
+            [(entry, job_id)] = await queue.read("w1", block_ms=0)
+            left.append(ids[job_id])
+            await queue.ack(entry)
+        assert left == ["c1", "a3", "c3"]
+        assert await queue.length() == 0
+
+    run(redis_url, scenario)
+
+
+def test_the_memory_budget_bounds_a_pack() -> None:
+    """A pack stops growing at SSDRBM_PACK_MEMORY_MB (each run's estimate summed), and
+    SSDRBM_MAX_PACK_SIZE=1 or a job without a pack key means a pack of one."""
+    request = sgd(60)
+    request.model.n_hidden = 500
+    record = JobRecord(
+        id="0" * 32,
+        tenant=TENANT,
+        name="big",
+        state=JobState.QUEUED,
+        spec=request.SerializeToString(),
+        step=0,
+        total_steps=60,
+        attempt=0,
+        error="",
+        checkpoint_step=-1,
+        worker="",
+        created_at=0.0,
+        started_at=None,
+        finished_at=None,
+        n_visible=784,
+        latest_metrics=b"",
+        cancel_requested=False,
+        pack_key="K",
+    )
+    # 784×500, batch 20: 8 parameter copies and the chains, about 13.2 MB a run
+    assert pack_room(record, SETTINGS.replace(pack_memory_mb=64)) == 4
+    assert pack_room(record, SETTINGS.replace(pack_memory_mb=10_000)) == SETTINGS.max_pack_size
+    assert pack_room(record, SETTINGS.replace(max_pack_size=1)) == 1
+    record.pack_key = NOT_PACKABLE
+    assert pack_room(record, SETTINGS) == 1
