@@ -18,11 +18,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from ssdrbm import Client, JobState
 from ssdrbm.aio import AsyncClient
 from ssdrbm.sweeps import Range, SweepState
 from ssdrbm.v1 import rbm_pb2 as pb
 
+from ssdrbm_server.keys import Keys
 from ssdrbm_server.sweeps.rungs import eval_every_for, resolve_rungs
 from tests.fixtures.jobs import float_tensor, rpc_error, tiny_request
 from tests.fixtures.service import RunningService
@@ -139,6 +141,26 @@ def test_rungs_and_the_evaluations_at_them() -> None:
     assert eval_every_for(5, 50, [10, 30]) == 5
     with pytest.raises(Exception, match=r"base\.eval\.every"):
         eval_every_for(20, 50, [10, 30])
+
+
+def test_a_repeated_start_sweep_finishes_what_a_dead_one_began(idle: RunningService) -> None:
+    stub = idle.stub()
+    client = redis.Redis.from_url(idle.settings.redis_url)
+    keys = Keys(idle.settings.redis_prefix)
+    # Died right after reserving its id: the repeat creates the whole sweep under that id.
+    client.set(keys.sweep_idempotency("default", "r-1"), "ab" * 16)
+    request = sweep_request(lr_axis(0.01, 0.02, 0.03), request_id="r-1")
+    sweep = stub.StartSweep(request)
+    assert sweep.id == "ab" * 16 and len(sweep.runs) == 3
+    # Died before recording its last run: the repeat finds that job by its request id.
+    client.rpop(keys.sweep_runs("default", sweep.id))
+    assert len(stub.GetSweep(pb.GetSweepRequest(sweep_id=sweep.id)).runs) == 2
+    again = stub.StartSweep(request)
+    assert sorted(run.job_id for run in again.runs) == sorted(run.job_id for run in sweep.runs)
+    assert len(stub.ListJobs(pb.ListJobsRequest()).jobs) == 3
+    request.axes[0].values.append(0.04)
+    error = rpc_error(lambda: stub.StartSweep(request))
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS and "axes" in error.details()
 
 
 # --- quota and limits ---------------------------------------------------------------------------

@@ -64,8 +64,8 @@ class SweepService:
             tenant, request.request_id, self.settings.idempotency_ttl_seconds
         )
         done = 0
-        if not new:
-            existing = await self.sweeps.get(tenant, sweep_id)
+        existing = None if new else await self._existing(tenant, sweep_id)
+        if existing is not None:  # a repeat: the same request finishes what the first began
             _check_same_request(existing, resolved)
             if existing.cancel_requested:
                 return await self.get(tenant, sweep_id)
@@ -86,6 +86,14 @@ class SweepService:
             await self._submit_run(tenant, sweep_id, resolved, index, jobs[index], points[index])
         logger.info("sweep %s: %d runs for tenant %s", sweep_id, len(jobs), tenant)
         return await self.get(tenant, sweep_id)
+
+    async def _existing(self, tenant: str, sweep_id: str) -> SweepRecord | None:
+        """The sweep an earlier StartSweep with the same request_id created; None when that
+        call died before writing it."""
+        try:
+            return await self.sweeps.get(tenant, sweep_id)
+        except NotFoundError:
+            return None
 
     async def _resolve(
         self, request: pb.StartSweepRequest, find_upload: resolver.UploadLookup
