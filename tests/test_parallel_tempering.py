@@ -4,11 +4,16 @@ detailed balance, mixing on a bimodal model, K = 1 equal to PCD bit for bit, exa
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import grpc
 import pytest
 import torch
+from ssdrbm.cli import main as cli_main
+from ssdrbm.cli.exit_codes import ExitCode
+from ssdrbm.events import Metrics
+from ssdrbm.spec import training_request
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore import BernoulliRBM, GaussianRBM, Trainer
@@ -18,6 +23,7 @@ from ssdcore.gradients import CDEstimator
 from ssdcore.sampling import RandomSource
 from ssdcore.tempering import (
     DEFAULT_MIN_BETA,
+    DEFAULT_N_TEMPERATURES,
     MAX_TEMPERATURES,
     ParallelTempering,
     TemperingConfig,
@@ -449,3 +455,45 @@ def test_service_refuses_bad_tempering_naming_the_field(service_factory, change,
         stub.StartTraining(request, timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in caught.value.details()
+
+
+# --- the SDK and the CLI ------------------------------------------------------------------------
+
+
+def test_sdk_request_and_metrics_carry_tempering():
+    request = training_request(n_hidden=4, persistent=True, tempering=6, tempering_min_beta=0.25)
+    assert request.training.parallel_tempering.temperatures == 6
+    assert request.training.parallel_tempering.min_beta == 0.25
+    defaults = training_request(n_hidden=4, persistent=True, tempering=0)
+    assert defaults.training.HasField("parallel_tempering")  # on, counts left to the server
+    assert not training_request(n_hidden=4).training.HasField("parallel_tempering")
+    message = pb.Metrics(step=5, pt_swap_rate_min=0.2, pt_swap_rate_mean=0.3)
+    message.pt_swap_rates.extend([0.2, 0.4])
+    metrics = Metrics.from_proto(message)
+    assert (metrics.pt_swap_rate_min, metrics.pt_swap_rate_mean) == (0.2, 0.3)
+    assert metrics.pt_swap_rates == (0.2, 0.4)
+    assert Metrics.from_proto(pb.Metrics(step=1)).pt_swap_rate_min is None
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_tempering_option(service_factory, capsys):
+    target = ["--target", service_factory(run_worker=False).target]
+    train = [*target, "train", "--hidden", "4", "--persistent", "--dry-run", "--json"]
+    code, out, _ = run_cli(capsys, *train, "--tempering", "6,0.25")
+    assert code == ExitCode.OK
+    tempering = json.loads(out)["spec"]["training"]["parallel_tempering"]
+    assert tempering == {"temperatures": 6, "min_beta": 0.25}
+    code, out, _ = run_cli(capsys, *train, "--tempering", "0")
+    tempering = json.loads(out)["spec"]["training"]["parallel_tempering"]
+    assert tempering == {"temperatures": DEFAULT_N_TEMPERATURES, "min_beta": DEFAULT_MIN_BETA}
+    code, _, err = run_cli(capsys, *train, "--tempering", "6,hot")
+    assert code == ExitCode.USAGE and "--tempering expects K[,BETA_MIN]" in err
+    code, _, err = run_cli(
+        capsys, *target, "train", "--hidden", "4", "--dry-run", "--tempering", "4"
+    )
+    assert code == ExitCode.USAGE and "training.parallel_tempering" in err and "persistent" in err

@@ -73,6 +73,10 @@ class Metrics:
     log_likelihood_stderr: float | None = None
     log_likelihood_method: str | None = None  # "exact" or "ais"
     saturated_hidden_fraction: float | None = None  # share of hidden units stuck at 0 or 1
+    # Parallel tempering: running swap acceptance rate per neighbour pair (hottest pair last)
+    pt_swap_rate_min: float | None = None
+    pt_swap_rate_mean: float | None = None
+    pt_swap_rates: tuple[float, ...] = ()
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Metrics) -> Metrics:
@@ -93,6 +97,9 @@ class Metrics:
             log_likelihood_stderr=_optional(message, "log_likelihood_stderr"),
             log_likelihood_method=None if method == "unspecified" else method,
             saturated_hidden_fraction=_optional(message, "saturated_hidden_fraction"),
+            pt_swap_rate_min=_optional(message, "pt_swap_rate_min"),
+            pt_swap_rate_mean=_optional(message, "pt_swap_rate_mean"),
+            pt_swap_rates=tuple(message.pt_swap_rates),
         )
 
 

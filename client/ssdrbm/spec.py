@@ -142,6 +142,8 @@ def training_request(
     persistent: bool | None = None,
     centered: bool | None = None,
     centering_sliding_factor: float | None = None,
+    tempering: int | None = None,
+    tempering_min_beta: float | None = None,
     batch_size: int | None = None,
     steps: int | None = None,
     epochs: int | None = None,
@@ -171,6 +173,7 @@ def training_request(
         n_hidden=n_hidden,
         rank=rank,
         cd_k=cd_k,
+        tempering=tempering,
         batch_size=batch_size,
         steps=steps,
         epochs=epochs,
@@ -230,6 +233,13 @@ def training_request(
     if centered:
         request.training.centering.SetInParent()  # on, the sliding factor left to the server
         _set(request.training.centering, sliding_factor=centering_sliding_factor)
+    if tempering is not None or tempering_min_beta is not None:
+        request.training.parallel_tempering.SetInParent()  # on, even with every count default
+        _set(
+            request.training.parallel_tempering,
+            temperatures=tempering,
+            min_beta=tempering_min_beta,
+        )
     _set(
         request.eval,
         every=eval_every,

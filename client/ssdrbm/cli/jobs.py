@@ -129,6 +129,12 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         metavar="NU",
         help="how far the offsets move per step, in [0, 1] (with --centered)" + SERVER_DEFAULT,
     )
+    train.add_argument(
+        "--tempering",
+        metavar="K[,BETA_MIN]",
+        help="parallel tempering of the PCD chains: K temperatures (0: the server's default) "
+        "down to inverse temperature BETA_MIN; needs --persistent",
+    )
     train.add_argument("--batch-size", type=int, help=SERVER_DEFAULT.strip())
     length = train.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="iterations" + SERVER_DEFAULT)
@@ -191,6 +197,22 @@ def _step_sizes(values: list[str]) -> dict[str, float]:
     return result
 
 
+def _tempering(value: str | None) -> dict[str, Any]:
+    """--tempering K[,BETA_MIN] as start_training's ``tempering`` and ``tempering_min_beta``."""
+    if value is None:
+        return {}
+    count, _, beta = value.partition(",")
+    try:
+        result: dict[str, Any] = {"tempering": int(count)}
+        if beta:
+            result["tempering_min_beta"] = float(beta)
+    except ValueError:
+        raise UsageError(
+            f"--tempering expects K[,BETA_MIN], e.g. 8 or 8,0.3; got {value!r}"
+        ) from None
+    return result
+
+
 def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The :meth:`Client.start_training` arguments given on the command line."""
     return {
@@ -212,6 +234,7 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "persistent": args.persistent,
         "centered": args.centered,
         "centering_sliding_factor": args.centering_sliding_factor,
+        **_tempering(args.tempering),
         "batch_size": args.batch_size,
         "steps": args.steps,
         "epochs": args.epochs,
