@@ -39,6 +39,8 @@ from ssdcore.pack import pack_trainers
 from ssdrbm_server.tensors import array_to_tensor
 from tests.fixtures.jobs import tiny_request
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # small matrices on a shared machine
+
 F64 = torch.float64
 # float32 trainer vs float64 reference after a few steps of parameters of size ~1.
 TOLERANCE = 2e-5
