@@ -25,7 +25,10 @@ from ssdrbm.sweeps import Range, SweepState
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdrbm_server.keys import Keys
-from ssdrbm_server.sweeps.rungs import eval_every_for, resolve_rungs
+from ssdrbm_server.store.connection import connect
+from ssdrbm_server.store.records import record_from_hash
+from ssdrbm_server.sweeps.rungs import RungGate, eval_every_for, resolve_rungs
+from ssdrbm_server.sweeps.store import SweepStore
 from tests.fixtures.jobs import float_tensor, rpc_error, tiny_request
 from tests.fixtures.service import RunningService
 
@@ -161,6 +164,43 @@ def test_a_repeated_start_sweep_finishes_what_a_dead_one_began(idle: RunningServ
     request.axes[0].values.append(0.04)
     error = rpc_error(lambda: stub.StartSweep(request))
     assert error.code() == grpc.StatusCode.ALREADY_EXISTS and "axes" in error.details()
+
+
+def test_rung_decisions_are_taken_once_and_survive_a_takeover(redis_url: str) -> None:
+    sweep_id = "cd" * 16
+
+    def gate(client, job: str, sweep: str = sweep_id) -> RungGate:
+        raw = {b"tenant": b"t", b"state": b"RUNNING", b"sweep_id": sweep.encode()}
+        return RungGate(client, Keys(), record_from_hash(job * 32, raw))
+
+    def metrics(value: float) -> bytes:
+        return pb.Metrics(step=10, reconstruction_error=value).SerializeToString()
+
+    async def scenario() -> None:
+        client = connect(redis_url)
+        try:
+            await SweepStore(client, Keys()).create(
+                "t", sweep_id, name="", request=b"", points=[], rungs=[10, 30], eta=3,
+                rank_metric="reconstruction_error",
+            )  # fmt: skip
+            assert not await gate(client, "a").check(10, metrics(1.0))  # first at the rung
+            bad = gate(client, "b")
+            assert await bad.check(10, metrics(5.0))  # 2 runs: only the best 1 goes on
+            assert "rung step 10" in bad.stop_reason and "best 1 of the 2" in bad.stop_reason
+            # Another worker takes the run over and reports the rung again, better this time:
+            # the decision stands, and a resume past the rung learns it at its start.
+            assert await gate(client, "b").check(10, metrics(0.1))
+            assert await gate(client, "b").stopped_at_or_before(15)
+            assert not await gate(client, "a").stopped_at_or_before(15)
+            assert not await gate(client, "c").check(20, metrics(9.0))  # not a rung step
+            assert not await gate(client, "c").check(10, metrics(0.5))  # 3 runs: best of 1
+            assert not await gate(client, "d").check(10, metrics(0.7))  # 4 runs: best 2; 2nd
+            assert await gate(client, "f").check(10, metrics(2.0))  # 5 runs: best 2; 4th
+            assert not await gate(client, "e", sweep="").check(10, metrics(9.0))  # no sweep
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
 
 
 # --- quota and limits ---------------------------------------------------------------------------
