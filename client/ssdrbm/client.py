@@ -127,7 +127,9 @@ class Client:
         ["lowrank"], "svd", "randomized", "newton-schulz"; ``preconditioner`` ("rmsprop",
         "adam"); ``lr`` [0.01]; ``momentum``; ``weight_decay``; ``max_spectral_norm``; ``rank``;
         ``per_parameter`` ({"W": "ssd"} for hybrids); ``per_parameter_lr`` ({"W": 1e-3}: one
-        parameter's step size); ``cd_k`` [1]; ``persistent`` [False]; ``tempering`` (parallel
+        parameter's step size); ``cd_k`` [1]; ``persistent`` [False];
+        ``centered`` [False] (centered training; ``centering_sliding_factor``: how far its
+        offsets move per step); ``tempering`` (parallel
         tempering of the PCD chains: the number of temperatures, 0 for the server's default)
         and ``tempering_min_beta`` (the hottest inverse temperature); ``batch_size`` [100];
         ``steps`` [1000] or ``epochs``; ``seed`` [0]; ``checkpoint_every``; ``eval_every``;
