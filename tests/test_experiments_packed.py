@@ -60,7 +60,7 @@ def test_a_diverging_run_stops_alone(plan: EvalPlan) -> None:
     assert len(results[0].records) == len(plan.steps(12))
     _same(results[0], common.execute(specs[0], plan))
     solo = common.execute(specs[1], plan)
-    assert solo.diverged_at is not None
+    assert solo.diverged_at is not None and results[1].diverged_at == solo.diverged_at
     assert len(results[1].records) == len(solo.records)
 
 
