@@ -146,9 +146,20 @@ def test_pack_cases_compare_packed_with_the_same_runs_in_turn(quick_records):
         assert cases[name]["config"]["runs"] >= 2
 
 
+def test_service_pack_case_times_the_packed_sweep_against_one_job_at_a_time(quick_records):
+    cases = {case["name"]: case for case in _cases(quick_records, "service-pack")}
+    [packed] = [case for name, case in cases.items() if name.endswith("/packed")]
+    [alone] = [case for name, case in cases.items() if name.endswith("/one at a time")]
+    jobs = packed["config"]["jobs"]
+    assert packed["metrics"]["packed_jobs"] == packed["metrics"]["largest_pack"] == jobs
+    assert alone["metrics"]["packed_jobs"] == 0 and alone["metrics"]["largest_pack"] == 1
+    assert _is_positive_number(packed["metrics"]["wall_s"])
+    assert _is_positive_number(packed["ratios"]["packed_x_sooner"])
+
+
 def test_targets_state_goal_measurement_and_verdict(quick_records):
     targets = [r for r in quick_records if r["kind"] == "target"]
-    assert {t["suite"] for t in targets} == {"core", "sklearn", "service", "pack"}
+    assert {t["suite"] for t in targets} == {"core", "sklearn", "service", "pack", "service-pack"}
     for target in targets:
         assert target["sense"] in ("<=", ">=")
         assert target["met"] in (True, False, None)
