@@ -206,24 +206,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self, request: pb.StreamMetricsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MetricEvent]:
         job = await self._job(request.job_id)
-        if self._open_streams >= self.settings.max_streams:
-            raise ResourceExhaustedError(
-                f"this server already serves {self._open_streams} metric streams (limit "
-                f"{self.settings.max_streams}); retry later or poll GetJob",
-                limit="max_streams",
-                retry_after_s=RETRY_SHORTLY_S,
-            )
-        # A share of the global cap per tenant, so one tenant cannot lock the others out.
-        tenant_streams = self._tenant_streams[job.tenant]
-        if tenant_streams >= self.settings.max_streams_per_tenant:
-            raise ResourceExhaustedError(
-                f"tenant {job.tenant!r} already has {tenant_streams} metric streams open on this "
-                f"server (SSDRBM_MAX_STREAMS_PER_TENANT={self.settings.max_streams_per_tenant}); "
-                "close one you no longer follow, or poll GetJob",
-                limit="max_streams_per_tenant",
-                subject=tenant_subject(job.tenant),
-                retry_after_s=RETRY_SHORTLY_S,
-            )
+        self._check_stream_room(job.tenant, poll="GetJob")
         self._stream_opened(+1, job.tenant)
         try:
             # aclosing: a cancelled call leaves its job's follower at once, not at collection.
@@ -232,6 +215,27 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                     yield event
         finally:
             self._stream_opened(-1, job.tenant)
+
+    def _check_stream_room(self, tenant: str, *, poll: str) -> None:
+        """Refuse a StreamMetrics or StreamSweep call at the server's or the tenant's limit."""
+        if self._open_streams >= self.settings.max_streams:
+            raise ResourceExhaustedError(
+                f"this server already serves {self._open_streams} metric streams (limit "
+                f"{self.settings.max_streams}); retry later or poll {poll}",
+                limit="max_streams",
+                retry_after_s=RETRY_SHORTLY_S,
+            )
+        # A share of the global cap per tenant, so one tenant cannot lock the others out.
+        tenant_streams = self._tenant_streams[tenant]
+        if tenant_streams >= self.settings.max_streams_per_tenant:
+            raise ResourceExhaustedError(
+                f"tenant {tenant!r} already has {tenant_streams} metric streams open on this "
+                f"server (SSDRBM_MAX_STREAMS_PER_TENANT={self.settings.max_streams_per_tenant}); "
+                f"close one you no longer follow, or poll {poll}",
+                limit="max_streams_per_tenant",
+                subject=tenant_subject(tenant),
+                retry_after_s=RETRY_SHORTLY_S,
+            )
 
     def begin_shutdown(self) -> None:
         """End live metric streams now (UNAVAILABLE, resumable elsewhere), so a graceful
@@ -576,9 +580,16 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self, request: pb.StreamSweepRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SweepUpdate]:
         _check_id(request.sweep_id, "sweep_id")
-        async with aclosing(self.sweeps.stream(current_tenant(), request.sweep_id)) as updates:
-            async for update in updates:
-                yield update
+        tenant = current_tenant()
+        await self.sweeps.sweeps.get(tenant, request.sweep_id)  # NOT_FOUND before the limits
+        self._check_stream_room(tenant, poll="GetSweep")  # counted with the metric streams
+        self._stream_opened(+1, tenant)
+        try:
+            async with aclosing(self.sweeps.stream(tenant, request.sweep_id)) as updates:
+                async for update in updates:
+                    yield update
+        finally:
+            self._stream_opened(-1, tenant)
 
     # --- helpers ----------------------------------------------------------------------------
 

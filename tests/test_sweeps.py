@@ -224,6 +224,31 @@ def test_a_sweep_beyond_the_job_quota_is_refused_up_front(
     assert len(sweep.runs) == 2
 
 
+def test_sweep_streams_count_against_the_stream_limits(
+    service_factory: Callable[..., RunningService],
+) -> None:
+    running = service_factory(run_worker=False, max_streams_per_tenant=1)
+    stub = running.stub()
+    sweep = stub.StartSweep(sweep_request(lr_axis(0.01)))
+    first = stub.StreamSweep(pb.StreamSweepRequest(sweep_id=sweep.id))
+    assert next(first).sweep.state == pb.SWEEP_STATE_RUNNING  # open, following
+    error = rpc_error(lambda: stub.StreamSweep(pb.StreamSweepRequest(sweep_id=sweep.id)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "SSDRBM_MAX_STREAMS_PER_TENANT" in error.details() and "GetSweep" in error.details()
+    first.cancel()
+
+    def reopened() -> bool:
+        try:
+            call = stub.StreamSweep(pb.StreamSweepRequest(sweep_id=sweep.id))
+            next(call)
+            call.cancel()
+            return True
+        except grpc.RpcError:
+            return False
+
+    wait_for(reopened, "the cancelled stream's slot to be freed")
+
+
 # --- runs as jobs, the leaderboard ---------------------------------------------------------------
 
 
