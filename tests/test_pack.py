@@ -280,13 +280,18 @@ def test_fit_pack_backs_off_one_run_and_leaves_the_others_untouched(data):
     pack = TrainingPack(
         [PackRun(model(s), c, s) for s, c in enumerate(configs)], data, batch_size=BATCH
     )
-    histories = fit_pack(pack, steps=STEPS, eval_every=10, max_backoffs=2)
+    valid = data[:100]
+    histories = fit_pack(pack, steps=STEPS, eval_every=10, max_backoffs=2, valid_data=valid)
     events = [entry.get("event") for entry in histories[1]]
     assert events == [None, "backoff", "backoff", "failed"]
     assert histories[1][1]["new_lr"] == pytest.approx(1e5)
     for run in (0, 2):
         assert [entry["step"] for entry in histories[run]] == [0, 10, 20]
-        assert max_difference(pack, run, solo(data, configs[run], run).model) == 0.0
+        trainer = solo(data, configs[run], run, valid_data=valid)
+        assert max_difference(pack, run, trainer.model) == 0.0
+        expected = trainer.evaluate()
+        for key in ("reconstruction_error", "train_reconstruction_error", "spectral_norm"):
+            assert histories[run][-1][key] == expected[key]
 
 
 # --- checkpoints ----------------------------------------------------------------------------

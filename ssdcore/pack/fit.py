@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ssdcore.blowup import (
     BACKOFF_FACTOR,
@@ -36,22 +37,31 @@ logger = logging.getLogger(__name__)
 
 @torch.no_grad()
 def evaluate_run(
-    pack: TrainingPack, run: int, *, max_examples: int = DEFAULT_EVAL_EXAMPLES
+    pack: TrainingPack,
+    run: int,
+    *,
+    valid_data: Tensor | None = None,
+    max_examples: int = DEFAULT_EVAL_EXAMPLES,
 ) -> dict[str, Any]:
-    """The metrics the blow-up detector reads, keyed as :meth:`Trainer.evaluate`'s."""
+    """The metrics the blow-up detector reads, keyed and computed as :meth:`Trainer.evaluate`'s
+    (validation metrics on ``valid_data`` when given, else on the training data). For the full
+    set, evaluate :func:`~ssdcore.pack.run_to_trainer`'s Trainer."""
     model = pack.model(run)
     train = pack.train_data[:max_examples]
+    valid = train if valid_data is None else valid_data.to(pack.device)[:max_examples]
     return {
         "step": pack.step_counts[run],
-        "reconstruction_error": float(reconstruction_error(model, train)),
+        "reconstruction_error": float(reconstruction_error(model, valid)),
+        "train_reconstruction_error": float(reconstruction_error(model, train)),
         "spectral_norm": float(spectral_norm(model.W)),
-        "saturated_hidden_fraction": saturated_hidden_fraction(model, train),
+        "saturated_hidden_fraction": saturated_hidden_fraction(model, valid),
         "wall_time_s": pack.wall_times[run],
     }
 
 
 @dataclass
 class _RunProgress:
+    valid_data: Tensor | None = None
     detector: BlowUpDetector = field(default_factory=BlowUpDetector)
     healthy: RunState | None = None
     backoffs: int = 0
@@ -65,6 +75,7 @@ def fit_pack(
     steps: int,
     eval_every: int | None = None,
     max_backoffs: int = DEFAULT_MAX_BACKOFFS,
+    valid_data: Tensor | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Train every run of ``pack`` to ``steps``; one metric history per run (as fit's)."""
     if not (isinstance(steps, int) and steps >= 0):
@@ -72,7 +83,7 @@ def fit_pack(
     every = eval_every if eval_every is not None else max(1, math.ceil(steps / 10))
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
-    progress = [_RunProgress() for _ in range(pack.n_runs)]
+    progress = [_RunProgress(valid_data=valid_data) for _ in range(pack.n_runs)]
     for run in range(pack.n_runs):
         _evaluate(pack, run, progress[run], steps, max_backoffs)
     while True:
@@ -106,7 +117,7 @@ def _next_evaluation(step: int, every: int, steps: int) -> int:
 def _evaluate(
     pack: TrainingPack, run: int, progress: _RunProgress, steps: int, max_backoffs: int
 ) -> None:
-    metrics = {**evaluate_run(pack, run), "total_steps": steps}
+    metrics = {**evaluate_run(pack, run, valid_data=progress.valid_data), "total_steps": steps}
     blowup = progress.detector.observe(metrics)
     if blowup is not None:
         _handle_blowup(pack, run, progress, blowup, max_backoffs)
