@@ -353,9 +353,10 @@ def test_riders_come_from_the_first_tenant_then_the_rotation_and_spend_no_turn(
     redis_url: str,
 ) -> None:
     """Tenants a, b, c queue jobs (key K or another): a worker takes a's oldest job (the
-    rotation's choice), then its riders: a's other K job, then b's and c's K jobs in rotation
-    order, up to the pack's room; jobs of another key stay queued, and c, whose K job rode
-    along, is still served before a, whose turn the pack's first job spent."""
+    rotation's choice), then riders one per tenant in turn — a's next K job, b's, c's — up to
+    the pack's room, so a's backlog does not keep the others' K jobs out; jobs of another key
+    stay queued, and c, whose K job rode along, is still served before a, whose turn the
+    pack's first job spent."""
     settings = SETTINGS.replace(max_pack_size=4)
 
     async def scenario(redis) -> None:
@@ -365,7 +366,8 @@ def test_riders_come_from_the_first_tenant_then_the_rotation_and_spend_no_turn(
         for name, tenant, key in (
             ("a1", "a", "K"),
             ("a2", "a", "K"),
-            ("a3", "a", "other"),
+            ("a3", "a", "K"),
+            ("a4", "a", "other"),
             ("b1", "b", "K"),
             ("c1", "c", "other"),
             ("c2", "c", "K"),
@@ -392,16 +394,16 @@ def test_riders_come_from_the_first_tenant_then_the_rotation_and_spend_no_turn(
             claims=PackClaims(redis),
             claim=claim,
         )
-        assert [ids[r.job_id] for r in riders] == ["a2", "b1", "c2"]
+        assert [ids[r.job_id] for r in riders] == ["a2", "b1", "c2"]  # one per tenant in turn
         for rider in riders:
             assert (await jobs.get(rider.record.tenant, rider.job_id)).state is JobState.RUNNING
         assert await queue.rotation() == ["c", "a"]  # b's list is empty; c was not served
         left = []
-        for _ in range(3):
+        for _ in range(4):
             [(entry, job_id)] = await queue.read("w1", block_ms=0)
             left.append(ids[job_id])
             await queue.ack(entry)
-        assert left == ["c1", "a3", "c3"]
+        assert left == ["c1", "a3", "c3", "a4"]
         assert await queue.length() == 0
 
     run(redis_url, scenario)

@@ -7,8 +7,9 @@ stale taken entries, or the next tenant in rotation). If that job has a pack key
 
 1. running jobs whose lease lapsed (a dead worker's pack is resumed as a pack, each job from
    its own checkpoint);
-2. queued jobs of the first job's tenant, then of the other tenants in rotation order
-   (store/pack_claims.py; riders do not spend their tenant's turn).
+2. queued jobs, one per tenant in turn: the first job's tenant, then the other tenants in
+   rotation order, again and again (store/pack_claims.py; riders do not spend their tenant's
+   turn). A job of another key waits for the pack as it would for one job: one turn.
 
 ``room`` is SSDRBM_MAX_PACK_SIZE, lowered so that the runs' memory estimates
 (runner.run_memory_mb) fit SSDRBM_PACK_MEMORY_MB. Each rider is claimed with the ordinary
@@ -36,6 +37,20 @@ logger = logging.getLogger(__name__)
 
 # claim(job_id, takeover) -> the lease, or None when the job cannot be claimed
 Claim = Callable[[str, bool], Awaitable[Lease | None]]
+
+
+async def _queued_in_turn(first: Lease, claims: PackClaims, wanted: int) -> list[tuple[str, str]]:
+    """Queued jobs with the first job's key, one per tenant in turn (the first job's tenant,
+    then the rotation's order), oldest first within a tenant: a tenant with a long backlog of
+    compatible jobs does not keep another tenant's out of the pack."""
+    if wanted <= 0:
+        return []
+    tenants = await claims.tenants_in_order(first.record.tenant)
+    queued = [await claims.matching(t, first.record.pack_key, wanted) for t in tenants]
+    order: list[tuple[str, str]] = []
+    for depth in range(max((len(q) for q in queued), default=0)):
+        order += [(t, q[depth]) for t, q in zip(tenants, queued, strict=True) if depth < len(q)]
+    return order[: wanted * 2]  # room to skip a few taken meanwhile by another worker
 
 
 def pack_room(record: JobRecord, settings: Settings) -> int:
@@ -77,17 +92,16 @@ async def claim_riders(
         if lease is not None:
             logger.info("took over job %s into a pack after its lease lapsed", job_id)
             riders.append(lease)
-    for tenant in await claims.tenants_in_order(first.record.tenant):
+    for tenant, job_id in await _queued_in_turn(first, claims, wanted - len(riders)):
         if len(riders) >= wanted:
             break
-        for job_id in await claims.matching(tenant, key, wanted - len(riders)):
-            entry = await claims.take(tenant, job_id, worker_id)
-            if entry is None:
-                continue  # another worker took it meanwhile
-            lease = await claim(job_id, False)
-            await queue.ack(entry)  # as for any taken entry: claimed, or not claimable
-            if lease is not None:
-                riders.append(lease)
+        entry = await claims.take(tenant, job_id, worker_id)
+        if entry is None:
+            continue  # another worker took it meanwhile
+        lease = await claim(job_id, False)
+        await queue.ack(entry)  # as for any taken entry: claimed, or not claimable
+        if lease is not None:
+            riders.append(lease)
     if riders:
         logger.info(
             "job %s trains in a pack of %d (%s)",
