@@ -56,7 +56,12 @@ _FULL = "the diagonal value; " + _GRID + " on synthetic data at 40 visible units
 
 STEP_SIZES: tuple[StepSize, ...] = (
     # --- Bernoulli RBM ------------------------------------------------------------------------
-    _bernoulli("sgd", 0.1, "step_sizes.json mnist-brbm/sgd (simulation-brbm/sgd is 0.3)"),
+    _bernoulli(
+        "sgd",
+        0.1,
+        "mnist-brbm/sgd grid: 0.1 and 0.3 within 0.7 of each other in reconstruction error (the "
+        "latest step_sizes.json chose 0.3); the shorter of the two (simulation-brbm/sgd is 0.3)",
+    ),
     _bernoulli(
         "nesterov", 0.01, "step_sizes.json freyface-brbm/nesterov (mnist-brbm/nesterov is 0.03)"
     ),
@@ -147,18 +152,47 @@ STEP_SIZES: tuple[StepSize, ...] = (
 
 _BY_KEY = {(e.model_kind, e.optimizer, e.variance): e for e in STEP_SIZES}
 
+# --- the normalized SSD step rule (ssdcore.optim.step_rules) -----------------------------------
+# Its step is the paper's divided by min(V, H) (W) or the length (vectors), so its values are
+# about min(V, H) times the table's above and hold across n_hidden. SGD and Nesterov take no
+# spectral step: under either rule they keep the entries above.
+# The step rules of ssdcore.optim.step_rules (literal for the same reason as OPTIMIZERS).
+STEP_RULES = ("paper", "normalized")
+_TRANSFER = "python -m experiments transfer (docs/RESULTS.md, Step sizes across model sizes)"
+_CONVERTED = "the paper-rule value × 100 (its grid covered min(V, H) 32-200); not tuned alone"
+NORMALIZED_STEP_SIZES: tuple[StepSize, ...] = (
+    _bernoulli("ssd", 0.3, _TRANSFER),
+    _bernoulli("ssd-preconditioned", 0.1, "the paper-rule value × 100; not tuned alone"),
+    *(
+        _gaussian(entry.optimizer, entry.variance, round(entry.lr * 100, 12), _CONVERTED)
+        for entry in STEP_SIZES
+        if entry.model_kind == "gaussian" and entry.optimizer in ("ssd", "ssd-preconditioned")
+    ),
+)
+_NORMALIZED_BY_KEY = {(e.model_kind, e.optimizer, e.variance): e for e in NORMALIZED_STEP_SIZES}
+
 
 def step_size_table() -> list[StepSize]:
     """Every entry of the table, Bernoulli first, in a fixed order (for listing to users)."""
     return list(STEP_SIZES)
 
 
-def step_size(model_kind: str, optimizer: str, variance: str | None = None) -> StepSize:
+def normalized_step_size_table() -> list[StepSize]:
+    """The entries of the normalized SSD step rule (SSD and preconditioned SSD only)."""
+    return list(NORMALIZED_STEP_SIZES)
+
+
+def step_size(
+    model_kind: str, optimizer: str, variance: str | None = None, step_rule: str = "paper"
+) -> StepSize:
     """The table's entry for a model and optimizer (value and source).
 
     ``variance`` is the Gaussian variance form (None means the default, ``"diagonal"``); it must
-    be None for a Bernoulli RBM. Raises ``ValueError`` naming the argument that has no entry.
+    be None for a Bernoulli RBM. ``step_rule`` is the SSD step rule; SGD and Nesterov have one
+    entry for both. Raises ``ValueError`` naming the argument that has no entry.
     """
+    if step_rule not in STEP_RULES:
+        raise ValueError(f"step_rule: unknown {step_rule!r}; choose one of {STEP_RULES}")
     if model_kind not in MODEL_KINDS:
         raise ValueError(f"model_kind: unknown {model_kind!r}; choose one of {MODEL_KINDS}")
     if optimizer not in OPTIMIZERS:
@@ -172,12 +206,17 @@ def step_size(model_kind: str, optimizer: str, variance: str | None = None) -> S
         variance = DEFAULT_VARIANCE
     elif variance not in VARIANCE_KINDS:
         raise ValueError(f"variance: unknown {variance!r}; choose one of {VARIANCE_KINDS}")
-    return _BY_KEY[(model_kind, optimizer, variance)]
+    key = (model_kind, optimizer, variance)
+    if step_rule == "normalized" and key in _NORMALIZED_BY_KEY:
+        return _NORMALIZED_BY_KEY[key]
+    return _BY_KEY[key]
 
 
-def default_lr(model_kind: str, optimizer: str, variance: str | None = None) -> float:
+def default_lr(
+    model_kind: str, optimizer: str, variance: str | None = None, step_rule: str = "paper"
+) -> float:
     """The default step size of ``optimizer`` on a ``model_kind`` RBM (see :func:`step_size`)."""
-    return step_size(model_kind, optimizer, variance).lr
+    return step_size(model_kind, optimizer, variance, step_rule).lr
 
 
 def model_key(model: object) -> tuple[str, str | None]:
