@@ -167,6 +167,13 @@ class Trainer:
         self.valid_data = None if valid_data is None else valid_data.to(self.device, torch.float32)
         # Resolved, so checkpoints record the step sizes actually used.
         self.optimizer_config = resolve_for(model, optimizer)
+        # Step-size schedule (ssdcore.schedules): group lr = base × factor(step) × lr_scale.
+        self.schedule = self.optimizer_config.schedule
+        if self.schedule.needs_horizon:
+            raise ValueError(
+                "optimizer.schedule: a cosine schedule needs its horizon (steps to reach the "
+                "floor); set it, or use Schedule.for_run(total_steps) (fit does)"
+            )
         self.batch_size = batch_size
         self.cd_k = cd_k
         self.persistent = persistent
@@ -232,6 +239,8 @@ class Trainer:
             return "parallel tempering runs eagerly (its capture is not verified)"
         if self.centering is not None:
             return "centered training runs eagerly (its capture is not verified)"
+        if not self.schedule.is_constant:
+            return "a step-size schedule changes the step sizes every step"
         capturable = getattr(self.optimizer, "capturable", None)
         if capturable is None or not capturable():
             return (
@@ -277,14 +286,24 @@ class Trainer:
 
     @property
     def lr(self) -> float:
-        """The current step size of the configuration's optimizer: its ``lr`` × ``lr_scale``.
+        """The current step size of the configuration's optimizer: its ``lr`` × the schedule's
+        factor at this step × ``lr_scale``.
 
         (Per-parameter step sizes of a hybrid are scaled alike; the groups hold them.)
         """
-        return float(self.optimizer_config.lr) * self.lr_scale
+        return float(self.optimizer_config.lr) * self._step_factor()
+
+    def _step_factor(self) -> float:
+        """What multiplies every configured step size now: schedule × backoff scale."""
+        return self.schedule.factor(self.step_count) * self.lr_scale
+
+    def _apply_step_sizes(self) -> None:
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+            group["lr"] = base * self._step_factor()
 
     def set_lr_scale(self, scale: float) -> None:
-        """Set every parameter group's step size to its configured value × ``scale``.
+        """Set every parameter group's step size to its configured value × ``scale`` (× the
+        schedule's factor at this step: the two compose, see :mod:`ssdcore.schedules`).
 
         Absolute, not cumulative: ``set_lr_scale(0.01)`` after two backoffs of 10 gives the same
         step sizes however often it is called, before or after loading a checkpoint (which
@@ -292,9 +311,8 @@ class Trainer:
         """
         if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
-        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
-            group["lr"] = base * scale
         self.lr_scale = float(scale)
+        self._apply_step_sizes()
         # A captured CUDA graph baked the old step sizes in: capture again.
         self._graphed_step = None
 
@@ -312,6 +330,8 @@ class Trainer:
         started = time.perf_counter()
         try:
             for _ in range(n):
+                if not self.schedule.is_constant:
+                    self._apply_step_sizes()
                 self._next_batch()  # into self._batch, the buffer a captured step reads
                 self._run_step()
                 self.step_count += 1
@@ -381,7 +401,8 @@ class Trainer:
         ``"exact"`` (enumerates hidden states: n_hidden ≤ 24) or ``"ais"``.
 
         Always present: ``step``, ``reconstruction_error`` (validation),
-        ``train_reconstruction_error``, ``spectral_norm`` (‖W‖₂), ``saturated_hidden_fraction``
+        ``train_reconstruction_error``, ``lr`` (the step size in effect, :attr:`lr`),
+        ``spectral_norm`` (‖W‖₂), ``saturated_hidden_fraction``
         (on the validation rows: the fraction of hidden units whose p(h = 1 | v) is within
         1e-6 of 0 or 1 on every row, i.e. stuck; see
         :func:`~ssdcore.evaluation.saturated_hidden_fraction`), ``wall_time_s``,
@@ -407,6 +428,7 @@ class Trainer:
                 self.step_count * self.batch_size / self.wall_time_s if self.wall_time_s else 0.0
             ),
             "log_likelihood_method": log_likelihood,
+            "lr": self.lr,
         }
         if self.estimator.tempering is not None:
             metrics.update(self.estimator.tempering.metrics())
@@ -446,6 +468,7 @@ class Trainer:
             "estimator": self.estimator.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scale": self.lr_scale,
+            "schedule": self.schedule.to_dict(),
         }
         if self.centering is not None:
             state["centering"] = self.centering.state_dict()
@@ -453,6 +476,12 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output into this trainer (same model and settings)."""
+        saved_schedule = state.get("schedule")  # absent from states saved before schedules
+        if saved_schedule is not None and saved_schedule != self.schedule.to_dict():
+            raise ValueError(
+                f"saved state ran the step-size schedule {saved_schedule} but this trainer has "
+                f"{self.schedule.to_dict()}; resume with the same optimizer.schedule"
+            )
         permutation = state["permutation"]
         if permutation.shape != (self.train_data.shape[0],):
             raise ValueError(
@@ -526,6 +555,8 @@ def fit(
     config = OptimizerConfig(name=optimizer) if isinstance(optimizer, str) else optimizer
     if lr is not None:
         config = OptimizerConfig(**{**config.to_dict(), "lr": lr})
+    if config.schedule.needs_horizon:
+        config = OptimizerConfig(**{**config.to_dict(), "schedule": config.schedule.for_run(steps)})
     every = eval_every if eval_every is not None else max(1, math.ceil(steps / 10))
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")

@@ -18,6 +18,7 @@ on submit: the worker would otherwise allocate it first and fail at run time.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from ssdcore.data import split_sizes
 from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, DEFAULT_AIS_CHAINS
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
 from ssdcore.optim.config import DEFAULT_NESTEROV_MOMENTUM
+from ssdcore.schedules import DEFAULT_DECAY_RATE, DEFAULT_DECAY_STEPS, DEFAULT_FLOOR
 from ssdcore.step_sizes import default_lr, step_size_table
 from ssdcore.tempering import DEFAULT_MIN_BETA, DEFAULT_N_TEMPERATURES, MAX_TEMPERATURES
 from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, steps_per_epoch
@@ -46,9 +48,11 @@ from ssdrbm_server.vocabulary import (
     OPTIMIZER_NAMES,
     OPTIMIZERS_BY_NAME,
     SSD_KINDS,
+    STEP_RULE_NAMES,
     VARIANCE_NAMES,
     VARIANCES_BY_NAME,
 )
+from ssdrbm_server.worker.spec import schedule_config
 
 MAX_HIDDEN = 1 << 16
 MAX_BATCH_SIZE = 1 << 16
@@ -117,7 +121,11 @@ async def resolve(
         else catalog.builtin_shape(spec.dataset.builtin.name, _options(spec), settings)
     )
     _resolve_preprocess(spec.dataset, spec.model, upload)
-    return _with_dataset(spec, shape, settings)
+    job = _with_dataset(spec, shape, settings)
+    # A cosine schedule without a horizon runs over the job's steps (ssdcore's one rule).
+    schedule = job.spec.optimizer.schedule
+    schedule.horizon = schedule_config(schedule).for_run(job.total_steps).horizon
+    return job
 
 
 async def training_defaults(settings: Settings) -> pb.TrainingDefaults:
@@ -217,17 +225,20 @@ def _resolve_optimizer(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> None
     enum_value(pb.OptimizerKind, optimizer.kind, "optimizer.kind")
     enum_value(pb.PolarMethod, optimizer.method, "optimizer.method")
     enum_value(pb.Preconditioner, optimizer.preconditioner, "optimizer.preconditioner")
+    enum_value(pb.StepRule, optimizer.step_rule, "optimizer.step_rule")
     if optimizer.kind == pb.OPTIMIZER_KIND_UNSPECIFIED:
         optimizer.kind = pb.OPTIMIZER_KIND_SSD
     _check_per_parameter(optimizer, model)
+    # The step rule decides the SSD default step sizes (unset: the paper's rule).
+    rule = STEP_RULE_NAMES.get(optimizer.step_rule, "paper")
     if not optimizer.HasField("lr"):
-        optimizer.lr = _default_lr(model, optimizer.kind)
+        optimizer.lr = _default_lr(model, optimizer.kind, rule)
     # NaN fails every comparison, so `not lr > 0` also refuses it.
     if not finite(optimizer.lr, "optimizer.lr") > 0:
         raise InvalidArgumentError("optimizer.lr", f"must be > 0, got {optimizer.lr}")
     for name, kind in optimizer.per_parameter.items():
         if name not in optimizer.per_parameter_lr:
-            optimizer.per_parameter_lr[name] = _default_lr(model, kind)
+            optimizer.per_parameter_lr[name] = _default_lr(model, kind, rule)
     kinds = {optimizer.kind, *optimizer.per_parameter.values()}
     if not optimizer.HasField("momentum"):
         nesterov = pb.OPTIMIZER_KIND_NESTEROV in kinds
@@ -248,11 +259,32 @@ def _resolve_optimizer(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> None
     if optimizer.rank > MAX_HIDDEN:
         raise InvalidArgumentError("optimizer.rank", f"must be at most {MAX_HIDDEN}")
     _resolve_spectral_choices(optimizer, kinds)
+    _resolve_schedule(optimizer.schedule)
 
 
-def _default_lr(model: pb.ModelSpec, kind: int) -> float:
+def _default_lr(model: pb.ModelSpec, kind: int, step_rule: str) -> float:
     variance = VARIANCE_NAMES.get(model.variance) if model.kind == pb.MODEL_KIND_GAUSSIAN else None
-    return default_lr(MODEL_NAMES[model.kind], OPTIMIZER_NAMES[kind], variance)
+    return default_lr(MODEL_NAMES[model.kind], OPTIMIZER_NAMES[kind], variance, step_rule)
+
+
+def _resolve_schedule(schedule: pb.StepSizeSchedule) -> None:
+    """Unset kind: constant; unset decay parameters: ssdcore.schedules' defaults; then checked
+    by ssdcore's own Schedule (its message names the field)."""
+    enum_value(pb.ScheduleKind, schedule.kind, "optimizer.schedule.kind")
+    if schedule.kind == pb.SCHEDULE_KIND_UNSPECIFIED:
+        schedule.kind = pb.SCHEDULE_KIND_CONSTANT
+    if not schedule.HasField("decay_rate"):
+        schedule.decay_rate = DEFAULT_DECAY_RATE
+    if not schedule.HasField("decay_steps"):
+        schedule.decay_steps = DEFAULT_DECAY_STEPS
+    if not schedule.HasField("floor"):
+        schedule.floor = DEFAULT_FLOOR
+    try:
+        schedule_config(schedule)
+    except ValueError as error:
+        named = re.match(r"Schedule\.(\w+)", str(error))
+        field = f"optimizer.schedule.{named.group(1)}" if named else "optimizer.schedule"
+        raise InvalidArgumentError(field, str(error)) from None
 
 
 def _check_per_parameter(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> None:
@@ -284,6 +316,13 @@ def _resolve_spectral_choices(optimizer: pb.OptimizerSpec, kinds: set[int]) -> N
     elif optimizer.method != pb.POLAR_METHOD_UNSPECIFIED:
         raise InvalidArgumentError(
             "optimizer.method", "applies to SSD only; leave it unset for SGD and Nesterov"
+        )
+    if kinds & SSD_KINDS:
+        if optimizer.step_rule == pb.STEP_RULE_UNSPECIFIED:
+            optimizer.step_rule = pb.STEP_RULE_PAPER
+    elif optimizer.step_rule != pb.STEP_RULE_UNSPECIFIED:
+        raise InvalidArgumentError(
+            "optimizer.step_rule", "applies to SSD only; leave it unset for SGD and Nesterov"
         )
     if pb.OPTIMIZER_KIND_SSD_PRECONDITIONED in kinds:
         if optimizer.preconditioner == pb.PRECONDITIONER_UNSPECIFIED:

@@ -36,6 +36,13 @@ PREPROCESS_NAMES = {
     pb.PREPROCESS_SCALE: "scale",
     pb.PREPROCESS_STANDARDIZE: "standardize",
 }
+STEP_RULE_NAMES = {pb.STEP_RULE_PAPER: "paper", pb.STEP_RULE_NORMALIZED: "normalized"}
+SCHEDULE_KIND_NAMES = {
+    pb.SCHEDULE_KIND_CONSTANT: "constant",
+    pb.SCHEDULE_KIND_EXPONENTIAL: "exponential",
+    pb.SCHEDULE_KIND_INVERSE_TIME: "inverse-time",
+    pb.SCHEDULE_KIND_COSINE: "cosine",
+}
 MODELS_BY_NAME = {name: value for value, name in MODEL_NAMES.items()}
 VARIANCES_BY_NAME = {name: value for value, name in VARIANCE_NAMES.items()}
 OPTIMIZERS_BY_NAME = {name: value for value, name in OPTIMIZER_NAMES.items()}

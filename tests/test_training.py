@@ -147,6 +147,7 @@ def test_evaluate_reports_the_metrics_fields(synthetic):
         "saturated_hidden_fraction",
         "wall_time_s",
         "samples_per_second",
+        "lr",
     }
     assert set(metrics) == expected_keys
     assert metrics["saturated_hidden_fraction"] == saturated_hidden_fraction(

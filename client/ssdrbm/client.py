@@ -127,7 +127,10 @@ class Client:
         ["lowrank"], "svd", "randomized", "newton-schulz"; ``preconditioner`` ("rmsprop",
         "adam"); ``lr`` [0.01]; ``momentum``; ``weight_decay``; ``max_spectral_norm``; ``rank``;
         ``per_parameter`` ({"W": "ssd"} for hybrids); ``per_parameter_lr`` ({"W": 1e-3}: one
-        parameter's step size); ``cd_k`` [1]; ``persistent`` [False];
+        parameter's step size); ``step_rule`` (SSD: ["paper"], "normalized" — the SGD step's
+        length, one lr for every model size); ``schedule`` (step-size schedule: "cosine,0.05",
+        "exponential,0.5,2000", "inverse-time,500", or a mapping of StepSizeSchedule fields
+        [constant]) and ``warmup_steps`` [0]; ``cd_k`` [1]; ``persistent`` [False];
         ``centered`` [False] (centered training; ``centering_sliding_factor``: how far its
         offsets move per step); ``tempering`` (parallel
         tempering of the PCD chains: the number of temperatures, 0 for the server's default)

@@ -73,6 +73,7 @@ class Metrics:
     log_likelihood_stderr: float | None = None
     log_likelihood_method: str | None = None  # "exact" or "ais"
     saturated_hidden_fraction: float | None = None  # share of hidden units stuck at 0 or 1
+    lr: float | None = None  # step size in effect: optimizer.lr × schedule × backoff scale
     # Parallel tempering: running swap acceptance rate per neighbour pair (hottest pair last)
     pt_swap_rate_min: float | None = None
     pt_swap_rate_mean: float | None = None
@@ -97,6 +98,7 @@ class Metrics:
             log_likelihood_stderr=_optional(message, "log_likelihood_stderr"),
             log_likelihood_method=None if method == "unspecified" else method,
             saturated_hidden_fraction=_optional(message, "saturated_hidden_fraction"),
+            lr=_optional(message, "lr"),
             pt_swap_rate_min=_optional(message, "pt_swap_rate_min"),
             pt_swap_rate_mean=_optional(message, "pt_swap_rate_mean"),
             pt_swap_rates=tuple(message.pt_swap_rates),

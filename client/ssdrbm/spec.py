@@ -37,6 +37,15 @@ OPTIMIZERS = enum_choices(rbm_pb2.OptimizerKind, "OPTIMIZER_KIND_")
 METHODS = enum_choices(rbm_pb2.PolarMethod, "POLAR_METHOD_")
 PRECONDITIONERS = enum_choices(rbm_pb2.Preconditioner, "PRECONDITIONER_")
 PREPROCESSING = enum_choices(rbm_pb2.Preprocess, "PREPROCESS_")
+STEP_RULES = enum_choices(rbm_pb2.StepRule, "STEP_RULE_")
+SCHEDULES = enum_choices(rbm_pb2.ScheduleKind, "SCHEDULE_KIND_")
+# What "KIND,X,Y" sets in a schedule given as text, per kind (the CLI's --schedule).
+SCHEDULE_TEXT_FIELDS = {
+    "constant": (),
+    "exponential": ("decay_rate", "decay_steps"),
+    "inverse-time": ("decay_steps",),
+    "cosine": ("floor", "horizon"),
+}
 
 
 def choose(field: str, value: str | None, choices: Mapping[str, int]) -> int:
@@ -100,6 +109,29 @@ class TrainingDefaults:
         raise KeyError((model, optimizer, variance))
 
 
+def parse_schedule(text: str) -> dict[str, Any]:
+    """A schedule given as ``KIND[,X[,Y]]`` (``cosine,0.05``, ``exponential,0.5,2000``,
+    ``inverse-time,500``) as :func:`training_request`'s ``schedule`` mapping."""
+    kind, *values = [part.strip() for part in str(text).split(",")]
+    kind = kind.lower().replace("_", "-")
+    if kind not in SCHEDULE_TEXT_FIELDS:
+        raise InvalidArgument(
+            f"schedule: unknown kind {kind!r}; choose one of {', '.join(SCHEDULE_TEXT_FIELDS)}"
+        )
+    fields = SCHEDULE_TEXT_FIELDS[kind]
+    if len(values) > len(fields):
+        forms = "".join(f"[,{name.upper()}" for name in fields) + "]" * len(fields)
+        raise InvalidArgument(f"schedule: {kind} takes {kind}{forms}; got {text!r}")
+    schedule: dict[str, Any] = {"kind": kind}
+    for name, value in zip(fields, values, strict=False):
+        try:
+            number = float(value)
+            schedule[name] = int(number) if name in ("decay_steps", "horizon") else number
+        except ValueError:
+            raise InvalidArgument(f"schedule: {name} expects a number, got {value!r}") from None
+    return schedule
+
+
 def new_request_id() -> str:
     """A fresh idempotency key, so that a retried StartTraining never creates a second job."""
     return uuid.uuid4().hex
@@ -138,6 +170,9 @@ def training_request(
     rank: int | None = None,
     per_parameter: Mapping[str, str] | None = None,
     per_parameter_lr: Mapping[str, float] | None = None,
+    step_rule: str | None = None,
+    schedule: str | Mapping[str, Any] | None = None,
+    warmup_steps: int | None = None,
     cd_k: int | None = None,
     persistent: bool | None = None,
     centered: bool | None = None,
@@ -214,6 +249,8 @@ def training_request(
         )
     for parameter, value in (per_parameter_lr or {}).items():
         request.optimizer.per_parameter_lr[str(parameter)] = float(value)
+    _set(request.optimizer, step_rule=_choice("step_rule", step_rule, STEP_RULES))
+    _set_schedule(request.optimizer.schedule, schedule, warmup_steps)
     _set(
         request.training,
         cd_k=cd_k,
@@ -251,6 +288,26 @@ def training_request(
     _set_dataset(request.dataset, dataset, dataset_id, dataset_options)
     _set(request.dataset, preprocess=_choice("preprocess", preprocess, PREPROCESSING))
     return request
+
+
+def _set_schedule(
+    message: rbm_pb2.StepSizeSchedule,
+    schedule: str | Mapping[str, Any] | None,
+    warmup_steps: int | None,
+) -> None:
+    """``schedule`` as text (:func:`parse_schedule`) or a mapping of StepSizeSchedule fields."""
+    fields = dict(parse_schedule(schedule) if isinstance(schedule, str) else schedule or {})
+    if warmup_steps is not None:
+        fields["warmup_steps"] = warmup_steps
+    if not fields:
+        return
+    kind = fields.pop("kind", None)
+    unknown = sorted(set(fields) - set(message.DESCRIPTOR.fields_by_name))
+    if unknown:
+        raise InvalidArgument(f"schedule: unknown fields {unknown}")
+    _check_unsigned(**{k: fields.get(k) for k in ("decay_steps", "horizon", "warmup_steps")})
+    message.SetInParent()
+    _set(message, kind=_choice("schedule", kind, SCHEDULES), **fields)
 
 
 def _choice(field: str, value: str | None, choices: Mapping[str, int]) -> int | None:

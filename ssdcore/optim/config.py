@@ -14,6 +14,8 @@ from torch.optim import Optimizer
 from ssdcore.optim.preconditioned import PreconditionedSSD
 from ssdcore.optim.sgd import SGD
 from ssdcore.optim.ssd import METHODS, SSD
+from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, STEP_RULES
+from ssdcore.schedules import Schedule
 from ssdcore.step_sizes import default_lr, model_key
 
 OPTIMIZER_NAMES = ("sgd", "nesterov", "ssd", "ssd-preconditioned")
@@ -56,8 +58,16 @@ class OptimizerConfig:
     per_parameter: dict[str, str] = field(default_factory=dict)  # parameter name -> name
     # parameter name -> step size: hybrids need one per geometry (the steps differ in scale)
     per_parameter_lr: dict[str, float] = field(default_factory=dict)
+    # SSD groups: "paper" (lr·‖σ(G)‖₁·UVᵀ) or "normalized" (UVᵀ at the SGD step's Euclidean
+    # length lr·‖G‖_F), whose one lr holds across model sizes (ssdcore.optim.step_rules); each
+    # rule has its own default lr in the step-size table
+    step_rule: str = DEFAULT_STEP_RULE
+    # step-size schedule the Trainer applies (ssdcore.schedules); constant by default
+    schedule: Schedule = field(default_factory=Schedule)
 
     def __post_init__(self) -> None:
+        if isinstance(self.schedule, dict):
+            self.schedule = Schedule.from_dict(self.schedule)
         self.validate()
 
     def validate(self) -> None:
@@ -111,6 +121,16 @@ class OptimizerConfig:
                     f"OptimizerConfig.per_parameter_lr[{parameter!r}] must be a finite number > 0, "
                     f"got {lr!r}"
                 )
+        if self.step_rule not in STEP_RULES:
+            raise ValueError(
+                f"OptimizerConfig.step_rule: unknown step rule {self.step_rule!r}; "
+                f"choose one of {STEP_RULES}"
+            )
+        if not isinstance(self.schedule, Schedule):
+            raise ValueError(
+                f"OptimizerConfig.schedule must be an ssdcore.schedules.Schedule (or its dict), "
+                f"got {self.schedule!r}"
+            )
 
     @property
     def is_resolved(self) -> bool:
@@ -128,11 +148,12 @@ class OptimizerConfig:
         its own optimizer. ``model_kind`` / ``variance`` are the arguments of
         :func:`ssdcore.step_sizes.default_lr` (``ValueError`` names an unknown one).
         """
-        lr = self.lr if self.lr is not None else default_lr(model_kind, self.name, variance)
+        rule = self.step_rule
+        lr = self.lr if self.lr is not None else default_lr(model_kind, self.name, variance, rule)
         per_parameter_lr = dict(self.per_parameter_lr)
         for parameter, name in self.per_parameter.items():
             if name != self.name and parameter not in per_parameter_lr:
-                per_parameter_lr[parameter] = default_lr(model_kind, name, variance)
+                per_parameter_lr[parameter] = default_lr(model_kind, name, variance, rule)
         return dataclasses.replace(self, lr=lr, per_parameter_lr=per_parameter_lr)
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,6 +225,7 @@ def _group_for(
             method=method,
             rank=config.rank,
             preconditioner=config.preconditioner if preconditioned else None,
+            step_rule=config.step_rule,
         )
     return group
 

@@ -4,7 +4,9 @@ Matrices take the S∞ step ``W -= lr * ‖σ(G)‖₁ * U Vᵀ``; vectors the l
 ``x -= lr * ‖g‖₁ * sign(g)``. Both minimise the paper's upper bound
 ``⟨G, Δ⟩ + c ‖Δ‖²`` in the respective norm (its Theorem "SSD"). Per parameter group,
 ``geometry="euclidean"`` makes the group take a plain SGD step instead, so the paper's hybrids
-(SSD_W/SGD, SGD_W/SSD) are a matter of grouping.
+(SSD_W/SGD, SGD_W/SSD) are a matter of grouping. ``step_rule="normalized"`` keeps the direction
+and takes the SGD step's Euclidean length, so that one ``lr`` transfers across model sizes
+(:mod:`ssdcore.optim.step_rules`).
 
 Low-rank gradients: an estimator may attach ``param.grad_factors = (left, right)`` with
 ``param.grad == left @ right`` (the CD weight gradient has rank ≤ 2B). ``method="lowrank"`` then
@@ -49,6 +51,12 @@ from ssdcore.optim.sgd import (
     euclidean_update_,
     finish_update_,
 )
+from ssdcore.optim.step_rules import (
+    DEFAULT_STEP_RULE,
+    check_step_rule,
+    linf_length,
+    spectral_length,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +93,9 @@ class SSD(Optimizer):
             so that it stays low-rank.
         max_spectral_norm: project matrices onto ``‖W‖₂ ≤ R`` after each step (the paper's R).
         rank: sketch rank for ``"randomized"``; 0 means 64, or the factors' rank if smaller.
+        step_rule: ``"paper"`` (the steps above) or ``"normalized"`` (the same direction at the
+            SGD step's Euclidean length, so that one ``lr`` holds across model sizes; see
+            :mod:`ssdcore.optim.step_rules`).
     """
 
     def __init__(
@@ -103,6 +114,7 @@ class SSD(Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         damping: float = 0.1,
+        step_rule: str = DEFAULT_STEP_RULE,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -117,6 +129,7 @@ class SSD(Optimizer):
             "betas": betas,
             "eps": eps,
             "damping": damping,
+            "step_rule": step_rule,
         }
         _check_group(defaults)
         super().__init__(params, defaults)
@@ -159,7 +172,7 @@ class SSD(Optimizer):
                 elif param.ndim == 2:
                     self._spectral_matrix_step(param, factors, state, group)
                 else:
-                    self._linf_step_(param, param.grad, group["lr"])
+                    self._linf_step_(param, param.grad, group["lr"], group["step_rule"])
                 finish_update_(param, group)
         return loss
 
@@ -198,17 +211,20 @@ class SSD(Optimizer):
         group: dict[str, Any],
     ) -> None:
         """S∞ step for a matrix, fusing the low-rank product into the update when possible."""
-        lr, method = group["lr"], group["method"]
+        lr, method, rule = group["lr"], group["method"], group["step_rule"]
         if method == "newton-schulz" and factors is not None and _only_factors(param, factors):
-            _apply_factored_(param, polar_newton_schulz_factors(*factors), lr)
+            polar = polar_newton_schulz_factors(*factors)
+            _apply_factored_(param, _with_rule(polar, rule, None, factors), lr)
             return
         if method == "lowrank":
             if factors is not None and not _factors_pay_off(param, factors):
                 # Both routes are exact; the dense Gram matrix is the smaller eigenproblem here.
-                _apply_factored_(param, polar_gram_factors(_dense(param, factors)), lr)
+                grad = _dense(param, factors)
+                _apply_factored_(param, _with_rule(polar_gram_factors(grad), rule, grad), lr)
                 return
             if factors is not None and _factors_describe(param, factors):
-                _apply_factored_(param, polar_lowrank_factors(*factors), lr)
+                polar = polar_lowrank_factors(*factors)
+                _apply_factored_(param, _with_rule(polar, rule, param.grad, factors), lr)
                 return
             if id(param) not in self._fallback_logged:
                 logger.info(
@@ -217,7 +233,8 @@ class SSD(Optimizer):
                     tuple(param.shape),
                 )
                 self._fallback_logged.add(id(param))
-        polar = self._polar(_dense(param, factors), method, factors, state, group)
+        grad = _dense(param, factors)
+        polar = _with_rule(self._polar(grad, method, factors, state, group), rule, grad, factors)
         param.addcmul_(polar.direction, polar.nuclear_norm, value=-lr)
 
     def _polar(
@@ -248,13 +265,14 @@ class SSD(Optimizer):
             generator = self._sketch_generators[device] = torch.Generator(device=device)
         return generator
 
-    def _linf_step_(self, param: Tensor, grad: Tensor, lr: float) -> None:
-        """l∞ step ``x -= lr * ‖g‖₁ * sign(g)``, with a scratch buffer kept out of the state."""
+    def _linf_step_(self, param: Tensor, grad: Tensor, lr: float, rule: str) -> None:
+        """l∞ step ``x -= lr * ‖g‖₁ * sign(g)`` (or the rule's length), with a scratch buffer
+        kept out of the state."""
         sign = self._sign_buffers.get(param)
         if sign is None or sign.shape != grad.shape:
             sign = self._sign_buffers[param] = torch.empty_like(grad)
         torch.sign(grad, out=sign)
-        param.addcmul_(sign, torch.linalg.vector_norm(grad, 1), value=-lr)
+        param.addcmul_(sign, linf_length(grad, rule), value=-lr)
 
     def _preconditioned_step(
         self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
@@ -282,12 +300,16 @@ class SSD(Optimizer):
             root.clamp_min_(group["damping"] * float(root.mean()))
         scale = root.add_(group["eps"]).rsqrt_()
         scaled_grad = grad * scale
+        lr, rule = group["lr"], group["step_rule"]
         if param.ndim == 2:
-            polar = self._polar(scaled_grad, group["method"], None, state, group)
-            param.addcmul_(polar.direction.mul_(scale), polar.nuclear_norm, value=-group["lr"])
+            polar = _with_rule(
+                self._polar(scaled_grad, group["method"], None, state, group), rule, scaled_grad
+            )
+            length = polar.nuclear_norm
+            param.addcmul_(polar.direction.mul_(scale), length, value=-lr)
         else:
-            norm = torch.linalg.vector_norm(scaled_grad, 1)
-            param.addcmul_(scaled_grad.sign_().mul_(scale), norm, value=-group["lr"])
+            length = linf_length(scaled_grad, rule)
+            param.addcmul_(scaled_grad.sign_().mul_(scale), length, value=-lr)
 
 
 def _counts_steps(group: dict[str, Any]) -> bool:
@@ -342,6 +364,25 @@ def _only_factors(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
     """Whether thin factors are all there is: no dense gradient to check them against (which
     would need a host sync), and factor space is smaller than the matrix."""
     return param.grad is None and _factors_pay_off(param, factors)
+
+
+def _with_rule(
+    polar: FactoredPolar | Polar,
+    rule: str,
+    grad: Tensor | None,
+    factors: tuple[Tensor, Tensor] | None = None,
+) -> FactoredPolar | Polar:
+    """``polar`` with its nuclear norm replaced by the step rule's length (the same for
+    ``"paper"``); see :mod:`ssdcore.optim.step_rules`."""
+    if rule == "paper":
+        return polar
+    shape = (
+        (polar.left.shape[0], polar.right.shape[1])
+        if isinstance(polar, FactoredPolar)
+        else tuple(polar.direction.shape)
+    )
+    length = spectral_length(polar.nuclear_norm, rule, grad, factors, shape)
+    return polar._replace(nuclear_norm=length)
 
 
 def _apply_factored_(param: Tensor, polar: FactoredPolar, lr: float) -> None:
@@ -412,3 +453,4 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"Invalid damping value: {group['damping']!r} (must be in [0, 1])")
     if not group["eps"] > 0:
         raise ValueError(f"Invalid eps value: {group['eps']!r} (must be > 0)")
+    check_step_rule(group["step_rule"])

@@ -60,6 +60,11 @@ class RunSettings:
 
 def parameter_groups(config: OptimizerConfig, n_visible: int, n_hidden: int, device) -> dict:
     """``{name: group}`` of the optimizer the solo trainer would build for ``config``."""
+    if config.step_rule != "paper" or not config.schedule.is_constant:
+        raise ValueError(
+            "OptimizerConfig.step_rule 'normalized' and step-size schedules are not supported "
+            "in a pack; train this run with the solo Trainer"
+        )
     template = BernoulliRBM(n_visible, n_hidden, init_std=0.0, device=device)
     optimizer = build_optimizer(template, config)
     return {group["name"]: group for group in optimizer.param_groups}

@@ -11,6 +11,7 @@ from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.centering import CenteringConfig
 from ssdcore.optim import OptimizerConfig
+from ssdcore.schedules import Schedule
 from ssdcore.tempering import TemperingConfig
 from ssdrbm_server.vocabulary import (
     MODEL_NAMES,
@@ -18,6 +19,8 @@ from ssdrbm_server.vocabulary import (
     POLAR_METHOD_NAMES,
     POLAR_METHODS_BY_NAME,
     PRECONDITIONER_NAMES,
+    SCHEDULE_KIND_NAMES,
+    STEP_RULE_NAMES,
     VARIANCE_NAMES,
 )
 
@@ -35,6 +38,7 @@ def check_resolved(spec: pb.StartTrainingRequest) -> None:
             ("optimizer.kind", spec.optimizer.kind in OPTIMIZER_NAMES),
             ("optimizer.lr", spec.optimizer.HasField("lr")),
             ("optimizer.momentum", spec.optimizer.HasField("momentum")),
+            ("optimizer.schedule.kind", spec.optimizer.schedule.kind in SCHEDULE_KIND_NAMES),
             ("training.cd_k", spec.training.HasField("cd_k")),
             ("training.max_backoffs", spec.training.HasField("max_backoffs")),
             ("training.backoff_factor", spec.training.backoff_factor > 1),
@@ -79,6 +83,8 @@ def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
         choices["method"] = POLAR_METHOD_NAMES[spec.method]
     if spec.preconditioner:
         choices["preconditioner"] = PRECONDITIONER_NAMES[spec.preconditioner]
+    if spec.step_rule:
+        choices["step_rule"] = STEP_RULE_NAMES[spec.step_rule]
     return OptimizerConfig(
         name=OPTIMIZER_NAMES[spec.kind],
         lr=spec.lr,
@@ -88,7 +94,21 @@ def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
         rank=spec.rank,
         per_parameter={name: OPTIMIZER_NAMES[kind] for name, kind in spec.per_parameter.items()},
         per_parameter_lr=dict(spec.per_parameter_lr),
+        schedule=schedule_config(spec.schedule),
         **choices,
+    )
+
+
+def schedule_config(spec: pb.StepSizeSchedule) -> Schedule:
+    """The ssdcore schedule of a StepSizeSchedule whose kind and decay parameters are set
+    (ValueError names the invalid field as ``Schedule.<field>``)."""
+    return Schedule(
+        kind=SCHEDULE_KIND_NAMES[spec.kind],
+        decay_rate=spec.decay_rate,
+        decay_steps=spec.decay_steps,
+        floor=spec.floor,
+        horizon=spec.horizon,
+        warmup_steps=spec.warmup_steps,
     )
 
 

@@ -101,6 +101,19 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--max-spectral-norm", type=float, help="bound on ||W||2 [unbounded]")
     opt.add_argument("--rank", type=int, help="randomized method's sketch rank [automatic]")
     opt.add_argument(
+        "--step-rule",
+        choices=list(spec.STEP_RULES),
+        help="SSD step length: paper (lr·||σ(G)||1) or normalized (the SGD step's length, one lr "
+        "for every model size; its own default lr) [paper]",
+    )
+    opt.add_argument(
+        "--schedule",
+        metavar="KIND[,X[,Y]]",
+        help="step-size schedule: constant, exponential[,RATE[,STEPS]], inverse-time[,STEPS], "
+        "cosine[,FLOOR[,HORIZON]] [constant]",
+    )
+    opt.add_argument("--warmup-steps", type=int, help="linear step-size warmup [0]")
+    opt.add_argument(
         "--per-parameter",
         action="append",
         default=[],
@@ -230,6 +243,9 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "rank": args.rank,
         "per_parameter": _pairs(args.per_parameter, "--per-parameter") or None,
         "per_parameter_lr": _step_sizes(args.per_parameter_lr) or None,
+        "step_rule": args.step_rule,
+        "schedule": args.schedule,
+        "warmup_steps": args.warmup_steps,
         "cd_k": args.cd_k,
         "persistent": args.persistent,
         "centered": args.centered,

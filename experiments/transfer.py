@@ -1,0 +1,161 @@
+"""SSD step sizes across model sizes: the paper's rule against the normalized one.
+
+For each step rule (``OptimizerConfig.step_rule``) and each hidden-layer size, a small grid of
+step sizes (half-decades) trains a Bernoulli RBM on binarized MNIST (a fixed subset; batch 100,
+CD-1, the same seed everywhere) and scores it by its held-out log-likelihood (AIS; exact where
+n_h allows enumeration). The question: does the best step size found at the small size stay
+(near-)best at the large one? ``transfer`` rows give, per rule, the best step at each size, the
+likelihood the small size's best gets at the large size, and its loss against the large size's
+own best. ``python -m experiments transfer`` writes them to ``docs/figures/transfer/``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ssdcore
+from experiments import common
+from ssdcore.data import load_mnist, preprocess, split
+from ssdcore.evaluation import ais_log_partition, exact_log_partition, log_likelihood
+from ssdcore.optim import OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+EXACT_MAX_HIDDEN = 20  # enumerate 2^n_h hidden states up to this size, AIS above
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Sizes, grids and budgets of one run of the experiment."""
+
+    n_examples: int
+    small: int
+    large: int
+    steps: int
+    grids: dict[str, tuple[float, ...]]  # step rule -> step sizes
+    ais_chains: int
+    ais_betas: int
+
+
+FULL = Setup(
+    n_examples=4_000,
+    small=64,
+    large=512,
+    steps=500,
+    grids={
+        "paper": (1e-3, 3e-3, 1e-2, 3e-2),
+        "normalized": (0.1, 0.3, 1.0, 3.0),
+    },
+    ais_chains=100,
+    ais_betas=500,
+)
+QUICK = Setup(
+    n_examples=400,
+    small=4,
+    large=12,
+    steps=20,
+    grids={"paper": (1e-3, 1e-2), "normalized": (0.1, 1.0)},
+    ais_chains=10,
+    ais_betas=50,
+)
+
+
+def load_data(n_examples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Binarized MNIST: the first ``n_examples`` images, split 80/20 at random (seed 0)."""
+    images = preprocess(load_mnist(common.data_dir() / "mnist")[:n_examples], "binarize")
+    return split(images, 0.2, seed=0)
+
+
+def test_log_likelihood(
+    model: ssdcore.RBM, train: torch.Tensor, test: torch.Tensor, setup: Setup
+) -> float:
+    """Mean held-out log-likelihood: exact for small n_h, AIS (base rates from ``train``)."""
+    if model.n_hidden <= EXACT_MAX_HIDDEN:
+        log_z = float(exact_log_partition(model))
+    else:
+        log_z = float(
+            ais_log_partition(
+                model, n_chains=setup.ais_chains, n_betas=setup.ais_betas, seed=0, data=train
+            ).log_z
+        )
+    return float(log_likelihood(model, test, log_z))
+
+
+def train_one(
+    rule: str, lr: float, n_hidden: int, train: torch.Tensor, test: torch.Tensor, setup: Setup
+) -> dict[str, Any]:
+    """One run: SSD with ``rule`` at ``lr``; its held-out log-likelihood (−inf if it diverged)."""
+    common.seed_everything(0)
+    model = ssdcore.BernoulliRBM(train.shape[1], n_hidden)
+    model.init_from_data(train)
+    config = OptimizerConfig(
+        "ssd",
+        lr=lr,
+        step_rule=rule,
+        method=common.ssd_method(train.shape[1], n_hidden, 100),
+    )
+    trainer = ssdcore.Trainer(model, train, optimizer=config, batch_size=100, seed=0)
+    try:
+        trainer.train_steps(setup.steps)
+        ll = test_log_likelihood(model, train, test, setup)
+    except ssdcore.DivergenceError:
+        ll = -math.inf
+    if not math.isfinite(ll):
+        ll = -math.inf
+    logger.info("%s lr %g n_h %d: test LL %.2f", rule, lr, n_hidden, ll)
+    return {"rule": rule, "n_hidden": n_hidden, "lr": lr, "test_ll": ll}
+
+
+def transfer_rows(grid_rows: list[dict[str, Any]], setup: Setup) -> list[dict[str, Any]]:
+    """Per rule: best step at each size, and what the small size's best gives at the large."""
+    rows = []
+    for rule in setup.grids:
+        by_size = {
+            size: {
+                r["lr"]: r["test_ll"]
+                for r in grid_rows
+                if r["rule"] == rule and r["n_hidden"] == size
+            }
+            for size in (setup.small, setup.large)
+        }
+        best_small = max(by_size[setup.small], key=by_size[setup.small].get)
+        best_large = max(by_size[setup.large], key=by_size[setup.large].get)
+        transferred = by_size[setup.large][best_small]
+        rows.append(
+            {
+                "rule": rule,
+                "best_lr_small": best_small,
+                "best_lr_large": best_large,
+                "best_lr_ratio": best_small / best_large,
+                "ll_large_at_best_small": transferred,
+                "ll_large_best": by_size[setup.large][best_large],
+                "loss_nats": by_size[setup.large][best_large] - transferred,
+            }
+        )
+    return rows
+
+
+def run(out: Path, *, quick: bool = False) -> dict[str, Any]:
+    setup = QUICK if quick else FULL
+    train, test = load_data(setup.n_examples)
+    grid_rows = [
+        train_one(rule, lr, size, train, test, setup)
+        for rule, grid in setup.grids.items()
+        for size in (setup.small, setup.large)
+        for lr in grid
+    ]
+    directory = common.output_dir(out, "transfer")
+    common.write_table(grid_rows, directory, "grid")
+    rows = transfer_rows(grid_rows, setup)
+    common.write_table(rows, directory, "transfer")
+    return {
+        "setup": {**setup.__dict__, "grids": {k: list(v) for k, v in setup.grids.items()}},
+        "grid": grid_rows,
+        "transfer": rows,
+    }
