@@ -66,10 +66,14 @@ class Settings:
     # Redis connections for ordinary calls; blocking metric reads (XREAD BLOCK) get their own
     # pool of max_streams + 1 connections, so live StreamMetrics followers never starve these
     redis_connections: int = 100
-    max_jobs_per_tenant: int = 16  # QUEUED + RUNNING jobs of one tenant
+    # QUEUED + RUNNING jobs of one tenant. A sweep's runs are jobs, so this bounds sweeps too: 64
+    # admits the grids people run (3 step sizes × 2 optimizers × 3 seeds is 18) with room to spare,
+    # while the queue's tenant rotation keeps one tenant's backlog from delaying the others
+    max_jobs_per_tenant: int = 64
     # Points (jobs) of one sweep (ssdrbm_server/sweeps/); a sweep must also fit in the tenant's
-    # max_jobs_per_tenant beside its active jobs, which is checked before any job is created
-    max_sweep_points: int = 256
+    # max_jobs_per_tenant beside its active jobs, which is checked before any job is created.
+    # Equal to it: a larger value could never be used at the default
+    max_sweep_points: int = 64
     max_streams: int = 1000  # concurrent StreamMetrics calls of the whole server
     max_string_length: int = 256  # names, ids and option values in requests
 
