@@ -30,6 +30,7 @@ from ssdcore.models import RBM, BernoulliRBM, GaussianRBM, model_from_config
 from ssdcore import optim
 from ssdcore.centering import CenteringConfig
 from ssdcore.optim import OptimizerConfig, build_optimizer
+from ssdcore.tempering import TemperingConfig
 from ssdcore.training import Trainer, fit, steps_per_epoch
 
 # --- end optimizers and training ---
@@ -46,6 +47,7 @@ __all__ = [
     "GaussianRBM",
     "LikelihoodBounds",
     "OptimizerConfig",
+    "TemperingConfig",
     "Trainer",
     "ais_log_partition",
     "build_optimizer",

@@ -20,6 +20,7 @@ from ssdcore import BernoulliRBM, GaussianRBM, Trainer
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.data import synthetic_rbm_data
 from ssdcore.gradients import CDEstimator
+from ssdcore.pack import pack_trainers
 from ssdcore.sampling import RandomSource
 from ssdcore.tempering import (
     DEFAULT_MIN_BETA,
@@ -381,6 +382,12 @@ def test_resume_with_another_ladder_is_refused():
         plain.estimator.load_state_dict(trainer.estimator.state_dict())
 
 
+def test_tempered_runs_are_not_packed():
+    data = synthetic_rbm_data(n_visible=16, n_hidden=6, n_samples=200, seed=4)
+    with pytest.raises(ValueError, match="parallel-tempering run cannot be packed"):
+        pack_trainers([make_trainer(TemperingConfig(n_temperatures=3, min_beta=0.5), data)])
+
+
 def test_gaussian_rbm_trains_with_tempering():
     torch.manual_seed(0)
     data = torch.randn(200, 5)
@@ -433,28 +440,28 @@ def test_service_trains_a_tempered_job_and_streams_swap_rates(service_factory):
     assert trained[-1].pt_swap_rate_mean > 0  # 15 attempts per pair: some swaps happened
 
 
-@pytest.mark.parametrize(
-    ("change", "field"),
-    [
-        ({"persistent": False}, "training.parallel_tempering"),
-        ({"temperatures": 1}, "training.parallel_tempering.temperatures"),
-        ({"temperatures": MAX_TEMPERATURES + 1}, "training.parallel_tempering.temperatures"),
-        ({"min_beta": 1.0}, "training.parallel_tempering.min_beta"),
-        ({"min_beta": -0.5}, "training.parallel_tempering.min_beta"),
-    ],
-)
-def test_service_refuses_bad_tempering_naming_the_field(service_factory, change, field):
+BAD_TEMPERING = [
+    ({"persistent": False}, "training.parallel_tempering"),
+    ({"temperatures": 1}, "training.parallel_tempering.temperatures"),
+    ({"temperatures": MAX_TEMPERATURES + 1}, "training.parallel_tempering.temperatures"),
+    ({"min_beta": 1.0}, "training.parallel_tempering.min_beta"),
+    ({"min_beta": -0.5}, "training.parallel_tempering.min_beta"),
+]
+
+
+def test_service_refuses_bad_tempering_naming_the_field(service_factory):
     stub = service_factory(run_worker=False).stub()
-    request = tempered_request(10, temperatures=4)
-    if "persistent" in change:
-        request.training.persistent = change["persistent"]
-    else:
-        for name, value in change.items():
-            setattr(request.training.parallel_tempering, name, value)
-    with pytest.raises(grpc.RpcError) as caught:
-        stub.StartTraining(request, timeout=30)
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in caught.value.details()
+    for change, field in BAD_TEMPERING:
+        request = tempered_request(10, temperatures=4)
+        if "persistent" in change:
+            request.training.persistent = change["persistent"]
+        else:
+            for name, value in change.items():
+                setattr(request.training.parallel_tempering, name, value)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.StartTraining(request, timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, change
+        assert field in caught.value.details(), (change, caught.value.details())
 
 
 # --- the SDK and the CLI ------------------------------------------------------------------------

@@ -77,6 +77,10 @@ def trainer_to_run_state(trainer: Trainer) -> RunState:
     """The :class:`RunState` of a solo Trainer (own copies), for :func:`insert_trainer`."""
     if trainer.centering is not None:
         raise ValueError("a centered run cannot be packed; train it with the solo Trainer")
+    if trainer.tempering is not None:
+        raise ValueError(
+            "a parallel-tempering run cannot be packed; train it with the solo Trainer"
+        )
     saved = trainer.state_dict()
     estimator = saved["estimator"]
     momentum = {}
