@@ -104,6 +104,8 @@ def render_log_line(progress: ProgressState, event: MetricEvent) -> str:
     ]
     if event.metrics.log_likelihood is not None:
         fields.append(f"ll={format_number(event.metrics.log_likelihood)}")
+    if event.metrics.pt_swap_rate_min is not None:  # parallel tempering: its weakest pair
+        fields.append(f"swap_min={format_number(event.metrics.pt_swap_rate_min)}")
     fields.append(f"samples/s={format_rate(progress.samples_per_second)}")
     fields.append(f"eta={format_duration(progress.eta_s())}")
     return f"{progress.job_id} " + " ".join(fields)

@@ -89,6 +89,9 @@ def job_details(job: Job) -> str:
             ("spectral norm", format_number(metrics.spectral_norm)),
             ("samples/s", format_number(metrics.samples_per_second)),
         ]
+        if metrics.pt_swap_rates:  # parallel tempering: one rate per neighbour pair
+            rates = " ".join(format_number(rate) for rate in metrics.pt_swap_rates)
+            fields.append(("swap rates", rates))
     if job.runtime:
         fields.append(("runtime", job.runtime))
     if job.backoffs:
