@@ -34,6 +34,7 @@ from ssdcore.tempering import (
     tempered_log_marginal,
     visible_energy,
 )
+from ssdrbm_server.worker.runner import run_memory_mb
 from tests.fixtures.jobs import tiny_request
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -486,6 +487,15 @@ def test_service_refuses_bad_tempering_naming_the_field(service_factory):
             stub.StartTraining(request, timeout=30)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, change
         assert field in caught.value.details(), (change, caught.value.details())
+
+
+def test_memory_estimate_counts_every_temperature():
+    plain = tiny_request(training=pb.TrainingSpec(batch_size=100, persistent=True))
+    tempered = tempered_request(10, temperatures=8)
+    tempered.training.batch_size = 100
+    extra = run_memory_mb(tempered, 784) - run_memory_mb(plain, 784)
+    # 8 temperatures × 100 chains × (2·784 + 4·8) floats
+    assert extra == pytest.approx(4 * 8 * 100 * (2 * 784 + 4 * 8) / 1e6)
 
 
 # --- the SDK and the CLI ------------------------------------------------------------------------

@@ -447,7 +447,8 @@ def training_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) ->
     PROCESS_BASE_MB + 4 bytes × (PARAMETER_COPIES × P + (2·cd_k + 4) · B · (V + H)), where P
     counts the parameters (V·H + V + H, plus V·V for a full Gaussian precision) and the second
     term the CD chains (a visible and a hidden sample and mean per Gibbs sweep) and the
-    low-rank gradient factors, for batch B.
+    low-rank gradient factors, for batch B; parallel tempering adds K · B · (2V + 4H) for its
+    K temperatures' chains and buffers.
     """
     return PROCESS_BASE_MB + round(run_memory_mb(request, n_visible))
 
@@ -459,4 +460,7 @@ def run_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) -> floa
     if request.model.variance == rbm_pb2.VARIANCE_KIND_FULL:
         params += n_visible * n_visible
     chains = (2 * training.cd_k + 4) * training.batch_size * (n_visible + n_hidden)
+    if training.HasField("parallel_tempering"):  # each temperature: its chains and buffers
+        tempered = training.batch_size * (2 * n_visible + 4 * n_hidden)
+        chains += training.parallel_tempering.temperatures * tempered
     return 4 * (PARAMETER_COPIES * params + chains) / 1e6
