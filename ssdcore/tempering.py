@@ -165,21 +165,18 @@ def swap_log_acceptance(
 ) -> torch.Tensor:
     """log of the Metropolis ratio for exchanging v_i (at β_i) and v_j (at β_j), before min(0, ·).
 
-    ``q_*`` are visible energies (M,), ``x_*`` hidden inputs (M, H); the β arguments broadcast
-    against (M,) (scalars or (M, 1)-shaped columns for x).
+    ``q_*`` are visible energies (M,), ``x_*`` hidden inputs (M, H); the β arguments are floats
+    or tensors that broadcast against q (e.g. (P, 1) for P pairs of (P, M) chains).
     """
-    bi, bj = _column(beta_i), _column(beta_j)
+    bi, bj = _per_unit(beta_i), _per_unit(beta_j)
     cross = F.softplus(bi * x_j).sum(-1) + F.softplus(bj * x_i).sum(-1)
     own = F.softplus(bi * x_i).sum(-1) + F.softplus(bj * x_j).sum(-1)
-    return (_flat(bi) - _flat(bj)) * (q_i - q_j) + cross - own
+    return (beta_i - beta_j) * (q_i - q_j) + cross - own
 
 
-def _column(beta: torch.Tensor | float) -> torch.Tensor | float:
+def _per_unit(beta: torch.Tensor | float) -> torch.Tensor | float:
+    """β with one more trailing axis, so that it multiplies x's hidden units."""
     return beta.unsqueeze(-1) if isinstance(beta, torch.Tensor) else beta
-
-
-def _flat(beta: torch.Tensor | float) -> torch.Tensor | float:
-    return beta.squeeze(-1) if isinstance(beta, torch.Tensor) else beta
 
 
 class ParallelTempering:
