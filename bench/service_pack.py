@@ -8,7 +8,7 @@ sizes spread over a factor of 2, one seed so one data tensor serves every run), 
 starts one worker process (`python -m ssdrbm_server.worker`), so that every job is queued when
 it looks. The figure is the wall time from the worker's start to the last job SUCCEEDED, with
 SSDRBM_MAX_PACK_SIZE=32 (the jobs train as one pack) and =1 (one job after another, today's
-behaviour), each on a fresh worker under its own key prefix; the ratio of the two is the
+behaviour), each on a fresh worker once the queue is empty again; the ratio of the two is the
 figure of record, with the service's default evaluation and checkpoint spacing. The sweep runs
 again evaluated and checkpointed only at its last step, which shows what training alone gains
 (every evaluation of a 100×16 job computes its exact log-likelihood, run by run, packed or not).
@@ -96,11 +96,10 @@ def request(index: int, plan: Plan, *, at_end_only: bool) -> pb.StartTrainingReq
     )
 
 
-def _worker_env(redis_url: str, prefix: str, pack_size: int) -> dict[str, str]:
+def _worker_env(redis_url: str, pack_size: int) -> dict[str, str]:
     return {
         **os.environ,
         "SSDRBM_REDIS_URL": redis_url,
-        "SSDRBM_REDIS_PREFIX": prefix,
         "SSDRBM_MAX_PACK_SIZE": str(pack_size),
         "SSDRBM_ALLOW_NO_PERSISTENCE": "1",
         "SSDRBM_WORKER_METRICS_PORT": "0",
@@ -110,36 +109,35 @@ def _worker_env(redis_url: str, prefix: str, pack_size: int) -> dict[str, str]:
 
 
 def sweep(
-    redis_url: str, directory: Path, plan: Plan, pack_size: int, *, at_end_only: bool
+    stub: rbm_pb2_grpc.RBMServiceStub,
+    redis_url: str,
+    plan: Plan,
+    pack_size: int,
+    *,
+    at_end_only: bool,
 ) -> Outcome:
-    """Queue the sweep on an API-only service, then time one worker training all of it."""
-    prefix = f"bench-pack-{pack_size}-{int(at_end_only)}:"
-    env = {"SSDRBM_RUN_WORKER": "0", "SSDRBM_REDIS_PREFIX": prefix}
-    with (
-        service_process(redis_url, directory, env) as server,
-        grpc.insecure_channel(server.target) as channel,
-    ):
-        stub = rbm_pb2_grpc.RBMServiceStub(channel)
-        job_ids = [
-            stub.StartTraining(request(i, plan, at_end_only=at_end_only)).job.id
-            for i in range(plan.jobs)
-        ]
-        started = time.perf_counter()
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "ssdrbm_server.worker"],
-            cwd=REPO_ROOT,
-            env=_worker_env(redis_url, prefix, pack_size),
-        )
-        try:
-            jobs = [wait_for_job(stub, job_id) for job_id in job_ids]
-            wall = time.perf_counter() - started
-        finally:
-            worker.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.wait(WORKER_STOP_S)
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
+    """Queue the sweep on the API-only service, then time one fresh worker training all of
+    it (the queue is empty when this starts: the previous sweep has ended)."""
+    job_ids = [
+        stub.StartTraining(request(i, plan, at_end_only=at_end_only)).job.id
+        for i in range(plan.jobs)
+    ]
+    started = time.perf_counter()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "ssdrbm_server.worker"],
+        cwd=REPO_ROOT,
+        env=_worker_env(redis_url, pack_size),
+    )
+    try:
+        jobs = [wait_for_job(stub, job_id) for job_id in job_ids]
+        wall = time.perf_counter() - started
+    finally:
+        worker.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.wait(WORKER_STOP_S)
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
     sizes = [_pack_size(job.runtime.summary) for job in jobs]
     return Outcome(wall, sum(1 for s in sizes if s > 1), max(sizes))
 
@@ -161,15 +159,16 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
     ratios: dict[bool, float] = {}
     with tempfile.TemporaryDirectory(prefix="ssdrbm-bench-pack-") as scratch:
         directory = Path(scratch)
-        with redis_server(directory) as redis_url:
+        with (
+            redis_server(directory) as redis_url,
+            service_process(redis_url, directory, {"SSDRBM_RUN_WORKER": "0"}) as server,
+            grpc.insecure_channel(server.target) as channel,
+        ):
+            stub = rbm_pb2_grpc.RBMServiceStub(channel)
             for at_end_only in spacings:
                 outcomes = {}
                 for label, size in (("packed", plan.jobs), ("one at a time", 1)):
-                    mode_directory = directory / f"{size}-{int(at_end_only)}"
-                    mode_directory.mkdir()
-                    outcomes[label] = sweep(
-                        redis_url, mode_directory, plan, size, at_end_only=at_end_only
-                    )
+                    outcomes[label] = sweep(stub, redis_url, plan, size, at_end_only=at_end_only)
                     logger.info("service pack: %s took %.1f s", label, outcomes[label].wall_s)
                 ratios[at_end_only] = outcomes["one at a time"].wall_s / outcomes["packed"].wall_s
                 cases += _cases(plan, outcomes, ratios[at_end_only], at_end_only=at_end_only)
