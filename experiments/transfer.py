@@ -3,10 +3,10 @@
 For each step rule (``OptimizerConfig.step_rule``) and each hidden-layer size, a small grid of
 step sizes (half-decades) trains a Bernoulli RBM on binarized MNIST (a fixed subset; batch 100,
 CD-1, the same seed everywhere) and scores it by its held-out log-likelihood (AIS; exact where
-n_h allows enumeration). The question: does the best step size found at the small size stay
-(near-)best at the large one? ``transfer`` rows give, per rule, the best step at each size, the
-likelihood the small size's best gets at the large size, and its loss against the large size's
-own best. ``python -m experiments transfer`` writes them to ``docs/figures/transfer/``.
+n_h allows enumeration). The question: does the best step size found at the smallest size stay
+(near-)best at the larger ones? ``transfer`` rows give, per rule and size, the best step there,
+the likelihood the smallest size's best step gets there, and its loss against that size's own
+best. ``python -m experiments transfer`` writes them to ``docs/figures/transfer/``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ class Setup:
     """Sizes, grids and budgets of one run of the experiment."""
 
     n_examples: int
-    small: int
-    large: int
+    sizes: tuple[int, ...]  # hidden-layer sizes, the first one the size tuned at
     steps: int
     grids: dict[str, tuple[float, ...]]  # step rule -> step sizes
     ais_chains: int
@@ -45,20 +44,18 @@ class Setup:
 
 FULL = Setup(
     n_examples=4_000,
-    small=64,
-    large=512,
-    steps=500,
+    sizes=(32, 128, 512),
+    steps=1_000,
     grids={
-        "paper": (1e-3, 3e-3, 1e-2, 3e-2),
-        "normalized": (0.1, 0.3, 1.0, 3.0),
+        "paper": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
+        "normalized": (0.03, 0.1, 0.3, 1.0, 3.0),
     },
     ais_chains=100,
     ais_betas=500,
 )
 QUICK = Setup(
     n_examples=400,
-    small=4,
-    large=12,
+    sizes=(4, 12),
     steps=20,
     grids={"paper": (1e-3, 1e-2), "normalized": (0.1, 1.0)},
     ais_chains=10,
@@ -113,7 +110,7 @@ def train_one(
 
 
 def transfer_rows(grid_rows: list[dict[str, Any]], setup: Setup) -> list[dict[str, Any]]:
-    """Per rule: best step at each size, and what the small size's best gives at the large."""
+    """Per rule and size: its best step, and what the smallest size's best step gives there."""
     rows = []
     for rule in setup.grids:
         by_size = {
@@ -122,22 +119,24 @@ def transfer_rows(grid_rows: list[dict[str, Any]], setup: Setup) -> list[dict[st
                 for r in grid_rows
                 if r["rule"] == rule and r["n_hidden"] == size
             }
-            for size in (setup.small, setup.large)
+            for size in setup.sizes
         }
-        best_small = max(by_size[setup.small], key=by_size[setup.small].get)
-        best_large = max(by_size[setup.large], key=by_size[setup.large].get)
-        transferred = by_size[setup.large][best_small]
-        rows.append(
-            {
-                "rule": rule,
-                "best_lr_small": best_small,
-                "best_lr_large": best_large,
-                "best_lr_ratio": best_small / best_large,
-                "ll_large_at_best_small": transferred,
-                "ll_large_best": by_size[setup.large][best_large],
-                "loss_nats": by_size[setup.large][best_large] - transferred,
-            }
-        )
+        tuned = by_size[setup.sizes[0]]
+        transferred = max(tuned, key=tuned.get)
+        for size in setup.sizes:
+            lls = by_size[size]
+            best = max(lls, key=lls.get)
+            rows.append(
+                {
+                    "rule": rule,
+                    "n_hidden": size,
+                    "best_lr": best,
+                    "ll_best": lls[best],
+                    "tuned_lr": transferred,
+                    "ll_tuned_lr": lls[transferred],
+                    "loss_nats": lls[best] - lls[transferred],
+                }
+            )
     return rows
 
 
@@ -147,7 +146,7 @@ def run(out: Path, *, quick: bool = False) -> dict[str, Any]:
     grid_rows = [
         train_one(rule, lr, size, train, test, setup)
         for rule, grid in setup.grids.items()
-        for size in (setup.small, setup.large)
+        for size in setup.sizes
         for lr in grid
     ]
     directory = common.output_dir(out, "transfer")

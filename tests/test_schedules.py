@@ -13,6 +13,7 @@ from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.data import synthetic_rbm_data
 from ssdcore.pack import pack_key
 from ssdcore.schedules import Schedule
+from ssdcore.step_sizes import default_lr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -268,3 +269,23 @@ def test_the_service_fills_and_checks_the_schedule(service) -> None:
         with pytest.raises(InvalidArgument) as sgd_rule:
             client.start_training(n_hidden=8, optimizer="sgd", step_rule="normalized")
         assert "optimizer.step_rule" in str(sgd_rule.value)
+
+
+def test_the_cli_sends_the_step_rule_and_the_schedule(service, capsys) -> None:
+    import json
+
+    from ssdrbm.cli import main
+    from ssdrbm.cli.exit_codes import ExitCode
+
+    target = ["--target", service.target]
+    args = ["train", "--hidden", "4", "--steps", "300", "--dry-run", "--json"]
+    options = ["--step-rule", "normalized", "--schedule", "cosine,0.05", "--warmup-steps", "100"]
+    assert main([*target, *args, *options]) == ExitCode.OK
+    optimizer = json.loads(capsys.readouterr().out)["spec"]["optimizer"]
+    assert optimizer["step_rule"] == "STEP_RULE_NORMALIZED"
+    # the normalized rule's own default for a Bernoulli RBM
+    assert optimizer["lr"] == default_lr("bernoulli", "ssd", None, "normalized")
+    schedule = optimizer["schedule"]
+    assert schedule["kind"] == "SCHEDULE_KIND_COSINE" and schedule["floor"] == 0.05
+    assert int(schedule["warmup_steps"]) == 100 and int(schedule["horizon"]) == 200
+    assert main([*target, *args, "--schedule", "cosine,1,2,3"]) == ExitCode.USAGE
