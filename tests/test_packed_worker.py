@@ -440,3 +440,66 @@ def test_the_memory_budget_bounds_a_pack() -> None:
     assert pack_room(record, SETTINGS.replace(max_pack_size=1)) == 1
     record.pack_key = NOT_PACKABLE
     assert pack_room(record, SETTINGS) == 1
+
+
+def test_a_solo_checkpoint_resumes_packed_and_a_packed_one_solo(redis_url: str) -> None:
+    """Job A trains alone and its worker stops (SIGTERM's graceful stop: checkpoint, release);
+    a packing worker resumes A from that solo checkpoint in a pack with job B, and stops too
+    (every run checkpointed and released); a worker that does not pack finishes both. Each
+    job's stream has every step once, and both end with exactly the parameters of the same
+    jobs trained without interruption."""
+    total = 400
+    requests = [sgd(total, lr=0.05), sgd(total, lr=0.03)]
+
+    async def stop_when(
+        worker: Worker, task: asyncio.Task, h: PackHarness, job_id: str, ready
+    ) -> None:
+        """Stop ``worker`` gracefully once job ``job_id``'s record satisfies ``ready``."""
+        await h.wait_for(job_id, ready)
+        await worker.stop(graceful=True)
+        await task
+
+    async def main() -> None:
+        h = PackHarness(redis_url)
+        a = await h.submit(requests[0])
+        alone = make_worker(redis_url, "alone", max_pack_size=1)
+        task = asyncio.create_task(alone.run())
+        await stop_when(alone, task, h, a, lambda r: 50 <= r.checkpoint_step < r.step)
+        first_stop = await h.jobs.get(TENANT, a)
+        assert first_stop.state is JobState.QUEUED and "packed" not in summary(first_stop)
+
+        b = await h.submit(requests[1])
+        packer = make_worker(redis_url, "packer", max_pack_size=8)
+        task = asyncio.create_task(packer.run())
+        await h.wait_for(b, lambda r: r.step >= 60)
+        running = [await h.jobs.get(TENANT, job_id) for job_id in (a, b)]
+        assert all(summary(r).endswith(packed_summary(2)) for r in running)
+        await stop_when(packer, task, h, a, lambda r: r.step > first_stop.step + 20)
+        second_stop = [await h.jobs.get(TENANT, job_id) for job_id in (a, b)]
+        assert all(r.state is JobState.QUEUED for r in second_stop)
+        assert all(r.checkpoint_step == r.step for r in second_stop)  # stopped where it stood
+
+        finisher = make_worker(redis_url, "finisher", max_pack_size=1)
+        task = asyncio.create_task(finisher.run())
+        try:
+            finals = [await h.wait_done(job_id) for job_id in (a, b)]
+            twins = [await h.submit(request) for request in requests]
+            for twin in twins:
+                assert (await h.wait_done(twin)).state is JobState.SUCCEEDED
+        finally:
+            await finisher.stop(graceful=False)
+            await task
+        for job_id, twin, final in zip((a, b), twins, finals, strict=True):
+            assert final.state is JobState.SUCCEEDED, final.error
+            assert "packed" not in summary(final)
+            published = await h.metric_steps(job_id)
+            assert [step for step, _ in published] == list(range(10, total + 1, 10))
+            resumed, uninterrupted = (
+                await h.final_parameters(job_id),
+                await h.final_parameters(twin),
+            )
+            for name, value in resumed.items():
+                assert torch.equal(value, uninterrupted[name]), (job_id, name)
+        await h.redis.aclose()
+
+    asyncio.run(main())
