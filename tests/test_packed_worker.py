@@ -20,6 +20,7 @@ import torch
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore.checkpoint import model_from_bytes
+from ssdrbm_server.keys import Keys
 from ssdrbm_server.packing import NOT_PACKABLE, job_pack_key
 from ssdrbm_server.resolver import resolve
 from ssdrbm_server.store import JobQueue, JobRecord, JobState, JobStore, LeaseStore
@@ -503,3 +504,32 @@ def test_a_solo_checkpoint_resumes_packed_and_a_packed_one_solo(redis_url: str) 
         await h.redis.aclose()
 
     asyncio.run(main())
+
+
+def test_a_job_whose_lease_is_lost_leaves_the_pack_and_the_others_finish(redis_url: str) -> None:
+    """Another worker takes one job of a running pack over (its lease made to lapse, then a
+    claim raises the attempt): the pack writes nothing more for that job — its fencing refuses
+    it — while the pack's other jobs train on to SUCCEEDED."""
+    requests = [sgd(1_000_000, checkpoint_every=20), sgd(300), sgd(300, lr=0.03)]
+
+    async def scenario(h: PackHarness, job_ids: list[str], worker: Worker) -> None:
+        stolen, *others = job_ids
+        await h.wait_for(stolen, lambda r: r.checkpoint_step >= 20)
+        leases = LeaseStore(h.redis)
+        taken = None
+        while taken is None:  # the packer may renew the lease between the two writes
+            await h.redis.hset(Keys().job(stolen), "lease_deadline", 0)
+            taken = await leases.claim(stolen, "thief", lease_ms=60_000)
+        assert taken.attempt == 2
+        for job_id in others:
+            record = await h.wait_done(job_id)
+            assert record.state is JobState.SUCCEEDED, record.error
+            assert summary(record).endswith(packed_summary(3))
+        events = await h.events_of(stolen)
+        await asyncio.sleep(1.0)  # the pack's training process has moved on meanwhile
+        assert await h.events_of(stolen) == events  # nothing more from the packer
+        record = await h.jobs.get(TENANT, stolen)
+        assert record.state is JobState.RUNNING and record.worker == "thief"
+        assert (stolen, "lost") in worker.jobs_run
+
+    run_queued(redis_url, requests, scenario, max_pack_size=8)
