@@ -42,7 +42,7 @@ from ssdrbm_server.worker.child import (
     metrics_message,
     pick_device,
 )
-from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
+from ssdrbm_server.worker.datasets import DatasetError, SplitData, Uploaded, prepare
 from ssdrbm_server.worker.spec import check_resolved, runtime
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,18 @@ class PackedJob:
 
 def train_pack(conn: Connection, start: protocol.Message) -> None:
     """Train one pack; every failure is reported to the worker for each job, never raised."""
-    training = PackTraining(conn, start)
+    try:
+        training = PackTraining(conn, start)
+    except Exception as exc:  # a start message this process cannot read: every job fails
+        logger.exception("packed training could not start")
+        for run in range(len(start.fields.get("jobs", []))):
+            message = protocol.Message(
+                protocol.FAILED,
+                {"run": run, "reason": f"{type(exc).__name__}: {exc}", "step": 0},
+            )
+            with contextlib.suppress(OSError):
+                protocol.send(conn, message)
+        return
     try:
         training.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -146,7 +157,7 @@ class PackTraining:
             self._send(job, protocol.STARTED, start_step=self._step(job), runtime=described)
         self._loop()
 
-    def _trainer(self, job: PackedJob, data: Any, device: torch.device) -> Trainer:
+    def _trainer(self, job: PackedJob, data: SplitData, device: torch.device) -> Trainer:
         """The job's Trainer as its solo training process would build or resume it."""
         spec = job.spec
         check_resolved(spec)

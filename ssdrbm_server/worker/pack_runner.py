@@ -25,7 +25,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -124,7 +124,7 @@ class PackRunner:
     def _close(self, i: int, outcome: str) -> None:
         self.outcomes[i] = outcome
 
-    async def _write(self, i: int, write: Any) -> None:
+    async def _write(self, i: int, write: Callable[[JobRunner], Awaitable[None]]) -> None:
         """One fenced write for job i; a lost lease closes it (nothing more is written)."""
         try:
             await write(self.members[i])
@@ -167,10 +167,15 @@ class PackRunner:
             member = self.members[i]
             try:
                 message = await member._start_message(with_dataset=not jobs)
-            except NotFoundError as exc:
-                await self._write(
-                    i, lambda m, exc=exc: m._finish(JobState.FAILED, error=exc.message)
+            except REDIS_DOWN:
+                raise
+            except Exception as exc:  # this job cannot start (its data is gone, ...): it alone
+                reason = (
+                    exc.message
+                    if isinstance(exc, NotFoundError)
+                    else f"internal error: {type(exc).__name__}: {exc}"[:500]
                 )
+                await self._write(i, lambda m, r=reason: m._finish(JobState.FAILED, error=r))
                 self._close(i, JobState.FAILED.value)
                 continue
             run = len(jobs)
