@@ -164,7 +164,7 @@ _UNTUNED = "the paper-rule value, not tuned for this rule"
 # trains both; 1e-4 blows up at 200 with the diagonal form (isotropic: 3e-4 still trains).
 _GAUSSIAN_CHECK = _UNTUNED + "; trains standardized MNIST at n_hidden 32 and 200 (1e-4 does not)"
 NORMALIZED_STEP_SIZES: tuple[StepSize, ...] = (
-    _bernoulli("ssd", 0.3, _TRANSFER),
+    _bernoulli("ssd", 0.1, _TRANSFER),
     _bernoulli("ssd-preconditioned", 1e-3, _UNTUNED),
     _gaussian("ssd", "diagonal", 3e-5, _GAUSSIAN_CHECK),
     _gaussian("ssd-preconditioned", "diagonal", 3e-5, _UNTUNED),
