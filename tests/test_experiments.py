@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import beyond, common, freyface, grbm, mnist, simulation, tuning
+from experiments import beyond, common, freyface, grbm, mnist, simulation, transfer, tuning
 from experiments.__main__ import main
 
 
@@ -110,6 +110,19 @@ def test_beyond_quick(tmp_path: Path) -> None:
     assert accuracy["lowrank"]["direction rel. error"] < 1e-3
     assert accuracy["lowrank"]["nuclear norm rel. error"] < 1e-4
     _pngs_written(tmp_path / "beyond", ["adaptive.png", "polar_methods.png", "pcd_vs_cd.png"])
+
+
+def test_transfer_quick(tmp_path: Path) -> None:
+    summary = transfer.run(tmp_path, quick=True)
+    rules = transfer.QUICK.grids
+    assert len(summary["grid"]) == sum(len(g) for g in rules.values()) * len(transfer.QUICK.sizes)
+    assert all(math.isfinite(row["test_ll"]) and row["test_ll"] < 0 for row in summary["grid"])
+    rows = summary["transfer"]
+    assert {(r["rule"], r["n_hidden"]) for r in rows} == {
+        (rule, size) for rule in rules for size in transfer.QUICK.sizes
+    }
+    assert all(row["loss_nats"] >= 0 for row in rows)
+    assert (tmp_path / "transfer" / "transfer.md").exists()
 
 
 def test_grbm_quick(tmp_path: Path) -> None:
