@@ -30,6 +30,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from ssdrbm_server import logs
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import NotFoundError
 from ssdrbm_server.keys import Keys
@@ -268,8 +269,10 @@ class PackRunner:
         if self.outcomes[i] is not None:
             return  # the job left the pack (cancelled, lease lost): nothing more for it
         member = self.members[i]
+        context = logs.log_context(job_id=member.lease.job_id, tenant=member.record.tenant)
         try:
-            outcome = await member._handle(message)
+            with context:  # its log lines name the job, as a solo job's do
+                outcome = await member._handle(message)
         except LeaseLostError as exc:
             logger.warning("%s; it leaves its pack", exc)
             self._drop(child, i, LOST)
