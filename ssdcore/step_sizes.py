@@ -154,11 +154,11 @@ _BY_KEY = {(e.model_kind, e.optimizer, e.variance): e for e in STEP_SIZES}
 
 # --- the normalized SSD step rule (ssdcore.optim.step_rules) -----------------------------------
 # Its step has the SGD step's Euclidean length, so one value holds across n_hidden for the
-# Bernoulli RBM (docs/RESULTS.md, "SSD step sizes across model sizes"). SGD and Nesterov take
+# Bernoulli RBM (docs/RESULTS.md §6). SGD and Nesterov take
 # no spectral step: under either rule they keep the entries above.
 # The step rules of ssdcore.optim.step_rules (literal for the same reason as OPTIMIZERS).
 STEP_RULES = ("paper", "normalized")
-_TRANSFER = "python -m experiments transfer (RESULTS.md, SSD step sizes across model sizes)"
+_TRANSFER = "python -m experiments transfer (docs/RESULTS.md §6)"
 _UNTUNED = "the paper-rule value, not tuned for this rule"
 # Checked on standardized MNIST (1,000 images) at n_hidden 32 and 200 for 600 steps: 3e-5
 # trains both; 1e-4 blows up at 200 with the diagonal form (isotropic: 3e-4 still trains).
