@@ -1,4 +1,4 @@
-"""Command line: `python -m experiments NAME [--quick] [--out DIR] [--sequential]`."""
+"""Command line: `python -m experiments NAME [--quick] [--out DIR] [--sequential] [--pilot]`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pathlib import Path
 
 from experiments import common
 
-EXPERIMENTS = ("tuning", "simulation", "mnist", "freyface", "beyond", "grbm", "transfer")
+EXPERIMENTS = ("tuning", "simulation", "mnist", "freyface", "beyond", "grbm", "transfer", "large")
 # The experiments that pack compatible runs (experiments/packed.py) and take --sequential.
 PACKED = ("tuning",)
+# The experiments with a PILOT configuration (fewer seeds than the full run) that take --pilot.
+PILOTED = ("large",)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,10 +34,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"train every run alone instead of packing compatible runs ({', '.join(PACKED)})",
     )
+    parser.add_argument(
+        "--pilot",
+        action="store_true",
+        help=f"the smaller pilot configuration ({', '.join(PILOTED)})",
+    )
     arguments = parser.parse_args(argv)
     if arguments.sequential and arguments.name not in PACKED:
         parser.error(f"--sequential applies to {', '.join(PACKED)}; {arguments.name} runs alone")
+    if arguments.pilot and arguments.name not in PILOTED:
+        parser.error(f"--pilot applies to {', '.join(PILOTED)}; {arguments.name} has none")
     options = {"sequential": True} if arguments.sequential else {}
+    if arguments.pilot:
+        options["pilot"] = True
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     threads = common.configure_threads()
     module = importlib.import_module(f"experiments.{arguments.name}")

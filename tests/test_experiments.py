@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import beyond, common, freyface, grbm, mnist, simulation, transfer, tuning
+from experiments import beyond, common, freyface, grbm, large, mnist, simulation, transfer, tuning
 from experiments.__main__ import main
 
 
@@ -123,6 +123,34 @@ def test_transfer_quick(tmp_path: Path) -> None:
     }
     assert all(row["loss_nats"] >= 0 for row in rows)
     assert (tmp_path / "transfer" / "transfer.md").exists()
+
+
+def test_large_quick(tmp_path: Path) -> None:
+    summary = large.run(tmp_path, quick=True)
+    labels = [m.label for m in large.methods(large.QUICK, {})]
+    rows = summary["summary"]
+    assert [(r["budget"], r["run"]) for r in rows] == [
+        (budget, label) for budget in large.BUDGETS for label in labels
+    ]
+    runs = {(r["budget"], r["run"]): r for r in summary["runs"]}
+    _finite_recon(summary["runs"])
+    for row in summary["runs"]:
+        # every run ends with both certified bounds, the conservative one below the other
+        assert math.isfinite(row["ll_upper"]) and math.isfinite(row["ll_lower"]), row
+        assert row["ll_lower"] <= row["ll_upper"] + 4 * (row["ll_upper_se"] + row["ll_lower_se"])
+    # equal iterations: every run takes them all; equal wall time: a run stops short only once
+    # its training time has reached SGD's, and SGD's row is its equal-iterations run
+    assert all(runs[("iterations", label)]["steps"] == large.QUICK.steps for label in labels)
+    sgd_seconds = runs[("iterations", "SGD")]["train_seconds"]
+    assert runs[("wall", "SGD")] == runs[("iterations", "SGD")] | {"budget": "wall"}
+    for label in labels[1:]:
+        row = runs[("wall", label)]
+        assert 1 <= row["steps"] <= large.QUICK.steps
+        assert row["steps"] == large.QUICK.steps or row["train_seconds"] >= sgd_seconds, row
+    # the normalized rule's step is the library's default, never a value tuned at this size
+    assert runs[("iterations", "SSD normalized")]["lr"] == f"{large.NORMALIZED_LR:.3g}"
+    _pngs_written(tmp_path / "large", ["recon.png", "ll_bounds.png"])
+    assert (tmp_path / "large" / "summary.md").read_text().startswith("| budget | run |")
 
 
 def test_grbm_quick(tmp_path: Path) -> None:
