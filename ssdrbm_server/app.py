@@ -184,9 +184,7 @@ class Service:
         grace = self.settings.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         self.servicer.begin_shutdown()
-        for task in (self._refresh, self._readiness, self._sweeper):
-            if task is not None:
-                task.cancel()
+        await stop_background_tasks([self._refresh, self._readiness, self._sweeper])
         if self.inference_http is not None:
             await asyncio.to_thread(self.inference_http.stop)
         await self.server.stop(grace)
@@ -195,6 +193,27 @@ class Service:
             await self.redis.aclose()
         await self.blocking_redis.aclose()
         logger.info("gRPC server stopped")
+
+
+# How long stop() keeps cancelling the background loops before it leaves them to the loop's end.
+BACKGROUND_STOP_TIMEOUT_S = 5.0
+
+
+async def stop_background_tasks(tasks: list[asyncio.Task[None] | None]) -> None:
+    """Cancel the background loops and wait until each has ended.
+
+    One cancel is not always enough: one that lands inside a Redis call can come back out of the
+    client as a connection error, which the loop handles as an outage and carries on — and the
+    event loop's own shutdown would then wait for it forever. So cancel again until each ends.
+    """
+    pending = {task for task in tasks if task is not None}
+    deadline = asyncio.get_running_loop().time() + BACKGROUND_STOP_TIMEOUT_S
+    while pending and asyncio.get_running_loop().time() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+    if pending:
+        logger.warning("%d background task(s) did not stop: %s", len(pending), pending)
 
 
 async def create_server(
