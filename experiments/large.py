@@ -38,6 +38,7 @@ run, so an interrupted invocation leaves what it finished.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import statistics
@@ -62,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 NAME = "large"
 BUDGETS = ("iterations", "wall")
+BUDGET_TITLES = {"iterations": "equal iterations", "wall": "equal wall time"}
 FALLBACK_LR = {"sgd": 0.1, "nesterov": 0.01, "ssd": 1e-3, "adam": 1e-3}
 # The normalized rule's one step size for a Bernoulli RBM (tuned at n_h = 32, RESULTS §6).
 NORMALIZED_LR = default_lr("bernoulli", "ssd", None, "normalized")
@@ -382,7 +384,7 @@ def recon_figure(results: Sequence[RunResult], budgets: Sequence[str], path: Pat
             label = None if result.label in shown else result.label
             shown.add(result.label)
             axis.plot(xs, ys, color=colours[result.label], label=label, linewidth=1.2)
-        axis.set_title(f"test reconstruction error, equal {budget}", fontsize=10)
+        axis.set_title(f"test reconstruction error, {BUDGET_TITLES[budget]}", fontsize=10)
         axis.set_xlabel("iteration" if budget == "iterations" else "training seconds")
         axis.set_ylabel("squared error per image")
         axis.set_yscale("log")
@@ -392,33 +394,50 @@ def recon_figure(results: Sequence[RunResult], budgets: Sequence[str], path: Pat
     return common.save_figure(figure, path)
 
 
+# How far below the best lower bound the likelihood figure's axis reaches; configurations
+# further down are listed with their values at the axis's edge instead of stretching it.
+BOUNDS_WINDOW_NATS = 40.0
+
+
 def bounds_figure(summary: Sequence[dict[str, Any]], budgets: Sequence[str], path: Path) -> Path:
-    """Final test log-likelihood per configuration: upper (AIS) and lower (reverse AIS) bound
-    bars, mean over seeds with ±2 standard errors."""
+    """Final test log-likelihood per configuration as a bar from the lower (reverse AIS) to the
+    upper (AIS) bound, mean over seeds, whiskers ±2 standard errors at each end."""
     figure, axes = plt.subplots(1, len(budgets), figsize=(5.2 * len(budgets), 4.2), squeeze=False)
     for axis, budget in zip(axes[0], budgets, strict=True):
         rows = [r for r in summary if r["budget"] == budget and math.isfinite(r["ll_lower"])]
-        positions = range(len(rows))
-        for offset, (key, name) in enumerate(
-            (("ll_upper", "upper (AIS)"), ("ll_lower", "lower (reverse AIS)"))
-        ):
-            axis.barh(
-                [p + 0.4 * offset for p in positions],
-                [r[key] for r in rows],
-                height=0.4,
-                xerr=[2 * r[f"{key}_se"] for r in rows],
-                label=name,
+        if not rows:
+            continue
+        left = max(r["ll_lower"] for r in rows) - BOUNDS_WINDOW_NATS
+        right = max(r["ll_upper"] for r in rows) + 3.0
+        for position, row in enumerate(rows):
+            lower, upper = row["ll_lower"], row["ll_upper"]
+            if lower < left:  # off the axis: its values in words
+                axis.text(left + 1, position + 0.3, f"{lower:.0f} / {upper:.0f}", fontsize=7)
+            if upper < left:
+                continue
+            axis.barh(position, upper - lower, left=lower, height=0.5, color="tab:blue", alpha=0.5)
+            axis.errorbar(
+                [lower, upper],
+                [position, position],
+                xerr=[2 * row["ll_lower_se"], 2 * row["ll_upper_se"]],
+                fmt="none",
+                ecolor="black",
+                capsize=2,
             )
-        axis.set_yticks([p + 0.2 for p in positions], [r["run"] for r in rows], fontsize=7)
-        finite = [r[k] for r in rows for k in ("ll_upper", "ll_lower") if math.isfinite(r[k])]
-        if finite:
-            axis.set_xlim(min(finite) - 5, max(finite) + 5)
+        axis.set_yticks(range(len(rows)), [r["run"] for r in rows], fontsize=7)
+        axis.set_xlim(left, right)
         axis.invert_yaxis()
-        axis.set_title(f"test log-likelihood (nats), equal {budget}", fontsize=10)
+        axis.set_title(f"test log-likelihood bounds (nats), {BUDGET_TITLES[budget]}", fontsize=9)
         axis.grid(alpha=0.3, axis="x")
-        axis.legend(fontsize=7)
     figure.tight_layout()
     return common.save_figure(figure, path)
+
+
+def redraw_bounds(directory: Path) -> Path:
+    """Redraws ``ll_bounds.png`` from a finished invocation's ``summary.json``."""
+    summary = json.loads((directory / "summary.json").read_text())
+    budgets = [b for b in BUDGETS if any(r["budget"] == b for r in summary)]
+    return bounds_figure(summary, budgets, directory / "ll_bounds.png")
 
 
 def write_outputs(directory: Path, results: Sequence[RunResult], config: Config) -> dict[str, Any]:
