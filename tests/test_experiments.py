@@ -6,6 +6,7 @@ Budget: about 60 s for the whole file on a 2-core machine. Each test runs an exp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -185,6 +186,17 @@ def test_only_packed_experiments_take_sequential(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as refused:
         main(["freyface", "--quick", "--sequential", "--out", str(tmp_path)])
     assert refused.value.code == 2
+
+
+def test_only_piloted_experiments_take_pilot(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["freyface", "--quick", "--pilot", "--out", str(tmp_path)])
+    assert refused.value.code == 2
+    # the pilot is the full configuration on fewer seeds, both budgets kept
+    assert large.PILOT.seeds == (0,) and large.PILOT.budgets == large.BUDGETS
+    assert dataclasses.replace(large.PILOT, seeds=large.FULL.seeds) == dataclasses.replace(
+        large.FULL, likelihood_fractions=large.PILOT.likelihood_fractions
+    )
 
 
 def test_command_line_writes_run_summary(tmp_path: Path) -> None:
