@@ -83,6 +83,9 @@ class Config:
     seeds: tuple[int, ...] = (0, 1, 2)
     budgets: tuple[str, ...] = BUDGETS
     temperatures: int = 10  # parallel tempering ladder, 1 down to `min_beta`
+    # run only these configurations (labels of `methods`; SGD always runs: the time budget is
+    # its); empty: all of them
+    only: tuple[str, ...] = ()
     min_beta: float = 0.5
 
     def method(self) -> str:
@@ -139,7 +142,7 @@ def methods(config: Config, chosen: dict[str, float]) -> list[Method]:
         step_rule="normalized",
         method=config.method(),
     )
-    return [
+    every = [
         Method("SGD", sgd),
         Method("Nesterov", nesterov),
         Method("Adam", TorchOptimizer("adam", lr("beyond/adam", "adam"))),
@@ -154,6 +157,10 @@ def methods(config: Config, chosen: dict[str, float]) -> list[Method]:
             OptimizerConfig("ssd", lr=lr("mnist-brbm/ssd", "ssd"), method=config.method()),
         ),
     ]
+    unknown = sorted(set(config.only) - {m.label for m in every})
+    if unknown:
+        raise ValueError(f"Config.only: unknown configurations {unknown}")
+    return [m for m in every if not config.only or m.label in {"SGD", *config.only}]
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,13 @@ def test_only_piloted_experiments_take_pilot(tmp_path: Path) -> None:
     )
 
 
+def test_large_runs_a_subset_with_sgd_for_the_time_budget() -> None:
+    subset = dataclasses.replace(large.QUICK, only=("SSD normalized",))
+    assert [m.label for m in large.methods(subset, {})] == ["SGD", "SSD normalized"]
+    with pytest.raises(ValueError, match="SSD typo"):
+        large.methods(dataclasses.replace(large.QUICK, only=("SSD typo",)), {})
+
+
 def test_command_line_writes_run_summary(tmp_path: Path) -> None:
     assert main(["freyface", "--quick", "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "freyface" / "run.json").read_text())
