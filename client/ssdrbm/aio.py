@@ -82,6 +82,17 @@ class AsyncClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    async def _pages(self, method: str, request: Any, field: str) -> AsyncIterator[Any]:
+        """Every item (``field`` of each response) of a paged List call; see the blocking
+        client's ``_pages``."""
+        while True:
+            response = await self._call(method, request)
+            for message in getattr(response, field):
+                yield message
+            if not response.next_page_token:
+                return
+            request.page_token = response.next_page_token
+
     async def _call(self, method: str, request: Any) -> Any:
         """A unary call with the deadline, the token and retries on UNAVAILABLE."""
         stub_method = getattr(self._stub, method)
@@ -122,17 +133,9 @@ class AsyncClient:
     ) -> AsyncIterator[Job]:
         """Every job of the caller, newest first, page by page."""
         state_number = JobState(state).to_proto() if state else 0
-        token = ""
-        while True:
-            request = rbm_pb2.ListJobsRequest(
-                page_size=page_size, page_token=token, state=state_number
-            )
-            response = await self._call("ListJobs", request)
-            for message in response.jobs:
-                yield Job.from_proto(message)
-            token = response.next_page_token
-            if not token:
-                return
+        request = rbm_pb2.ListJobsRequest(page_size=page_size, state=state_number)
+        async for message in self._pages("ListJobs", request, "jobs"):
+            yield Job.from_proto(message)
 
     async def cancel(self, job_id: str) -> Job:
         """Ask the job to stop; returns its record."""
@@ -157,15 +160,9 @@ class AsyncClient:
 
     async def list_sweeps(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> AsyncIterator[Sweep]:
         """Every sweep of the caller, newest first (without their runs)."""
-        token = ""
-        while True:
-            request = rbm_pb2.ListSweepsRequest(page_size=page_size, page_token=token)
-            response = await self._call("ListSweeps", request)
-            for message in response.sweeps:
-                yield Sweep.from_proto(message)
-            token = response.next_page_token
-            if not token:
-                return
+        request = rbm_pb2.ListSweepsRequest(page_size=page_size)
+        async for message in self._pages("ListSweeps", request, "sweeps"):
+            yield Sweep.from_proto(message)
 
     async def cancel_sweep(self, sweep_id: str) -> Sweep:
         """Cancel every queued or running run of the sweep."""
@@ -371,15 +368,9 @@ class AsyncClient:
 
     async def list_datasets(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> AsyncIterator[Dataset]:
         """The caller's uploaded datasets, ordered by id, page by page."""
-        token = ""
-        while True:
-            request = rbm_pb2.ListDatasetsRequest(page_size=page_size, page_token=token)
-            response = await self._call("ListDatasets", request)
-            for message in response.datasets:
-                yield Dataset.from_proto(message)
-            token = response.next_page_token
-            if not token:
-                return
+        request = rbm_pb2.ListDatasetsRequest(page_size=page_size)
+        async for message in self._pages("ListDatasets", request, "datasets"):
+            yield Dataset.from_proto(message)
 
     async def delete_dataset(self, dataset_id: str) -> None:
         """Remove a dataset from the caller's datasets (FailedPrecondition while a queued or

@@ -99,6 +99,16 @@ class Client:
 
     # -- plumbing ------------------------------------------------------------------------------
 
+    def _pages(self, method: str, request: Any, field: str) -> Iterator[Any]:
+        """Every item (``field`` of each response) of a paged List call, fetching the next page
+        with ``next_page_token`` as the iteration reaches it."""
+        while True:
+            response = self._call(method, request)
+            yield from getattr(response, field)
+            if not response.next_page_token:
+                return
+            request.page_token = response.next_page_token
+
     def _call(self, method: str, request: Any) -> Any:
         """A unary call with the deadline, the token and retries on UNAVAILABLE.
 
@@ -165,17 +175,9 @@ class Client:
     ) -> Iterator[Job]:
         """Every job of the caller, newest first, fetching pages as the iteration goes."""
         state_number = JobState(state).to_proto() if state else 0
-        token = ""
-        while True:
-            request = rbm_pb2.ListJobsRequest(
-                page_size=page_size, page_token=token, state=state_number
-            )
-            response = self._call("ListJobs", request)
-            for message in response.jobs:
-                yield Job.from_proto(message)
-            token = response.next_page_token
-            if not token:
-                return
+        request = rbm_pb2.ListJobsRequest(page_size=page_size, state=state_number)
+        for message in self._pages("ListJobs", request, "jobs"):
+            yield Job.from_proto(message)
 
     def cancel(self, job_id: str) -> Job:
         """Ask the job to stop; returns its record (a finished job is left as it is)."""
@@ -206,14 +208,9 @@ class Client:
 
     def list_sweeps(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[Sweep]:
         """Every sweep of the caller, newest first (without their runs: see get_sweep)."""
-        token = ""
-        while True:
-            request = rbm_pb2.ListSweepsRequest(page_size=page_size, page_token=token)
-            response = self._call("ListSweeps", request)
-            yield from (Sweep.from_proto(message) for message in response.sweeps)
-            token = response.next_page_token
-            if not token:
-                return
+        request = rbm_pb2.ListSweepsRequest(page_size=page_size)
+        for message in self._pages("ListSweeps", request, "sweeps"):
+            yield Sweep.from_proto(message)
 
     def cancel_sweep(self, sweep_id: str) -> Sweep:
         """Cancel every queued or running run of the sweep."""
@@ -427,15 +424,9 @@ class Client:
 
     def list_datasets(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[Dataset]:
         """The caller's uploaded datasets, ordered by id, fetching pages as the iteration goes."""
-        token = ""
-        while True:
-            request = rbm_pb2.ListDatasetsRequest(page_size=page_size, page_token=token)
-            response = self._call("ListDatasets", request)
-            for message in response.datasets:
-                yield Dataset.from_proto(message)
-            token = response.next_page_token
-            if not token:
-                return
+        request = rbm_pb2.ListDatasetsRequest(page_size=page_size)
+        for message in self._pages("ListDatasets", request, "datasets"):
+            yield Dataset.from_proto(message)
 
     def delete_dataset(self, dataset_id: str) -> None:
         """Remove a dataset from the caller's datasets; its bytes go once no tenant uses them.
