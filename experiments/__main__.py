@@ -12,7 +12,17 @@ from pathlib import Path
 
 from experiments import common
 
-EXPERIMENTS = ("tuning", "simulation", "mnist", "freyface", "beyond", "grbm", "transfer", "large")
+EXPERIMENTS = (
+    "tuning",
+    "simulation",
+    "mnist",
+    "freyface",
+    "beyond",
+    "grbm",
+    "transfer",
+    "large",
+    "convergence",
+)
 # The experiments that pack compatible runs (experiments/packed.py) and take --sequential.
 PACKED = ("tuning",)
 # The experiments with a PILOT configuration (fewer seeds than the full run) that take --pilot.

@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 
 import ssdcore
+from ssdcore.centering import CenteringConfig
 from ssdcore.data import default_data_dir
 from ssdcore.evaluation import (
     certified_log_likelihood,
@@ -177,6 +178,7 @@ class RunSpec:
     cd_k: int = 1
     persistent: bool = False
     seed: int = 0
+    centered: bool = False  # train centered (ssdcore.centering, default sliding factor)
 
 
 class _TorchOptimizerTrainer:
@@ -221,6 +223,8 @@ class _TorchOptimizerTrainer:
 def make_trainer(model: ssdcore.RBM, train: torch.Tensor, spec: RunSpec) -> Any:
     """A trainer with `train_steps(n)` and `step_count` for `spec`'s optimizer."""
     if isinstance(spec.optimizer, TorchOptimizer | HybridOptimizer):
+        if spec.centered:
+            raise ValueError(f"{spec.label}: centering needs an ssdcore OptimizerConfig")
         return _TorchOptimizerTrainer(model, train, spec)
     return ssdcore.Trainer(
         model,
@@ -230,6 +234,7 @@ def make_trainer(model: ssdcore.RBM, train: torch.Tensor, spec: RunSpec) -> Any:
         cd_k=spec.cd_k,
         persistent=spec.persistent,
         seed=spec.seed,
+        centering=CenteringConfig() if spec.centered else None,
     )
 
 

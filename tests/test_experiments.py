@@ -15,7 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import beyond, common, freyface, grbm, large, mnist, simulation, transfer, tuning
+from experiments import (
+    beyond,
+    common,
+    convergence,
+    freyface,
+    grbm,
+    large,
+    mnist,
+    simulation,
+    transfer,
+    tuning,
+)
 from experiments.__main__ import main
 
 
@@ -152,6 +163,50 @@ def test_large_quick(tmp_path: Path) -> None:
     assert runs[("iterations", "SSD normalized")]["lr"] == f"{large.NORMALIZED_LR:.3g}"
     _pngs_written(tmp_path / "large", ["recon.png", "ll_bounds.png"])
     assert (tmp_path / "large" / "summary.md").read_text().startswith("| budget | run |")
+
+
+def test_convergence_quick(tmp_path: Path) -> None:
+    summary = convergence.run(tmp_path, quick=True)
+    labels = [m.label for m in convergence.methods(convergence.QUICK, {})]
+    assert [r["run"] for r in summary["summary"]] == labels
+    steps = convergence.QUICK.likelihood_at
+    assert {(r["run"], r["step"]) for r in summary["runs"]} == {
+        (x, s) for x in labels for s in steps
+    }
+    ceiling = summary["generator_ll"]
+    for row in summary["runs"]:
+        # exact values; a fitted model cannot score far above the generator on its own data
+        assert math.isfinite(row["test_ll"]) and row["test_ll"] <= ceiling + 0.5, row
+    targets = json.loads((tmp_path / "convergence" / "targets.json").read_text())
+    assert targets == summary["targets"]
+    assert targets["best_baseline"] in labels and targets["generator_ll"] == ceiling
+    assert targets["gap_target_met"] == (targets["best_ssd_gap"] <= convergence.QUICK.target_gap)
+    _pngs_written(tmp_path / "convergence", ["ll.png"])
+
+
+def test_convergence_judges_reach_and_gap_on_the_seed_means() -> None:
+    methods = [
+        convergence.Method("base A", convergence.BASELINE, None),  # type: ignore[arg-type]
+        convergence.Method("base B", convergence.BASELINE, None),  # type: ignore[arg-type]
+        convergence.Method("ssd slow", convergence.SSD_FAMILY, None),  # type: ignore[arg-type]
+        convergence.Method("ssd fast", convergence.SSD_FAMILY, None),  # type: ignore[arg-type]
+    ]
+    config = dataclasses.replace(convergence.FULL, likelihood_at=(100, 300, 3000), target_steps=300)
+    curves = {
+        "base A": {100: -40.0, 300: -39.0, 3000: -38.0},
+        "base B": {100: -39.0, 300: -38.5, 3000: -37.9},  # the best baseline: -37.9 at the end
+        "ssd slow": {100: -39.0, 300: -38.0, 3000: -37.85},  # reaches it only at 3000
+        "ssd fast": {100: -38.0, 300: -37.9, 3000: -37.95},  # reaches it at 300, ends lower
+    }
+    targets = convergence.judge(methods, curves, config, ceiling=-37.6)
+    assert targets["best_baseline"] == "base B" and targets["best_baseline_final_ll"] == -37.9
+    assert targets["ssd_steps_to_baseline_final"] == {"ssd slow": 3000, "ssd fast": 300}
+    assert targets["fastest_ssd"] == "ssd fast" and targets["reach_target_met"]
+    assert targets["best_ssd_final"] == "ssd slow"
+    assert targets["best_ssd_gap"] == pytest.approx(0.25) and targets["gap_target_met"]
+    slower = dict(curves, **{"ssd fast": {100: -38.0, 300: -38.2, 3000: -37.95}})
+    assert not convergence.judge(methods, slower, config, ceiling=-37.6)["reach_target_met"]
+    assert not convergence.judge(methods, curves, config, ceiling=-37.0)["gap_target_met"]
 
 
 def test_grbm_quick(tmp_path: Path) -> None:
