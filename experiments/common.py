@@ -277,10 +277,11 @@ class EvalPlan:
                 "test_recon": float(reconstruction_error(model, self.test)),
             }
             if self.likelihood != "none" and step in self.likelihood_at:
-                record.update(self._log_likelihood(model))
+                record.update(self.log_likelihood(model))
         return record
 
-    def _log_likelihood(self, model: ssdcore.RBM) -> dict[str, float]:
+    def log_likelihood(self, model: ssdcore.RBM) -> dict[str, float]:
+        """``model``'s test log-likelihood record now (see the class docstring)."""
         started = time.perf_counter()
         if self.likelihood == "exact":
             value = float(log_likelihood(model, self.test, float(exact_log_partition(model))))

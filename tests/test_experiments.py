@@ -129,6 +129,11 @@ def test_transfer_quick(tmp_path: Path) -> None:
     rules = transfer.QUICK.grids
     assert len(summary["grid"]) == sum(len(g) for g in rules.values()) * len(transfer.QUICK.sizes)
     assert all(math.isfinite(row["test_ll"]) and row["test_ll"] < 0 for row in summary["grid"])
+    for row in summary["grid"]:
+        if row["n_hidden"] <= transfer.EXACT_MAX_HIDDEN:  # exact: both "bounds" are the value
+            assert row["ll_lower"] == row["test_ll"], row
+        else:  # certified pair: the conservative bound sits below (within its noise)
+            assert math.isfinite(row["ll_lower"]) and row["ll_lower"] <= row["test_ll"] + 1.0, row
     rows = summary["transfer"]
     assert {(r["rule"], r["n_hidden"]) for r in rows} == {
         (rule, size) for rule in rules for size in transfer.QUICK.sizes
