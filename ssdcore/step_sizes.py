@@ -158,6 +158,8 @@ _BY_KEY = {(e.model_kind, e.optimizer, e.variance): e for e in STEP_SIZES}
 # no spectral step: under either rule they keep the entries above.
 # The step rules of ssdcore.optim.step_rules (literal for the same reason as OPTIMIZERS).
 STEP_RULES = ("paper", "normalized")
+# The optimizers whose default depends on the step rule; the others have one entry for both.
+RULE_DEPENDENT_OPTIMIZERS = ("ssd", "ssd-preconditioned")
 _TRANSFER = "python -m experiments transfer (docs/RESULTS.md §6)"
 _UNTUNED = "the paper-rule value, not tuned for this rule"
 # Checked on standardized MNIST (1,000 images) at n_hidden 32 and 200 for 600 steps: 3e-5
@@ -213,7 +215,7 @@ def step_size(
     elif variance not in VARIANCE_KINDS:
         raise ValueError(f"variance: unknown {variance!r}; choose one of {VARIANCE_KINDS}")
     key = (model_kind, optimizer, variance)
-    if step_rule == "normalized" and key in _NORMALIZED_BY_KEY:
+    if step_rule == "normalized" and optimizer in RULE_DEPENDENT_OPTIMIZERS:
         return _NORMALIZED_BY_KEY[key]
     return _BY_KEY[key]
 

@@ -33,7 +33,12 @@ from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, DEFAULT_AIS_CHAINS
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
 from ssdcore.optim.config import DEFAULT_NESTEROV_MOMENTUM
 from ssdcore.schedules import DEFAULT_DECAY_RATE, DEFAULT_DECAY_STEPS, DEFAULT_FLOOR
-from ssdcore.step_sizes import default_lr, step_size_table
+from ssdcore.step_sizes import (
+    RULE_DEPENDENT_OPTIMIZERS,
+    default_lr,
+    normalized_step_size_table,
+    step_size_table,
+)
 from ssdcore.tempering import DEFAULT_MIN_BETA, DEFAULT_N_TEMPERATURES, MAX_TEMPERATURES
 from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, steps_per_epoch
 from ssdrbm_server import catalog
@@ -131,14 +136,21 @@ async def resolve(
 async def training_defaults(settings: Settings) -> pb.TrainingDefaults:
     """The table GetTrainingDefaults answers with: step sizes and a resolved minimal request."""
     table = pb.TrainingDefaults()
-    for entry in step_size_table():
-        table.step_sizes.add(
-            model=MODELS_BY_NAME[entry.model_kind],
-            variance=VARIANCES_BY_NAME.get(entry.variance, pb.VARIANCE_KIND_UNSPECIFIED),
-            optimizer=OPTIMIZERS_BY_NAME[entry.optimizer],
-            lr=entry.lr,
-            source=entry.source,
-        )
+    tables = (
+        (pb.STEP_RULE_PAPER, step_size_table()),
+        (pb.STEP_RULE_NORMALIZED, normalized_step_size_table()),
+    )
+    for rule, entries in tables:
+        for entry in entries:
+            by_rule = entry.optimizer in RULE_DEPENDENT_OPTIMIZERS
+            table.step_sizes.add(
+                model=MODELS_BY_NAME[entry.model_kind],
+                variance=VARIANCES_BY_NAME.get(entry.variance, pb.VARIANCE_KIND_UNSPECIFIED),
+                optimizer=OPTIMIZERS_BY_NAME[entry.optimizer],
+                lr=entry.lr,
+                source=entry.source,
+                step_rule=rule if by_rule else pb.STEP_RULE_UNSPECIFIED,
+            )
     minimal = pb.StartTrainingRequest(model=pb.ModelSpec(n_hidden=16))
     table.example.CopyFrom((await resolve(minimal, settings, _no_uploads)).spec)
     return table

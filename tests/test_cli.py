@@ -398,7 +398,8 @@ def test_defaults_and_dry_run_show_what_the_server_fills_in(service, capsys) -> 
         for e in table["step_sizes"]
         if (e["model"], e["variance"], e["optimizer"]) == ("gaussian", "diagonal", "ssd")
     ]
-    assert len(gaussian_ssd) == 1
+    assert len(gaussian_ssd) == 2  # one per SSD step rule
+    assert "step rule" in run_cli(capsys, *target, "defaults")[1]
     code, out, _ = run_cli(
         capsys, *target, "train", "--hidden", "4", "--model", "gaussian", "--dry-run", "--json"
     )

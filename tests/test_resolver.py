@@ -145,8 +145,9 @@ def test_explicit_zeros_are_kept() -> None:
 
 def test_training_defaults_table_covers_every_combination() -> None:
     table = asyncio.run(training_defaults(SETTINGS))
-    combos = {(e.model, e.variance, e.optimizer) for e in table.step_sizes}
-    assert len(combos) == len(table.step_sizes) == 4 + 4 * 4  # Bernoulli + 4 Gaussian variances
+    combos = {(e.model, e.variance, e.optimizer, e.step_rule) for e in table.step_sizes}
+    # Bernoulli + 4 Gaussian variances, then the normalized rule's two SSD optimizers of each
+    assert len(combos) == len(table.step_sizes) == (4 + 4 * 4) + (2 + 2 * 4)
     for entry in table.step_sizes:
         assert entry.lr > 0
     example = table.example

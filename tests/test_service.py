@@ -23,6 +23,7 @@ from safetensors.numpy import load as load_safetensors
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
+from ssdcore.step_sizes import default_lr
 from ssdrbm_server import serving
 from ssdrbm_server.store.records import JobState
 from tests.fixtures.redis import RedisServer
@@ -294,7 +295,21 @@ def test_validate_only_resolves_without_creating(service_factory) -> None:
         stub.StartTraining(request, timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     defaults = stub.GetTrainingDefaults(pb.GetTrainingDefaultsRequest(), timeout=10)
-    assert len(defaults.step_sizes) == 20 and defaults.example.optimizer.lr == spec.optimizer.lr
+    assert defaults.example.optimizer.lr == spec.optimizer.lr
+    # one entry per model, variance and optimizer for the paper rule, then the normalized
+    # rule's own SSD entries (SGD and Nesterov serve both rules: no rule named)
+    rules = [(entry.optimizer, entry.step_rule) for entry in defaults.step_sizes]
+    assert len(rules) == 20 + 10
+    assert rules.count((pb.OPTIMIZER_KIND_SSD, pb.STEP_RULE_NORMALIZED)) == 5
+    assert (pb.OPTIMIZER_KIND_SGD, pb.STEP_RULE_UNSPECIFIED) in rules
+    normalized = next(
+        entry.lr
+        for entry in defaults.step_sizes
+        if entry.model == pb.MODEL_KIND_BERNOULLI
+        and entry.optimizer == pb.OPTIMIZER_KIND_SSD
+        and entry.step_rule == pb.STEP_RULE_NORMALIZED
+    )
+    assert normalized == default_lr("bernoulli", "ssd", None, "normalized")
 
 
 def test_cancel_stops_a_running_job(module_service: RunningService) -> None:

@@ -75,6 +75,7 @@ class StepSizeDefault:
     optimizer: str
     lr: float
     source: str = ""  # the tuning the value comes from
+    step_rule: str | None = None  # SSD entries: "paper" or "normalized"; None: either rule
 
 
 @dataclass(frozen=True)
@@ -95,18 +96,24 @@ class TrainingDefaults:
                     or "",
                     lr=entry.lr,
                     source=entry.source,
+                    step_rule=enum_name(rbm_pb2.StepRule, "STEP_RULE_", entry.step_rule),
                 )
                 for entry in message.step_sizes
             ],
             example=json_format.MessageToDict(message.example, preserving_proto_field_name=True),
         )
 
-    def lr(self, model: str, optimizer: str, variance: str | None = None) -> float:
-        """The default step size of one combination (KeyError when the table lacks it)."""
+    def lr(
+        self, model: str, optimizer: str, variance: str | None = None, step_rule: str = "paper"
+    ) -> float:
+        """The default step size of one combination (KeyError when the table lacks it);
+        ``step_rule`` matters for the SSD optimizers only."""
+        wanted = (model, optimizer, variance)
         for entry in self.step_sizes:
-            if (entry.model, entry.optimizer, entry.variance) == (model, optimizer, variance):
+            same = (entry.model, entry.optimizer, entry.variance) == wanted
+            if same and entry.step_rule in (None, step_rule):
                 return entry.lr
-        raise KeyError((model, optimizer, variance))
+        raise KeyError((model, optimizer, variance, step_rule))
 
 
 def parse_schedule(text: str) -> dict[str, Any]:

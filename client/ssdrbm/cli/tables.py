@@ -108,10 +108,16 @@ def job_details(job: Job) -> str:
 def defaults_table(defaults: TrainingDefaults) -> str:
     """The server's default step sizes as a table, then every other default as spec lines."""
     rows = [
-        (entry.model, entry.variance or "-", entry.optimizer, f"{entry.lr:g}")
+        (
+            entry.model,
+            entry.variance or "-",
+            entry.optimizer,
+            entry.step_rule or "-",
+            f"{entry.lr:g}",
+        )
         for entry in defaults.step_sizes
     ]
-    table = render_table(("model", "variance", "optimizer", "lr"), rows)
+    table = render_table(("model", "variance", "optimizer", "step rule", "lr"), rows)
     lines = ["default step sizes (--lr):", *("  " + line for line in table.splitlines())]
     lines.append("other defaults (a request giving only --hidden 16, as the server resolves it):")
     pairs = [(key, value) for key, value in flatten_spec(defaults.example) if key != "request_id"]

@@ -668,18 +668,20 @@ class GetTrainingDefaultsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StepSizeDefault(_message.Message):
-    __slots__ = ("model", "variance", "optimizer", "lr", "source")
+    __slots__ = ("model", "variance", "optimizer", "lr", "source", "step_rule")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VARIANCE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_RULE_FIELD_NUMBER: _ClassVar[int]
     model: ModelKind
     variance: VarianceKind
     optimizer: OptimizerKind
     lr: float
     source: str
-    def __init__(self, model: _Optional[_Union[ModelKind, str]] = ..., variance: _Optional[_Union[VarianceKind, str]] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+    step_rule: StepRule
+    def __init__(self, model: _Optional[_Union[ModelKind, str]] = ..., variance: _Optional[_Union[VarianceKind, str]] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., source: _Optional[str] = ..., step_rule: _Optional[_Union[StepRule, str]] = ...) -> None: ...
 
 class TrainingDefaults(_message.Message):
     __slots__ = ("step_sizes", "example")
