@@ -208,11 +208,11 @@ def test_cosine_without_horizon_is_refused_by_the_trainer(data) -> None:
         make_trainer(data, OptimizerConfig("ssd", lr=3e-3, schedule=Schedule("cosine")))
 
 
-def test_packs_refuse_schedules() -> None:
+def test_a_schedule_does_not_change_the_pack_key() -> None:
+    """Packs run each run's own schedule (tests/test_pack_rules.py has the trajectories)."""
     config = OptimizerConfig("ssd", lr=3e-3, schedule=Schedule("exponential"))
     model = BernoulliRBM(N_VISIBLE, N_HIDDEN).config()
-    with pytest.raises(ValueError, match="solo Trainer"):
-        pack_key(model, config)
+    assert pack_key(model, config) == pack_key(model, OptimizerConfig("ssd", lr=3e-3))
 
 
 # --- through the service -------------------------------------------------------------------------

@@ -188,7 +188,8 @@ def test_hybrid_ssd_on_w_sgd_on_biases() -> None:
     assert groups["b"]["lr"] == default_lr("bernoulli", "sgd")
 
 
-def test_packs_refuse_the_normalized_rule() -> None:
+def test_packs_keep_the_two_rules_apart() -> None:
+    """Packs run the normalized rule (tests/test_pack_rules.py), never beside the paper rule."""
     config = OptimizerConfig("ssd", lr=0.1, step_rule="normalized")
-    with pytest.raises(ValueError, match="solo Trainer"):
-        pack_key(BernoulliRBM(8, 5).config(), config)
+    model = BernoulliRBM(8, 5).config()
+    assert pack_key(model, config) != pack_key(model, OptimizerConfig("ssd", lr=0.1))

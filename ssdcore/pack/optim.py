@@ -1,11 +1,13 @@
-"""Per-run optimizer steps for a pack: SGD, Nesterov, SSD and the per-parameter hybrids.
+"""Per-run optimizer steps for a pack: SGD, Nesterov, SSD (both step rules) and the hybrids.
 
 Each run's optimizer is whatever :func:`ssdcore.optim.build_optimizer` makes of its
 :class:`~ssdcore.optim.OptimizerConfig`: the pack reads the parameter groups it would build (the
 one place that turns a config into per-parameter settings) and takes the same steps with a
-leading run dimension. Runs may differ in step size, momentum and weight decay; the *rule* of
-each parameter (:class:`ParameterRule`: Euclidean with or without Nesterov, or spectral with its
-polar method) must be the same for every run in a pack — it decides which batched kernels run.
+leading run dimension. Runs may differ in step size, momentum, weight decay and step-size
+schedule (each run's step size is base × its schedule's factor at its own step × its backoff
+scale, the solo Trainer's expression); the *rule* of each parameter (:class:`ParameterRule`:
+Euclidean with or without Nesterov, or spectral with its polar method and step rule) must be the
+same for every run in a pack — it decides which batched kernels run.
 
 Every update reproduces the solo optimizer's floating-point operations run by run (per-run
 scalars become (M, 1, 1) tensors in the same ``addcmul`` / ``mul`` / ``addmm`` forms), so on the
@@ -13,6 +15,8 @@ CPU a packed run's parameters are its solo parameters bit for bit (``tests/test_
 one exception is the step of a matrix whose polar factor is exact and fused into an ``addmm``
 with the run's step size as ``alpha``: BLAS applies ``alpha`` inside the product, which no
 batched call with per-run step sizes reproduces, so that update runs as one ``addmm`` per run.
+So does the ``‖G‖_F²`` of the normalized rule's step length for a matrix: a batched sum splits a
+large run's reduction across threads differently from the solo sum (:func:`_frobenius_squared`).
 
 Not supported in a pack (ValueError naming the setting): ``ssd-preconditioned``, the
 ``randomized`` polar method, and ``max_spectral_norm`` — the solo trainer runs those.
@@ -28,6 +32,8 @@ from torch import Tensor
 
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer
+from ssdcore.optim.ssd import FACTORED_METHODS
+from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, frobenius_squared
 from ssdcore.pack.aligned import stacked_empty
 from ssdcore.pack.polar import (
     packed_gram_factors,
@@ -47,6 +53,7 @@ class ParameterRule:
     geometry: str  # "euclidean" | "spectral"
     nesterov: bool = False  # euclidean
     method: str = ""  # spectral matrices: lowrank | svd | newton-schulz ("" for vectors)
+    step_rule: str = DEFAULT_STEP_RULE  # spectral: paper | normalized (ssdcore.optim.step_rules)
 
 
 @dataclass(frozen=True)
@@ -60,11 +67,6 @@ class RunSettings:
 
 def parameter_groups(config: OptimizerConfig, n_visible: int, n_hidden: int, device) -> dict:
     """``{name: group}`` of the optimizer the solo trainer would build for ``config``."""
-    if config.step_rule != "paper" or not config.schedule.is_constant:
-        raise ValueError(
-            "OptimizerConfig.step_rule 'normalized' and step-size schedules are not supported "
-            "in a pack; train this run with the solo Trainer"
-        )
     template = BernoulliRBM(n_visible, n_hidden, init_std=0.0, device=device)
     optimizer = build_optimizer(template, config)
     return {group["name"]: group for group in optimizer.param_groups}
@@ -87,20 +89,28 @@ def rule_and_settings(name: str, group: dict[str, Any]) -> tuple[ParameterRule, 
     )
     if group.get("geometry", "euclidean") == "euclidean":
         return ParameterRule("euclidean", nesterov=bool(group["nesterov"])), settings
+    step_rule = group["step_rule"]
     if name != "W":
-        return ParameterRule("spectral"), settings
+        return ParameterRule("spectral", step_rule=step_rule), settings
     if group["method"] not in PACKED_POLAR_METHODS:
         raise ValueError(
             f"OptimizerConfig.method {group['method']!r} is not supported in a pack; choose one "
             f"of {PACKED_POLAR_METHODS}"
         )
-    return ParameterRule("spectral", method=group["method"]), settings
+    return ParameterRule("spectral", method=group["method"], step_rule=step_rule), settings
 
 
 def needs_dense_weight_gradient(rule: ParameterRule, shape: tuple[int, int], rank: int) -> bool:
     """Whether W's step reads the dense gradient (as :meth:`ssdcore.optim.SSD.needs_dense_gradient`:
     only Newton–Schulz in factor space, with factors thinner than W, does without it here)."""
     return not (rule.method == "newton-schulz" and rank < min(shape))
+
+
+def solo_has_only_factors(rule: ParameterRule, shape: tuple[int, int], rank: int) -> bool:
+    """Whether the solo SSD gets W's gradient as factors only (its estimator skips the dense
+    product: :meth:`ssdcore.optim.SSD.needs_dense_gradient`), so that the normalized rule takes
+    ``‖G‖_F`` from the factors — the pack does the same, dense gradient or not."""
+    return rule.method in FACTORED_METHODS and rank < min(shape)
 
 
 class PackedOptimizer:
@@ -124,6 +134,8 @@ class PackedOptimizer:
         self.settings = settings
         self.device = device
         self.lr_scales = [1.0] * len(settings)
+        # Each run's schedule factor at its current step (1 for a constant schedule).
+        self.schedule_factors = [1.0] * len(settings)
         n = len(settings)
         # Momentum buffers (zero until a run's first step: 0·m + g is g, as the solo clone).
         self.momentum_buffers = {
@@ -137,12 +149,20 @@ class PackedOptimizer:
     # --- per-run numbers ------------------------------------------------------------------
 
     def lr(self, run: int, name: str) -> float:
-        """Run ``run``'s current step size for parameter ``name`` (base × its scale)."""
-        return self.settings[run][name].lr * self.lr_scales[run]
+        """Run ``run``'s current step size for parameter ``name``: base × (schedule factor ×
+        backoff scale), the solo Trainer's float operations in its order (``_step_factor``)."""
+        return self.settings[run][name].lr * (self.schedule_factors[run] * self.lr_scales[run])
 
     def set_lr_scale(self, run: int, scale: float) -> None:
         self.lr_scales[run] = float(scale)
         self._refresh()
+
+    def set_schedule_factors(self, factors: list[float]) -> None:
+        """Every run's schedule factor for the coming step; the per-run columns are rebuilt only
+        when some factor changed."""
+        if factors != self.schedule_factors:
+            self.schedule_factors = list(factors)
+            self._refresh()
 
     def set_run(self, run: int, settings: dict[str, RunSettings], lr_scale: float) -> None:
         """Give slot ``run`` another run's settings (same rules) and forget its buffers."""
@@ -202,7 +222,7 @@ class PackedOptimizer:
             elif parameter.ndim == 3:
                 self._spectral_matrix_(name, parameter, grad, weight_factors, rule)
             else:
-                self._linf_(name, parameter, grad)
+                self._linf_(name, parameter, grad, rule.step_rule)
 
     def _euclidean_(self, name: str, parameter: Tensor, grad: Tensor, rule: ParameterRule) -> None:
         momenta = [run[name].momentum for run in self.settings]
@@ -230,18 +250,43 @@ class PackedOptimizer:
     ) -> None:
         if rule.method == "newton-schulz" and grad is None:
             assert factors is not None
-            self._apply_factored_(name, parameter, *packed_newton_schulz_factors(*factors))
+            left, right, nuclear_norm = packed_newton_schulz_factors(*factors)
+            length = self._spectral_length(rule, nuclear_norm, grad, factors, parameter.shape)
+            self._apply_factored_(name, parameter, left, right, length)
             return
         assert grad is not None
         if rule.method == "lowrank":
-            self._apply_factored_(name, parameter, *packed_gram_factors(grad))
+            left, right, nuclear_norm = packed_gram_factors(grad)
+            length = self._spectral_length(rule, nuclear_norm, grad, factors, parameter.shape)
+            self._apply_factored_(name, parameter, left, right, length)
             return
         if rule.method == "svd":
             direction, nuclear_norm = packed_svd(grad)
         else:
             direction, nuclear_norm = packed_newton_schulz(grad)
-        # solo: p.addcmul_(direction, ‖σ‖₁, value=-lr) = p + ((-lr)·direction)·‖σ‖₁
-        parameter.addcmul_(direction * self._neg_lr[name], nuclear_norm.view(-1, 1, 1))
+        length = self._spectral_length(rule, nuclear_norm, grad, factors, parameter.shape)
+        # solo: p.addcmul_(direction, length, value=-lr) = p + ((-lr)·direction)·length
+        parameter.addcmul_(direction * self._neg_lr[name], length.view(-1, 1, 1))
+
+    @staticmethod
+    def _spectral_length(
+        rule: ParameterRule,
+        nuclear_norm: Tensor,
+        grad: Tensor | None,
+        factors: tuple[Tensor, Tensor] | None,
+        stacked_shape: torch.Size,
+    ) -> Tensor:
+        """(M,) factor on each run's ``-lr·D``: ``‖σ‖₁`` (paper) or ``‖G‖_F / √k``
+        (normalized), as :func:`ssdcore.optim.step_rules.spectral_length` computes it for the
+        solo step: k = min(m, n, r) with the factors' rank r (the solo SSD always has the CD
+        factors), ``‖G‖_F²`` from the factors where the solo step has nothing else."""
+        if rule.step_rule == "paper":
+            return nuclear_norm
+        shape = (stacked_shape[-2], stacked_shape[-1])
+        rank = factors[0].shape[-1] if factors is not None else min(shape)
+        use_factors = grad is None or solo_has_only_factors(rule, shape, rank)
+        squared = _frobenius_squared(None if use_factors else grad, factors, len(nuclear_norm))
+        return (squared.to(nuclear_norm.dtype) / min(*shape, rank)).sqrt()
 
     def _apply_factored_(
         self, name: str, parameter: Tensor, left: Tensor, right: Tensor, nuclear_norm: Tensor
@@ -251,11 +296,18 @@ class PackedOptimizer:
         for run, lr in enumerate(self._lrs[name]):
             parameter[run].addmm_(left[run], scaled[run], alpha=-lr)
 
-    def _linf_(self, name: str, parameter: Tensor, grad: Tensor) -> None:
-        """l∞ step ``x -= lr ‖g‖₁ sign(g)``; ``(-lr)·sign`` is exact, so this is the solo
-        ``addcmul_(sign, ‖g‖₁, value=-lr)`` to the bit."""
-        norm = torch.linalg.vector_norm(grad, 1, dim=-1, keepdim=True)
-        parameter.addcmul_(torch.sign(grad).mul_(self._neg_lr[name]), norm)
+    def _linf_(self, name: str, parameter: Tensor, grad: Tensor, step_rule: str) -> None:
+        """l∞ step ``x -= lr·length·sign(g)``; ``(-lr)·sign`` is exact, so this is the solo
+        ``addcmul_(sign, length, value=-lr)`` to the bit. The per-run reductions over a
+        vector are the solo ones: a row of a bias is far below the size at which torch splits
+        one reduction across threads."""
+        if step_rule == "paper":
+            length = torch.linalg.vector_norm(grad, 1, dim=-1, keepdim=True)
+        else:  # ssdcore.optim.step_rules.linf_length, per run
+            nonzero = torch.count_nonzero(grad, dim=-1).to(grad.dtype).clamp_min(1)
+            norm = torch.linalg.vector_norm(grad, dim=-1, keepdim=True)
+            length = norm / nonzero.sqrt().unsqueeze(-1)
+        parameter.addcmul_(torch.sign(grad).mul_(self._neg_lr[name]), length)
 
     # --- state ----------------------------------------------------------------------------
 
@@ -279,3 +331,17 @@ class PackedOptimizer:
     def reset_run_buffers(self, run: int) -> None:
         """Zero run ``run``'s buffers (a diverged run's may hold NaN)."""
         self.load_run_buffers(run, {})
+
+
+def _frobenius_squared(
+    grad: Tensor | None, factors: tuple[Tensor, Tensor] | None, n_runs: int
+) -> Tensor:
+    """(M,) ``‖G_i‖_F²`` by the solo :func:`~ssdcore.optim.step_rules.frobenius_squared`, one
+    run at a time: torch splits a large full reduction across threads in its own way (a
+    batched ``sum(dim=(-2, -1))`` of a 784×64 gradient differs in the last bit on two threads),
+    and the factor route's float64 products are small."""
+    if grad is not None:
+        return torch.stack([frobenius_squared(grad[run], None) for run in range(n_runs)])
+    assert factors is not None
+    left, right = factors
+    return torch.stack([frobenius_squared(None, (left[run], right[run])) for run in range(n_runs)])

@@ -9,6 +9,11 @@ step's Gibbs sweeps, gradients and updates as batched products. What holds run b
   kernel computes each run's slice as the solo kernel does. On the CPU a packed run's
   trajectory is its solo trajectory bit for bit, whatever else shares the pack
   (``tests/test_pack.py``); on CUDA, within float32 rounding (see ``docs/ARCHITECTURE.md``).
+- *Schedules are per run.* Each run follows its own step-size schedule
+  (:mod:`ssdcore.schedules`) at its own step count — a run resumed at step k joins a pack
+  mid-schedule — with the step size the solo Trainer would use: base × factor(step) × backoff
+  scale, the same float operations. A pack with any non-constant schedule is not CUDA-graphed
+  (as a solo scheduled run is not).
 - *Divergence is per run.* After every ``check_every`` steps one reduction per run checks that
   its parameters are finite (one host sync for the pack). A run that fails is put back to its
   last finite parameters and frozen — it stops moving and counting steps — and a
@@ -50,6 +55,7 @@ from ssdcore.pack.order import RunOrder, gather_batches
 from ssdcore.pack.random import PackedRandom
 from ssdcore.pack.state import RunState
 from ssdcore.sampling import RandomSource, restore_generator
+from ssdcore.schedules import Schedule
 from ssdcore.training import (
     _ESTIMATOR_SEED_OFFSET,
     DEFAULT_BATCH_SIZE,
@@ -131,6 +137,16 @@ def pack_key(
     )
 
 
+def _checked_schedule(config: OptimizerConfig, run: int) -> Schedule:
+    """The run's schedule; a cosine without its horizon is refused, as the Trainer refuses it."""
+    if config.schedule.needs_horizon:
+        raise ValueError(
+            f"runs[{run}].optimizer.schedule: a cosine schedule needs its horizon (steps to "
+            "reach the floor); set it, or use Schedule.for_run(total_steps)"
+        )
+    return config.schedule
+
+
 class TrainingPack:
     """Trains M Bernoulli RBMs of one shape together on one (N, V) data set.
 
@@ -192,6 +208,9 @@ class TrainingPack:
         self.model_configs = [run.model.config() for run in runs]
         self.configs = [resolve_for(run.model, _config(run.optimizer)) for run in runs]
         self.seeds = [int(run.seed) for run in runs]
+        self.schedules = [
+            _checked_schedule(config, index) for index, config in enumerate(self.configs)
+        ]
         rules, settings = self._rules_of_runs()
         self.rules = rules
         with torch.no_grad():
@@ -229,6 +248,7 @@ class TrainingPack:
         self._pack_steps = 0
         self._last_good = {name: stacked_copy(t) for name, t in self.parameters.items()}
         self._last_good_steps = [0] * self.n_runs
+        self._scheduled = any(not schedule.is_constant for schedule in self.schedules)
         self.cuda_graph = self._resolve_cuda_graph(cuda_graph)
         self._graphed_step: GraphedStep | None = None
 
@@ -262,6 +282,8 @@ class TrainingPack:
             obstacle = f"the pack is on {self.device}, not a CUDA device"
         elif not capturable:
             obstacle = "exact polar steps synchronize with the host (use newton-schulz)"
+        elif self._scheduled:
+            obstacle = "a step-size schedule changes the step sizes every step"
         if requested and obstacle:
             raise ValueError(f"cuda_graph=True but the step cannot be captured: {obstacle}")
         return obstacle is None
@@ -298,6 +320,8 @@ class TrainingPack:
         try:
             for _ in range(n):
                 gather_batches(self.orders, self.train_data, self._batch)
+                if self._scheduled:
+                    self._apply_schedules()
                 self._run_step()
                 if frozen:
                     self._hold_frozen(frozen)
@@ -387,15 +411,22 @@ class TrainingPack:
     # --- step sizes -------------------------------------------------------------------------
 
     def lr(self, run: int) -> float:
-        """Run ``run``'s step size: its configuration's ``lr`` × its ``lr_scale``."""
-        return float(self.configs[run].lr) * self.optimizer.lr_scales[run]
+        """Run ``run``'s step size now: its configuration's ``lr`` × its schedule's factor at its
+        step × its ``lr_scale`` (:attr:`Trainer.lr`'s expression)."""
+        factor = self.schedules[run].factor(self.step_counts[run])
+        return float(self.configs[run].lr) * (factor * self.optimizer.lr_scales[run])
+
+    def _apply_schedules(self) -> None:
+        """Every run's schedule factor at its own step, for the step about to be taken."""
+        factors = [s.factor(step) for s, step in zip(self.schedules, self.step_counts, strict=True)]
+        self.optimizer.set_schedule_factors(factors)
 
     def lr_scale(self, run: int) -> float:
         return self.optimizer.lr_scales[run]
 
     def set_lr_scale(self, run: int, scale: float) -> None:
-        """Every step size of run ``run`` = its configured value × ``scale`` (absolute, as
-        :meth:`Trainer.set_lr_scale`)."""
+        """Every step size of run ``run`` = its configured value × ``scale`` (× its schedule's
+        factor at its step; absolute, as :meth:`Trainer.set_lr_scale`)."""
         self._check_run(run)
         if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
@@ -462,6 +493,7 @@ class TrainingPack:
                 f"the run's optimizer updates its parameters as {rules}, this pack's runs as "
                 f"{self.rules}; put it in a pack with its pack_key"
             )
+        schedule = _checked_schedule(state.optimizer, run)
         if state.permutation.shape != (self.train_data.shape[0],):
             raise ValueError(
                 f"the run's data order covers {state.permutation.shape[0]} examples but the "
@@ -472,6 +504,7 @@ class TrainingPack:
                 parameter[run].copy_(state.parameters[name])
                 self._last_good[name][run].copy_(state.parameters[name])
         self.configs[run], self.seeds[run] = state.optimizer, int(state.seed)
+        self.schedules[run] = schedule
         self.model_configs[run] = dict(config)
         self.optimizer.set_run(run, settings, state.lr_scale)
         self.optimizer.load_run_buffers(
@@ -493,4 +526,9 @@ class TrainingPack:
         self._last_good_steps[run] = int(state.step)
         self.wall_times[run] = float(state.wall_time_s)
         self.active[run] = True
+        self._scheduled = any(not s.is_constant for s in self.schedules)
+        self._apply_schedules()  # also puts a constant run's factor back to 1
+        if self.cuda_graph and self._scheduled:
+            logger.info("pack: run %d has a step-size schedule; the pack runs uncaptured", run)
+            self.cuda_graph = False
         self._graphed_step = None
