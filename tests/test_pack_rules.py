@@ -34,6 +34,9 @@ from ssdcore.pack import (
 from ssdcore.schedules import Schedule
 from ssdrbm_server.packing import NOT_PACKABLE
 from ssdrbm_server.resolver import resolve
+from ssdrbm_server.store import JobState
+from ssdrbm_server.worker.pack_child import packed_summary
+from tests.test_packed_worker import PackHarness, run_queued, summary
 from tests.test_worker import SETTINGS, spec
 
 
@@ -295,3 +298,53 @@ def test_normalized_scheduled_jobs_share_a_pack_key_and_paper_jobs_do_not():
     paper = _job_key(job(0.1, rbm_pb2.SCHEDULE_KIND_COSINE, rbm_pb2.STEP_RULE_PAPER))
     assert NOT_PACKABLE not in (cosine, inverse, paper)
     assert cosine == inverse != paper
+
+
+def test_normalized_scheduled_jobs_train_as_one_pack_each_equal_to_its_solo_job(redis_url):
+    """Three SSD jobs of the normalized rule with their own step sizes and schedules, queued
+    together: one worker trains them as one pack; each job's metric events (the lr in effect
+    included) and final parameters equal the same job trained alone (SSDRBM_MAX_PACK_SIZE=1)."""
+    requests = []
+    for lr, kind in (
+        (0.1, rbm_pb2.SCHEDULE_KIND_COSINE),
+        (0.2, rbm_pb2.SCHEDULE_KIND_INVERSE_TIME),
+        (0.05, rbm_pb2.SCHEDULE_KIND_CONSTANT),
+    ):
+        request = spec(steps=40, lr=lr)
+        request.optimizer.step_rule = rbm_pb2.STEP_RULE_NORMALIZED
+        request.optimizer.schedule.kind = kind
+        request.optimizer.schedule.decay_steps = 10
+        requests.append(request)
+    results: dict[str, list] = {}
+
+    def collect(label: str):
+        async def scenario(h: PackHarness, job_ids: list[str], worker) -> None:
+            records = [await h.wait_done(job_id) for job_id in job_ids]
+            assert all(r.state is JobState.SUCCEEDED for r in records), [r.error for r in records]
+            results[label] = [
+                (
+                    summary(record),
+                    [
+                        rbm_pb2.Metrics.FromString(data)
+                        for kind, data, _ in await h.events_of(record.id)
+                        if kind == "metrics"
+                    ],
+                    await h.final_parameters(record.id),
+                )
+                for record in records
+            ]
+
+        return scenario
+
+    run_queued(redis_url, requests, collect("packed"), max_pack_size=8)
+    run_queued(redis_url, requests, collect("solo"), max_pack_size=1)
+    lrs = []
+    for packed_run, solo_run in zip(results["packed"], results["solo"], strict=True):
+        assert packed_run[0].endswith(packed_summary(3)) and "packed" not in solo_run[0]
+        assert [(m.step, m.lr, m.reconstruction_error) for m in packed_run[1]] == [
+            (m.step, m.lr, m.reconstruction_error) for m in solo_run[1]
+        ]
+        lrs.append([m.lr for m in packed_run[1]])
+        for name, value in packed_run[2].items():
+            assert torch.equal(value, solo_run[2][name]), name
+    assert lrs[0][-1] < lrs[0][0] and lrs[1][-1] < lrs[1][0] and len(set(lrs[2])) == 1
