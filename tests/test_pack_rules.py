@@ -20,6 +20,8 @@ from ssdrbm.v1 import rbm_pb2
 from ssdcore import BernoulliRBM, OptimizerConfig, Trainer
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.data import synthetic_rbm_data
+from ssdcore.optim.polar import polar_newton_schulz
+from ssdcore.optim.step_rules import spectral_length
 from ssdcore.pack import (
     PackRun,
     TrainingPack,
@@ -31,6 +33,9 @@ from ssdcore.pack import (
     run_to_bytes,
     run_to_trainer,
 )
+from ssdcore.pack.aligned import stacked_copy
+from ssdcore.pack.optim import PackedOptimizer, ParameterRule
+from ssdcore.pack.polar import packed_newton_schulz
 from ssdcore.schedules import Schedule
 from ssdrbm_server.packing import NOT_PACKABLE
 from ssdrbm_server.resolver import resolve
@@ -167,6 +172,42 @@ def test_normalized_hybrids_packed_equal_solo(data, config):
     pack.train_steps(STEPS)
     for run, seed in enumerate((3, 4)):
         assert_equal_to_solo(pack, run, trainer(data, config, seed, steps=STEPS))
+
+
+def test_the_normalized_length_of_a_large_matrix_is_the_solo_one_on_two_threads():
+    """A batched ``sum(dim=(-2, -1))`` over a 784×64 gradient splits each run's reduction across
+    threads unlike the solo full sum; the pack sums run by run, so the normalized length and the
+    Newton–Schulz norms are the solo ones."""
+    generator = torch.Generator().manual_seed(0)
+    grads = torch.randn(4, 784, 64, generator=generator)
+    factors = (
+        torch.randn(4, 784, 20, generator=generator),
+        torch.randn(4, 20, 64, generator=generator),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for method in ("svd", "newton-schulz"):
+            rule = ParameterRule("spectral", method=method, step_rule="normalized")
+            grad = None if method == "newton-schulz" else grads
+            nuclear = torch.ones(4)
+            packed_length = PackedOptimizer._spectral_length(
+                rule, nuclear, grad, factors, grads.shape
+            )
+            for run in range(4):
+                solo_factors = (factors[0][run].clone(), factors[1][run].clone())
+                solo_grad = None if grad is None else grads[run].clone()
+                solo = spectral_length(
+                    nuclear[run], "normalized", solo_grad, solo_factors, (784, 64)
+                )
+                assert torch.equal(packed_length[run], solo), (method, run)
+        direction, nuclear = packed_newton_schulz(stacked_copy(grads))
+        for run in range(4):
+            solo_polar = polar_newton_schulz(grads[run].clone())
+            assert torch.equal(direction[run], solo_polar.direction)
+            assert torch.equal(nuclear[run], solo_polar.nuclear_norm)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --- schedules -------------------------------------------------------------------------------

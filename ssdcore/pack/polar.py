@@ -88,13 +88,17 @@ def packed_newton_schulz(
     (:func:`~ssdcore.optim.polar.polar_newton_schulz`), on the short side's Gram matrix."""
     transposed = grad.shape[-2] > grad.shape[-1]
     x = grad.mT if transposed else grad
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    runs = range(grad.shape[0])
+    # Both full reductions run per run: torch splits one large reduction across threads in
+    # its own way, so a batched sum over (-2, -1) of a 784×64 matrix differs from the solo sum
+    # in the last bit on two threads (tests/test_pack_rules.py).
+    norm = torch.stack([torch.linalg.vector_norm(x[run]) for run in runs]).view(-1, 1, 1)
     x = x / norm.clamp_min(torch.finfo(grad.dtype).tiny)
     for a, b, c in _coefficients(fast_steps, polish_steps):
         gram = bmm(x, x.mT)
         x = baddbmm(x, baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     direction = x.mT if transposed else x
-    return direction, (grad * direction).sum(dim=(-2, -1))
+    return direction, torch.stack([(grad[run] * direction[run]).sum() for run in runs])
 
 
 def packed_newton_schulz_factors(
