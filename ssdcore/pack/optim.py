@@ -289,10 +289,11 @@ class PackedOptimizer:
         return (squared.to(nuclear_norm.dtype) / min(*shape, rank)).sqrt()
 
     def _apply_factored_(
-        self, name: str, parameter: Tensor, left: Tensor, right: Tensor, nuclear_norm: Tensor
+        self, name: str, parameter: Tensor, left: Tensor, right: Tensor, length: Tensor
     ) -> None:
-        """``W_i -= lr_i ‖σ_i‖₁ left_i right_i`` as the solo ``addmm`` with ``alpha = -lr_i``."""
-        scaled = right * nuclear_norm.view(-1, 1, 1)
+        """``W_i -= lr_i length_i left_i right_i`` as the solo ``addmm`` with ``alpha = -lr_i``
+        (``length`` the step rule's: ``‖σ_i‖₁`` for the paper rule)."""
+        scaled = right * length.view(-1, 1, 1)
         for run, lr in enumerate(self._lrs[name]):
             parameter[run].addmm_(left[run], scaled[run], alpha=-lr)
 
