@@ -162,13 +162,11 @@ def run_spec(method: Method, config: Config, seed: int) -> RunSpec:
 # Judging the targets
 
 
-def mean_curves(results: Sequence[RunResult]) -> dict[str, dict[int, float]]:
-    """label -> step -> test log-likelihood averaged over the seeds that reached the step."""
+def mean_curves(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """label -> step -> test log-likelihood averaged over the seeds (rows as ``run_rows``)."""
     by_label: dict[str, dict[int, list[float]]] = {}
-    for result in results:
-        steps, values = result.series("test_ll")
-        for step, value in zip(steps, values, strict=True):
-            by_label.setdefault(result.label, {}).setdefault(step, []).append(value)
+    for row in rows:
+        by_label.setdefault(row["run"], {}).setdefault(row["step"], []).append(row["test_ll"])
     return {
         label: {step: statistics.fmean(v) for step, v in sorted(points.items())}
         for label, points in by_label.items()
@@ -248,12 +246,21 @@ def ll_figure(
     curves: dict[str, dict[int, float]], methods_: Sequence[Method], ceiling: float, path: Path
 ) -> Path:
     figure, axis = plt.subplots(figsize=(8, 5))
-    for method in methods_:
+    colors = plt.get_cmap("tab20").colors  # one color per configuration (more than ten)
+    for index, method in enumerate(methods_):
         curve = curves.get(method.label)
         if not curve:
             continue
         style = "-" if method.family == SSD_FAMILY else "--"
-        axis.plot(list(curve), list(curve.values()), style, marker="o", ms=3, label=method.label)
+        axis.plot(
+            list(curve),
+            list(curve.values()),
+            style,
+            color=colors[2 * index % 20 + index // 10],
+            marker="o",
+            ms=3,
+            label=method.label,
+        )
     axis.axhline(ceiling, color="k", lw=0.8, label=f"generating RBM ({ceiling:.2f})")
     axis.set_xscale("log")
     values = [v for c in curves.values() for v in c.values()]
@@ -276,7 +283,7 @@ def write_outputs(
     common.write_table(rows, directory, "runs")
     summary = summary_rows(results, methods_, config)
     common.write_table(summary, directory, "summary")
-    curves = mean_curves(results)
+    curves = mean_curves(rows)
     outputs: dict[str, Any] = {"runs": rows, "summary": summary}
     if {m.label for m in methods_} <= set(curves):  # every configuration ran: judge
         targets = judge(methods_, curves, config, ceiling)
@@ -284,6 +291,15 @@ def write_outputs(
         outputs["targets"] = targets
     ll_figure(curves, methods_, ceiling, directory / "ll.png")
     return outputs
+
+
+def redraw(directory: Path, config: Config = FULL) -> Path:
+    """Redraws ``ll.png`` from a finished invocation's ``runs.json`` and ``targets.json``."""
+    curves = mean_curves(json.loads((directory / "runs.json").read_text()))
+    ceiling = json.loads((directory / "targets.json").read_text())["generator_ll"]
+    return ll_figure(
+        curves, methods(config, common.load_step_sizes()), ceiling, directory / "ll.png"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
