@@ -390,8 +390,8 @@ def test_a_run_that_does_not_fit_is_refused_with_the_reason(data):
         insert_trainer(pack, 0, Trainer(model(1), data, optimizer=CONFIGS["ssd"], batch_size=BATCH))
     with pytest.raises(ValueError, match="one shape"):
         TrainingPack([PackRun(model(0)), PackRun(model(1, n_hidden=9))], data)
-    with pytest.raises(ValueError, match="BernoulliRBM"):
-        TrainingPack([PackRun(GaussianRBM(V, H))], data)
+    with pytest.raises(ValueError, match="variance='full' cannot be packed"):
+        TrainingPack([PackRun(GaussianRBM(V, H, "full"))], data)
     with pytest.raises(ValueError, match="max_spectral_norm"):
         TrainingPack([PackRun(model(0), OptimizerConfig("ssd", max_spectral_norm=1.0))], data)
 
@@ -405,7 +405,7 @@ def test_pack_key_groups_compatible_runs():
     assert pack_key(config, "sgd") != pack_key(config, "nesterov")
     assert pack_key(config, "ssd") != pack_key(config, "ssd", cd_k=2)
     with pytest.raises(ValueError, match="cannot be packed"):
-        pack_key(GaussianRBM(V, H).config(), "ssd")
+        pack_key(GaussianRBM(V, H, "full").config(), "ssd")
     with pytest.raises(ValueError, match="ssd-preconditioned"):
         pack_key(config, "ssd-preconditioned")
 

@@ -1,4 +1,5 @@
-"""Packed training: M Bernoulli RBMs of one shape trained as one batched computation.
+"""Packed training: M RBMs of one kind and shape trained as one batched computation
+(Bernoulli, or Gaussian of one variance form: :mod:`ssdcore.pack.models`).
 
 See :mod:`ssdcore.pack.pack` for what holds run by run, and docs/ARCHITECTURE.md for the API.
 """

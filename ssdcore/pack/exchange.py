@@ -21,6 +21,8 @@ from torch import Tensor
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.factory import model_from_config
+from ssdcore.models.gaussian import GaussianRBM
+from ssdcore.pack.models import parameter_names
 from ssdcore.pack.state import RunState
 from ssdcore.training import Trainer
 
@@ -92,7 +94,8 @@ def trainer_to_run_state(trainer: Trainer) -> RunState:
     return RunState(
         model_config=trainer.model.config(),
         parameters={
-            name: getattr(trainer.model, name).detach().clone() for name in ("W", "b", "a")
+            name: getattr(trainer.model, name).detach().clone()
+            for name in parameter_names(trainer.model.config())
         },
         optimizer=trainer.optimizer_config,
         seed=trainer.seed,
@@ -112,8 +115,11 @@ def trainer_to_run_state(trainer: Trainer) -> RunState:
 def insert_trainer(pack: TrainingPack, run: int, trainer: Trainer) -> None:
     """Put a solo Trainer's run into pack slot ``run``; ValueError names what does not fit."""
     model = trainer.model
-    if type(model) is not BernoulliRBM:
-        raise ValueError(f"the trainer's model is a {type(model).__name__}; packs hold BRBMs")
+    if type(model) not in (BernoulliRBM, GaussianRBM):
+        raise ValueError(
+            f"the trainer's model is a {type(model).__name__}; packs hold BernoulliRBM and "
+            "GaussianRBM models"
+        )
     mismatches = [
         f"{what} {theirs!r} (pack: {ours!r})"
         for what, theirs, ours in (

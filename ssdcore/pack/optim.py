@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ssdcore.models.bernoulli import BernoulliRBM
+from ssdcore.models.base import RBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer
 from ssdcore.optim.ssd import FACTORED_METHODS
 from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, frobenius_squared
@@ -42,7 +42,6 @@ from ssdcore.pack.polar import (
     packed_svd,
 )
 
-PARAMETER_NAMES = ("W", "b", "a")
 PACKED_POLAR_METHODS = ("lowrank", "svd", "newton-schulz")
 
 
@@ -65,9 +64,9 @@ class RunSettings:
     weight_decay: float
 
 
-def parameter_groups(config: OptimizerConfig, n_visible: int, n_hidden: int, device) -> dict:
-    """``{name: group}`` of the optimizer the solo trainer would build for ``config``."""
-    template = BernoulliRBM(n_visible, n_hidden, init_std=0.0, device=device)
+def parameter_groups(config: OptimizerConfig, template: RBM) -> dict:
+    """``{name: group}`` of the optimizer the solo trainer would build for ``config`` on a
+    model like ``template`` (its kind, variance form, shape and device)."""
     optimizer = build_optimizer(template, config)
     return {group["name"]: group for group in optimizer.param_groups}
 

@@ -1,8 +1,12 @@
-"""A pack: M Bernoulli RBMs of one shape trained as one batched computation.
+"""A pack: M RBMs of one kind and shape trained as one batched computation.
 
 Each run keeps its own model, optimizer settings and step size, data order, random source and
-step count; the pack stacks the parameters (W (M, V, H), b (M, V), a (M, H)) and runs every
-step's Gibbs sweeps, gradients and updates as batched products. What holds run by run:
+step count; the pack stacks the parameters (W (M, V, H), b (M, V), a (M, H), and a Gaussian
+model's variance parameter) and runs every step's Gibbs sweeps, gradients and updates as
+batched products. A pack holds Bernoulli RBMs, or Gaussian RBMs of one variance form
+(:mod:`ssdcore.pack.models`: identity, isotropic, diagonal; each run's variances are clamped
+to its own bounds before each estimate and after each step, as ``constrain_`` does solo).
+What holds run by run:
 
 - *Pack-independence and solo equivalence.* A run's batches and draws come from its own
   seeded streams, the solo :class:`~ssdcore.Trainer`'s for the same seed, and every batched
@@ -37,19 +41,29 @@ import torch
 from torch import Tensor
 
 from ssdcore.cuda_graph import GraphedStep
+from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.factory import model_from_config
+from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.config import OptimizerConfig, resolve_for
 from ssdcore.pack.aligned import stacked_copy
+from ssdcore.pack.gaussian import PackedGaussianCD
 from ssdcore.pack.gradients import PackedCD
+from ssdcore.pack.models import (
+    check_packable,
+    model_signature,
+    parameter_names,
+    template_model,
+    variance_parameter,
+)
 from ssdcore.pack.optim import (
-    PARAMETER_NAMES,
     PackedOptimizer,
     ParameterRule,
     RunSettings,
     needs_dense_weight_gradient,
     parameter_groups,
     rule_and_settings,
+    solo_has_only_factors,
 )
 from ssdcore.pack.order import RunOrder, gather_batches
 from ssdcore.pack.random import PackedRandom
@@ -70,7 +84,7 @@ logger = logging.getLogger(__name__)
 class PackRun:
     """One run to pack: its starting model, optimizer configuration and seed (as a Trainer's)."""
 
-    model: BernoulliRBM
+    model: RBM  # a BernoulliRBM, or a GaussianRBM of a packable variance form
     optimizer: OptimizerConfig | str = "ssd"
     seed: int = 0
 
@@ -95,12 +109,14 @@ def _config(optimizer: OptimizerConfig | str) -> OptimizerConfig:
 
 
 def run_rules(
-    config: OptimizerConfig, n_visible: int, n_hidden: int, device: torch.device | str = "cpu"
+    config: OptimizerConfig, model_config: dict, device: torch.device | str = "cpu"
 ) -> tuple[dict[str, ParameterRule], dict[str, RunSettings]]:
-    """The per-parameter rules and numbers of a run with ``config`` (resolved for a BRBM)."""
-    groups = parameter_groups(config, n_visible, n_hidden, torch.device(device))
+    """The per-parameter rules and numbers of a run with ``config`` (resolved for its model)
+    on a model of ``model_config`` (:meth:`RBM.config`): the solo optimizer's groups, the
+    variance parameter's included."""
+    groups = parameter_groups(config, template_model(model_config, torch.device(device)))
     rules, settings = {}, {}
-    for name in PARAMETER_NAMES:
+    for name in parameter_names(model_config):
         rules[name], settings[name] = rule_and_settings(name, groups[name])
     return rules, settings
 
@@ -116,20 +132,14 @@ def pack_key(
 ) -> tuple:
     """A hashable key: runs (and jobs) with equal keys can share a pack (on the same data and
     ``device``, which decides what ``method="auto"`` means). ``model_config`` is
-    :meth:`RBM.config` output. ValueError says why a run cannot be packed at all (a Gaussian
-    model, an optimizer setting packs do not run)."""
-    if model_config.get("type") != BernoulliRBM.kind:
-        raise ValueError(
-            f"model type {model_config.get('type')!r} cannot be packed yet; packs train "
-            "Bernoulli RBMs (train it with the solo Trainer)"
-        )
-    V, H = int(model_config["n_visible"]), int(model_config["n_hidden"])
-    template = BernoulliRBM(V, H, init_std=0.0)
-    rules, _ = run_rules(resolve_for(template, _config(optimizer)), V, H, device)
+    :meth:`RBM.config` output: its kind, Gaussian variance form and shape are part of the key.
+    ValueError says why a run cannot be packed at all (a full-covariance Gaussian model, an
+    optimizer setting packs do not run)."""
+    check_packable(model_config)
+    template = template_model(model_config)
+    rules, _ = run_rules(resolve_for(template, _config(optimizer)), model_config, device)
     return (
-        BernoulliRBM.kind,
-        V,
-        H,
+        *model_signature(model_config),
         int(batch_size),
         int(cd_k),
         bool(persistent),
@@ -148,7 +158,8 @@ def _checked_schedule(config: OptimizerConfig, run: int) -> Schedule:
 
 
 class TrainingPack:
-    """Trains M Bernoulli RBMs of one shape together on one (N, V) data set.
+    """Trains M RBMs of one kind and shape together on one (N, V) data set (Bernoulli, or
+    Gaussian of one packable variance form: :mod:`ssdcore.pack.models`).
 
     Args:
         runs: the runs, each a :class:`PackRun` (model copied in; the model objects are not
@@ -177,16 +188,13 @@ class TrainingPack:
         if not runs:
             raise ValueError("runs must hold at least one PackRun")
         first = runs[0].model
+        signature = self._checked_signature(first, 0)
         for index, run in enumerate(runs):
-            if not isinstance(run.model, BernoulliRBM) or type(run.model) is not BernoulliRBM:
+            if self._checked_signature(run.model, index) != signature:
                 raise ValueError(
-                    f"runs[{index}].model is a {type(run.model).__name__}; packs train "
-                    "BernoulliRBM models only"
-                )
-            if (run.model.n_visible, run.model.n_hidden) != (first.n_visible, first.n_hidden):
-                raise ValueError(
-                    f"runs[{index}].model is {run.model.n_visible}x{run.model.n_hidden}, "
-                    f"runs[0].model {first.n_visible}x{first.n_hidden}: a pack holds one shape"
+                    f"runs[{index}].model is a {_describe(run.model)}, runs[0].model a "
+                    f"{_describe(first)}: a pack holds one shape of one model kind and "
+                    "variance form"
                 )
             if run.model.W.device != first.W.device:
                 raise ValueError(f"runs[{index}].model is on another device than runs[0].model")
@@ -206,6 +214,9 @@ class TrainingPack:
         self.check_every = check_every
         self.train_data = train_data.to(self.device, torch.float32)
         self.model_configs = [run.model.config() for run in runs]
+        self.parameter_names = parameter_names(self.model_configs[0])
+        self.variance_name = variance_parameter(self.model_configs[0])
+        self.variance_form = getattr(first, "variance", None)
         self.configs = [resolve_for(run.model, _config(run.optimizer)) for run in runs]
         self.seeds = [int(run.seed) for run in runs]
         self.schedules = [
@@ -216,28 +227,16 @@ class TrainingPack:
         with torch.no_grad():
             self.parameters = {
                 name: stacked_copy(torch.stack([getattr(run.model, name).detach() for run in runs]))
-                for name in PARAMETER_NAMES
+                for name in self.parameter_names
             }
+        self._variance_bounds = self._bounds_of_runs()
         shapes = {name: tuple(t.shape[1:]) for name, t in self.parameters.items()}
         self.optimizer = PackedOptimizer(rules, settings, shapes, self.device)
         self.sources = [RandomSource(self.device, s + _ESTIMATOR_SEED_OFFSET) for s in self.seeds]
         self.random = PackedRandom(
             self.sources, self.device, independent=independent_streams, shared_seed=self.seeds[0]
         )
-        dense = needs_dense_weight_gradient(
-            rules["W"], (self.n_visible, self.n_hidden), 2 * batch_size
-        )
-        self.estimator = PackedCD(
-            self.n_runs,
-            self.n_visible,
-            self.n_hidden,
-            batch_size,
-            k=cd_k,
-            persistent=self.persistent,
-            random=self.random,
-            device=self.device,
-            dense_weight_grad=dense,
-        )
+        self.estimator = self._estimator(rules["W"])
         n_rows = self.train_data.shape[0]
         self.orders = [RunOrder(n_rows, batch_size, s, self.device) for s in self.seeds]
         self._batch = torch.empty(self.n_runs, batch_size, self.n_visible, device=self.device)
@@ -252,11 +251,59 @@ class TrainingPack:
         self.cuda_graph = self._resolve_cuda_graph(cuda_graph)
         self._graphed_step: GraphedStep | None = None
 
+    @staticmethod
+    def _checked_signature(model: RBM, index: int) -> tuple:
+        if type(model) not in (BernoulliRBM, GaussianRBM):
+            raise ValueError(
+                f"runs[{index}].model is a {type(model).__name__}; packs train BernoulliRBM and "
+                "GaussianRBM models"
+            )
+        try:
+            return model_signature(model.config())
+        except ValueError as error:
+            raise ValueError(f"runs[{index}].model: {error}") from None
+
+    def _estimator(self, weight_rule: ParameterRule) -> PackedCD:
+        shape, rank = (self.n_visible, self.n_hidden), 2 * self.batch_size
+        common = {
+            "k": self.cd_k,
+            "persistent": self.persistent,
+            "random": self.random,
+            "device": self.device,
+            "dense_weight_grad": needs_dense_weight_gradient(weight_rule, shape, rank),
+        }
+        sizes = (self.n_runs, self.n_visible, self.n_hidden, self.batch_size)
+        if self.variance_form is None:
+            return PackedCD(*sizes, **common)
+        # The solo estimator takes the variance gradient's row sums from the dense weight
+        # gradient when it forms one, else from the factors; the pack follows it.
+        dense_row_sums = not solo_has_only_factors(weight_rule, shape, rank)
+        return PackedGaussianCD(
+            *sizes, variance=self.variance_form, dense_row_sums=dense_row_sums, **common
+        )
+
+    def _bounds_of_runs(self) -> tuple[Tensor, Tensor] | None:
+        """Per-run (M, 1) float32 clamp bounds of the variance parameter (log variances), as
+        :meth:`GaussianRBM.constrain_` clamps them (its Python bounds become float32)."""
+        if self.variance_name is None:
+            return None
+        low = [math.log(config["min_variance"]) for config in self.model_configs]
+        high = [math.log(config["max_variance"]) for config in self.model_configs]
+        f32 = {"dtype": torch.float32, "device": self.device}
+        return torch.tensor(low, **f32).view(-1, 1), torch.tensor(high, **f32).view(-1, 1)
+
+    @torch.no_grad()
+    def _constrain(self) -> None:
+        """Every run's ``constrain_``: its log variances clamped to its bounds."""
+        if self._variance_bounds is not None and self.variance_name is not None:
+            low, high = self._variance_bounds
+            self.parameters[self.variance_name].clamp_(low, high)
+
     def _rules_of_runs(self) -> tuple[dict[str, ParameterRule], list[dict[str, RunSettings]]]:
         rules: dict[str, ParameterRule] | None = None
         settings = []
         for index, config in enumerate(self.configs):
-            run_rule, run_settings = run_rules(config, self.n_visible, self.n_hidden, self.device)
+            run_rule, run_settings = run_rules(config, self.model_configs[0], self.device)
             if rules is None:
                 rules = run_rule
             elif run_rule != rules:
@@ -292,15 +339,24 @@ class TrainingPack:
 
     def _step(self) -> None:
         """Estimate and update every run on ``self._batch``: the unit a CUDA graph captures."""
-        W, b, a = (self.parameters[name] for name in PARAMETER_NAMES)
-        self.estimator.estimate(W, b, a, self._batch)
+        W, b, a = (self.parameters[name] for name in ("W", "b", "a"))
         estimator = self.estimator
-        gradients = {
-            "W": estimator.grad_W if estimator.dense_weight_grad else None,
-            "b": estimator.grad_b,
-            "a": estimator.grad_a,
-        }
+        gradients = {}
+        if isinstance(estimator, PackedGaussianCD):
+            self._constrain()  # the solo estimate constrains the model first
+            variance = self.parameters.get(self.variance_name or "")
+            estimator.estimate(W, b, a, self._batch, variance)
+            if self.variance_name is not None:
+                gradients[self.variance_name] = estimator.grad_variance
+        else:
+            estimator.estimate(W, b, a, self._batch)
+        gradients.update(
+            W=estimator.grad_W if estimator.dense_weight_grad else None,
+            b=estimator.grad_b,
+            a=estimator.grad_a,
+        )
         self.optimizer.step(self.parameters, gradients, estimator.factors)
+        self._constrain()
 
     def _run_step(self) -> None:
         if not self.cuda_graph:
@@ -439,8 +495,8 @@ class TrainingPack:
         if not (isinstance(run, int) and 0 <= run < self.n_runs):
             raise ValueError(f"run must be an integer in [0, {self.n_runs}), got {run!r}")
 
-    def model(self, run: int) -> BernoulliRBM:
-        """A new BernoulliRBM holding run ``run``'s current parameters."""
+    def model(self, run: int) -> RBM:
+        """A new model (the run's kind) holding run ``run``'s current parameters."""
         self._check_run(run)
         model = model_from_config(self.model_configs[run], device=self.device)
         with torch.no_grad():
@@ -478,16 +534,16 @@ class TrainingPack:
         run is active again from ``state.step``."""
         self._check_run(run)
         config = state.model_config
-        if (config.get("type"), config.get("n_visible"), config.get("n_hidden")) != (
-            BernoulliRBM.kind,
-            self.n_visible,
-            self.n_hidden,
-        ):
+        ours = model_signature(self.model_configs[0])
+        try:
+            theirs = model_signature(config)
+        except ValueError as error:
+            raise ValueError(f"the run's model cannot be packed: {error}") from None
+        if theirs != ours:
             raise ValueError(
-                f"the run's model is {config}; this pack holds {BernoulliRBM.kind} RBMs of "
-                f"{self.n_visible}x{self.n_hidden}"
+                f"the run's model is {config}; this pack holds {_signature_text(ours)} RBMs"
             )
-        rules, settings = run_rules(state.optimizer, self.n_visible, self.n_hidden, self.device)
+        rules, settings = run_rules(state.optimizer, config, self.device)
         if rules != self.rules:
             raise ValueError(
                 f"the run's optimizer updates its parameters as {rules}, this pack's runs as "
@@ -506,6 +562,7 @@ class TrainingPack:
         self.configs[run], self.seeds[run] = state.optimizer, int(state.seed)
         self.schedules[run] = schedule
         self.model_configs[run] = dict(config)
+        self._variance_bounds = self._bounds_of_runs()
         self.optimizer.set_run(run, settings, state.lr_scale)
         self.optimizer.load_run_buffers(
             run, {n: t.to(self.device) for n, t in state.momentum.items()}
@@ -532,3 +589,13 @@ class TrainingPack:
             logger.info("pack: run %d has a step-size schedule; the pack runs uncaptured", run)
             self.cuda_graph = False
         self._graphed_step = None
+
+
+def _signature_text(signature: tuple) -> str:
+    kind, variance, n_visible, n_hidden = signature
+    form = "" if variance is None else f" (variance={variance!r})"
+    return f"{kind}{form} {n_visible}x{n_hidden}"
+
+
+def _describe(model: RBM) -> str:
+    return _signature_text(model_signature(model.config()))

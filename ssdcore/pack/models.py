@@ -1,0 +1,75 @@
+"""Which models a pack trains, and what a pack needs to know of each kind.
+
+A pack holds runs of one model kind and shape: Bernoulli RBMs, or Gaussian RBMs of one variance
+form among :data:`PACKABLE_VARIANCES`. The full covariance is not packed: its V×V precision is
+projected onto the SPD cone by an eigendecomposition decided on the host after every step, and
+its gradient and noise need per-run V×V products and Cholesky factors — the solo Trainer runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ssdcore.models.base import RBM
+from ssdcore.models.bernoulli import BernoulliRBM
+from ssdcore.models.factory import model_from_config
+from ssdcore.models.gaussian import GaussianRBM
+
+# The parameters every RBM has, in the order the model registers them.
+BASE_PARAMETERS = ("W", "b", "a")
+# Gaussian variance forms a pack runs -> the name of the variance parameter (None: C = I).
+VARIANCE_PARAMETERS: dict[str, str | None] = {
+    "identity": None,
+    "isotropic": "log_c",
+    "diagonal": "log_var",
+}
+PACKABLE_VARIANCES = tuple(VARIANCE_PARAMETERS)
+
+
+def check_packable(model_config: dict[str, Any]) -> None:
+    """ValueError naming the model setting a pack does not run."""
+    kind = model_config.get("type")
+    if kind == BernoulliRBM.kind:
+        return
+    if kind != GaussianRBM.kind:
+        raise ValueError(
+            f"model type {kind!r} cannot be packed; packs train {BernoulliRBM.kind!r} and "
+            f"{GaussianRBM.kind!r} RBMs"
+        )
+    variance = model_config.get("variance", "diagonal")
+    if variance not in VARIANCE_PARAMETERS:
+        raise ValueError(
+            f"a Gaussian RBM with variance={variance!r} cannot be packed (its V×V precision is "
+            f"projected per run on the host); packs run variance in {PACKABLE_VARIANCES}; "
+            "train it with the solo Trainer"
+        )
+
+
+def model_signature(model_config: dict[str, Any]) -> tuple:
+    """What runs of one pack share about their model: kind, variance form and shape (the
+    variance bounds may differ: each run's are applied to its own slice)."""
+    check_packable(model_config)
+    kind = model_config["type"]
+    variance = model_config.get("variance", "diagonal") if kind == GaussianRBM.kind else None
+    return (kind, variance, int(model_config["n_visible"]), int(model_config["n_hidden"]))
+
+
+def variance_parameter(model_config: dict[str, Any]) -> str | None:
+    """The name of a Gaussian model's variance parameter (None for Bernoulli and C = I)."""
+    _, variance, _, _ = model_signature(model_config)
+    return None if variance is None else VARIANCE_PARAMETERS[variance]
+
+
+def parameter_names(model_config: dict[str, Any]) -> tuple[str, ...]:
+    """The model's parameter names, as ``named_parameters()`` gives them."""
+    extra = variance_parameter(model_config)
+    return BASE_PARAMETERS if extra is None else (*BASE_PARAMETERS, extra)
+
+
+def template_model(model_config: dict[str, Any], device: torch.device | str = "cpu") -> RBM:
+    """A model of the configuration's kind, form and shape (weights zero): what the solo
+    optimizer would be built for, to read its parameter groups and default step sizes."""
+    check_packable(model_config)
+    return model_from_config({**model_config, "init_std": 0.0}, device=device)
