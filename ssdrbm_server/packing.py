@@ -2,9 +2,9 @@
 
 Computed once, when the job is submitted, and stored in its record (``pack_key``), so a worker
 matches jobs by comparing strings, without loading a spec, a dataset or torch. Two jobs share a
-key when :func:`ssdcore.pack.pack_key` says their runs fit one pack (Bernoulli model of one
-shape, batch size, CD-k, persistence, the same update rule for every parameter — SSD's step
-rule included) and one data
+key when :func:`ssdcore.pack.pack_key` says their runs fit one pack (model kind — Gaussian
+with its variance form — and shape, batch size, CD-k, persistence, the same update rule for
+every parameter — SSD's step rule included) and one data
 tensor serves both: the same dataset (built-in with its options, or the same upload), the same
 preprocessing and the same validation split — which is drawn with ``training.seed``, so jobs
 that differ in seed get different keys. The polar method is part of the key as requested
@@ -42,7 +42,7 @@ def job_pack_key(spec: pb.StartTrainingRequest, n_visible: int) -> str:
             persistent=training.persistent,
             device="cpu",
         )
-    except ValueError:  # a Gaussian model, an optimizer setting packs do not run
+    except ValueError:  # a full-covariance Gaussian model, an optimizer setting packs do not run
         return NOT_PACKABLE
     dataset = spec.dataset
     if dataset.WhichOneof("source") == "dataset_id":

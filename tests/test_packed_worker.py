@@ -309,7 +309,7 @@ def key_of(request: rbm_pb2.StartTrainingRequest) -> str:
 def test_the_pack_key_groups_what_one_pack_and_one_data_tensor_can_serve() -> None:
     """Step sizes, momentum, step-size schedules, steps and evaluation spacing may differ within
     a pack; the model shape, batch size, CD-k, persistence, update rule, data, preprocessing and
-    split (its seed) may not; Gaussian, tempered and centered jobs train alone."""
+    split (its seed) may not; full-covariance Gaussian, tempered and centered jobs train alone."""
     base = key_of(sgd(60))
     assert base != NOT_PACKABLE
     same = [sgd(60, lr=0.01), sgd(500, eval_every=5, checkpoint_every=25)]
@@ -338,7 +338,7 @@ def test_the_pack_key_groups_what_one_pack_and_one_data_tensor_can_serve() -> No
         different.append(key_of(request))
     assert NOT_PACKABLE not in different and len({base, *different}) == len(different) + 1
 
-    alone = [spec(steps=60, gaussian=True)]
+    alone = [spec(steps=60, gaussian=True, variance=rbm_pb2.VARIANCE_KIND_FULL)]
     centered = sgd(60)
     centered.training.centering.SetInParent()
     alone.append(centered)

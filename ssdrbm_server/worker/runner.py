@@ -445,10 +445,12 @@ def training_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) ->
     """A rough estimate of a training process's memory for a job, dataset excluded (MB).
 
     PROCESS_BASE_MB + 4 bytes × (PARAMETER_COPIES × P + (2·cd_k + 4) · B · (V + H)), where P
-    counts the parameters (V·H + V + H, plus V·V for a full Gaussian precision) and the second
-    term the CD chains (a visible and a hidden sample and mean per Gibbs sweep) and the
-    low-rank gradient factors, for batch B; parallel tempering adds K · B · (2V + 4H) for its
-    K temperatures' chains and buffers.
+    counts the parameters (V·H + V + H, plus a Gaussian model's variances: V diagonal, 1
+    isotropic, V·V for a full precision) and the second term the CD chains (a visible and a
+    hidden sample and mean per Gibbs sweep) and the low-rank gradient factors, for batch B; a
+    Gaussian model adds 5 · B · V + 2 · V · H (noise, precision-weighted and centered rows,
+    C⁻¹W and W ⊙ ∂L/∂W); parallel tempering adds K · B · (2V + 4H) for its K temperatures'
+    chains and buffers.
     """
     return PROCESS_BASE_MB + round(run_memory_mb(request, n_visible))
 
@@ -457,10 +459,24 @@ def run_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) -> floa
     """The model's own share of training_memory_mb (MB): what one more run of a pack adds."""
     n_hidden, training = request.model.n_hidden, request.training
     params = n_visible * n_hidden + n_visible + n_hidden
-    if request.model.variance == rbm_pb2.VARIANCE_KIND_FULL:
-        params += n_visible * n_visible
     chains = (2 * training.cd_k + 4) * training.batch_size * (n_visible + n_hidden)
+    if request.model.kind == rbm_pb2.MODEL_KIND_GAUSSIAN:
+        params += _variance_parameters(request.model.variance, n_visible)
+        # Gaussian visibles: the noise draws (B·V), the rows v·C⁻¹ and v - b (2B·V each), and
+        # the V×H products C⁻¹W and W ⊙ ∂L/∂W, solo and packed alike.
+        chains += 5 * training.batch_size * n_visible + 2 * n_visible * n_hidden
     if training.HasField("parallel_tempering"):  # each temperature: its chains and buffers
         tempered = training.batch_size * (2 * n_visible + 4 * n_hidden)
         chains += training.parallel_tempering.temperatures * tempered
     return 4 * (PARAMETER_COPIES * params + chains) / 1e6
+
+
+def _variance_parameters(variance: int, n_visible: int) -> int:
+    """Entries of a Gaussian model's variance parameter (an unset form is the diagonal one)."""
+    if variance == rbm_pb2.VARIANCE_KIND_FULL:
+        return n_visible * n_visible
+    if variance == rbm_pb2.VARIANCE_KIND_ISOTROPIC:
+        return 1
+    if variance == rbm_pb2.VARIANCE_KIND_IDENTITY:
+        return 0
+    return n_visible
