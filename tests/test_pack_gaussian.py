@@ -123,6 +123,19 @@ def test_pcd_and_cd_k_chains_equal_their_solo_chains(data, variance, cd_k, persi
         assert_run_equals(pack, run, trainer.model)
 
 
+@pytest.mark.parametrize(("cd_k", "persistent"), [(1, True), (2, False)])
+def test_a_pack_estimated_in_chunks_of_runs_equals_solo(data, cd_k, persistent):
+    """Three runs estimated two at a time (the last chunk holds one run)."""
+    configs = CONFIGS["nesterov"]
+    runs = [PackRun(model(data, "diagonal", s), c, s) for c, s in zip(configs, SEEDS, strict=True)]
+    pack = TrainingPack(runs, data, batch_size=BATCH, cd_k=cd_k, persistent=persistent)
+    pack.estimator.runs_per_chunk = 2
+    pack.train_steps(STEPS)
+    for run, (config, seed) in enumerate(zip(configs, SEEDS, strict=True)):
+        trainer = solo(data, "diagonal", config, seed, cd_k=cd_k, persistent=persistent)
+        assert_run_equals(pack, run, trainer.model)
+
+
 def test_the_variance_gradient_from_the_factors_equals_solo(data):
     """Newton–Schulz with factors thinner than W (2B < H): the solo estimator forms no dense
     gradient and takes the variance gradient's row sums from the factors; so does the pack."""
