@@ -1,12 +1,12 @@
 """Runs of one experiment trained as packs: `common.execute` for many `RunSpec`s at once.
 
-Runs that `ssdcore.pack.pack_key` finds compatible (Bernoulli RBMs of one shape, one update
-rule per parameter, one batch size, CD-k and length) are trained together as one
+Runs that `ssdcore.pack.pack_key` finds compatible (RBMs of one kind, variance form and shape,
+one update rule per parameter, one batch size, CD-k and length) are trained together as one
 `ssdcore.pack.TrainingPack`; each keeps its own seed, initial model and step size. On the CPU a
 packed run follows its solo `Trainer` bit for bit (docs/ARCHITECTURE.md, "Packed training"), so
 the records are those `common.execute` would give, measured by the same `EvalPlan` at the same
-steps. The rest (Gaussian RBMs, plain torch optimizers, preconditioned SSD, a run alone in its
-group) go through `common.execute` unchanged.
+steps. The rest (full-covariance Gaussian RBMs, centered runs, plain torch optimizers,
+preconditioned SSD, a run alone in its group) go through `common.execute` unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 def group_key(spec: RunSpec, n_visible: int) -> tuple | None:
     """The key of the runs `spec` can share a pack with (on the same data), None when it cannot
     be packed."""
-    if spec.model.kind != "bernoulli" or not isinstance(spec.optimizer, OptimizerConfig):
+    if spec.centered or not isinstance(spec.optimizer, OptimizerConfig):
         return None
     try:
         key = pack_key(

@@ -10,9 +10,10 @@ is a minimum rather than a boundary. The best value of each grid goes into
 each setting (so the next experiment may start early), a quick run leaves it alone.
 
 The runs of a grid differ only in their step size, so those `ssdcore.pack` can train together
-(Bernoulli RBMs with SGD, Nesterov or SSD) are trained as one pack per optimizer, each run with
-its own seed and step size and bit for bit its solo trajectory on the CPU; the rest (Gaussian
-RBMs, Adam, RMSprop, preconditioned SSD) run one by one. `--sequential` trains every run alone.
+(Bernoulli and Gaussian RBMs with SGD, Nesterov or SSD) are trained as one pack per setting and
+optimizer, each run with its own seed and step size and bit for bit its solo trajectory on the
+CPU; the rest (Adam, RMSprop, preconditioned SSD) run one by one. `--sequential` trains every
+run alone.
 """
 
 from __future__ import annotations

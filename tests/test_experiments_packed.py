@@ -6,6 +6,7 @@ is exact: same evaluation steps, same reconstruction errors, same final paramete
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -64,8 +65,26 @@ def test_a_diverging_run_stops_alone(plan: EvalPlan) -> None:
     assert len(results[1].records) == len(solo.records)
 
 
+def test_gaussian_runs_of_one_variance_form_pack_and_equal_their_solo_runs(plan: EvalPlan) -> None:
+    def grbm(lr: float, variance: str, seed: int = 0) -> RunSpec:
+        model = ModelSpec("gaussian", 6, variance=variance)
+        return RunSpec(f"{variance} {lr}", model, OptimizerConfig("sgd", lr=lr), 12, 20, seed=seed)
+
+    specs = [grbm(1e-3, "diagonal"), grbm(3e-3, "diagonal", seed=1), grbm(1e-3, "isotropic")]
+    results = packed.execute_all(specs, plan)
+    assert [r.extra.get("pack_size") for r in results] == [2, 2, None]
+    for spec, result in zip(specs, results, strict=True):
+        _same(result, common.execute(spec, plan))
+
+
 def test_what_cannot_be_packed_runs_alone(plan: EvalPlan) -> None:
-    gaussian = RunSpec("grbm", ModelSpec("gaussian", 6), OptimizerConfig("sgd", lr=1e-3), 12, 20)
+    full = ModelSpec("gaussian", 6, variance="full")
+    gaussian = RunSpec("grbm", full, OptimizerConfig("sgd", lr=1e-3), 12, 20)
+    twin = RunSpec("grbm twin", full, OptimizerConfig("sgd", lr=2e-3), 12, 20)
+    centered = RunSpec(
+        "c", ModelSpec("bernoulli", 6), OptimizerConfig("sgd"), 12, 20, centered=True
+    )
+    centered_twin = dataclasses.replace(centered, label="c twin")
     adam = RunSpec("adam", ModelSpec("bernoulli", 6), TorchOptimizer("adam", 1e-3), 12, 20)
     pssd = RunSpec(
         "pssd",
@@ -76,7 +95,7 @@ def test_what_cannot_be_packed_runs_alone(plan: EvalPlan) -> None:
     )
     longer = RunSpec("longer", ModelSpec("bernoulli", 6), OptimizerConfig("sgd", lr=0.1), 15, 20)
     shorter = RunSpec("shorter", ModelSpec("bernoulli", 6), OptimizerConfig("sgd", lr=0.3), 10, 20)
-    specs = [gaussian, adam, pssd, longer, shorter]
+    specs = [gaussian, twin, centered, centered_twin, adam, pssd, longer, shorter]
     assert all(len(group) == 1 for group in packed.groups(specs, 16))
     for spec, result in zip(specs, packed.execute_all(specs, plan), strict=True):
         assert result.extra.get("pack_size") is None
