@@ -235,10 +235,11 @@ def test_tuning_quick_leaves_chosen_step_sizes_alone(tmp_path: Path) -> None:
         assert lr in tuning.GRIDS[kinds[setting]][optimizer], key
     written = json.loads((tmp_path / "tuning" / "step_sizes.json").read_text())
     assert written["chosen"] == chosen
-    # the grids of Bernoulli RBMs with SGD, Nesterov and SSD train as packs, the rest alone
+    # the grids with SGD, Nesterov and SSD (Bernoulli and Gaussian RBMs) train as packs; the
+    # "beyond" setting's torch optimizers and preconditioned SSD alone
     assert summary["packed"] is True
     for row in json.loads((tmp_path / "tuning" / "grid.json").read_text()):
-        packable = kinds[row["setting"]] == "bernoulli" and row["setting"] != "beyond"
+        packable = row["setting"] != "beyond"
         assert row["pack"] == (2 if packable else 1), row
 
 
