@@ -46,7 +46,7 @@ from ssdcore.centering import Centering, CenteringConfig
 from ssdcore.cuda_graph import GraphedStep
 from ssdcore.errors import DivergenceError
 from ssdcore.evaluation import (
-    ais_log_partition,
+    certified_log_likelihood,
     exact_log_partition,
     free_energy_gap,
     pseudo_log_likelihood,
@@ -408,7 +408,10 @@ class Trainer:
         :func:`~ssdcore.evaluation.saturated_hidden_fraction`), ``wall_time_s``,
         ``samples_per_second``, ``log_likelihood_method``. With validation data:
         ``free_energy_gap``; for a Bernoulli RBM: ``pseudo_log_likelihood``; with a
-        log-likelihood method: ``log_likelihood`` and ``log_likelihood_stderr``.
+        log-likelihood method: ``log_likelihood`` and ``log_likelihood_stderr``, and for
+        ``"ais"`` the certified pair (:func:`~ssdcore.evaluation.certified_log_likelihood`):
+        ``log_likelihood`` is AIS's optimistic estimate, ``log_likelihood_lower`` (with
+        ``log_likelihood_lower_stderr``) reverse AIS's conservative one.
         """
         if log_likelihood not in LOG_LIKELIHOOD_METHODS:
             raise ValueError(
@@ -441,17 +444,13 @@ class Trainer:
             metrics["log_likelihood"] = float(mean_log_likelihood(model, valid, log_z))
             metrics["log_likelihood_stderr"] = 0.0
         elif log_likelihood == "ais":
-            result = ais_log_partition(
-                model,
-                n_chains=ais_chains,
-                n_betas=ais_betas,
-                seed=ais_seed,
-                data=train,
+            bounds = certified_log_likelihood(
+                model, valid, data=train, n_betas=ais_betas, ais_chains=ais_chains, seed=ais_seed
             )
-            metrics["log_likelihood"] = float(
-                mean_log_likelihood(model, valid, float(result.log_z))
-            )
-            metrics["log_likelihood_stderr"] = float(result.stderr)
+            metrics["log_likelihood"] = float(bounds.upper)
+            metrics["log_likelihood_stderr"] = float(bounds.upper_stderr)
+            metrics["log_likelihood_lower"] = float(bounds.lower)
+            metrics["log_likelihood_lower_stderr"] = float(bounds.lower_stderr)
         return metrics
 
     # --- state ------------------------------------------------------------------------------

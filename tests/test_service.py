@@ -20,12 +20,14 @@ import grpc
 import numpy as np
 import pytest
 from safetensors.numpy import load as load_safetensors
+from ssdrbm.events import Metrics
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
 from ssdcore.step_sizes import default_lr
 from ssdrbm_server import serving
 from ssdrbm_server.store.records import JobState
+from tests.fixtures.jobs import tiny_request
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.service import RunningService, make_settings
 
@@ -310,6 +312,27 @@ def test_validate_only_resolves_without_creating(service_factory) -> None:
         and entry.step_rule == pb.STEP_RULE_NORMALIZED
     )
     assert normalized == default_lr("bernoulli", "ssd", None, "normalized")
+
+
+def test_ais_checkpoints_report_both_likelihood_bounds(module_service: RunningService) -> None:
+    """eval.ais: each checkpoint's event carries AIS's optimistic estimate and reverse AIS's
+    conservative one (ssdcore.evaluation.certified_log_likelihood); other events neither."""
+    stub = module_service.stub()
+    request = tiny_request(steps=20)
+    request.training.checkpoint_every = 20
+    request.eval.ais, request.eval.ais_chains, request.eval.ais_betas = True, 16, 50
+    job = stub.StartTraining(request, timeout=30).job
+    stream = stub.StreamMetrics(pb.StreamMetricsRequest(job_id=job.id), timeout=JOB_TIMEOUT_S)
+    events = [event.metrics for event in stream if event.WhichOneof("event") == "metrics"]
+    by_step = {metrics.step: metrics for metrics in events}
+    last = by_step[20]
+    assert last.log_likelihood_method == pb.LOG_LIKELIHOOD_METHOD_AIS
+    assert last.HasField("log_likelihood_lower") and last.log_likelihood_lower_stderr >= 0
+    slack = 4 * (last.log_likelihood_stderr + last.log_likelihood_lower_stderr) + 1.0
+    assert last.log_likelihood_lower <= last.log_likelihood + slack
+    assert not by_step[10].HasField("log_likelihood_lower")  # no checkpoint there: no AIS
+    parsed = Metrics.from_proto(last)  # the SDK's view carries the bound too
+    assert parsed.log_likelihood_lower == last.log_likelihood_lower
 
 
 def test_cancel_stops_a_running_job(module_service: RunningService) -> None:

@@ -164,6 +164,11 @@ def test_evaluate_reports_the_metrics_fields(synthetic):
     assert ais["log_likelihood_method"] == "ais"
     # AIS agrees with the exact value within a generous multiple of its own error.
     assert abs(ais["log_likelihood"] - direct) < 5 * ais["log_likelihood_stderr"] + 0.05
+    # ... and reverse AIS's conservative bound sits at or below it (within its own error)
+    lower, lower_se = ais["log_likelihood_lower"], ais["log_likelihood_lower_stderr"]
+    assert lower - 5 * lower_se - 0.05 <= direct and lower_se >= 0
+    assert abs(lower - direct) < 2.0  # a small model: the bounds are tight
+    assert "log_likelihood_lower" not in metrics  # exact: no bounds, the value
     with pytest.raises(ValueError, match="log_likelihood"):
         trainer.evaluate("guess")
 

@@ -169,6 +169,14 @@ class AsyncClient:
         request = rbm_pb2.CancelSweepRequest(sweep_id=sweep_id)
         return Sweep.from_proto(await self._call("CancelSweep", request))
 
+    async def delete_sweep(
+        self, sweep_id: str, *, force: bool = False, keep_runs: bool = False
+    ) -> int:
+        """Delete the sweep and its runs' jobs; returns how many jobs were deleted. ``force``
+        cancels unfinished runs first; ``keep_runs`` keeps the jobs."""
+        request = rbm_pb2.DeleteSweepRequest(sweep_id=sweep_id, force=force, keep_runs=keep_runs)
+        return (await self._call("DeleteSweep", request)).deleted_jobs
+
     async def stream_sweep(
         self, sweep_id: str, *, timeout: float | None = None
     ) -> AsyncIterator[Sweep]:

@@ -217,6 +217,13 @@ class Client:
         request = rbm_pb2.CancelSweepRequest(sweep_id=sweep_id)
         return Sweep.from_proto(self._call("CancelSweep", request))
 
+    def delete_sweep(self, sweep_id: str, *, force: bool = False, keep_runs: bool = False) -> int:
+        """Delete the sweep and its runs' jobs (their metrics and checkpoints); returns how many
+        jobs were deleted. Queued or running runs raise FailedPrecondition unless ``force``
+        cancels them first; ``keep_runs`` deletes only the sweep and keeps its jobs."""
+        request = rbm_pb2.DeleteSweepRequest(sweep_id=sweep_id, force=force, keep_runs=keep_runs)
+        return self._call("DeleteSweep", request).deleted_jobs
+
     def stream_sweep(self, sweep_id: str, *, timeout: float | None = None) -> Iterator[Sweep]:
         """The live leaderboard: a :class:`~ssdrbm.sweeps.Sweep` on every change (and every
         few seconds) until the sweep ends. Each update is whole, so a dropped connection is

@@ -71,6 +71,9 @@ class Metrics:
     pseudo_log_likelihood: float | None = None
     log_likelihood: float | None = None
     log_likelihood_stderr: float | None = None
+    # AIS events: reverse AIS's conservative bound beside log_likelihood's optimistic AIS one
+    log_likelihood_lower: float | None = None
+    log_likelihood_lower_stderr: float | None = None
     log_likelihood_method: str | None = None  # "exact" or "ais"
     saturated_hidden_fraction: float | None = None  # share of hidden units stuck at 0 or 1
     lr: float | None = None  # step size in effect: optimizer.lr × schedule × backoff scale
@@ -96,6 +99,8 @@ class Metrics:
             pseudo_log_likelihood=_optional(message, "pseudo_log_likelihood"),
             log_likelihood=_optional(message, "log_likelihood"),
             log_likelihood_stderr=_optional(message, "log_likelihood_stderr"),
+            log_likelihood_lower=_optional(message, "log_likelihood_lower"),
+            log_likelihood_lower_stderr=_optional(message, "log_likelihood_lower_stderr"),
             log_likelihood_method=None if method == "unspecified" else method,
             saturated_hidden_fraction=_optional(message, "saturated_hidden_fraction"),
             lr=_optional(message, "lr"),

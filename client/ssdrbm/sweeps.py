@@ -126,6 +126,7 @@ class SweepState(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"  # every run's job was deleted or expired; only the record is left
 
     @classmethod
     def from_proto(cls, value: int) -> SweepState:
@@ -136,7 +137,7 @@ class SweepState(enum.StrEnum):
 @dataclass(frozen=True)
 class SweepRun:
     """One run (job) of a sweep on the leaderboard; ``rank`` 1 is the best, None without a
-    metric yet."""
+    metric yet; ``expired``: its job was deleted or expired (state UNSPECIFIED, no metrics)."""
 
     job_id: str
     point: dict[str, str]
@@ -147,6 +148,7 @@ class SweepRun:
     rank: int | None
     rank_value: float | None
     error: str
+    expired: bool = False
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.SweepRun) -> SweepRun:
@@ -163,6 +165,7 @@ class SweepRun:
             rank=message.rank if ranked else None,
             rank_value=message.rank_value if ranked else None,
             error=message.error,
+            expired=message.expired,
         )
 
 
@@ -185,7 +188,12 @@ class Sweep:
     @property
     def done(self) -> bool:
         """True once every run ended."""
-        return self.state in (SweepState.SUCCEEDED, SweepState.FAILED, SweepState.CANCELLED)
+        return self.state in (
+            SweepState.SUCCEEDED,
+            SweepState.FAILED,
+            SweepState.CANCELLED,
+            SweepState.EXPIRED,
+        )
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Sweep) -> Sweep:

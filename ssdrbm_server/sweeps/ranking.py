@@ -18,6 +18,7 @@ HIGHER_IS_BETTER = {
     "reconstruction_error": False,
     "free_energy_gap": False,
     "log_likelihood": True,
+    "log_likelihood_lower": True,  # the conservative bound, where AIS ran (eval.ais)
     "pseudo_log_likelihood": True,
 }
 

@@ -54,7 +54,7 @@ def _metric_series(history: Sequence[Metrics], name: str) -> tuple[list[int], li
 def _plot_metrics(plt: Any, history: Sequence[Metrics], path: Path) -> Path | None:
     panels = [
         ("reconstruction error", ["reconstruction_error", "train_reconstruction_error"]),
-        ("log-likelihood", ["log_likelihood", "pseudo_log_likelihood"]),
+        ("log-likelihood", ["log_likelihood", "log_likelihood_lower", "pseudo_log_likelihood"]),
         ("free-energy gap", ["free_energy_gap"]),
         ("spectral norm ‖W‖₂", ["spectral_norm"]),
     ]

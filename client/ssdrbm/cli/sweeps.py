@@ -1,5 +1,5 @@
 """Commands about sweeps: ``sweep`` (start, ``--watch`` a live leaderboard), ``sweeps`` (list),
-``sweep-show``, ``sweep-cancel``; ``plot SWEEP`` draws one curve per run (models.py asks here).
+``sweep-show``, ``sweep-cancel``, ``sweep-delete``; ``plot SWEEP`` draws one curve per run (models.py asks here).
 
 ``ssdrbm sweep`` takes ``ssdrbm train``'s options; the ones a sweep can vary take a comma list
 (``--lr 1e-3,3e-3,1e-2 --optimizer ssd,sgd``), or with ``--random N`` a range ``LOW..HIGH``
@@ -23,7 +23,7 @@ from ssdrbm.cli.tables import render_table
 from ssdrbm.client import Client
 from ssdrbm.errors import NotFound
 from ssdrbm.events import MetricsEvent
-from ssdrbm.sweeps import Range, Sweep, SweepState
+from ssdrbm.sweeps import Range, Sweep, SweepRun, SweepState
 
 # --option dest -> (axis name, value type); each takes a comma list in `ssdrbm sweep`
 SWEEPABLE = {
@@ -40,6 +40,7 @@ FINAL_EXIT_CODES = {
     SweepState.SUCCEEDED: ExitCode.OK,
     SweepState.FAILED: ExitCode.JOB_FAILED,
     SweepState.CANCELLED: ExitCode.JOB_CANCELLED,
+    SweepState.EXPIRED: ExitCode.OK,  # it ended; its jobs went by retention or were deleted
 }
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -97,6 +98,18 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     cancel.add_argument("sweep", metavar="SWEEP")
     cancel.add_argument("--json", action="store_true", help="print the sweep as JSON")
     cancel.set_defaults(run=run_sweep_cancel)
+
+    delete = commands.add_parser(
+        "sweep-delete", parents=parents, help="delete a sweep and its runs' jobs"
+    )
+    delete.add_argument("sweep", metavar="SWEEP")
+    delete.add_argument(
+        "--force", action="store_true", help="cancel queued or running runs first, then delete"
+    )
+    delete.add_argument(
+        "--keep-runs", action="store_true", help="delete only the sweep; keep its jobs"
+    )
+    delete.set_defaults(run=run_sweep_delete)
 
 
 def _parse_values(flag: str, text: str, kind: type, random: bool) -> list[Any] | Range:
@@ -207,7 +220,7 @@ def leaderboard(sweep: Sweep) -> str:
         [
             str(run.rank or "-"),
             run.job_id or "-",
-            run.state.value if run.job_id else "-",
+            _run_state(run),
             f"{run.step}/{run.total_steps}",
             format_number(run.rank_value),
             *(run.point.get(field, "-") for field in axes),
@@ -266,6 +279,21 @@ def run_sweep_cancel(args: argparse.Namespace) -> ExitCode:
         sweep = client.cancel_sweep(args.sweep)
     print_json(sweep) if args.json else print(f"{sweep.id} cancel requested ({sweep.state.value})")
     return ExitCode.OK
+
+
+def run_sweep_delete(args: argparse.Namespace) -> ExitCode:
+    """``ssdrbm sweep-delete SWEEP [--force] [--keep-runs]``: prints what was deleted."""
+    with client_from_args(args) as client:
+        deleted = client.delete_sweep(args.sweep, force=args.force, keep_runs=args.keep_runs)
+    kept = " (its jobs kept)" if args.keep_runs else f" with {deleted} jobs"
+    print(f"{args.sweep} deleted{kept}")
+    return ExitCode.OK
+
+
+def _run_state(run: SweepRun) -> str:
+    if run.expired:
+        return "expired"
+    return run.state.value if run.job_id else "-"
 
 
 def find_sweep(client: Client, some_id: str) -> Sweep | None:

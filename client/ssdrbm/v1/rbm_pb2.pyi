@@ -123,6 +123,7 @@ class SweepState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SWEEP_STATE_SUCCEEDED: _ClassVar[SweepState]
     SWEEP_STATE_FAILED: _ClassVar[SweepState]
     SWEEP_STATE_CANCELLED: _ClassVar[SweepState]
+    SWEEP_STATE_EXPIRED: _ClassVar[SweepState]
 MODEL_KIND_UNSPECIFIED: ModelKind
 MODEL_KIND_BERNOULLI: ModelKind
 MODEL_KIND_GAUSSIAN: ModelKind
@@ -189,6 +190,7 @@ SWEEP_STATE_RUNNING: SweepState
 SWEEP_STATE_SUCCEEDED: SweepState
 SWEEP_STATE_FAILED: SweepState
 SWEEP_STATE_CANCELLED: SweepState
+SWEEP_STATE_EXPIRED: SweepState
 
 class ModelSpec(_message.Message):
     __slots__ = ("kind", "variance", "n_hidden", "min_variance")
@@ -452,7 +454,7 @@ class CancelJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class Metrics(_message.Message):
-    __slots__ = ("step", "total_steps", "reconstruction_error", "train_reconstruction_error", "free_energy_gap", "pseudo_log_likelihood", "log_likelihood", "log_likelihood_stderr", "log_likelihood_method", "spectral_norm", "wall_time_s", "samples_per_second", "saturated_hidden_fraction", "pt_swap_rate_min", "pt_swap_rate_mean", "pt_swap_rates", "lr")
+    __slots__ = ("step", "total_steps", "reconstruction_error", "train_reconstruction_error", "free_energy_gap", "pseudo_log_likelihood", "log_likelihood", "log_likelihood_stderr", "log_likelihood_method", "spectral_norm", "wall_time_s", "samples_per_second", "saturated_hidden_fraction", "pt_swap_rate_min", "pt_swap_rate_mean", "pt_swap_rates", "lr", "log_likelihood_lower", "log_likelihood_lower_stderr")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     RECONSTRUCTION_ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -470,6 +472,8 @@ class Metrics(_message.Message):
     PT_SWAP_RATE_MEAN_FIELD_NUMBER: _ClassVar[int]
     PT_SWAP_RATES_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    LOG_LIKELIHOOD_LOWER_FIELD_NUMBER: _ClassVar[int]
+    LOG_LIKELIHOOD_LOWER_STDERR_FIELD_NUMBER: _ClassVar[int]
     step: int
     total_steps: int
     reconstruction_error: float
@@ -487,7 +491,9 @@ class Metrics(_message.Message):
     pt_swap_rate_mean: float
     pt_swap_rates: _containers.RepeatedScalarFieldContainer[float]
     lr: float
-    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., reconstruction_error: _Optional[float] = ..., train_reconstruction_error: _Optional[float] = ..., free_energy_gap: _Optional[float] = ..., pseudo_log_likelihood: _Optional[float] = ..., log_likelihood: _Optional[float] = ..., log_likelihood_stderr: _Optional[float] = ..., log_likelihood_method: _Optional[_Union[LogLikelihoodMethod, str]] = ..., spectral_norm: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., saturated_hidden_fraction: _Optional[float] = ..., pt_swap_rate_min: _Optional[float] = ..., pt_swap_rate_mean: _Optional[float] = ..., pt_swap_rates: _Optional[_Iterable[float]] = ..., lr: _Optional[float] = ...) -> None: ...
+    log_likelihood_lower: float
+    log_likelihood_lower_stderr: float
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., reconstruction_error: _Optional[float] = ..., train_reconstruction_error: _Optional[float] = ..., free_energy_gap: _Optional[float] = ..., pseudo_log_likelihood: _Optional[float] = ..., log_likelihood: _Optional[float] = ..., log_likelihood_stderr: _Optional[float] = ..., log_likelihood_method: _Optional[_Union[LogLikelihoodMethod, str]] = ..., spectral_norm: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., saturated_hidden_fraction: _Optional[float] = ..., pt_swap_rate_min: _Optional[float] = ..., pt_swap_rate_mean: _Optional[float] = ..., pt_swap_rates: _Optional[_Iterable[float]] = ..., lr: _Optional[float] = ..., log_likelihood_lower: _Optional[float] = ..., log_likelihood_lower_stderr: _Optional[float] = ...) -> None: ...
 
 class Backoff(_message.Message):
     __slots__ = ("step", "rollback_step", "reason", "old_lr", "new_lr", "backoff", "max_backoffs")
@@ -826,7 +832,7 @@ class StartSweepRequest(_message.Message):
     def __init__(self, base: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., axes: _Optional[_Iterable[_Union[SweepAxis, _Mapping]]] = ..., mode: _Optional[_Union[SweepMode, str]] = ..., samples: _Optional[int] = ..., seed: _Optional[int] = ..., rank_metric: _Optional[str] = ..., early_stopping: _Optional[_Union[EarlyStopping, _Mapping]] = ..., name: _Optional[str] = ..., request_id: _Optional[str] = ..., validate_only: bool = ..., seeds: _Optional[int] = ...) -> None: ...
 
 class SweepRun(_message.Message):
-    __slots__ = ("job_id", "point", "state", "step", "total_steps", "latest_metrics", "rank", "rank_value", "error")
+    __slots__ = ("job_id", "point", "state", "step", "total_steps", "latest_metrics", "rank", "rank_value", "error", "expired")
     class PointEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -843,6 +849,7 @@ class SweepRun(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_VALUE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     point: _containers.ScalarMap[str, str]
     state: JobState
@@ -852,7 +859,8 @@ class SweepRun(_message.Message):
     rank: int
     rank_value: float
     error: str
-    def __init__(self, job_id: _Optional[str] = ..., point: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., rank: _Optional[int] = ..., rank_value: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    expired: bool
+    def __init__(self, job_id: _Optional[str] = ..., point: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., rank: _Optional[int] = ..., rank_value: _Optional[float] = ..., error: _Optional[str] = ..., expired: bool = ...) -> None: ...
 
 class Sweep(_message.Message):
     __slots__ = ("id", "name", "state", "request", "runs", "best_job_id", "created_at", "run_count", "cancel_requested")
@@ -917,3 +925,21 @@ class SweepUpdate(_message.Message):
     sweep: Sweep
     time: _timestamp_pb2.Timestamp
     def __init__(self, sweep: _Optional[_Union[Sweep, _Mapping]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class DeleteSweepRequest(_message.Message):
+    __slots__ = ("sweep_id", "force", "keep_runs")
+    SWEEP_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_RUNS_FIELD_NUMBER: _ClassVar[int]
+    sweep_id: str
+    force: bool
+    keep_runs: bool
+    def __init__(self, sweep_id: _Optional[str] = ..., force: bool = ..., keep_runs: bool = ...) -> None: ...
+
+class DeleteSweepResponse(_message.Message):
+    __slots__ = ("sweep_id", "deleted_jobs")
+    SWEEP_ID_FIELD_NUMBER: _ClassVar[int]
+    DELETED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    sweep_id: str
+    deleted_jobs: int
+    def __init__(self, sweep_id: _Optional[str] = ..., deleted_jobs: _Optional[int] = ...) -> None: ...

@@ -130,6 +130,11 @@ class RBMServiceStub(object):
                 request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.StreamSweepRequest.SerializeToString,
                 response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.SweepUpdate.FromString,
                 _registered_method=True)
+        self.DeleteSweep = channel.unary_unary(
+                '/ssdrbm.v1.RBMService/DeleteSweep',
+                request_serializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteSweepRequest.SerializeToString,
+                response_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteSweepResponse.FromString,
+                _registered_method=True)
 
 
 class RBMServiceServicer(object):
@@ -284,6 +289,14 @@ class RBMServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteSweep(self, request, context):
+        """/ Deletes a sweep: its record and bookkeeping, and every run's job as DeleteJob does
+        / (unless `keep_runs`). Runs still QUEUED or RUNNING are FAILED_PRECONDITION unless `force`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RBMServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -381,6 +394,11 @@ def add_RBMServiceServicer_to_server(servicer, server):
                     servicer.StreamSweep,
                     request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.StreamSweepRequest.FromString,
                     response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.SweepUpdate.SerializeToString,
+            ),
+            'DeleteSweep': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSweep,
+                    request_deserializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteSweepRequest.FromString,
+                    response_serializer=ssdrbm_dot_v1_dot_rbm__pb2.DeleteSweepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -897,6 +915,33 @@ class RBMService(object):
             '/ssdrbm.v1.RBMService/StreamSweep',
             ssdrbm_dot_v1_dot_rbm__pb2.StreamSweepRequest.SerializeToString,
             ssdrbm_dot_v1_dot_rbm__pb2.SweepUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSweep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssdrbm.v1.RBMService/DeleteSweep',
+            ssdrbm_dot_v1_dot_rbm__pb2.DeleteSweepRequest.SerializeToString,
+            ssdrbm_dot_v1_dot_rbm__pb2.DeleteSweepResponse.FromString,
             options,
             channel_credentials,
             insecure,
