@@ -464,7 +464,7 @@ def test_a_solo_checkpoint_resumes_packed_and_a_packed_one_solo(redis_url: str) 
         a = await h.submit(requests[0])
         alone = make_worker(redis_url, "alone", max_pack_size=1)
         task = asyncio.create_task(alone.run())
-        await stop_when(alone, task, h, a, lambda r: 50 <= r.checkpoint_step < r.step)
+        await stop_when(alone, task, h, a, lambda r: r.checkpoint_step >= 50)
         first_stop = await h.jobs.get(TENANT, a)
         assert first_stop.state is JobState.QUEUED and "packed" not in summary(first_stop)
 
