@@ -1,4 +1,4 @@
-"""Command line: `python -m bench [SUITE|all] [--json] [--quick]`.
+"""Command line: `python -m bench [SUITE|all] [--json] [--quick] [--only TEXT]`.
 
 Suites: core, sklearn, service, pack, service-pack.
 """
@@ -36,10 +36,10 @@ def _suites() -> dict[str, Suite]:
 
         return service.run(quick=quick)
 
-    def pack(quick: bool):
+    def pack(quick: bool, only: str | None = None):
         from bench import pack
 
-        return pack.run(quick=quick)
+        return pack.run(quick=quick, only=only)
 
     def service_pack(quick: bool):
         from bench import service_pack
@@ -76,6 +76,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="CPU threads for every implementation (default: each library's own default)",
     )
     parser.add_argument(
+        "--only",
+        metavar="TEXT",
+        help="pack suite only: measure the configurations whose label contains TEXT "
+        "(e.g. grbm: the Gaussian packs)",
+    )
+    parser.add_argument(
         "--from-json",
         metavar="PATH",
         help="print the tables of a saved run (from --save-json) instead of measuring",
@@ -86,16 +92,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(suite: str, *, quick: bool) -> tuple[Report, list[str]]:
-    """Run one suite or all of them; return the report and the suites that failed."""
+def run(suite: str, *, quick: bool, only: str | None = None) -> tuple[Report, list[str]]:
+    """Run one suite or all of them; return the report and the suites that failed. ``only``
+    (pack suite only) filters its configurations by label."""
     suites = _suites()
     names = list(suites) if suite == "all" else [suite]
     report = Report(environment={**environment(), "quick": quick, "suites": names})
+    if only is not None:
+        report.environment["only"] = only
     failed = []
     for name in names:
         started = time.perf_counter()
         try:
-            cases, targets = suites[name](quick)
+            cases, targets = suites[name](quick, only) if only else suites[name](quick)
         except Exception:
             logger.exception("suite %s failed", name)
             failed.append(name)
@@ -117,12 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as saved:
             write(read_json_lines(saved), sys.stdout, as_json=args.json)
         return 0
+    if args.only is not None and args.suite != "pack":
+        print(
+            "python -m bench: --only filters the pack suite; run `pack --only TEXT`",
+            file=sys.stderr,
+        )
+        return 2
     if args.threads is not None:
         if args.threads < 1:
             print("python -m bench: --threads must be at least 1", file=sys.stderr)
             return 2
         set_threads(args.threads)
-    report, failed = run(args.suite, quick=args.quick)
+    report, failed = run(args.suite, quick=args.quick, only=args.only)
     write(report, sys.stdout, as_json=args.json)
     if args.save_json:
         with open(args.save_json, "w") as saved:

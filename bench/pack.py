@@ -10,8 +10,11 @@ figure of record is the same-round ratio sequential / packed (``packed_x_faster`
 sequential case); throughput is model-iterations per second (one step of one run).
 
 CPU cases: the paper's simulation model (100×16, CD-1, batch 100, 32 runs) and MNIST 784×50
-CD-10 (batch 100, 16 runs), with SGD and SSD. GPU cases (CUDA only): 64 runs of 784×500 CD-10
-batch 100, SGD and SSD (Newton–Schulz), the packed step replayed as a CUDA graph.
+CD-10 (batch 100, 16 runs), with SGD and SSD, as Bernoulli RBMs on binary data and as
+diagonal-variance Gaussian RBMs on the same data standardized (no targets for those: the goals
+are the Bernoulli packs'). GPU cases (CUDA only): 64 runs of 784×500 CD-10 batch 100, SGD and
+SSD (Newton–Schulz), the packed step replayed as a CUDA graph. ``only`` keeps the
+configurations whose label contains it (``python -m bench pack --only grbm``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ SIMULATION_SAMPLES = 5000
 # Step sizes spread over a factor of 2 across the runs, as a step-size sweep would; small
 # enough to stay finite for the timed steps (the cost of a step does not depend on them).
 BASE_LR = {"sgd": 0.01, "ssd": 1e-4}
+# Gaussian RBMs need ~100x smaller steps (SSD's, whose length grows with the nuclear norm of the
+# gradient), SGD's ~1000x on standardized MNIST: its constant pixels start at the variance
+# floor (precision 1e4) and its rare ones at standardized values up to ~100, and at 1e-4 one
+# SGD step takes W to ~50 (1e-5: W stays below ~5 and every run finite over 80 CD-10 steps).
+GAUSSIAN_BASE_LR = {"sgd": 1e-5, "ssd": 1e-6}
+# The Gaussian cases' variance form: the one a pack runs with a parameter per visible unit.
+GAUSSIAN_VARIANCE = "diagonal"
 # Below this many seconds per call the rounds measure Python overhead noise.
 MIN_CALL_SECONDS = 0.02
 
@@ -51,13 +61,19 @@ class Config:
     n_runs: int
     optimizer: str  # sgd | ssd
     device: str  # cpu | cuda
-    target: float  # x faster than sequential, the goal
+    target: float | None  # x faster than sequential, the goal (None: a plain case)
+    variance: str | None = None  # None: Bernoulli RBMs; else Gaussian RBMs of this variance form
+
+    @property
+    def model(self) -> str:
+        return "bernoulli" if self.variance is None else f"grbm-{self.variance}"
 
     @property
     def label(self) -> str:
+        kind = "" if self.variance is None else f" {self.model}"
         return (
-            f"{self.name} {self.n_visible}x{self.n_hidden} CD-{self.cd_k} {self.n_runs} runs "
-            f"{self.optimizer} ({self.device})"
+            f"{self.name}{kind} {self.n_visible}x{self.n_hidden} CD-{self.cd_k} "
+            f"{self.n_runs} runs {self.optimizer} ({self.device})"
         )
 
 
@@ -72,45 +88,69 @@ class Plan:
     with_solo: bool
 
 
-def plan(quick: bool, cuda: bool) -> Plan:
-    """Full: the figures of record; quick: tiny sizes that only check the suite runs."""
+def plan(quick: bool, cuda: bool, only: str | None = None) -> Plan:
+    """Full: the figures of record; quick: tiny sizes that only check the suite runs. ``only``
+    keeps the configurations whose label contains it."""
+    gaussian = GAUSSIAN_VARIANCE
     if quick:
         configs = [
             Config("simulation", 100, 16, 1, 2, optimizer, "cpu", 10.0)
             for optimizer in ("sgd", "ssd")
         ]
         configs.append(Config("mnist", 784, 50, 1, 2, "ssd", "cpu", 1.5))
+        configs.append(Config("simulation", 100, 16, 1, 2, "ssd", "cpu", None, gaussian))
+        configs.append(Config("mnist", 784, 50, 2, 2, "sgd", "cpu", None, gaussian))
+        full = None
+    else:
+        configs = []
+        for optimizer in ("sgd", "ssd"):
+            configs.append(Config("simulation", 100, 16, 1, 32, optimizer, "cpu", 10.0))
+            configs.append(Config("mnist", 784, 50, 10, 16, optimizer, "cpu", 1.5))
+            if cuda:
+                configs.append(Config("mnist", 784, 500, 10, 64, optimizer, "cuda", 1.0))
+        for optimizer in ("sgd", "ssd"):
+            configs.append(Config("simulation", 100, 16, 1, 32, optimizer, "cpu", None, gaussian))
+            configs.append(Config("mnist", 784, 50, 10, 16, optimizer, "cpu", None, gaussian))
+        full = Plan((), rounds=5, round_seconds=0.5, mnist_limit=None, with_solo=True)
+    if only is not None:
+        configs = [config for config in configs if only in config.label]
+        if not configs:
+            raise ValueError(f"--only {only!r} matches no pack configuration")
+    if full is None:
         return Plan(tuple(configs), rounds=2, round_seconds=0.0, mnist_limit=500, with_solo=False)
-    configs = []
-    for optimizer in ("sgd", "ssd"):
-        configs.append(Config("simulation", 100, 16, 1, 32, optimizer, "cpu", 10.0))
-        configs.append(Config("mnist", 784, 50, 10, 16, optimizer, "cpu", 1.5))
-        if cuda:
-            configs.append(Config("mnist", 784, 500, 10, 64, optimizer, "cuda", 1.0))
-    return Plan(tuple(configs), rounds=5, round_seconds=0.5, mnist_limit=None, with_solo=True)
+    return Plan(tuple(configs), full.rounds, full.round_seconds, full.mnist_limit, full.with_solo)
 
 
 def _optimizer(config: Config, run: int):
     from ssdcore.optim import OptimizerConfig
 
-    lr = BASE_LR[config.optimizer] * (1 + run / config.n_runs)
+    base = BASE_LR if config.variance is None else GAUSSIAN_BASE_LR
+    lr = base[config.optimizer] * (1 + run / config.n_runs)
     if config.optimizer == "sgd":
         return OptimizerConfig("sgd", lr=lr)
     method = "newton-schulz" if config.device == "cuda" else "auto"
     return OptimizerConfig("ssd", lr=lr, method=method)
 
 
-def _model(config: Config, run: int, device: torch.device):
+def _model(config: Config, run: int, data: torch.Tensor):
+    """Run ``run``'s model; a Gaussian one starts from the data's means and variances."""
     import ssdcore
 
     generator = torch.Generator().manual_seed(run)
-    return ssdcore.BernoulliRBM(config.n_visible, config.n_hidden, generator=generator).to(device)
+    if config.variance is None:
+        model = ssdcore.BernoulliRBM(config.n_visible, config.n_hidden, generator=generator)
+        return model.to(data.device)
+    model = ssdcore.GaussianRBM(
+        config.n_visible, config.n_hidden, config.variance, generator=generator
+    )
+    model.init_from_data(data.cpu())
+    return model.to(data.device)
 
 
 def _pack(config: Config, runs: range, data: torch.Tensor, *, independent: bool = True):
     from ssdcore.pack import PackRun, TrainingPack
 
-    packed = [PackRun(_model(config, r, data.device), _optimizer(config, r), r) for r in runs]
+    packed = [PackRun(_model(config, r, data), _optimizer(config, r), r) for r in runs]
     return TrainingPack(
         packed,
         data,
@@ -124,7 +164,7 @@ def _solo(config: Config, run: int, data: torch.Tensor):
     import ssdcore
 
     return ssdcore.Trainer(
-        _model(config, run, data.device),
+        _model(config, run, data),
         data,
         optimizer=_optimizer(config, run),
         batch_size=BATCH_SIZE,
@@ -135,19 +175,32 @@ def _solo(config: Config, run: int, data: torch.Tensor):
 
 def variants(config: Config, data: torch.Tensor, with_solo: bool) -> dict[str, Callable]:
     """``name -> train(steps)`` for each way of training the M runs (each call: steps per run)."""
-    packed = _pack(config, range(config.n_runs), data)
-    singles = [_pack(config, range(r, r + 1), data) for r in range(config.n_runs)]
+    packed = _finite(_pack(config, range(config.n_runs), data))
+    singles = [_finite(_pack(config, range(r, r + 1), data)) for r in range(config.n_runs)]
     result: dict[str, Callable[[int], object]] = {
-        "packed": packed.train_steps,
-        "sequential": lambda steps: [single.train_steps(steps) for single in singles],
+        "packed": packed,
+        "sequential": lambda steps: [single(steps) for single in singles],
     }
     if with_solo:
         # What each run's own random streams cost: one stream for the whole pack instead.
-        shared = _pack(config, range(config.n_runs), data, independent=False)
-        result["packed-one-stream"] = shared.train_steps
+        result["packed-one-stream"] = _finite(
+            _pack(config, range(config.n_runs), data, independent=False)
+        )
         trainers = [_solo(config, r, data) for r in range(config.n_runs)]
         result["solo"] = lambda steps: [trainer.train_steps(steps) for trainer in trainers]
     return result
+
+
+def _finite(pack) -> Callable[[int], object]:
+    """``pack.train_steps`` that stops the benchmark when a run diverges: a frozen run skips
+    its work, which would flatter the timing."""
+
+    def train(steps: int) -> None:
+        diverged = pack.train_steps(steps)
+        if diverged:
+            raise RuntimeError(f"bench pack: runs diverged ({diverged[0]}); lower the step sizes")
+
+    return train
 
 
 def _steps_per_call(train: Callable[[int], object], device: torch.device, seconds: float) -> int:
@@ -189,6 +242,7 @@ def measure(config: Config, data: torch.Tensor, plan_: Plan) -> list[Case]:
                 name=f"{config.label}/{name}",
                 config={
                     "model": config.name,
+                    "rbm": config.model,
                     "size": f"{config.n_visible}x{config.n_hidden}",
                     "cd_k": config.cd_k,
                     "batch": BATCH_SIZE,
@@ -210,37 +264,48 @@ def measure(config: Config, data: torch.Tensor, plan_: Plan) -> list[Case]:
 
 
 def load_data(config: Config, plan_: Plan) -> torch.Tensor:
-    """The simulation's binary data (from the 100×16 generating RBM), or binarized MNIST."""
+    """The simulation's binary data (from the 100×16 generating RBM), or binarized MNIST; for
+    Gaussian RBMs the same data standardized (per unit zero mean, unit variance)."""
+    from ssdcore.data import preprocess
+
     if config.name == "simulation":
         from ssdcore.data import synthetic_rbm_data
 
         data = synthetic_rbm_data(config.n_visible, config.n_hidden, SIMULATION_SAMPLES, seed=0)
+        if config.variance is not None:
+            data = preprocess(data, "standardize")
     else:
-        data = bench_data.mnist("binarize", limit=plan_.mnist_limit)
+        mode = "binarize" if config.variance is None else "standardize"
+        data = bench_data.mnist(mode, limit=plan_.mnist_limit)
     return data.to(config.device)
 
 
-def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
-    """Measure every configuration of the plan; return its cases and targets."""
+def run(*, quick: bool = False, only: str | None = None) -> tuple[list[Case], list[Target]]:
+    """Measure every configuration of the plan (those whose label contains ``only``, if
+    given); return its cases and targets."""
     cuda = torch.cuda.is_available()
-    plan_ = plan(quick, cuda)
+    plan_ = plan(quick, cuda, only)
     cases: list[Case] = []
-    loaded: dict[tuple[str, str], torch.Tensor] = {}
+    loaded: dict[tuple[str, str, bool], torch.Tensor] = {}
     for config in plan_.configs:
-        key = (config.name, config.device)
+        key = (config.name, config.device, config.variance is None)
         if key not in loaded:
             loaded[key] = load_data(config, plan_)
         started = time.perf_counter()
         cases += measure(config, loaded[key], plan_)
         logger.info("pack: %s took %.0f s", config.label, time.perf_counter() - started)
-    return cases, targets(cases, plan_, cuda, quick)
+    return cases, targets(cases, plan_, cuda, quick, only)
 
 
-def targets(cases: list[Case], plan_: Plan, cuda: bool, quick: bool) -> list[Target]:
+def targets(
+    cases: list[Case], plan_: Plan, cuda: bool, quick: bool, only: str | None = None
+) -> list[Target]:
     """Packed / sequential throughput goals, judged on this run's same-round ratios (not on
     the quick run's few runs, which only check that the suite works)."""
     result = []
     for config in plan_.configs:
+        if config.target is None:
+            continue
         sequential = next(c for c in cases if c.name == f"{config.label}/sequential")
         result.append(
             Target(
@@ -253,7 +318,7 @@ def targets(cases: list[Case], plan_: Plan, cuda: bool, quick: bool) -> list[Tar
                 "quick run: too few runs to judge" if quick else "",
             )
         )
-    if not cuda:
+    if not cuda and only is None:
         for optimizer in ("sgd", "ssd"):
             result.append(
                 Target(

@@ -144,6 +144,24 @@ def test_pack_cases_compare_packed_with_the_same_runs_in_turn(quick_records):
         assert _is_positive_number(cases[name]["metrics"]["model_iters_per_s"])
         assert _is_positive_number(cases[f"{label}/sequential"]["ratios"]["packed_x_faster"])
         assert cases[name]["config"]["runs"] >= 2
+    # Gaussian packs too, on standardized data, as plain cases (the targets are Bernoulli).
+    gaussian = [name for name in packed if cases[name]["config"]["rbm"] == "grbm-diagonal"]
+    assert {cases[name]["config"]["model"] for name in gaussian} == {"simulation", "mnist"}
+    pack_targets = [r["name"] for r in quick_records if r["kind"] == "target"]
+    assert not any("grbm" in name for name in pack_targets)
+
+
+def test_pack_only_keeps_the_matching_configurations():
+    from bench import pack
+
+    gaussian = pack.plan(quick=False, cuda=False, only="grbm").configs
+    assert {(c.name, c.optimizer) for c in gaussian} == {
+        (name, optimizer) for name in ("simulation", "mnist") for optimizer in ("sgd", "ssd")
+    }
+    assert all(c.variance == "diagonal" and c.target is None for c in gaussian)
+    assert {c.n_runs for c in gaussian if c.name == "simulation"} == {32}
+    with pytest.raises(ValueError, match="matches no pack configuration"):
+        pack.plan(quick=True, cuda=False, only="no such case")
 
 
 def test_service_pack_case_times_the_packed_sweep_against_one_job_at_a_time(quick_records):
