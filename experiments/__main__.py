@@ -1,4 +1,5 @@
-"""Command line: `python -m experiments NAME [--quick] [--out DIR] [--sequential] [--pilot]`."""
+"""Command line: `python -m experiments NAME [--quick] [--out DIR] [--sequential] [--pilot]
+[--time-only]`."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ EXPERIMENTS = (
 PACKED = ("tuning",)
 # The experiments with a PILOT configuration (fewer seeds than the full run) that take --pilot.
 PILOTED = ("large",)
+# The experiments with a time budget that take --time-only (that budget alone).
+TIMED = ("large",)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"the smaller pilot configuration ({', '.join(PILOTED)})",
     )
+    parser.add_argument(
+        "--time-only",
+        action="store_true",
+        help=f"only the equal-time budget ({', '.join(TIMED)})",
+    )
     arguments = parser.parse_args(argv)
     if arguments.sequential and arguments.name not in PACKED:
         parser.error(f"--sequential applies to {', '.join(PACKED)}; {arguments.name} runs alone")
@@ -57,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     options = {"sequential": True} if arguments.sequential else {}
     if arguments.pilot:
         options["pilot"] = True
+    if arguments.time_only:
+        if arguments.name not in TIMED:
+            parser.error(f"--time-only applies to {', '.join(TIMED)}; {arguments.name} has none")
+        options["time_only"] = True
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     threads = common.configure_threads()
     module = importlib.import_module(f"experiments.{arguments.name}")

@@ -260,6 +260,17 @@ def test_only_piloted_experiments_take_pilot(tmp_path: Path) -> None:
     )
 
 
+def test_large_time_only_runs_sgd_for_the_budget_then_every_configuration_under_it(
+    tmp_path: Path,
+) -> None:
+    summary = large.run(tmp_path, quick=True, time_only=True)
+    labels = [m.label for m in large.methods(large.QUICK, {})]
+    budgets = [(row["budget"], row["run"]) for row in summary["runs"]]
+    assert budgets == [("iterations", "SGD")] + [("wall", label) for label in labels]
+    with pytest.raises(SystemExit):
+        main(["simulation", "--quick", "--time-only", "--out", str(tmp_path)])
+
+
 def test_large_runs_a_subset_with_sgd_for_the_time_budget() -> None:
     subset = dataclasses.replace(large.QUICK, only=("SSD normalized",))
     assert [m.label for m in large.methods(subset, {})] == ["SGD", "SSD normalized"]
