@@ -591,6 +591,19 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         finally:
             self._stream_opened(-1, tenant)
 
+    async def DeleteSweep(
+        self, request: pb.DeleteSweepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteSweepResponse:
+        _check_id(request.sweep_id, "sweep_id")
+        tenant = current_tenant()
+        deleted = await self.sweeps.delete(
+            tenant, request.sweep_id, force=request.force, keep_runs=request.keep_runs
+        )
+        for job_id in deleted:  # as DeleteJob: this process's serving caches forget them
+            self.recent_jobs.forget(tenant, job_id)
+            self.models.forget(job_id)
+        return pb.DeleteSweepResponse(sweep_id=request.sweep_id, deleted_jobs=len(deleted))
+
     # --- helpers ----------------------------------------------------------------------------
 
     async def _job(self, job_id: str) -> JobRecord:

@@ -35,9 +35,11 @@ DEFAULT_REDUCTION_FACTOR = 3
 MAX_REDUCTION_FACTOR = 100
 MAX_RUNGS = 64
 
-# KEYS: the rung's sorted set, the sweep's decisions. ARGV: job id, step, signed value, eta.
-# Returns "<promote|stop> <runs at the rung> <runs kept>".
+# KEYS: the rung's sorted set, the sweep's decisions, the sweep. ARGV: job id, step, signed
+# value, eta. Returns "<promote|stop> <runs at the rung> <runs kept>". A deleted sweep decides
+# nothing and writes nothing (its runs go on as ordinary jobs, or are being deleted).
 _DECIDE = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 'promote 0 0' end
 local key = ARGV[1] .. ' ' .. ARGV[2]
 local known = redis.call('HGET', KEYS[2], key)
 if known then return known end
@@ -153,6 +155,7 @@ class RungGate:
             keys=[
                 self.keys.sweep_rung(self.tenant, self.sweep_id, step),
                 self.keys.sweep_decisions(self.tenant, self.sweep_id),
+                self.keys.sweep(self.tenant, self.sweep_id),
             ],
             args=[self.job_id, step, signed, self._eta],
         )

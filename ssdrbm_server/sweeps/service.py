@@ -1,10 +1,16 @@
-"""The sweep RPCs: StartSweep, GetSweep, ListSweeps, CancelSweep, StreamSweep.
+"""The sweep RPCs: StartSweep, GetSweep, ListSweeps, CancelSweep, StreamSweep, DeleteSweep.
 
 StartSweep checks everything before it creates anything: the axes and their points, each point
 resolved by the one resolver (a bad point is INVALID_ARGUMENT naming the axis and its value), the
 points limit (SSDRBM_MAX_SWEEP_POINTS) and the tenant's job limit (the sweep's jobs beside its
 queued and running ones, SSDRBM_MAX_JOBS_PER_TENANT). Then the sweep record, then one ordinary
 job per point, tagged with the sweep's id (store.py has the order and its repair).
+
+DeleteSweep deletes each run's job as DeleteJob does (with `force`, the same rules: a queued run
+is cancelled, a running one is deleted at once and its worker stops at its next fenced write),
+then the sweep's keys. With `keep_runs` the jobs lose their sweep tag and stay as ordinary jobs.
+A run whose job is gone (deleted, or expired after finished_job_ttl_seconds; the sweep record
+itself does not expire) shows as `expired`; a sweep whose runs are all gone is EXPIRED.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from ssdrbm_server import convert, resolver
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
     AlreadyExistsError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
@@ -222,6 +229,52 @@ class SweepService:
             except NotFoundError:
                 continue  # deleted meanwhile
 
+    async def delete(
+        self, tenant: str, sweep_id: str, *, force: bool = False, keep_runs: bool = False
+    ) -> list[str]:
+        """Delete the sweep and (unless ``keep_runs``) its runs' jobs; returns the ids of the
+        jobs deleted. Runs still QUEUED or RUNNING need ``force``, else FailedPreconditionError;
+        NotFoundError when unknown or another tenant's."""
+        record = await self.sweeps.get(tenant, sweep_id)
+        request_id = pb.StartSweepRequest.FromString(record.request).request_id
+        deleted: list[str] = []
+        if keep_runs:
+            await self._detach_runs(record)
+        else:
+            active = [run.job_id for run in await self._runs(record) if _active(run)]
+            if active and not force:
+                raise FailedPreconditionError(
+                    f"sweep {sweep_id} has {len(active)} queued or running runs; cancel it "
+                    "(CancelSweep) and delete it once they ended, or pass force=true "
+                    "(`ssdrbm sweep-delete --force`) to cancel and delete them now",
+                    precondition="SWEEP_ACTIVE",
+                    subject=f"sweep:{sweep_id}",
+                )
+            await self.sweeps.mark(tenant, sweep_id, cancel=True)  # a half-done delete shows it
+            for job_id in record.job_ids:
+                try:
+                    await self.jobs.delete(tenant, job_id, force=force)
+                except NotFoundError:
+                    continue  # deleted by its owner already, or expired
+                deleted.append(job_id)
+        await self.sweeps.delete(tenant, sweep_id, request_id)
+        logger.info(
+            "sweep %s deleted by tenant %s (%d jobs, keep_runs=%s)",
+            sweep_id,
+            tenant,
+            len(deleted),
+            keep_runs,
+        )
+        return deleted
+
+    async def _detach_runs(self, record: SweepRecord) -> None:
+        """The runs become ordinary jobs: their sweep tag goes (their rung gates then find the
+        sweep gone and decide nothing)."""
+        async with self.jobs.redis.pipeline(transaction=False) as pipe:
+            for job_id in record.job_ids:
+                pipe.hdel(self.jobs.keys.job(job_id), "sweep_id")
+            await pipe.execute()
+
     async def stream(self, tenant: str, sweep_id: str) -> AsyncIterator[pb.SweepUpdate]:
         """The leaderboard on every change and at least every HEARTBEAT_S; ends after the
         update that shows the sweep ended."""
@@ -269,11 +322,13 @@ class SweepService:
         runs = []
         for index, (job_id, reply) in enumerate(zip(record.job_ids, replies, strict=True)):
             state, step, total, metrics, error = reply
-            if state is None:
-                continue  # the job was deleted
+            point = record.points[index] if index < len(record.points) else {}
+            if state is None:  # deleted, or expired after finished_job_ttl_seconds
+                runs.append(pb.SweepRun(job_id=job_id, point=point, expired=True))
+                continue
             run = pb.SweepRun(
                 job_id=job_id,
-                point=record.points[index] if index < len(record.points) else {},
+                point=point,
                 state=convert.state_to_proto(JobState(state.decode())),
                 step=int(step or 0),
                 total_steps=int(total or 0),
@@ -297,15 +352,22 @@ def _rank(runs: list[pb.SweepRun], metric: str) -> None:
         run.rank = rank
 
 
+def _active(run: pb.SweepRun) -> bool:
+    """True while the run's job is QUEUED or RUNNING (a gone job is not)."""
+    return not run.expired and run.state not in convert.TERMINAL_PROTO_STATES
+
+
 def _state(record: SweepRecord, runs: list[pb.SweepRun]) -> int:
     """The sweep's state, read from its runs: it is never stored."""
     if not record.cancel_requested and len(record.job_ids) < record.run_count:
         return pb.SWEEP_STATE_RUNNING  # still being created
-    if any(run.state not in convert.TERMINAL_PROTO_STATES for run in runs):
+    if any(_active(run) for run in runs):
         return pb.SWEEP_STATE_RUNNING
     if record.cancel_requested:
         return pb.SWEEP_STATE_CANCELLED
-    states = {run.state for run in runs}
+    states = {run.state for run in runs if not run.expired}
+    if not states:
+        return pb.SWEEP_STATE_EXPIRED
     if states & {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_STOPPED}:
         return pb.SWEEP_STATE_SUCCEEDED
     if pb.JOB_STATE_CANCELLED in states:

@@ -7,6 +7,9 @@ A sweep is created before its jobs: the hash and its listing position first, the
 appended at its point's index. A StartSweep that died half-way is finished by its repeat (same
 request_id): the points are resolved again, identically, and the missing jobs created.
 The sweep's state is never stored; it is read from its runs (service.py).
+
+A delete (service.py) removes the runs' jobs first, then every key of the sweep in one script,
+so a delete that died half-way leaves a sweep a repeated delete finishes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ if redis.call('LLEN', KEYS[1]) == tonumber(ARGV[1]) then
   redis.call('RPUSH', KEYS[1], ARGV[2])
 end
 return redis.call('LLEN', KEYS[1])
+"""
+
+# KEYS: sweep hash, tenant listing, the request_id's idempotency key, then the sweep's other
+# keys (runs, decisions, rungs). ARGV: sweep id. Returns 1 when the sweep existed, else 0.
+_DELETE = """
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
+redis.call('DEL', KEYS[1], unpack(KEYS, 4))
+return existed
 """
 
 
@@ -80,6 +93,7 @@ class SweepStore:
         self.keys = keys
         self._create = redis.register_script(_CREATE)
         self._add_run = redis.register_script(_ADD_RUN)
+        self._delete = redis.register_script(_DELETE)
 
     async def reserve_id(self, tenant: str, request_id: str, ttl_s: int) -> tuple[str, bool]:
         """(sweep id, new): a fresh id, or the one an earlier StartSweep with this request_id
@@ -144,6 +158,23 @@ class SweepStore:
         if error:
             fields["error"] = error
         await self.redis.hset(self.keys.sweep(tenant, sweep_id), mapping=fields)
+
+    async def delete(self, tenant: str, sweep_id: str, request_id: str) -> None:
+        """Remove the sweep's record, runs list, rung and decision keys, listing position and
+        (when it still names this sweep) its request_id's key, in one step; NotFoundError when
+        it was already gone (a concurrent delete). The runs' jobs are the caller's."""
+        sweep_key = self.keys.sweep(tenant, sweep_id)
+        rungs = (await self.redis.hget(sweep_key, "rungs") or b"").decode()
+        keys = [
+            sweep_key,
+            self.keys.tenant_sweeps(tenant),
+            self.keys.sweep_idempotency(tenant, request_id),
+            self.keys.sweep_runs(tenant, sweep_id),
+            self.keys.sweep_decisions(tenant, sweep_id),
+            *(self.keys.sweep_rung(tenant, sweep_id, int(s)) for s in rungs.split(",") if s),
+        ]
+        if not await self._delete(keys=keys, args=[sweep_id]):
+            raise _not_found(sweep_id)
 
     async def get(self, tenant: str, sweep_id: str) -> SweepRecord:
         """The sweep; NotFoundError when unknown or another tenant's."""

@@ -1,5 +1,6 @@
 """Commands about sweeps: ``sweep`` (start, ``--watch`` a live leaderboard), ``sweeps`` (list),
-``sweep-show``, ``sweep-cancel``, ``sweep-delete``; ``plot SWEEP`` draws one curve per run (models.py asks here).
+``sweep-show``, ``sweep-cancel``, ``sweep-delete``; ``plot SWEEP`` draws one curve per run
+(models.py asks here).
 
 ``ssdrbm sweep`` takes ``ssdrbm train``'s options; the ones a sweep can vary take a comma list
 (``--lr 1e-3,3e-3,1e-2 --optimizer ssd,sgd``), or with ``--random N`` a range ``LOW..HIGH``
