@@ -316,8 +316,10 @@ class PackTraining:
 
     def _requests(self) -> bool:
         """Read what the worker sent: a stop (every job checkpoints and stops: True), or a
-        stop or drop of one run."""
-        while self.conn.poll():
+        stop or drop of one run. Nothing is read once every run has left: what follows in the
+        pipe (the worker's next start, sent as soon as the pack ended on its side) is the main
+        loop's."""
+        while self._open() and self.conn.poll():
             message = protocol.receive(self.conn)
             if message.kind == protocol.STOP:
                 for job in self._open():
