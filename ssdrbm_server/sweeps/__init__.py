@@ -6,5 +6,6 @@ successive-halving early stopping (ASHA).
 - ``rungs.py``: the rung schedule, and the ASHA decision as one Redis script (``RungGate``,
   called by the worker when a run reports metrics).
 - ``store.py``: the sweep record in Redis (tenant slot), its runs and listing.
-- ``service.py``: the RPCs (StartSweep, GetSweep, ListSweeps, CancelSweep, StreamSweep).
+- ``service.py``: the RPCs (StartSweep, GetSweep, ListSweeps, CancelSweep, StreamSweep,
+  DeleteSweep).
 """
