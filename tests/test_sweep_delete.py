@@ -120,7 +120,7 @@ def test_force_deletes_a_sweep_while_a_worker_trains_its_run(service: RunningSer
     wait_for(lambda: pb.JOB_STATE_RUNNING in states(), "a running run")
     error = rpc_error(lambda: delete(stub, sweep.id))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "force" in error.details() and "queued or running" in error.details()
+    assert "force" in error.details() and "2 runs queued or running" in error.details()
     assert get(stub, sweep.id).state == pb.SWEEP_STATE_RUNNING  # refused: nothing changed
     assert delete(stub, sweep.id, force=True).deleted_jobs == 2
     assert_gone(service, stub, sweep, job_ids)
@@ -144,6 +144,20 @@ def test_keep_runs_deletes_only_the_sweep(idle: RunningService) -> None:
     for run in sweep.runs:  # ordinary jobs now, still queued
         job = stub.GetJob(pb.GetJobRequest(job_id=run.job_id))
         assert job.state == pb.JOB_STATE_QUEUED and job.sweep_id == ""
+
+
+def test_a_sweep_still_being_created_needs_force(idle: RunningService) -> None:
+    stub = idle.stub()
+    sweep = stub.StartSweep(sweep_request(0.01, 0.02))
+    for run in sweep.runs:
+        stub.CancelJob(pb.CancelJobRequest(job_id=run.job_id))  # every run ended...
+    client = redis.Redis.from_url(idle.settings.redis_url)
+    client.rpop(Keys(idle.settings.redis_prefix).sweep_runs("default", sweep.id))
+    # ...but its StartSweep has not recorded every run yet (or died before: its repeat would).
+    error = rpc_error(lambda: delete(stub, sweep.id))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "1 of 2 created" in error.details() and "force" in error.details()
+    assert delete(stub, sweep.id, force=True).deleted_jobs == 1
 
 
 def test_another_tenant_gets_not_found(service_factory: Callable[..., RunningService]) -> None:

@@ -241,11 +241,13 @@ class SweepService:
         if keep_runs:
             await self._detach_runs(record)
         else:
-            active = [run.job_id for run in await self._runs(record) if _active(run)]
-            if active and not force:
+            runs = await self._runs(record)
+            if _state(record, runs) == pb.SWEEP_STATE_RUNNING and not force:
+                active = sum(_active(run) for run in runs)
                 raise FailedPreconditionError(
-                    f"sweep {sweep_id} has {len(active)} queued or running runs; cancel it "
-                    "(CancelSweep) and delete it once they ended, or pass force=true "
+                    f"sweep {sweep_id} is running ({active} runs queued or running, "
+                    f"{len(record.job_ids)} of {record.run_count} created); cancel it "
+                    "(CancelSweep) and delete it once its runs ended, or pass force=true "
                     "(`ssdrbm sweep-delete --force`) to cancel and delete them now",
                     precondition="SWEEP_ACTIVE",
                     subject=f"sweep:{sweep_id}",
