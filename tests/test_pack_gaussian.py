@@ -20,10 +20,9 @@ from ssdcore import BernoulliRBM, GaussianRBM, OptimizerConfig, Trainer
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.pack import PackRun, TrainingPack, insert_bytes, pack_key, run_to_bytes
 from ssdrbm_server.packing import NOT_PACKABLE
-from ssdrbm_server.store import JobState
 from ssdrbm_server.worker.pack_child import packed_summary
 from ssdrbm_server.worker.runner import run_memory_mb
-from tests.test_packed_worker import PackHarness, key_of, run_queued, summary
+from tests.test_packed_worker import key_of, packed_and_solo
 from tests.test_worker import spec
 
 
@@ -273,29 +272,7 @@ def test_gaussian_jobs_train_as_one_pack_each_equal_to_its_solo_job(redis_url):
     worker trains them as one pack; each job's metrics and final parameters (log_var included)
     equal the same job trained alone (SSDRBM_MAX_PACK_SIZE=1)."""
     requests = [gaussian_job(lr) for lr in (0.01, 0.02)]
-    results: dict[str, list] = {}
-
-    def collect(label: str):
-        async def scenario(h: PackHarness, job_ids: list[str], worker) -> None:
-            records = [await h.wait_done(job_id) for job_id in job_ids]
-            assert all(r.state is JobState.SUCCEEDED for r in records), [r.error for r in records]
-            results[label] = [
-                (
-                    summary(record),
-                    [
-                        rbm_pb2.Metrics.FromString(data)
-                        for kind, data, _ in await h.events_of(record.id)
-                        if kind == "metrics"
-                    ],
-                    await h.final_parameters(record.id),
-                )
-                for record in records
-            ]
-
-        return scenario
-
-    run_queued(redis_url, requests, collect("packed"), max_pack_size=8)
-    run_queued(redis_url, requests, collect("solo"), max_pack_size=1)
+    results = packed_and_solo(redis_url, requests)
     for packed_run, solo_run in zip(results["packed"], results["solo"], strict=True):
         assert packed_run[0].endswith(packed_summary(2)) and "packed" not in solo_run[0]
         assert [(m.step, m.reconstruction_error) for m in packed_run[1]] == [

@@ -39,9 +39,8 @@ from ssdcore.pack.polar import packed_newton_schulz
 from ssdcore.schedules import Schedule
 from ssdrbm_server.packing import NOT_PACKABLE
 from ssdrbm_server.resolver import resolve
-from ssdrbm_server.store import JobState
 from ssdrbm_server.worker.pack_child import packed_summary
-from tests.test_packed_worker import PackHarness, run_queued, summary
+from tests.test_packed_worker import packed_and_solo
 from tests.test_worker import SETTINGS, spec
 
 
@@ -356,29 +355,7 @@ def test_normalized_scheduled_jobs_train_as_one_pack_each_equal_to_its_solo_job(
         request.optimizer.schedule.kind = kind
         request.optimizer.schedule.decay_steps = 10
         requests.append(request)
-    results: dict[str, list] = {}
-
-    def collect(label: str):
-        async def scenario(h: PackHarness, job_ids: list[str], worker) -> None:
-            records = [await h.wait_done(job_id) for job_id in job_ids]
-            assert all(r.state is JobState.SUCCEEDED for r in records), [r.error for r in records]
-            results[label] = [
-                (
-                    summary(record),
-                    [
-                        rbm_pb2.Metrics.FromString(data)
-                        for kind, data, _ in await h.events_of(record.id)
-                        if kind == "metrics"
-                    ],
-                    await h.final_parameters(record.id),
-                )
-                for record in records
-            ]
-
-        return scenario
-
-    run_queued(redis_url, requests, collect("packed"), max_pack_size=8)
-    run_queued(redis_url, requests, collect("solo"), max_pack_size=1)
+    results = packed_and_solo(redis_url, requests)
     lrs = []
     for packed_run, solo_run in zip(results["packed"], results["solo"], strict=True):
         assert packed_run[0].endswith(packed_summary(3)) and "packed" not in solo_run[0]

@@ -108,6 +108,38 @@ def run_queued(
     return worker
 
 
+def packed_and_solo(
+    redis_url: str, requests: list[rbm_pb2.StartTrainingRequest]
+) -> dict[str, list[tuple[str, list[rbm_pb2.Metrics], dict]]]:
+    """Train ``requests`` queued together by a packing worker ("packed") and by one that
+    does not pack ("solo"); per job, in request order: its runtime summary, its metric
+    events and its final parameters. Every job must succeed."""
+    results: dict[str, list] = {}
+
+    def collect(label: str) -> Callable[[PackHarness, list[str], Worker], Awaitable[None]]:
+        async def scenario(h: PackHarness, job_ids: list[str], worker: Worker) -> None:
+            records = [await h.wait_done(job_id) for job_id in job_ids]
+            assert all(r.state is JobState.SUCCEEDED for r in records), [r.error for r in records]
+            results[label] = [
+                (
+                    summary(record),
+                    [
+                        rbm_pb2.Metrics.FromString(data)
+                        for kind, data, _ in await h.events_of(record.id)
+                        if kind == "metrics"
+                    ],
+                    await h.final_parameters(record.id),
+                )
+                for record in records
+            ]
+
+        return scenario
+
+    run_queued(redis_url, requests, collect("packed"), max_pack_size=8)
+    run_queued(redis_url, requests, collect("solo"), max_pack_size=1)
+    return results
+
+
 def sgd(steps: int, lr: float = 0.05, **changes) -> rbm_pb2.StartTrainingRequest:
     return spec(steps=steps, lr=lr, optimizer=SGD, **changes)
 
