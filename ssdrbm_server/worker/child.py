@@ -27,31 +27,30 @@ from google.protobuf import json_format
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore import checkpoint as ssdcheckpoint
-from ssdcore.blowup import BlowUp, BlowUpDetector, blowup_from_error, suggested_lr
+from ssdcore.blowup import BlowUp, BlowUpDetector, blowup_from_error
 from ssdcore.errors import DivergenceError
 from ssdcore.models import model_from_config
 from ssdcore.training import Trainer
 from ssdrbm_server import logs
 from ssdrbm_server.config import Settings
 from ssdrbm_server.worker import protocol
-from ssdrbm_server.worker.datasets import DatasetError, SplitData, Uploaded, prepare
-from ssdrbm_server.worker.spec import (
-    centering_config,
-    check_resolved,
-    model_config,
-    optimizer_config,
-    runtime,
-    tempering_config,
+from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
+from ssdrbm_server.worker.job_training import (
+    ALIVE_MAX_INTERVAL_S,
+    MAX_STEPS_BETWEEN_POLLS,
+    build_trainer,
+    evaluate_job,
+    failure_reason,
+    metrics_message,
+    pick_device,
 )
+from ssdrbm_server.worker.pack_child import train_pack
+from ssdrbm_server.worker.spec import check_resolved, runtime
 
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 0.25  # how often the child looks whether its worker is still alive
-MAX_STEPS_BETWEEN_POLLS = 10  # train at most this many steps before looking for a stop request
-EXACT_LL_MAX_HIDDEN = 16  # 2^16 hidden states: exact log Z is cheap enough for every event
 EXIT_PARENT_GONE = 70
-# Heartbeats go out at most this often, and at least four times per heartbeat deadline.
-ALIVE_MAX_INTERVAL_S = 1.0
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -85,8 +84,6 @@ def child_main(
             if message.kind == protocol.START:  # a stop that arrives after its job is ignored
                 train_one(conn, message)
             elif message.kind == protocol.START_PACK:  # a drop after its pack is ignored too
-                from ssdrbm_server.worker.pack_child import train_pack
-
                 train_pack(conn, message)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(EXIT_PARENT_GONE)  # the worker went away or is done with us
@@ -137,11 +134,6 @@ def _report_failure(conn: Connection, reason: str, *, step: int, diverged: bool 
     )
     with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
         protocol.send(conn, message)
-
-
-def pick_device() -> torch.device:
-    """CUDA when present, CPU otherwise."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class Training:
@@ -365,89 +357,3 @@ class Training:
 
 def _next_multiple(step: int, every: int) -> int:
     return (step // every + 1) * every
-
-
-def build_trainer(
-    spec: rbm_pb2.StartTrainingRequest, data: SplitData, device: torch.device
-) -> Trainer:
-    """A fresh Trainer for the job, exactly as its training process builds it (packed runs
-    too: the pack continues such Trainers, ssdcore.pack.pack_trainers)."""
-    model = model_from_config(model_config(spec, data.n_visible), device=device)
-    return Trainer(
-        model,
-        data.train.to(device),
-        optimizer=optimizer_config(spec.optimizer),
-        batch_size=spec.training.batch_size,
-        cd_k=spec.training.cd_k,
-        persistent=spec.training.persistent,
-        tempering=tempering_config(spec.training),
-        centering=centering_config(spec.training),
-        seed=spec.training.seed,
-        valid_data=None if data.valid is None else data.valid.to(device),
-    )
-
-
-def evaluate_job(
-    trainer: Trainer, spec: rbm_pb2.StartTrainingRequest, *, with_ais: bool
-) -> dict[str, Any]:
-    """The job's metric event values: AIS when asked, else the exact log-likelihood for
-    small hidden layers."""
-    if with_ais:
-        method = "ais"
-    elif spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN:
-        method = "exact"
-    else:
-        method = "none"
-    return trainer.evaluate(
-        log_likelihood=method, ais_chains=spec.eval.ais_chains, ais_betas=spec.eval.ais_betas
-    )
-
-
-def failure_reason(
-    spec: rbm_pb2.StartTrainingRequest,
-    backoffs: int,
-    last_checkpoint: int,
-    blowup: BlowUp,
-    lr: float,
-) -> str:
-    """Why the job failed, with the step size that blew up and one to try instead."""
-    training = spec.training
-    spent = (
-        f"after {backoffs} backoffs"
-        if training.max_backoffs
-        else "with backoff off (training.max_backoffs 0)"
-    )
-    scaled = (
-        f" (optimizer.lr {spec.optimizer.lr:.3g} / {training.backoff_factor:g}^{backoffs})"
-        if backoffs
-        else ""
-    )
-    suggestion = suggested_lr(lr, training.backoff_factor)
-    kept = f"step {last_checkpoint}" if last_checkpoint >= 0 else "none"
-    return (
-        f"training blew up {spent}: {blowup.describe()}; its step size was {lr:.3g}{scaled}; "
-        f"try optimizer.lr = {suggestion:.3g} or smaller (the last good checkpoint is {kept})"
-    )
-
-
-_LL_METHODS = {
-    "exact": rbm_pb2.LOG_LIKELIHOOD_METHOD_EXACT,
-    "ais": rbm_pb2.LOG_LIKELIHOOD_METHOD_AIS,
-}
-
-
-def metrics_message(values: dict[str, Any], *, step: int, total: int) -> rbm_pb2.Metrics:
-    """A Metrics message from Trainer.evaluate()'s dict (keys named as the proto's fields)."""
-    metrics = rbm_pb2.Metrics(step=step, total_steps=total)
-    for name, value in values.items():
-        if value is None or name in ("step", "total_steps"):
-            continue
-        if name == "log_likelihood_method":
-            metrics.log_likelihood_method = _LL_METHODS.get(str(value).lower(), 0)
-        elif name not in rbm_pb2.Metrics.DESCRIPTOR.fields_by_name:
-            continue
-        elif isinstance(value, list):  # a repeated field: the tempering's swap rate per pair
-            getattr(metrics, name).extend(float(item) for item in value)
-        else:
-            setattr(metrics, name, float(value))
-    return metrics

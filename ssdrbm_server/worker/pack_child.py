@@ -33,7 +33,8 @@ from ssdcore.pack import TrainingPack, insert_bytes, pack_trainers, run_to_train
 from ssdcore.training import Trainer
 from ssdrbm_server.config import Settings
 from ssdrbm_server.worker import protocol
-from ssdrbm_server.worker.child import (
+from ssdrbm_server.worker.datasets import DatasetError, SplitData, Uploaded, prepare
+from ssdrbm_server.worker.job_training import (
     ALIVE_MAX_INTERVAL_S,
     MAX_STEPS_BETWEEN_POLLS,
     build_trainer,
@@ -42,7 +43,6 @@ from ssdrbm_server.worker.child import (
     metrics_message,
     pick_device,
 )
-from ssdrbm_server.worker.datasets import DatasetError, SplitData, Uploaded, prepare
 from ssdrbm_server.worker.spec import check_resolved, runtime
 
 logger = logging.getLogger(__name__)
