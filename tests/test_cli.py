@@ -494,15 +494,20 @@ def test_ctrl_c_while_watching_exits_130_and_leaves_the_job_running(
     running = service_factory(run_worker=False)  # the job stays queued: watch would never end
     with Client(running.target) as client:
         job = client.start_training(n_hidden=4, steps=10)
+    # As from a terminal: a suite started in the background (`cmd &` in a script) runs with
+    # SIGINT ignored, and an ignored signal stays ignored across exec, so a fresh interpreter
+    # restores it and execs the command. (Not preexec_fn: that runs Python in the forked copy of
+    # this process, whose gRPC threads' fork handlers then log to the command's stderr.)
+    command = [str(Path(sys.executable).parent / "ssdrbm"), "watch", job.id]
+    restore = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); " + (
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
     process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ssdrbm"), "watch", job.id],
+        [sys.executable, "-c", restore, *command],
         env={**os.environ, "SSDRBM_TARGET": running.target},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # As from a terminal: a suite started in the background (`cmd &` in a script) runs with
-        # SIGINT ignored, and an ignored signal stays ignored across exec.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         first = process.stderr.readline()  # the replayed "queued" event: it is watching now
