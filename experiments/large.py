@@ -25,8 +25,8 @@ Two budgets. ``iterations``: every run ``Config.steps`` iterations. ``wall``: ev
 when its training time (evaluation excluded) reaches that of the SGD run of the same seed at
 equal iterations, measured in the same invocation (SGD's own wall-budget row is its
 equal-iterations run). Training time is the process's CPU time (``TRAINING_CLOCK``), so the
-budget holds on a machine shared with other work; docs/RESULTS.md §7's three-seed run was made
-with wall-clock time and a loaded machine, before this.
+budget holds on a machine shared with other work (docs/RESULTS.md §7's equal-time rows come from
+``--time-only`` with this clock; a wall-clock budget on the loaded machine was discarded).
 
 Measured: reconstruction error (train, test) every ``eval_every`` iterations; the certified
 test log-likelihood pair (AIS with the data's base rates: upper; reverse AIS: lower) at the
