@@ -87,6 +87,15 @@ class Schedule:
         """Whether the run's length must still be filled in (:meth:`for_run`)."""
         return self.kind == "cosine" and self.horizon == 0
 
+    def require_horizon(self, field: str = "optimizer.schedule") -> None:
+        """ValueError naming ``field`` while a cosine's horizon is still to be filled in: a
+        trainer cannot know the run's length (:meth:`for_run` fills it in; ``fit`` does)."""
+        if self.needs_horizon:
+            raise ValueError(
+                f"{field}: a cosine schedule needs its horizon (steps to reach the floor); set "
+                "it, or use Schedule.for_run(total_steps) (fit does)"
+            )
+
     def for_run(self, total_steps: int) -> Schedule:
         """This schedule with ``horizon`` 0 replaced by the run's length (unchanged otherwise)."""
         if not self.needs_horizon:

@@ -169,11 +169,7 @@ class Trainer:
         self.optimizer_config = resolve_for(model, optimizer)
         # Step-size schedule (ssdcore.schedules): group lr = base × factor(step) × lr_scale.
         self.schedule = self.optimizer_config.schedule
-        if self.schedule.needs_horizon:
-            raise ValueError(
-                "optimizer.schedule: a cosine schedule needs its horizon (steps to reach the "
-                "floor); set it, or use Schedule.for_run(total_steps) (fit does)"
-            )
+        self.schedule.require_horizon()
         self.batch_size = batch_size
         self.cd_k = cd_k
         self.persistent = persistent

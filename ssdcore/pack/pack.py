@@ -69,7 +69,6 @@ from ssdcore.pack.order import RunOrder, gather_batches
 from ssdcore.pack.random import PackedRandom
 from ssdcore.pack.state import RunState
 from ssdcore.sampling import RandomSource, restore_generator
-from ssdcore.schedules import Schedule
 from ssdcore.training import (
     _ESTIMATOR_SEED_OFFSET,
     DEFAULT_BATCH_SIZE,
@@ -147,16 +146,6 @@ def pack_key(
     )
 
 
-def _checked_schedule(config: OptimizerConfig, run: int) -> Schedule:
-    """The run's schedule; a cosine without its horizon is refused, as the Trainer refuses it."""
-    if config.schedule.needs_horizon:
-        raise ValueError(
-            f"runs[{run}].optimizer.schedule: a cosine schedule needs its horizon (steps to "
-            "reach the floor); set it, or use Schedule.for_run(total_steps)"
-        )
-    return config.schedule
-
-
 class TrainingPack:
     """Trains M RBMs of one kind and shape together on one (N, V) data set (Bernoulli, or
     Gaussian of one packable variance form: :mod:`ssdcore.pack.models`).
@@ -219,9 +208,9 @@ class TrainingPack:
         self.variance_form = getattr(first, "variance", None)
         self.configs = [resolve_for(run.model, _config(run.optimizer)) for run in runs]
         self.seeds = [int(run.seed) for run in runs]
-        self.schedules = [
-            _checked_schedule(config, index) for index, config in enumerate(self.configs)
-        ]
+        for index, config in enumerate(self.configs):
+            config.schedule.require_horizon(f"runs[{index}].optimizer.schedule")
+        self.schedules = [config.schedule for config in self.configs]
         rules, settings = self._rules_of_runs()
         self.rules = rules
         with torch.no_grad():
@@ -549,7 +538,7 @@ class TrainingPack:
                 f"the run's optimizer updates its parameters as {rules}, this pack's runs as "
                 f"{self.rules}; put it in a pack with its pack_key"
             )
-        schedule = _checked_schedule(state.optimizer, run)
+        state.optimizer.schedule.require_horizon(f"runs[{run}].optimizer.schedule")
         if state.permutation.shape != (self.train_data.shape[0],):
             raise ValueError(
                 f"the run's data order covers {state.permutation.shape[0]} examples but the "
@@ -560,7 +549,7 @@ class TrainingPack:
                 parameter[run].copy_(state.parameters[name])
                 self._last_good[name][run].copy_(state.parameters[name])
         self.configs[run], self.seeds[run] = state.optimizer, int(state.seed)
-        self.schedules[run] = schedule
+        self.schedules[run] = state.optimizer.schedule
         self.model_configs[run] = dict(config)
         self._variance_bounds = self._bounds_of_runs()
         self.optimizer.set_run(run, settings, state.lr_scale)
