@@ -193,10 +193,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         _check_id(request.job_id, "job_id")
         tenant = current_tenant()
         await self.stores.jobs.delete(tenant, request.job_id, force=request.force)
-        # This process's serving caches forget it at once; other API processes within their
-        # record reuse time (recent_jobs.py), after which they read NOT_FOUND.
-        self.recent_jobs.forget(tenant, request.job_id)
-        self.models.forget(request.job_id)
+        self._forget_job(tenant, request.job_id)
         logger.info("job %s deleted by tenant %s", request.job_id, tenant)
         return pb.DeleteJobResponse(job_id=request.job_id)
 
@@ -599,12 +596,17 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         deleted = await self.sweeps.delete(
             tenant, request.sweep_id, force=request.force, keep_runs=request.keep_runs
         )
-        for job_id in deleted:  # as DeleteJob: this process's serving caches forget them
-            self.recent_jobs.forget(tenant, job_id)
-            self.models.forget(job_id)
+        for job_id in deleted:
+            self._forget_job(tenant, job_id)
         return pb.DeleteSweepResponse(sweep_id=request.sweep_id, deleted_jobs=len(deleted))
 
     # --- helpers ----------------------------------------------------------------------------
+
+    def _forget_job(self, tenant: str, job_id: str) -> None:
+        """After a delete: this process's serving caches forget the job at once; other API
+        processes within their record reuse time (recent_jobs.py), then they read NOT_FOUND."""
+        self.recent_jobs.forget(tenant, job_id)
+        self.models.forget(job_id)
 
     async def _job(self, job_id: str) -> JobRecord:
         _check_id(job_id, "job_id")
