@@ -440,6 +440,14 @@ class JobStore:
             # Only without force, for a job that cannot go back from an end: a bug, not a race.
             raise FailedPreconditionError(f"job {job_id} is active again; retry the delete")
 
+    async def untag_sweep(self, job_ids: list[str]) -> None:
+        """The jobs leave their sweep and stay as ordinary jobs (a sweep deleted with
+        keep_runs; a running one's rung gate then finds the sweep gone and decides nothing)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hdel(self.keys.job(job_id), "sweep_id")
+            await pipe.execute()
+
     async def count_active(self, tenant: str) -> int:
         """The tenant's QUEUED + RUNNING jobs."""
         return int(await self.redis.scard(self.keys.tenant_active(tenant)))

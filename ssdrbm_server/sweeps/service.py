@@ -239,7 +239,7 @@ class SweepService:
         request_id = pb.StartSweepRequest.FromString(record.request).request_id
         deleted: list[str] = []
         if keep_runs:
-            await self._detach_runs(record)
+            await self.jobs.untag_sweep(record.job_ids)
         else:
             runs = await self._runs(record)
             if _state(record, runs) == pb.SWEEP_STATE_RUNNING and not force:
@@ -268,14 +268,6 @@ class SweepService:
             keep_runs,
         )
         return deleted
-
-    async def _detach_runs(self, record: SweepRecord) -> None:
-        """The runs become ordinary jobs: their sweep tag goes (their rung gates then find the
-        sweep gone and decide nothing)."""
-        async with self.jobs.redis.pipeline(transaction=False) as pipe:
-            for job_id in record.job_ids:
-                pipe.hdel(self.jobs.keys.job(job_id), "sweep_id")
-            await pipe.execute()
 
     async def stream(self, tenant: str, sweep_id: str) -> AsyncIterator[pb.SweepUpdate]:
         """The leaderboard on every change and at least every HEARTBEAT_S; ends after the
