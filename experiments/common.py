@@ -39,6 +39,7 @@ from ssdcore.evaluation import (
     reconstruction_error,
 )
 from ssdcore.optim import SSD, OptimizerConfig
+from ssdcore.tempering import TemperingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ class RunSpec:
     persistent: bool = False
     seed: int = 0
     centered: bool = False  # train centered (ssdcore.centering, default sliding factor)
+    tempering: TemperingConfig | None = None  # parallel tempering of the PCD chains
 
 
 class _TorchOptimizerTrainer:
@@ -223,8 +225,10 @@ class _TorchOptimizerTrainer:
 def make_trainer(model: ssdcore.RBM, train: torch.Tensor, spec: RunSpec) -> Any:
     """A trainer with `train_steps(n)` and `step_count` for `spec`'s optimizer."""
     if isinstance(spec.optimizer, TorchOptimizer | HybridOptimizer):
-        if spec.centered:
-            raise ValueError(f"{spec.label}: centering needs an ssdcore OptimizerConfig")
+        if spec.centered or spec.tempering is not None:
+            raise ValueError(
+                f"{spec.label}: centering and tempering need an ssdcore OptimizerConfig"
+            )
         return _TorchOptimizerTrainer(model, train, spec)
     return ssdcore.Trainer(
         model,
@@ -235,6 +239,7 @@ def make_trainer(model: ssdcore.RBM, train: torch.Tensor, spec: RunSpec) -> Any:
         persistent=spec.persistent,
         seed=spec.seed,
         centering=CenteringConfig() if spec.centered else None,
+        tempering=spec.tempering,
     )
 
 

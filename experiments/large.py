@@ -56,7 +56,6 @@ import torch
 import ssdcore
 from experiments import common, mnist
 from experiments.common import EvalPlan, ModelSpec, RunResult, RunSpec, TorchOptimizer
-from ssdcore.centering import CenteringConfig
 from ssdcore.optim import OptimizerConfig
 from ssdcore.step_sizes import default_lr
 from ssdcore.tempering import TemperingConfig
@@ -195,29 +194,12 @@ def run_spec(method: Method, config: Config, seed: int) -> RunSpec:
         cd_k=1 if tempered else config.cd_k,
         persistent=tempered,
         seed=seed,
-    )
-
-
-def make_trainer(model: ssdcore.RBM, train: torch.Tensor, run: LargeRun) -> Any:
-    """``common.make_trainer``, with centering and tempering for the library's optimizers."""
-    method, spec = run.method, run.spec
-    if not isinstance(method.optimizer, OptimizerConfig):
-        return common.make_trainer(model, train, spec)
-    tempering = (
-        TemperingConfig(n_temperatures=run.config.temperatures, min_beta=run.config.min_beta)
-        if method.tempered
-        else None
-    )
-    return ssdcore.Trainer(
-        model,
-        train,
-        optimizer=method.optimizer,
-        batch_size=spec.batch_size,
-        cd_k=spec.cd_k,
-        persistent=spec.persistent,
-        seed=spec.seed,
-        centering=CenteringConfig() if method.centered else None,
-        tempering=tempering,
+        centered=method.centered,
+        tempering=(
+            TemperingConfig(n_temperatures=config.temperatures, min_beta=config.min_beta)
+            if tempered
+            else None
+        ),
     )
 
 
@@ -231,7 +213,7 @@ def execute(run: LargeRun, plan: EvalPlan) -> RunResult:
     spec = run.spec
     common.seed_everything(spec.seed)
     model = spec.model.build(plan.train.shape[1])
-    trainer = make_trainer(model, plan.train, run)
+    trainer = common.make_trainer(model, plan.train, spec)
     records: list[dict[str, float]] = []
     train_seconds = 0.0
     diverged_at = None

@@ -26,7 +26,11 @@ logger = logging.getLogger(__name__)
 def group_key(spec: RunSpec, n_visible: int) -> tuple | None:
     """The key of the runs `spec` can share a pack with (on the same data), None when it cannot
     be packed."""
-    if spec.centered or not isinstance(spec.optimizer, OptimizerConfig):
+    if (
+        spec.centered
+        or spec.tempering is not None
+        or not isinstance(spec.optimizer, OptimizerConfig)
+    ):
         return None
     try:
         key = pack_key(
