@@ -8,7 +8,6 @@ the Gram route instead of the solo Cholesky route, within 1e-5 after 20 steps).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -39,15 +38,7 @@ from ssdcore.pack.polar import (
 from ssdcore.pack.random import PackedRandom
 from ssdcore.sampling import RandomSource
 from ssdcore.training import _ESTIMATOR_SEED_OFFSET
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads(request):
-    """The suite's one_thread fixture (small matrices), where its conftest is loaded;
-    scripts/gpu-check runs this module's CUDA tests without it."""
-    with contextlib.suppress(pytest.FixtureLookupError):
-        request.getfixturevalue("one_thread")
-
+from tests.fixtures.pack_threads import one_thread_where_loaded  # noqa: F401 (autouse)
 
 V, H, BATCH = 30, 8, 20
 STEPS = 20

@@ -10,8 +10,6 @@ of the factor route, which uses Newton–Schulz (the one factored step the pack 
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from ssdrbm.v1 import rbm_pb2
@@ -22,15 +20,9 @@ from ssdcore.pack import PackRun, TrainingPack, insert_bytes, pack_key, run_to_b
 from ssdrbm_server.packing import NOT_PACKABLE
 from ssdrbm_server.worker.pack_child import packed_summary
 from ssdrbm_server.worker.runner import run_memory_mb
+from tests.fixtures.pack_threads import one_thread_where_loaded  # noqa: F401 (autouse)
 from tests.test_packed_worker import key_of, packed_and_solo
 from tests.test_worker import spec
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads(request):
-    with contextlib.suppress(pytest.FixtureLookupError):
-        request.getfixturevalue("one_thread")
-
 
 V, H, BATCH = 30, 8, 20
 STEPS = 15

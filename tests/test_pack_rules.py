@@ -11,7 +11,6 @@ there is computed as the solo one (float64 from the factors).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import torch
@@ -40,15 +39,9 @@ from ssdcore.schedules import Schedule
 from ssdrbm_server.packing import NOT_PACKABLE
 from ssdrbm_server.resolver import resolve
 from ssdrbm_server.worker.pack_child import packed_summary
+from tests.fixtures.pack_threads import one_thread_where_loaded  # noqa: F401 (autouse)
 from tests.test_packed_worker import packed_and_solo
 from tests.test_worker import SETTINGS, spec
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads(request):
-    with contextlib.suppress(pytest.FixtureLookupError):
-        request.getfixturevalue("one_thread")
-
 
 V, H, BATCH = 30, 8, 20
 STEPS = 20
