@@ -44,10 +44,9 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 # The per-example terms that ssdcore.pseudo_log_likelihood averages.
 from ssdcore.evaluation.metrics import _pll_exact
 from ssdcore.models import RBM, BernoulliRBM, GaussianRBM
-from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE, VARIANCE_KINDS
+from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE, DEFAULT_VARIANCE, VARIANCE_KINDS
 from ssdcore.optim import OptimizerConfig
 from ssdcore.optim.config import CONFIG_METHODS, OPTIMIZER_NAMES
-from ssdcore.step_sizes import DEFAULT_VARIANCE
 from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, Trainer, steps_per_epoch
 
 

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ssdcore.models.gaussian import VARIANCE_KINDS
+from ssdcore.models.gaussian import DEFAULT_VARIANCE, VARIANCE_KINDS
 
 MODEL_KINDS = ("bernoulli", "gaussian")
 # The optimizer names of ssdcore.optim.OptimizerConfig (kept literal here: the optimizer
 # configuration imports this module, not the other way round).
 OPTIMIZERS = ("sgd", "nesterov", "ssd", "ssd-preconditioned")
-# What variance=None means for a Gaussian RBM: its default form.
-DEFAULT_VARIANCE = "diagonal"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
 from ssdcore.centering import DEFAULT_SLIDING_FACTOR
 from ssdcore.data import split_sizes
 from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, DEFAULT_AIS_CHAINS
-from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
+from ssdcore.models.factory import parameter_names as model_parameter_names
+from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE, DEFAULT_VARIANCE
 from ssdcore.optim.config import DEFAULT_NESTEROV_MOMENTUM
 from ssdcore.schedules import DEFAULT_DECAY_RATE, DEFAULT_DECAY_STEPS, DEFAULT_FLOOR
 from ssdcore.step_sizes import (
@@ -74,13 +75,6 @@ MAX_SEED = 2**63 - 1
 DEFAULT_DATASET = "synthetic"  # the paper's generator: needs no files, so it is always there
 INTEGER_DTYPES = frozenset({"uint8"})  # uploads that hold pixel intensities, not probabilities
 
-BASE_PARAMETERS = ("W", "b", "a")
-VARIANCE_PARAMETERS = {
-    pb.VARIANCE_KIND_IDENTITY: (),
-    pb.VARIANCE_KIND_ISOTROPIC: ("log_c",),
-    pb.VARIANCE_KIND_DIAGONAL: ("log_var",),
-    pb.VARIANCE_KIND_FULL: ("precision",),
-}
 
 UploadLookup = Callable[[str], Awaitable[DatasetInfo]]
 
@@ -192,9 +186,8 @@ def _presence(message: Message, field: FieldDescriptor) -> bool | None:
 
 def parameter_names(model: pb.ModelSpec) -> tuple[str, ...]:
     """Names of the model's parameters, as optimizer.per_parameter uses them."""
-    if model.kind == pb.MODEL_KIND_GAUSSIAN:
-        return BASE_PARAMETERS + VARIANCE_PARAMETERS[model.variance]
-    return BASE_PARAMETERS
+    variance = VARIANCE_NAMES.get(model.variance) if model.kind == pb.MODEL_KIND_GAUSSIAN else None
+    return model_parameter_names(MODEL_NAMES[model.kind], variance)
 
 
 # --- model ------------------------------------------------------------------------------------
@@ -213,7 +206,7 @@ def _resolve_model(model: pb.ModelSpec) -> None:
         )
     if model.kind == pb.MODEL_KIND_GAUSSIAN:
         if model.variance == pb.VARIANCE_KIND_UNSPECIFIED:
-            model.variance = pb.VARIANCE_KIND_DIAGONAL
+            model.variance = VARIANCES_BY_NAME[DEFAULT_VARIANCE]
         if model.min_variance == 0:
             model.min_variance = DEFAULT_MIN_VARIANCE
     else:

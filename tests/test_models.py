@@ -11,6 +11,7 @@ import torch
 
 from ssdcore import BernoulliRBM, CDEstimator, GaussianRBM, model_from_config
 from ssdcore.models import MAX_FULL_VISIBLE, VARIANCE_KINDS
+from ssdcore.models.factory import parameter_names
 
 VARIANCES = list(VARIANCE_KINDS)
 
@@ -177,6 +178,13 @@ def test_parameter_names_follow_the_paper():
     assert names["full"] == {"W", "b", "a", "precision"}
     model = BernoulliRBM(5, 3)
     assert model.W.shape == (5, 3) and model.b.shape == (5,) and model.a.shape == (3,)
+    # parameter_names answers without building the model, in named_parameters() order.
+    for variance in VARIANCES:
+        built = tuple(n for n, _ in GaussianRBM(3, 2, variance=variance).named_parameters())
+        assert parameter_names("gaussian", variance) == built
+    default = tuple(n for n, _ in GaussianRBM(3, 2).named_parameters())
+    assert parameter_names("gaussian") == default
+    assert parameter_names("bernoulli") == tuple(n for n, _ in model.named_parameters())
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 

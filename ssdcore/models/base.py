@@ -52,6 +52,10 @@ def check_visible(v: torch.Tensor, n_visible: int, name: str = "v") -> None:
         raise ValueError(f"{name} has dtype {v.dtype}; convert it with .float()")
 
 
+# The parameters every RBM has, in the order it registers them (named as in the paper).
+BASE_PARAMETERS = ("W", "b", "a")
+
+
 class RBM(nn.Module, ABC):
     """A restricted Boltzmann machine with binary hidden units.
 

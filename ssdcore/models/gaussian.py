@@ -23,7 +23,15 @@ from torch import nn
 
 from ssdcore.models.base import RBM, GibbsKernel, check_visible
 
-VARIANCE_KINDS = ("identity", "isotropic", "diagonal", "full")
+# Each variance form -> the name of the parameter that holds it (None: C = I, nothing to learn).
+VARIANCE_PARAMETERS: dict[str, str | None] = {
+    "identity": None,
+    "isotropic": "log_c",
+    "diagonal": "log_var",
+    "full": "precision",
+}
+VARIANCE_KINDS = tuple(VARIANCE_PARAMETERS)
+DEFAULT_VARIANCE = "diagonal"  # the form a Gaussian RBM takes when none is named
 # Floor of the learned variances: binary-valued or constant pixels drive theirs to zero.
 DEFAULT_MIN_VARIANCE = 1e-4
 # A dense V×V precision costs O(V²) per example and O(V³) per projection; beyond this size
@@ -42,7 +50,7 @@ class GaussianRBM(RBM):
         self,
         n_visible: int,
         n_hidden: int,
-        variance: str = "diagonal",
+        variance: str = DEFAULT_VARIANCE,
         *,
         min_variance: float = DEFAULT_MIN_VARIANCE,
         max_variance: float = 1e4,
@@ -68,12 +76,14 @@ class GaussianRBM(RBM):
         self.min_variance = float(min_variance)
         self.max_variance = float(max_variance)
         f32 = {"device": self.W.device, "dtype": torch.float32}
-        if variance == "isotropic":
-            self.log_c = nn.Parameter(torch.zeros(1, **f32))
-        elif variance == "diagonal":
-            self.log_var = nn.Parameter(torch.zeros(n_visible, **f32))
-        elif variance == "full":
-            self.precision = nn.Parameter(torch.eye(n_visible, **f32))
+        initial = {  # C = I in every form
+            "isotropic": lambda: torch.zeros(1, **f32),
+            "diagonal": lambda: torch.zeros(n_visible, **f32),
+            "full": lambda: torch.eye(n_visible, **f32),
+        }
+        name = VARIANCE_PARAMETERS[variance]
+        if name is not None:
+            self.register_parameter(name, nn.Parameter(initial[variance]()))
 
     # --- the covariance -----------------------------------------------------------------
 

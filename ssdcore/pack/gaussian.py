@@ -35,7 +35,7 @@ from torch import Tensor
 from ssdcore.models.base import GibbsKernel
 from ssdcore.pack.aligned import stacked_empty
 from ssdcore.pack.gradients import PackedCD
-from ssdcore.pack.models import VARIANCE_PARAMETERS
+from ssdcore.pack.models import PACKABLE_VARIANCES
 from ssdcore.pack.random import PackedRandom
 from ssdcore.sampling import GibbsChain
 
@@ -65,10 +65,8 @@ class PackedGaussianCD(PackedCD):
         dense_row_sums: bool = True,
         runs_per_chunk: int | None = None,
     ) -> None:
-        if variance not in VARIANCE_PARAMETERS:
-            raise ValueError(
-                f"variance must be one of {tuple(VARIANCE_PARAMETERS)}, got {variance!r}"
-            )
+        if variance not in PACKABLE_VARIANCES:
+            raise ValueError(f"variance must be one of {PACKABLE_VARIANCES}, got {variance!r}")
         super().__init__(
             n_runs,
             n_visible,

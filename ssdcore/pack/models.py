@@ -15,17 +15,11 @@ import torch
 from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.factory import model_from_config
-from ssdcore.models.gaussian import GaussianRBM
+from ssdcore.models.factory import parameter_names as model_parameter_names
+from ssdcore.models.gaussian import DEFAULT_VARIANCE, VARIANCE_PARAMETERS, GaussianRBM
 
-# The parameters every RBM has, in the order the model registers them.
-BASE_PARAMETERS = ("W", "b", "a")
-# Gaussian variance forms a pack runs -> the name of the variance parameter (None: C = I).
-VARIANCE_PARAMETERS: dict[str, str | None] = {
-    "identity": None,
-    "isotropic": "log_c",
-    "diagonal": "log_var",
-}
-PACKABLE_VARIANCES = tuple(VARIANCE_PARAMETERS)
+# The Gaussian variance forms a pack runs: all but the full covariance (see above).
+PACKABLE_VARIANCES = tuple(form for form in VARIANCE_PARAMETERS if form != "full")
 
 
 def check_packable(model_config: dict[str, Any]) -> None:
@@ -38,8 +32,8 @@ def check_packable(model_config: dict[str, Any]) -> None:
             f"model type {kind!r} cannot be packed; packs train {BernoulliRBM.kind!r} and "
             f"{GaussianRBM.kind!r} RBMs"
         )
-    variance = model_config.get("variance", "diagonal")
-    if variance not in VARIANCE_PARAMETERS:
+    variance = model_config.get("variance", DEFAULT_VARIANCE)
+    if variance not in PACKABLE_VARIANCES:
         raise ValueError(
             f"a Gaussian RBM with variance={variance!r} cannot be packed (its V×V precision is "
             f"projected per run on the host); packs run variance in {PACKABLE_VARIANCES}; "
@@ -52,7 +46,7 @@ def model_signature(model_config: dict[str, Any]) -> tuple:
     variance bounds may differ: each run's are applied to its own slice)."""
     check_packable(model_config)
     kind = model_config["type"]
-    variance = model_config.get("variance", "diagonal") if kind == GaussianRBM.kind else None
+    variance = model_config.get("variance", DEFAULT_VARIANCE) if kind == GaussianRBM.kind else None
     return (kind, variance, int(model_config["n_visible"]), int(model_config["n_hidden"]))
 
 
@@ -64,8 +58,8 @@ def variance_parameter(model_config: dict[str, Any]) -> str | None:
 
 def parameter_names(model_config: dict[str, Any]) -> tuple[str, ...]:
     """The model's parameter names, as ``named_parameters()`` gives them."""
-    extra = variance_parameter(model_config)
-    return BASE_PARAMETERS if extra is None else (*BASE_PARAMETERS, extra)
+    kind, variance, _, _ = model_signature(model_config)
+    return model_parameter_names(kind, variance)
 
 
 def template_model(model_config: dict[str, Any], device: torch.device | str = "cpu") -> RBM:
