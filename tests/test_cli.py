@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save as safetensors_save
 from ssdrbm import Client, errors
+from ssdrbm.cli import jobs as jobs_cli
 from ssdrbm.cli import main
+from ssdrbm.cli import sweeps as sweeps_cli
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import Context, describe
 from ssdrbm.cli.main import EPILOG
@@ -31,6 +33,7 @@ from ssdrbm.cli.progress import (
 from ssdrbm.cli.tables import render_table
 from ssdrbm.events import Job, JobState, Metrics, MetricsEvent, StateEvent
 from ssdrbm.model_file import ExportedModel
+from ssdrbm.sweeps import SweepState
 
 from tests.fixtures.redis import free_port
 
@@ -47,6 +50,11 @@ def test_exit_codes_are_documented_where_users_look() -> None:
     assert ExitCode.INTERRUPTED == 130 and ExitCode.OK == 0 and ExitCode.USAGE == 2
     for code in ExitCode:  # the --help epilog lists every code
         assert re.search(rf"\b{int(code)} ", EPILOG), code
+
+
+def test_every_final_state_has_an_exit_code_and_only_those() -> None:
+    assert set(jobs_cli.FINAL_EXIT_CODES) == {state for state in JobState if state.terminal}
+    assert set(sweeps_cli.FINAL_EXIT_CODES) == {state for state in SweepState if state.terminal}
 
 
 @pytest.mark.parametrize(

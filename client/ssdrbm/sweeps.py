@@ -128,6 +128,11 @@ class SweepState(enum.StrEnum):
     CANCELLED = "cancelled"
     EXPIRED = "expired"  # every run's job was deleted or expired; only the record is left
 
+    @property
+    def terminal(self) -> bool:
+        """True once every run ended (the sweep can no longer change)."""
+        return self not in (SweepState.UNSPECIFIED, SweepState.RUNNING)
+
     @classmethod
     def from_proto(cls, value: int) -> SweepState:
         name = rbm_pb2.SweepState.Name(value) if value in rbm_pb2.SweepState.values() else ""
@@ -188,12 +193,7 @@ class Sweep:
     @property
     def done(self) -> bool:
         """True once every run ended."""
-        return self.state in (
-            SweepState.SUCCEEDED,
-            SweepState.FAILED,
-            SweepState.CANCELLED,
-            SweepState.EXPIRED,
-        )
+        return self.state.terminal
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Sweep) -> Sweep:
