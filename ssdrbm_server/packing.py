@@ -21,9 +21,8 @@ import json
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.pack import pack_key
+from ssdrbm_server.store.records import NOT_PACKABLE
 from ssdrbm_server.worker.spec import model_config, optimizer_config
-
-NOT_PACKABLE = ""  # the key of a job that always trains alone
 
 
 def job_pack_key(spec: pb.StartTrainingRequest, n_visible: int) -> str:
@@ -31,8 +30,6 @@ def job_pack_key(spec: pb.StartTrainingRequest, n_visible: int) -> str:
     training = spec.training
     if training.HasField("parallel_tempering") or training.HasField("centering"):
         return NOT_PACKABLE  # Trainer options packs do not run (tempered chains, centering)
-    if training.HasField("centering"):  # centered runs: the solo Trainer's (packs refuse them)
-        return NOT_PACKABLE
     try:
         runs = pack_key(
             model_config(spec, n_visible),

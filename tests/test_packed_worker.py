@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator
@@ -35,8 +36,10 @@ from tests.test_worker import (
     Harness,
     is_running,
     make_worker,
+    new_trainers,
     spec,
     start_worker_process,
+    state_names,
     training_processes_of,
     wait_until,
 )
@@ -564,3 +567,45 @@ def test_a_job_whose_lease_is_lost_leaves_the_pack_and_the_others_finish(redis_u
         assert (stolen, "lost") in worker.jobs_run
 
     run_queued(redis_url, requests, scenario, max_pack_size=8)
+
+
+def test_a_crashed_pack_trains_its_jobs_alone_and_only_the_culprit_fails(redis_url: str) -> None:
+    """SIGKILL a pack's training process: nothing tells which run caused it, so no job counts
+    the failure; each is released and resumes from its checkpoint alone (pack key cleared).
+    The job that keeps crashing its process alone (every one of its solo processes killed) then
+    FAILS after its own retries (2 here), while its former pack-mates SUCCEED with no failure
+    counted, each metric step once in their streams."""
+    total = 3000
+    requests = [sgd(1_000_000), sgd(total), sgd(total, lr=0.03)]
+
+    async def scenario(h: PackHarness, job_ids: list[str], worker: Worker) -> None:
+        known = set(training_processes_of(os.getpid()))  # other tests' spawned processes
+        culprit, *mates = job_ids
+        for job_id in job_ids:  # the pack trains, each job past its first checkpoint
+            await h.wait_for(job_id, lambda r: r.checkpoint_step >= 20)
+        [pack_process] = new_trainers(known)
+        os.kill(pack_process, signal.SIGKILL)
+        known.add(pack_process)
+        while not (record := await h.jobs.get(TENANT, culprit)).state.is_terminal:
+            if record.state is JobState.RUNNING and record.attempt >= 2:  # alone, not the pack
+                for pid in new_trainers(known):
+                    os.kill(pid, signal.SIGKILL)
+                    known.add(pid)
+            await asyncio.sleep(0.05)
+        assert record.state is JobState.FAILED and record.child_failures == 2, record
+        assert "the training process failed 2 times" in record.error
+        for job_id in mates:
+            done = await h.wait_done(job_id)
+            assert done.state is JobState.SUCCEEDED and done.child_failures == 0, done
+            assert not summary(done).endswith(packed_summary(3))  # it finished alone
+            changes = await h.state_changes(job_id)
+            assert state_names(changes) == ["QUEUED", "RUNNING", "QUEUED", "RUNNING", "SUCCEEDED"]
+            released = changes[2].message
+            assert "training process of its pack" in released and "killed by SIGKILL" in released
+            assert "not counted" in released and "trains alone" in released
+            steps = [step for step, _ in await h.metric_steps(job_id)]
+            assert steps == list(range(10, total + 1, 10))
+        for job_id in job_ids:
+            assert (await h.jobs.get(TENANT, job_id)).pack_key == NOT_PACKABLE
+
+    run_queued(redis_url, requests, scenario, max_pack_size=8, max_training_process_failures=2)

@@ -35,6 +35,9 @@ TERMINAL_STATES = frozenset(
 ACTIVE_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
 
 
+NOT_PACKABLE = ""  # the pack key of a job that trains alone
+
+
 @dataclass
 class JobRecord:
     """One job as stored in `job:{id}`; times are Unix seconds."""
@@ -68,8 +71,9 @@ class JobRecord:
     traceparent: str = ""
     sweep_id: str = ""  # the sweep that created the job ("" for none)
     # Jobs with equal non-empty keys can be trained together in one pack (set at submit by
-    # ssdrbm_server/packing.py; "" for a job that trains alone)
-    pack_key: str = ""
+    # ssdrbm_server/packing.py; NOT_PACKABLE for a job that trains alone, and set so by the
+    # worker once a pack's training process failed with the job in it)
+    pack_key: str = NOT_PACKABLE
 
 
 def _text(raw: dict[bytes, bytes], field: str, default: str = "") -> str:

@@ -14,9 +14,13 @@ pack runner adds is the sharing of one process:
   child reports it for that run; the others go on.
 - *Stop.* Graceful: the child checkpoints every run and each job is released to the queue, as
   a solo job is. Immediate (or overdue): the process is killed and each job released.
-- *The process dies or hangs.* Counted against every job still in the pack (its
-  ``child_failures``) and each is released to resume from its own checkpoint, or FAILED at
-  SSDRBM_MAX_TRAINING_PROCESS_FAILURES, as for a solo job.
+- *The process dies or hangs.* Which run caused it cannot be told (one run's data or spec, or
+  the pack's size: the OOM killer), so the failure is counted against no job: each job still
+  in the pack is released to resume from its own checkpoint and trains alone from then on (its
+  pack key cleared, ``JobRunner.train_alone``), where a failure is its own and counts towards
+  SSDRBM_MAX_TRAINING_PROCESS_FAILURES as for any solo job. One job that crashes its process
+  thus fails alone after its retries, and its pack-mates finish. With one job left in the
+  pack, the failure is that job's and counts at once.
 """
 
 from __future__ import annotations
@@ -324,12 +328,24 @@ class PackRunner:
         await self._child_failed(cause, lambda member: advice)
 
     async def _child_failed(self, cause: str, hint: Callable[[JobRunner], str]) -> None:
-        """Each open job counts the failure and is released (or FAILED at the limit), as a
-        solo job whose process died."""
-        for i in self._open():
+        """Each open job is released to train alone (see the module docstring); a last job
+        left alone in the pack counts the failure as a solo job does."""
+        open_runs = self._open()
+        if len(open_runs) > 1:
+            self.metrics.process_failures.inc()
+            logger.warning(
+                "pack %s: the training process %s; its %d jobs will train alone",
+                self.job_ids,
+                cause,
+                len(open_runs),
+            )
+        for i in open_runs:
             member = self.members[i]
             try:
-                outcome = await member._child_failed(cause, hint=hint(member))
+                if len(open_runs) > 1:
+                    outcome = await member.train_alone(cause)
+                else:
+                    outcome = await member._child_failed(cause, hint=hint(member))
             except LeaseLostError:
                 outcome = LOST
             self._close(i, outcome)

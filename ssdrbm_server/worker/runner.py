@@ -45,7 +45,7 @@ from ssdrbm_server.store.datasets import DatasetStore
 from ssdrbm_server.store.fencing import FencedJob, LeaseLostError
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.lifecycle import Retention
-from ssdrbm_server.store.records import JobRecord, JobState
+from ssdrbm_server.store.records import NOT_PACKABLE, JobRecord, JobState
 from ssdrbm_server.sweeps.rungs import RungGate
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.metrics import WorkerMetrics, job_labels
@@ -306,6 +306,22 @@ class JobRunner:
         await self._release(
             f"the training process {cause} (failure {failures} of {limit}); "
             "resumes from the last checkpoint"
+        )
+        return "released"
+
+    async def train_alone(self, cause: str) -> str:
+        """The pack this job trained in lost its training process: release the job to resume
+        from its last checkpoint, trained alone from now on (its pack key cleared), without
+        counting the failure against it — any run of the pack, or the pack's size, may have
+        caused it; alone, a failure is the job's own and counts as above."""
+        if self.stop.event.is_set():  # the worker is stopping: not the job's fault
+            await self._release("worker stopped; resumes from the last checkpoint")
+            return "released"
+        await self._retry(lambda: self.job.update(pack_key=NOT_PACKABLE))
+        await self._release(
+            f"the training process of its pack {cause}; not counted against this job, which "
+            "trains alone from here on (a failure is then its own) and resumes from the last "
+            "checkpoint"
         )
         return "released"
 
