@@ -111,7 +111,7 @@ class PackRunner:
             logger.exception("pack %s: unexpected error", self.job_ids)
             reason = f"internal error: {type(exc).__name__}: {exc}"[:500]
             for i in self._open():
-                await self._write(i, lambda m: m._finish(JobState.FAILED, error=reason))
+                await self._write(i, lambda m: m.finish(JobState.FAILED, error=reason))
                 self._close(i, JobState.FAILED.value)
         finally:
             await self._settle_child()
@@ -144,7 +144,7 @@ class PackRunner:
             if member.record.cancel_requested:
                 await self._write(
                     i,
-                    lambda m: m._finish(JobState.CANCELLED, message="cancelled before it resumed"),
+                    lambda m: m.finish(JobState.CANCELLED, message="cancelled before it resumed"),
                 )
                 if self.outcomes[i] is None:
                     self._close(i, JobState.CANCELLED.value)
@@ -171,7 +171,7 @@ class PackRunner:
         for i in self._open():
             member = self.members[i]
             try:
-                message = await member._start_message(with_dataset=not jobs)
+                message = await member.start_message(with_dataset=not jobs)
             except REDIS_DOWN:
                 raise
             except Exception as exc:  # this job cannot start (its data is gone, ...): it alone
@@ -180,7 +180,7 @@ class PackRunner:
                     if isinstance(exc, NotFoundError)
                     else f"internal error: {type(exc).__name__}: {exc}"[:500]
                 )
-                await self._write(i, lambda m, r=reason: m._finish(JobState.FAILED, error=r))
+                await self._write(i, lambda m, r=reason: m.finish(JobState.FAILED, error=r))
                 self._close(i, JobState.FAILED.value)
                 continue
             run = len(jobs)
@@ -243,7 +243,7 @@ class PackRunner:
         for i in self._open():
             member = self.members[i]
             try:
-                cancelled = await member._retry(member.job.heartbeat)
+                cancelled = await member.heartbeat()
             except LeaseLostError as exc:
                 logger.warning("%s; it leaves its pack", exc)
                 self._drop(child, i, LOST)
@@ -251,7 +251,7 @@ class PackRunner:
             if cancelled:
                 self._drop(child, i, JobState.CANCELLED.value)
                 await self._write(
-                    i, lambda m: m._finish(JobState.CANCELLED, message="cancelled on request")
+                    i, lambda m: m.finish(JobState.CANCELLED, message="cancelled on request")
                 )
 
     def _drop(self, child: ChildProcess, i: int, outcome: str) -> None:
@@ -260,10 +260,9 @@ class PackRunner:
         child.send(protocol.Message(protocol.DROP, {"run": self._runs.index(i)}))
 
     async def _handle(self, child: ChildProcess, message: protocol.Message) -> None:
-        if message.kind == protocol.PROGRESS:
+        if message.kind == protocol.PROGRESS:  # steps of every run: each job counts its own
             for i in self._open():
-                member = self.members[i]
-                self.metrics.trained(member._labels, message.fields["runs"], member._batch_size)
+                await self.members[i].handle(message)
             return
         run = message.fields.get("run")
         if run is None or not 0 <= int(run) < len(self._runs):
@@ -276,7 +275,7 @@ class PackRunner:
         context = logs.log_context(job_id=member.lease.job_id, tenant=member.record.tenant)
         try:
             with context:  # its log lines name the job, as a solo job's do
-                outcome = await member._handle(message)
+                outcome = await member.handle(message)
         except LeaseLostError as exc:
             logger.warning("%s; it leaves its pack", exc)
             self._drop(child, i, LOST)
@@ -290,7 +289,7 @@ class PackRunner:
 
     async def _release_open(self, message: str) -> None:
         for i in self._open():
-            await self._write(i, lambda m: m._release(message))
+            await self._write(i, lambda m: m.release(message))
             if self.outcomes[i] is None:
                 self._close(i, RELEASED)
 
@@ -305,7 +304,7 @@ class PackRunner:
         def hint(member: JobRunner) -> str:
             if code != -signal.SIGKILL:
                 return ""
-            return f"{member._memory_hint()} (it trained in a pack of {size} runs)"
+            return f"{member.memory_hint()} (it trained in a pack of {size} runs)"
 
         await self._child_failed(describe_exit(code), hint)
 
@@ -345,7 +344,7 @@ class PackRunner:
                 if len(open_runs) > 1:
                     outcome = await member.train_alone(cause)
                 else:
-                    outcome = await member._child_failed(cause, hint=hint(member))
+                    outcome = await member.child_failed(cause, hint=hint(member))
             except LeaseLostError:
                 outcome = LOST
             self._close(i, outcome)

@@ -151,7 +151,7 @@ class JobRunner:
             # e.g. a spec that cannot be parsed: the job fails, the worker goes on.
             logger.exception("job %s: unexpected error", self.lease.job_id)
             reason = f"internal error: {type(exc).__name__}: {exc}"[:500]
-            await self._finish(JobState.FAILED, error=reason)
+            await self.finish(JobState.FAILED, error=reason)
             return JobState.FAILED.value
         finally:
             await self._settle_child()
@@ -168,15 +168,15 @@ class JobRunner:
 
     async def _run(self) -> str:
         if self.record.cancel_requested:
-            await self._finish(JobState.CANCELLED, message="cancelled before it resumed")
+            await self.finish(JobState.CANCELLED, message="cancelled before it resumed")
             return JobState.CANCELLED.value
         logger.info(
             "job %s: attempt %d on %s", self.lease.job_id, self.lease.attempt, self.lease.worker_id
         )
         try:
-            start = await self._start_message()
+            start = await self.start_message()
         except NotFoundError as exc:
-            await self._finish(JobState.FAILED, error=exc.message)
+            await self.finish(JobState.FAILED, error=exc.message)
             return JobState.FAILED.value
         if self.child is None or not self.child.process.is_alive():
             self.child = ChildProcess.for_settings(self.settings)
@@ -185,7 +185,12 @@ class JobRunner:
         self.child.send(start)
         return await self._supervise(self.child)
 
-    async def _start_message(self, *, with_dataset: bool = True) -> protocol.Message:
+    async def heartbeat(self) -> bool:
+        """Renew the job's lease (retried while Redis is down); True when a cancel was asked.
+        LeaseLostError once another worker took the job over."""
+        return await self._retry(self.job.heartbeat)
+
+    async def start_message(self, *, with_dataset: bool = True) -> protocol.Message:
         """The job's start message; ``with_dataset=False`` leaves an uploaded dataset out (a
         pack sends its shared data once)."""
         request = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
@@ -226,14 +231,14 @@ class JobRunner:
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + self.settings.heartbeat_seconds
-                if await self._retry(self.job.heartbeat):
+                if await self.heartbeat():
                     await child.kill()
-                    await self._finish(JobState.CANCELLED, message="cancelled on request")
+                    await self.finish(JobState.CANCELLED, message="cancelled on request")
                     return JobState.CANCELLED.value
             if self.stop.event.is_set():
                 if not self.stop.graceful or (stop_deadline and now > stop_deadline):
                     await child.kill()
-                    await self._release("worker stopped; resumes from the last checkpoint")
+                    await self.release("worker stopped; resumes from the last checkpoint")
                     return "released"
                 if stop_deadline is None:
                     child.send(protocol.Message(protocol.STOP))
@@ -248,7 +253,7 @@ class JobRunner:
                 continue
             if message is None:
                 return await self._child_exited(child)
-            outcome = await self._handle(message)
+            outcome = await self.handle(message)
             if outcome is not None:
                 return outcome
 
@@ -257,8 +262,8 @@ class JobRunner:
         code = await child.join()
         if code is None:  # closed its pipe but lives on: not to be trusted with the job
             await child.kill()
-        hint = self._memory_hint() if code == -signal.SIGKILL else ""
-        return await self._child_failed(describe_exit(code), hint=hint)
+        hint = self.memory_hint() if code == -signal.SIGKILL else ""
+        return await self.child_failed(describe_exit(code), hint=hint)
 
     async def _child_hung(self, child: ChildProcess, silence: float) -> str:
         logger.error(
@@ -276,14 +281,14 @@ class JobRunner:
             "if one evaluation legitimately takes longer, raise "
             "SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS or lower eval.ais_betas"
         )
-        return await self._child_failed(cause, hint=hint)
+        return await self.child_failed(cause, hint=hint)
 
-    async def _child_failed(self, cause: str, *, hint: str) -> str:
+    async def child_failed(self, cause: str, *, hint: str) -> str:
         """Count a dead or hung training process against the job: release it to resume from
         its last checkpoint, or end it FAILED once the failures reach the limit (the reason
         ends with ``hint``, what to change)."""
         if self.stop.event.is_set():  # the worker is stopping: not the job's fault
-            await self._release("worker stopped; resumes from the last checkpoint")
+            await self.release("worker stopped; resumes from the last checkpoint")
             return "released"
         failures = self.record.child_failures + 1
         limit = self.settings.max_training_process_failures
@@ -301,9 +306,9 @@ class JobRunner:
                 f"the training process failed {failures} times "
                 f"(SSDRBM_MAX_TRAINING_PROCESS_FAILURES), the last time it {cause}"
             )
-            await self._finish(JobState.FAILED, error=f"{reason}; {hint}" if hint else reason)
+            await self.finish(JobState.FAILED, error=f"{reason}; {hint}" if hint else reason)
             return JobState.FAILED.value
-        await self._release(
+        await self.release(
             f"the training process {cause} (failure {failures} of {limit}); "
             "resumes from the last checkpoint"
         )
@@ -315,17 +320,17 @@ class JobRunner:
         counting the failure against it — any run of the pack, or the pack's size, may have
         caused it; alone, a failure is the job's own and counts as above."""
         if self.stop.event.is_set():  # the worker is stopping: not the job's fault
-            await self._release("worker stopped; resumes from the last checkpoint")
+            await self.release("worker stopped; resumes from the last checkpoint")
             return "released"
         await self._retry(lambda: self.job.update(pack_key=NOT_PACKABLE))
-        await self._release(
+        await self.release(
             f"the training process of its pack {cause}; not counted against this job, which "
             "trains alone from here on (a failure is then its own) and resumes from the last "
             "checkpoint"
         )
         return "released"
 
-    def _memory_hint(self) -> str:
+    def memory_hint(self) -> str:
         """What a SIGKILL most likely means (the OOM killer), with the memory the job needs."""
         request = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
         needed = training_memory_mb(request, self.record.n_visible)
@@ -334,7 +339,7 @@ class JobRunner:
             "dataset); give the worker more memory or lower model.n_hidden or training.batch_size"
         )
 
-    async def _handle(self, message: protocol.Message) -> str | None:
+    async def handle(self, message: protocol.Message) -> str | None:
         fields, kind = message.fields, message.kind
         if kind == protocol.STARTED:
             self.step = int(fields["start_step"])
@@ -368,20 +373,20 @@ class JobRunner:
         elif kind == protocol.FINISHED:
             self._child_idle = True
             self.step = int(fields["step"])
-            await self._finish(JobState.SUCCEEDED, message="finished")
+            await self.finish(JobState.SUCCEEDED, message="finished")
             return JobState.SUCCEEDED.value
         elif kind == protocol.STOPPED:
             self.step = int(fields["step"])
             if self.rungs.stop_reason:  # early stopping: the run ends, its checkpoint kept
                 self._child_idle = True
-                await self._finish(JobState.STOPPED, message=self.rungs.stop_reason)
+                await self.finish(JobState.STOPPED, message=self.rungs.stop_reason)
                 return JobState.STOPPED.value
-            await self._release("worker stopped; resumes from the last checkpoint")
+            await self.release("worker stopped; resumes from the last checkpoint")
             return "released"
         elif kind == protocol.FAILED:
             self._child_idle = True
             self.step = max(self.step, int(fields["step"]))
-            await self._finish(JobState.FAILED, error=fields["reason"])
+            await self.finish(JobState.FAILED, error=fields["reason"])
             return JobState.FAILED.value
         else:
             logger.error("unexpected message %r from the training process", kind)
@@ -407,18 +412,22 @@ class JobRunner:
             )
         self.metrics.checkpoint_write.observe(time.perf_counter() - started)
 
-    async def _finish(self, state: JobState, *, error: str = "", message: str = "") -> None:
-        async def finish() -> None:
+    async def finish(self, state: JobState, *, error: str = "", message: str = "") -> None:
+        """End the job in ``state`` (fenced; a lost reply retried as done)."""
+
+        async def write() -> None:
             await self.job.finish(state, step=self.step, error=error, message=message)
 
-        await self._idempotent(finish, state)
+        await self._idempotent(write, state)
         self.metrics.jobs_finished.labels(state=state.value).inc()
 
-    async def _release(self, message: str) -> None:
-        async def release() -> None:
+    async def release(self, message: str) -> None:
+        """Give the job back to the queue to resume from its last checkpoint (fenced)."""
+
+        async def write() -> None:
             await self.job.release(step=self.step, message=message)
 
-        await self._idempotent(release, JobState.QUEUED)
+        await self._idempotent(write, JobState.QUEUED)
 
     async def _idempotent(self, write: Callable[[], Awaitable[None]], state: JobState) -> None:
         """A state change whose reply may have been lost: a retry that finds the change
