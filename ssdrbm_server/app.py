@@ -38,7 +38,8 @@ from ssdrbm_server.redis_checks import check_redis_config
 from ssdrbm_server.servicer import RBMServicer, Stores
 from ssdrbm_server.serving import ModelServer, ServingLimits
 from ssdrbm_server.store import CheckpointStore, DatasetStore, EventStore, JobStore, connect
-from ssdrbm_server.store.lifecycle import Retention
+from ssdrbm_server.store.lifecycle import Retention, repeat_forever
+from ssdrbm_server.sweeps.expiry import SweepExpiry
 
 if TYPE_CHECKING:
     from ssdrbm_server.worker import Worker
@@ -133,7 +134,7 @@ class Service:
         self.port = self._bind(settings)
         self._refresh: asyncio.Task[None] | None = None
         self._readiness: asyncio.Task[None] | None = None
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweepers: list[asyncio.Task[None]] = []
         self._worker_task: asyncio.Task[None] | None = None  # an in-process worker, if any
 
     def watch_worker(self, task: asyncio.Task[None]) -> None:
@@ -174,8 +175,14 @@ class Service:
         self._readiness = asyncio.create_task(
             follow_redis(self.redis, self.health, SERVICE_NAME, worker_alive=self._worker_running)
         )
-        # Expired jobs and deletes a dead process left half done (store/lifecycle.py).
-        self._sweeper = asyncio.create_task(self.stores.jobs.lifecycle.sweep_forever())
+        # Expired jobs and deletes a dead process left half done (store/lifecycle.py), and
+        # sweeps whose jobs expired (sweeps/expiry.py).
+        lifecycle = self.stores.jobs.lifecycle
+        expiry = SweepExpiry(self.servicer.sweeps, lifecycle)
+        self._sweepers = [
+            asyncio.create_task(repeat_forever(lifecycle.sweep, "expired-job sweep")),
+            asyncio.create_task(repeat_forever(expiry.expire_due, "expired-sweep cleanup")),
+        ]
         logger.info("gRPC server listening on port %d", self.port)
         return self.port
 
@@ -184,7 +191,7 @@ class Service:
         grace = self.settings.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         self.servicer.begin_shutdown()
-        await stop_background_tasks([self._refresh, self._readiness, self._sweeper])
+        await stop_background_tasks([self._refresh, self._readiness, *self._sweepers])
         if self.inference_http is not None:
             await asyncio.to_thread(self.inference_http.stop)
         await self.server.stop(grace)

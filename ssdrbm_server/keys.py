@@ -20,6 +20,7 @@ keys with the same tag live together and one Lua script may use them all.
 | `{jobs}:versions`                 | hash   | job id -> version of the state the indexes show   |
 | `{jobs}:forgotten`                | zset   | job id -> when it was forgotten (versions pruned) |
 | `{jobs}:purge`                    | zset   | `<id> <tenant>` -> when to delete it (ms)         |
+| `{jobs}:sweep_purge`              | zset   | `<sid> <tenant>` -> when its runs expire (ms)     |
 | `tenant:{<t>}:jobs`               | zset   | the tenant's job ids by sequence (ListJobs paging) |
 | `tenant:{<t>}:seq`                | string | counter giving the tenant's jobs their position   |
 | `tenant:{<t>}:active`             | set    | the tenant's QUEUED + RUNNING job ids (limits)    |
@@ -132,6 +133,9 @@ class Keys:
 
     def purge_schedule(self) -> str:
         return f"{self.prefix}{{jobs}}:purge"
+
+    def sweep_purge_schedule(self) -> str:
+        return f"{self.prefix}{{jobs}}:sweep_purge"
 
     # --- one tenant: hash tag {<t>} ---
     def _tenant(self, tenant: str) -> str:

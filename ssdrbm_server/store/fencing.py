@@ -260,7 +260,7 @@ class FencedJob:
         if not state.is_terminal:
             raise ValueError(f"finish needs a terminal state, not {state}")
         event = state_event_fields(state, attempt=self.attempt, step=step, message=message or error)
-        await self.lifecycle.expire_later(self.job_id, self.tenant)
+        await self.lifecycle.expire_later(self.job_id, self.tenant, self.lease.record.sweep_id)
         await self._run(
             self._finish,
             self._job_and_events(),

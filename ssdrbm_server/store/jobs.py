@@ -399,7 +399,8 @@ class JobStore:
                 message="cancelled while queued",
             )
             if record.state is JobState.QUEUED:
-                await self.lifecycle.expire_later(job_id, tenant)  # before the end: see lifecycle
+                # before the end: see lifecycle
+                await self.lifecycle.expire_later(job_id, tenant, record.sweep_id)
             outcome = await self._cancel(
                 keys=self._job_keys(job_id),
                 args=[

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,12 +71,38 @@ return 1
 """
 )
 
-# KEYS: purge schedule. ARGV: grace ms, limit. Entries due more than the grace ago.
+# KEYS: a schedule. ARGV: delay ms, member. Moves an entry later only (or adds it), so it stands
+# at the latest time ever asked: a sweep's, at its last run's end plus the TTL.
+_SCHEDULE_LATER = (
+    NOW_MS
+    + """
+redis.call('ZADD', KEYS[1], 'GT', now + tonumber(ARGV[1]), ARGV[2])
+return 1
+"""
+)
+
+# KEYS: a schedule. ARGV: grace ms, limit. Entries due more than the grace ago, with their times.
 _DUE = (
     NOW_MS
     + """
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]),
-                  'LIMIT', 0, tonumber(ARGV[2]))
+                  'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))
+"""
+)
+
+# KEYS: a schedule. ARGV: member, its time as read, delay ms (0: remove the entry). Acts only
+# while the entry still has the time read, so a later schedule made meanwhile stands.
+_SETTLE = (
+    NOW_MS
+    + """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) ~= tonumber(ARGV[2]) then return 0 end
+if tonumber(ARGV[3]) > 0 then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+else
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return 1
 """
 )
 
@@ -162,8 +189,16 @@ class Retention:
         )
 
 
-def _member(job_id: str, tenant: str) -> str:
-    return f"{job_id} {tenant}"  # a job id has no space, so the first one splits them
+def schedule_member(item_id: str, tenant: str) -> str:
+    """A schedule entry: a job's or sweep's id and its tenant."""
+    return f"{item_id} {tenant}"  # ids have no space, so the first one splits them
+
+
+def split_member(member: bytes | str) -> tuple[str, str]:
+    """(id, tenant) of a schedule entry."""
+    text = member.decode() if isinstance(member, bytes) else member
+    item_id, _, tenant = text.partition(" ")
+    return item_id, tenant
 
 
 class JobLifecycle:
@@ -175,18 +210,28 @@ class JobLifecycle:
         self.retention = retention or Retention()
         self.index = JobIndex(redis, keys)
         self._schedule = redis.register_script(_SCHEDULE)
+        self._schedule_later = redis.register_script(_SCHEDULE_LATER)
         self._due = redis.register_script(_DUE)
+        self._settle = redis.register_script(_SETTLE)
         self._delete = redis.register_script(_DELETE)
         self._retain = redis.register_script(_RETAIN)
         self._drop_from_tenant = redis.register_script(_DROP_FROM_TENANT)
 
     # --- retention ------------------------------------------------------------------------
 
-    async def expire_later(self, job_id: str, tenant: str) -> None:
+    async def expire_later(self, job_id: str, tenant: str, sweep_id: str = "") -> None:
         """Before a job's end is written: schedule its deletion `job_ttl_s` from now (when
-        the retention has one), so a death right after the end cannot leave it for good."""
-        if self.retention.job_ttl_s > 0:
-            await self.schedule(job_id, tenant, delay_ms=self.retention.job_ttl_s * 1000)
+        the retention has one), so a death right after the end cannot leave it for good; a
+        sweep's run also moves its sweep's expiry to at least as late (sweeps/expiry.py)."""
+        if self.retention.job_ttl_s <= 0:
+            return
+        delay_ms = self.retention.job_ttl_s * 1000
+        await self.schedule(job_id, tenant, delay_ms=delay_ms)
+        if sweep_id:
+            await self._schedule_later(
+                keys=[self.keys.sweep_purge_schedule()],
+                args=[delay_ms, schedule_member(sweep_id, tenant)],
+            )
 
     async def ended(self, job_id: str) -> None:
         """After a job's end is written: trim its checkpoints and set its keys' expiry."""
@@ -212,7 +257,7 @@ class JobLifecycle:
         """Step 1: the job is to be deleted `delay_ms` from now (by the sweeper, if nobody
         deletes it sooner)."""
         await self._schedule(
-            keys=[self.keys.purge_schedule()], args=[delay_ms, _member(job_id, tenant)]
+            keys=[self.keys.purge_schedule()], args=[delay_ms, schedule_member(job_id, tenant)]
         )
 
     async def purge(self, job_id: str, tenant: str, *, allow_active: bool = False) -> bool:
@@ -267,30 +312,44 @@ class JobLifecycle:
         return keys + [self.keys.checkpoint(job_id, step) for step in steps], steps
 
     async def _unschedule(self, job_id: str, tenant: str) -> None:
-        await self.redis.zrem(self.keys.purge_schedule(), _member(job_id, tenant))
+        await self.redis.zrem(self.keys.purge_schedule(), schedule_member(job_id, tenant))
 
     # --- the sweeper ----------------------------------------------------------------------
+
+    async def due(self, schedule: str, *, grace_ms: int, limit: int) -> list[tuple[bytes, int]]:
+        """Entries of ``schedule`` more than ``grace_ms`` overdue, with their times (ms)."""
+        flat = await self._due(keys=[schedule], args=[grace_ms, limit])
+        return [(flat[i], int(float(flat[i + 1]))) for i in range(0, len(flat), 2)]
+
+    async def settle(self, schedule: str, member: bytes, due_ms: int, *, later_ms: int = 0) -> bool:
+        """Remove an entry read as due at ``due_ms`` (or move it ``later_ms`` from now), unless
+        it was scheduled again meanwhile; True when it acted."""
+        return await self._settle(keys=[schedule], args=[member, due_ms, later_ms]) == 1
 
     async def sweep(self, *, limit: int = SWEEP_BATCH, grace_ms: int = SWEEP_GRACE_MS) -> int:
         """Delete the jobs whose schedule entry is `grace_ms` overdue (expired jobs, and deletes
         a dead process left half done); returns how many entries it settled."""
-        members = await self._due(keys=[self.keys.purge_schedule()], args=[grace_ms, limit])
-        for member in members:
-            job_id, _, tenant = member.decode().partition(" ")
+        entries = await self.due(self.keys.purge_schedule(), grace_ms=grace_ms, limit=limit)
+        for member, _ in entries:
+            job_id, tenant = split_member(member)
             if not is_job_id(job_id):
                 await self.redis.zrem(self.keys.purge_schedule(), member)
                 continue
             await self.purge(job_id, tenant)
-        return len(members)
+        return len(entries)
 
-    async def sweep_forever(self, stopped: asyncio.Event | None = None) -> None:
-        """Sweep every `SWEEP_INTERVAL_S` (a background task of each API process)."""
-        while stopped is None or not stopped.is_set():
-            try:
-                while await self.sweep() == SWEEP_BATCH:
-                    pass  # more are due: go on without waiting
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                logger.warning("expired-job sweep skipped: Redis unreachable (%s)", exc)
-            except Exception:
-                logger.exception("expired-job sweep failed; trying again later")
-            await asyncio.sleep(SWEEP_INTERVAL_S)
+
+async def repeat_forever(
+    step: Callable[[], Awaitable[int]], what: str, stopped: asyncio.Event | None = None
+) -> None:
+    """Run ``step`` every `SWEEP_INTERVAL_S`, at once again while it settles a full batch (a
+    background task of each API process: the job sweeper, the sweep expiry)."""
+    while stopped is None or not stopped.is_set():
+        try:
+            while await step() == SWEEP_BATCH:
+                pass  # more are due: go on without waiting
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            logger.warning("%s skipped: Redis unreachable (%s)", what, exc)
+        except Exception:
+            logger.exception("%s failed; trying again later", what)
+        await asyncio.sleep(SWEEP_INTERVAL_S)

@@ -9,8 +9,9 @@ job per point, tagged with the sweep's id (store.py has the order and its repair
 DeleteSweep deletes each run's job as DeleteJob does (with `force`, the same rules: a queued run
 is cancelled, a running one is deleted at once and its worker stops at its next fenced write),
 then the sweep's keys. With `keep_runs` the jobs lose their sweep tag and stay as ordinary jobs.
-A run whose job is gone (deleted, or expired after finished_job_ttl_seconds; the sweep record
-itself does not expire) shows as `expired`; a sweep whose runs are all gone is EXPIRED.
+A run whose job is gone (deleted, or expired after finished_job_ttl_seconds) shows as
+`expired`; a sweep whose runs are all gone is EXPIRED. With finished_job_ttl_seconds, the sweep
+record goes too once its runs' jobs have (`expire_if_done`, driven by expiry.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.25  # how often a StreamSweep call reads its runs
 HEARTBEAT_S = 2.0  # an update at least this often, changed or not
 _RUN_FIELDS = ["state", "step", "total_steps", "latest_metrics", "error"]
+
+
+# What expire_if_done found (sweeps/expiry.py acts on it).
+GONE, ACTIVE, WAITING, EXPIRED = "gone", "active", "waiting", "expired"
 
 
 class SweepService:
@@ -287,6 +292,29 @@ class SweepService:
             if ended:
                 return
             await asyncio.sleep(POLL_S)
+
+    async def expire_if_done(self, tenant: str, sweep_id: str) -> str:
+        """Delete the sweep's keys if none of its runs' jobs is left (they expired); else say
+        why not: GONE (no such sweep), ACTIVE (a run's job is queued or running: its end
+        schedules the sweep again) or WAITING (a run's job ended but is still stored)."""
+        try:
+            record = await self.sweeps.get(tenant, sweep_id)
+        except NotFoundError:
+            return GONE
+        runs = await self._runs(record)
+        if len(record.job_ids) < record.run_count and not record.cancel_requested:
+            return ACTIVE  # still being created
+        if any(_active(run) for run in runs):
+            return ACTIVE
+        if not all(run.expired for run in runs):
+            return WAITING
+        request_id = pb.StartSweepRequest.FromString(record.request).request_id
+        try:
+            await self.sweeps.delete(tenant, sweep_id, request_id)
+        except NotFoundError:
+            return GONE  # deleted meanwhile
+        logger.info("sweep %s of tenant %s expired with its runs", sweep_id, tenant)
+        return EXPIRED
 
     # --- record → proto --------------------------------------------------------------------
 
