@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -158,6 +159,42 @@ def test_a_sweep_still_being_created_needs_force(idle: RunningService) -> None:
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "1 of 2 created" in error.details() and "force" in error.details()
     assert delete(stub, sweep.id, force=True).deleted_jobs == 1
+
+
+def test_a_delete_racing_the_sweeps_creation_leaves_no_job_behind(idle: RunningService) -> None:
+    """DeleteSweep --force while StartSweep is still creating the runs, at whatever point the
+    delete lands: the StartSweep either completed first or answers NOT_FOUND, and no job of the
+    sweep is left (runs recorded after the delete read the sweep are deleted by it; a run
+    created after the delete removed the sweep is removed by the StartSweep)."""
+    stub = idle.stub()
+    redis_client = redis.Redis.from_url(idle.settings.redis_url)
+    for attempt in range(6):
+        request = sweep_request(*(0.001 * (i + 1) for i in range(12)))
+        request.name = f"race-{attempt}"
+
+        def start(request: pb.StartSweepRequest = request) -> pb.Sweep | grpc.RpcError:
+            try:
+                return stub.StartSweep(request)
+            except grpc.RpcError as error:
+                return error
+
+        with ThreadPoolExecutor(1) as pool:
+            started = pool.submit(start)
+            listed: list[pb.Sweep] = []
+            deadline = time.monotonic() + WAIT_S
+            while not listed:  # the record exists before its first run
+                assert time.monotonic() < deadline, "the sweep never showed in ListSweeps"
+                sweeps = stub.ListSweeps(pb.ListSweepsRequest()).sweeps
+                listed = [s for s in sweeps if s.name == request.name]
+            time.sleep(0.005 * attempt)  # land at different points of the creation
+            delete(stub, listed[0].id, force=True)
+            outcome = started.result(timeout=WAIT_S)
+        if isinstance(outcome, grpc.RpcError):
+            assert outcome.code() == grpc.StatusCode.NOT_FOUND, outcome.details()
+            assert "deleted while StartSweep created its runs" in outcome.details()
+        assert list(stub.ListJobs(pb.ListJobsRequest(page_size=100)).jobs) == []
+        assert keys_naming(idle, listed[0].id) == []
+        assert not redis_client.smembers(Keys().tenant_active("default"))
 
 
 def test_another_tenant_gets_not_found(service_factory: Callable[..., RunningService]) -> None:

@@ -200,7 +200,14 @@ class SweepService:
             await self.sweeps.mark(tenant, sweep_id, cancel=True, error=error.message)
             await self._cancel_runs(tenant, await self.sweeps.get(tenant, sweep_id))
             raise
-        await self.sweeps.add_run(tenant, sweep_id, index, record.id)
+        if not await self.sweeps.add_run(tenant, sweep_id, index, record.id):
+            await self.jobs.delete(tenant, record.id, force=True)  # queued: cancelled and gone
+            raise NotFoundError(
+                f"sweep {sweep_id} was deleted while StartSweep created its runs; the runs "
+                "were removed with it",
+                resource_type="sweep",
+                resource_name=sweep_id,
+            )
 
     # --- reads and cancel ------------------------------------------------------------------
 
@@ -226,6 +233,17 @@ class SweepService:
         await self._cancel_runs(tenant, record)
         logger.info("sweep %s cancelled by tenant %s", sweep_id, tenant)
         return await self.get(tenant, sweep_id)
+
+    async def _delete_jobs(self, tenant: str, job_ids: list[str], *, force: bool) -> list[str]:
+        """Delete the jobs as DeleteJob does; the ids of those deleted (not already gone)."""
+        deleted = []
+        for job_id in job_ids:
+            try:
+                await self.jobs.delete(tenant, job_id, force=force)
+            except NotFoundError:
+                continue  # deleted by its owner already, or expired
+            deleted.append(job_id)
+        return deleted
 
     async def _cancel_runs(self, tenant: str, record: SweepRecord) -> None:
         for job_id in record.job_ids:
@@ -258,13 +276,15 @@ class SweepService:
                     subject=f"sweep:{sweep_id}",
                 )
             await self.sweeps.mark(tenant, sweep_id, cancel=True)  # a half-done delete shows it
-            for job_id in record.job_ids:
-                try:
-                    await self.jobs.delete(tenant, job_id, force=force)
-                except NotFoundError:
-                    continue  # deleted by its owner already, or expired
-                deleted.append(job_id)
-        await self.sweeps.delete(tenant, sweep_id, request_id)
+            deleted = await self._delete_jobs(tenant, record.job_ids, force=force)
+        listed = await self.sweeps.delete(tenant, sweep_id, request_id)
+        # Runs that a StartSweep still creating the sweep (so it was RUNNING: force was needed)
+        # added after the read above; from the delete on it can add none (SweepStore.add_run).
+        late = [job_id for job_id in listed if job_id not in record.job_ids]
+        if keep_runs:
+            await self.jobs.untag_sweep(late)
+        else:
+            deleted += await self._delete_jobs(tenant, late, force=force)
         logger.info(
             "sweep %s deleted by tenant %s (%d jobs, keep_runs=%s)",
             sweep_id,

@@ -35,22 +35,26 @@ redis.call('ZADD', KEYS[2], seq, ARGV[1])
 return seq
 """
 
-# KEYS: the sweep's runs. ARGV: point index, job id. Appends once per index.
+# KEYS: the sweep's runs, the sweep hash. ARGV: point index, job id. Appends once per index;
+# -1 when the sweep is gone (deleted while being created: the caller removes the job).
 _ADD_RUN = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 if redis.call('LLEN', KEYS[1]) == tonumber(ARGV[1]) then
   redis.call('RPUSH', KEYS[1], ARGV[2])
 end
 return redis.call('LLEN', KEYS[1])
 """
 
-# KEYS: sweep hash, tenant listing, the request_id's idempotency key, then the sweep's other
-# keys (runs, decisions, rungs). ARGV: sweep id. Returns 1 when the sweep existed, else 0.
+# KEYS: sweep hash, tenant listing, the request_id's idempotency key, the runs, then the
+# sweep's other keys (decisions, rungs). ARGV: sweep id. Returns {1 when the sweep existed, else
+# 0; the runs' job ids as they were}: runs a StartSweep appended after the caller read them.
 _DELETE = """
 local existed = redis.call('EXISTS', KEYS[1])
+local runs = redis.call('LRANGE', KEYS[4], 0, -1)
 redis.call('ZREM', KEYS[2], ARGV[1])
 if redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
 redis.call('DEL', KEYS[1], unpack(KEYS, 4))
-return existed
+return {existed, runs}
 """
 
 
@@ -148,9 +152,11 @@ class SweepStore:
             args=args,
         )
 
-    async def add_run(self, tenant: str, sweep_id: str, index: int, job_id: str) -> None:
-        """Record the job of point ``index`` (appended once, in point order)."""
-        await self._add_run(keys=[self.keys.sweep_runs(tenant, sweep_id)], args=[index, job_id])
+    async def add_run(self, tenant: str, sweep_id: str, index: int, job_id: str) -> bool:
+        """Record the job of point ``index`` (appended once, in point order); False when the
+        sweep is gone (a DeleteSweep while it was being created)."""
+        keys = [self.keys.sweep_runs(tenant, sweep_id), self.keys.sweep(tenant, sweep_id)]
+        return await self._add_run(keys=keys, args=[index, job_id]) != -1
 
     async def mark(self, tenant: str, sweep_id: str, *, cancel: bool, error: str = "") -> None:
         """Flag the sweep cancelled (and why, when it could not be created whole)."""
@@ -159,10 +165,11 @@ class SweepStore:
             fields["error"] = error
         await self.redis.hset(self.keys.sweep(tenant, sweep_id), mapping=fields)
 
-    async def delete(self, tenant: str, sweep_id: str, request_id: str) -> None:
+    async def delete(self, tenant: str, sweep_id: str, request_id: str) -> list[str]:
         """Remove the sweep's record, runs list, rung and decision keys, listing position and
         (when it still names this sweep) its request_id's key, in one step; NotFoundError when
-        it was already gone (a concurrent delete). The runs' jobs are the caller's."""
+        it was already gone (a concurrent delete). Returns the runs' job ids as the step found
+        them; the jobs are the caller's (after this step no run can be added: ``add_run``)."""
         sweep_key = self.keys.sweep(tenant, sweep_id)
         rungs = (await self.redis.hget(sweep_key, "rungs") or b"").decode()
         keys = [
@@ -173,8 +180,10 @@ class SweepStore:
             self.keys.sweep_decisions(tenant, sweep_id),
             *(self.keys.sweep_rung(tenant, sweep_id, int(s)) for s in rungs.split(",") if s),
         ]
-        if not await self._delete(keys=keys, args=[sweep_id]):
+        existed, runs = await self._delete(keys=keys, args=[sweep_id])
+        if not existed:
             raise _not_found(sweep_id)
+        return [job_id.decode() for job_id in runs]
 
     async def get(self, tenant: str, sweep_id: str) -> SweepRecord:
         """The sweep; NotFoundError when unknown or another tenant's."""
