@@ -110,11 +110,17 @@ return 1
 """
 )
 
-# KEYS: job, events. ARGV: attempt, RUNNING, final state, finished at, error, event (4 values).
+# KEYS: job, events, checkpoint index, the checkpoints the retention drops. ARGV: attempt,
+# RUNNING, final state, finished at, error, event (4 values), then the dropped steps in order:
+# the end and the trim are one step, so whoever sees the end sees only the checkpoints kept.
 _FINISH = (
     _FENCE
     + """
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finished_at', ARGV[4], 'error', ARGV[5])
+for i = 4, #KEYS do
+  redis.call('DEL', KEYS[i])
+  redis.call('ZREM', KEYS[3], ARGV[6 + i])
+end
 """
     + xadd_event("KEYS[2]", 6)
     + "return 1\n"
@@ -261,10 +267,18 @@ class FencedJob:
             raise ValueError(f"finish needs a terminal state, not {state}")
         event = state_event_fields(state, attempt=self.attempt, step=step, message=message or error)
         await self.lifecycle.expire_later(self.job_id, self.tenant, self.lease.record.sweep_id)
+        # Only this attempt writes checkpoints (the fence), so they cannot change before the end.
+        index = self.keys.checkpoint_index(self.job_id)
+        existing = [int(member) for member in await self.redis.zrange(index, 0, -1)]
+        drop = self.lifecycle.retention.checkpoints_to_drop(existing)
         await self._run(
             self._finish,
-            self._job_and_events(),
-            [state.value, repr(time.time()), error, *event_values(event)],
+            [
+                *self._job_and_events(),
+                index,
+                *(self.keys.checkpoint(self.job_id, old) for old in drop),
+            ],
+            [state.value, repr(time.time()), error, *event_values(event), *drop],
         )
         await self.index.follow(self.job_id, self.tenant, state, self.attempt)
         await self.lifecycle.ended(self.job_id)

@@ -27,7 +27,8 @@ not happen (the lease was lost; the next end schedules again) or from a forced d
 before step 2 and was never acknowledged, so it is dropped and the job lives on.
 
 Retention when a job ends (`ended`, after the end is written; `expire_later`, before): only the
-newest `finished_checkpoints_kept` checkpoints stay, and with a finished-job TTL every key of the
+newest `finished_checkpoints_kept` checkpoints stay (a worker's end drops the others in the same
+step as it writes the end, store/fencing.py, so no reader sees an ended job with more), and with a finished-job TTL every key of the
 job itself gets a Redis expiry, so its data goes at its time even if no sweeper runs; the sweeper
 then only clears the index entries. A process dying between the end and `ended` leaves the job
 with its last few checkpoints and no expiry: more memory, nothing wrong, and the sweeper still
@@ -180,6 +181,11 @@ class Retention:
 
     checkpoints_kept: int = 1  # the newest checkpoints kept (at least 1: serving needs it)
     job_ttl_s: int = 0  # seconds from its end until the job is deleted; 0 keeps it
+
+    def checkpoints_to_drop(self, steps: list[int]) -> list[int]:
+        """The steps of an ended job's checkpoints that go: all but the newest kept."""
+        ordered = sorted(steps)
+        return ordered[: max(0, len(ordered) - self.checkpoints_kept)]
 
     @classmethod
     def from_settings(cls, settings: _RetentionSettings) -> Retention:
