@@ -8,6 +8,7 @@ Everything else (job ids, files) is left to the shell's default completion.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections.abc import Callable, Iterable
@@ -34,8 +35,10 @@ class Command:
     positional_choices: list[str] = field(default_factory=list)
 
 
-def register(commands: argparse._SubParsersAction, parents: list) -> None:
-    """Add ``completion`` to the ``ssdrbm`` parser."""
+def register(
+    commands: argparse._SubParsersAction, parents: list, root: argparse.ArgumentParser
+) -> None:
+    """Add ``completion`` to `root`, the ``ssdrbm`` parser whose commands the script lists."""
     completion = commands.add_parser(
         "completion",
         help="print a shell completion script (bash, zsh or fish)",
@@ -45,14 +48,13 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
         "'ssdrbm completion fish > ~/.config/fish/completions/ssdrbm.fish'.",
     )
     completion.add_argument("shell", choices=SHELLS, metavar="SHELL", help=", ".join(SHELLS))
-    completion.set_defaults(run=run_completion)
+    # The script is made from `root` when the command runs, so every command is in it by then.
+    completion.set_defaults(run=functools.partial(run_completion, parser=root))
 
 
-def run_completion(args: argparse.Namespace) -> ExitCode:
-    """Print the script for ``args.shell``."""
-    from ssdrbm.cli.main import build_parser  # the parser that holds this very command
-
-    sys.stdout.write(script(args.shell, build_parser()))
+def run_completion(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ExitCode:
+    """Print the script for ``args.shell``, made from `parser`."""
+    sys.stdout.write(script(args.shell, parser))
     return ExitCode.OK
 
 

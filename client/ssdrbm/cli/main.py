@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweeps.register(commands, [common])
     data.register(commands, [common])
     models.register(commands, [common])
-    completion.register(commands, [common])
+    completion.register(commands, [common], parser)
     return parser
 
 
