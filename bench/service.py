@@ -1,7 +1,8 @@
 """Service case: the gRPC service measured end to end over loopback, as its clients see it.
 
 The case starts its own redis-server (free port, temporary directory, no persistence) and the
-service (gRPC server + worker) as a separate process on port 0 (`bench.service_host`), then:
+service (gRPC server + worker) as a separate process on port 0 (`bench.service_host`), both
+through `bench.service_process`, then:
 
 1. trains a 784×500 Bernoulli RBM on MNIST through StartTraining, to have a model to serve;
 2. times Reconstruct and SampleHidden one request at a time at batch 1 and 256 (p50 / p99);
@@ -24,19 +25,14 @@ which the figures include.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import shutil
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +41,17 @@ import numpy as np
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
-from bench.data import REPO_ROOT
+from bench import service_upload
 from bench.report import Case, Target
+from bench.service_process import (
+    START_TIMEOUT_S,
+    STREAM_BLOCK_MS,
+    MemorySampler,
+    ServerProcess,
+    redis_server,
+    service_process,
+)
 from bench.timing import percentile, rss_mib
-from ssdcore.data import default_data_dir
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +59,7 @@ N_VISIBLE = 784
 SERVED_HIDDEN = 500
 CLIENTS = 16
 SUBSCRIBERS = 100
-START_TIMEOUT_S = 60.0
 MAX_STREAM_RECONNECTS = 20  # per subscriber
-STREAM_BLOCK_MS = 1000  # the server's XREAD BLOCK per poll of a metric stream
 JOB_TIMEOUT_S = 300.0
 TERMINAL = {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED}
 
@@ -106,124 +107,7 @@ class Plan:
         )
 
 
-# --- processes --------------------------------------------------------------------------------
-
-
 SERVICE_CONFIG = {"model": f"{N_VISIBLE}x{SERVED_HIDDEN}", "transport": "loopback, plaintext"}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def redis_server(directory: Path) -> Iterator[str]:
-    """A throw-away redis-server on a free loopback port; yields its URL."""
-    executable = shutil.which("redis-server") or "/usr/bin/redis-server"
-    port = _free_port()
-    command = [
-        executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
-        "--save", "", "--appendonly", "no", "--logfile", str(directory / "redis.log"),
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_port(port, process)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_for_port(port: int, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"redis-server exited with status {process.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError("redis-server did not start listening in time")
-
-
-@dataclass
-class ServerProcess:
-    """The service in its own process; `target` is its loopback address."""
-
-    process: subprocess.Popen
-    target: str
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def children(self) -> list[int]:
-        """Direct child processes (the worker's training child), from /proc."""
-        pids: list[int] = []
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{self.pid}/task"):
-                with open(f"/proc/{self.pid}/task/{task}/children") as children:
-                    pids += [int(pid) for pid in children.read().split()]
-        return pids
-
-
-@contextlib.contextmanager
-def service_process(
-    redis_url: str, directory: Path, extra_env: dict[str, str] | None = None
-) -> Iterator[ServerProcess]:
-    """Start `python -m bench.service_host` against `redis_url`; stop it with SIGTERM."""
-    env = {
-        **os.environ,
-        "SSDRBM_REDIS_URL": redis_url,
-        "SSDRBM_DATA_DIR": str(default_data_dir()),
-        "SSDRBM_AUTH_MODE": "none",
-        "SSDRBM_ALLOW_NO_PERSISTENCE": "1",  # its throw-away Redis keeps no AOF
-        "SSDRBM_LOG_LEVEL": "WARNING",
-        "SSDRBM_STREAM_BLOCK_MS": str(STREAM_BLOCK_MS),
-        "SSDRBM_MAX_JOBS_PER_TENANT": "64",
-        **(extra_env or {}),
-    }
-    log_path = directory / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "bench.service_host"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-    try:
-        port = _read_port(process, log_path)
-        yield ServerProcess(process, f"127.0.0.1:{port}", log_path)
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _read_port(process: subprocess.Popen, log_path: Path) -> int:
-    from bench.service_host import READY_PREFIX
-
-    result: list[str] = []
-    reader = threading.Thread(target=lambda: result.append(process.stdout.readline()))
-    reader.daemon = True
-    reader.start()
-    reader.join(START_TIMEOUT_S)
-    line = result[0] if result else ""
-    if not line.startswith(READY_PREFIX):
-        tail = log_path.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"the service did not start: {line!r}\n{tail}")
-    return int(line[len(READY_PREFIX) :])
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -511,35 +395,6 @@ def training_throughput(stub: rbm_pb2_grpc.RBMServiceStub, plan: Plan, name: str
     return float(wait_for_job(stub, job.id).latest_metrics.samples_per_second)
 
 
-class MemorySampler:
-    """Samples the RSS of the server process and of its children every 50 ms in a thread."""
-
-    def __init__(self, server: ServerProcess):
-        self.server = server
-        self.server_mib: list[float] = []
-        self.child_mib: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            own = rss_mib(self.server.pid)
-            if own is not None:
-                self.server_mib.append(own)
-            children = [rss_mib(pid) for pid in self.server.children()]
-            if children and all(value is not None for value in children):
-                self.child_mib.append(sum(children))
-            self._stop.wait(0.05)
-
-    def __enter__(self) -> MemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 # --- the case ---------------------------------------------------------------------------------
 
 
@@ -584,8 +439,6 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
 def _upload_phase(redis_url: str, directory: Path, *, quick: bool) -> list[Case]:
     """Large uploads on a service of their own, so its memory figures start from a fresh
     process: Redis's longest stall for another client and the API's peak RSS."""
-    from bench import service_upload  # imports this module
-
     upload_directory = directory / "upload"
     upload_directory.mkdir()
     with service_process(redis_url, upload_directory) as server:

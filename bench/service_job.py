@@ -26,7 +26,8 @@ from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
 import ssdcore
-from bench.service import redis_server, service_process, wait_for_job
+from bench.service import wait_for_job
+from bench.service_process import redis_server, service_process
 from ssdcore.data import default_data_dir, load_mnist, preprocess
 from ssdcore.optim import OptimizerConfig
 

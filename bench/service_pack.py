@@ -17,7 +17,6 @@ again evaluated and checkpointed only at its last step, which shows what trainin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -34,7 +33,8 @@ from ssdrbm.v1 import rbm_pb2_grpc
 
 from bench.data import REPO_ROOT
 from bench.report import Case, Target
-from bench.service import redis_server, service_process, wait_for_job
+from bench.service import wait_for_job
+from bench.service_process import redis_server, service_process, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +132,7 @@ def sweep(
         jobs = [wait_for_job(stub, job_id) for job_id in job_ids]
         wall = time.perf_counter() - started
     finally:
-        worker.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            worker.wait(WORKER_STOP_S)
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+        stop_process(worker, WORKER_STOP_S)
     sizes = [_pack_size(job.runtime.summary) for job in jobs]
     return Outcome(wall, sum(1 for s in sizes if s > 1), max(sizes))
 

@@ -31,7 +31,7 @@ from ssdrbm.v1 import rbm_pb2_grpc
 from bench.data import REPO_ROOT
 from bench.redis_ping import READY
 from bench.report import Case
-from bench.service import MemorySampler, ServerProcess
+from bench.service_process import MemorySampler, ServerProcess
 from bench.timing import rss_mib
 from ssdrbm_server.config import Settings
 
