@@ -23,7 +23,9 @@ class DivergenceError(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only fields do not survive the default exception pickling (which calls the
-        # class with `args` alone); a training child process sends these to its parent.
+        # class with `args` alone); library users' process pools (multiprocessing, joblib)
+        # carry a worker's exception back this way. The service never pickles: its training
+        # process reports a failure as JSON (ssdrbm_server/worker/protocol.py).
         return (_rebuild, (type(self), self.args, self.__dict__))
 
 

@@ -143,7 +143,7 @@ def test_suggestions_and_divergence_errors():
     assert "by step 7" in blowup.describe()
     assert blowup_from_error(DivergenceError("no step"), step=5).step == 5
     spent = BlowUpError("spent", blowup=blowup, suggested_lr=1e-4)
-    copy = pickle.loads(pickle.dumps(spent))  # crosses the worker's process boundary
+    copy = pickle.loads(pickle.dumps(spent))  # as a process pool returns a worker's error
     assert (copy.step, copy.suggested_lr, str(copy)) == (7, 1e-4, "spent")
     assert copy.blowup.describe() == blowup.describe()
     assert isinstance(copy, DivergenceError) and DEFAULT_MAX_BACKOFFS >= 1
