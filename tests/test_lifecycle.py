@@ -15,6 +15,7 @@ from ssdrbm.cli import main
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.v1 import rbm_pb2
 
+from bench.load import SOAK_MEMORY_TOLERANCE_BYTES, SOAK_TOMBSTONE_BYTES, keyspace_bytes
 from ssdrbm_server.config import Settings
 from ssdrbm_server.redis_checks import RedisConfigError, check_redis_config
 from ssdrbm_server.store import connect
@@ -22,20 +23,14 @@ from tests.fixtures.jobs import finish_with_checkpoint, float_tensor, rpc_error,
 
 SOAK_JOBS = 30
 SOAK_BATCH = 15  # under the per-tenant active-job limit of the test settings (16)
-# The keys' own sizes (MEMORY USAGE, every element counted: not the allocator's total, which
-# moved by up to ±90 KB between two measurements of the same data with client buffers and
-# fragmentation): 30 deleted jobs leave their version tombstones for an hour (2.9 KB measured),
-# one job left behind costs about 70 KB (record, stream, checkpoints).
-SOAK_MEMORY_TOLERANCE_BYTES = 16 * 1024
+# The keys' own sizes (bench.load.keyspace_bytes; the allocator's total moved by up to ±90 KB
+# between two readings of the same data): 30 deleted jobs leave their version tombstones for an
+# hour (2.9 KB measured), one job left behind costs about 70 KB (record, stream, checkpoints).
+SOAK_MEMORY_TOLERANCE = SOAK_MEMORY_TOLERANCE_BYTES + SOAK_TOMBSTONE_BYTES * SOAK_JOBS
 
 
 def key_names(redis_url: str) -> list[bytes]:
     return sorted(redis.Redis.from_url(redis_url).keys("*"))
-
-
-def keyspace_bytes(client: redis.Redis) -> int:
-    """The bytes Redis attributes to the keys themselves (MEMORY USAGE of each, exactly)."""
-    return sum(client.memory_usage(key, samples=0) or 0 for key in client.scan_iter())
 
 
 def test_delete_job_removes_it_everywhere_and_serving_forgets_it(service_factory, redis_url):
@@ -161,7 +156,7 @@ def test_a_full_redis_answers_resource_exhausted(redis_factory, service_factory)
 
 def test_soak_deleted_jobs_leave_redis_as_it_was(service, redis_url):
     """Submit, finish and delete many small jobs with the real worker: the key count returns
-    exactly to its baseline and the keys' memory to within SOAK_MEMORY_TOLERANCE_BYTES."""
+    exactly to its baseline and the keys' bytes to within SOAK_MEMORY_TOLERANCE."""
     plain = redis.Redis.from_url(redis_url)
     with Client(service.target) as client:
 
@@ -182,10 +177,10 @@ def test_soak_deleted_jobs_leave_redis_as_it_was(service, redis_url):
             for job_id in ids:
                 client.delete_job(job_id)
     # The jobs did occupy memory, so the check below could fail.
-    assert grown > SOAK_MEMORY_TOLERANCE_BYTES
+    assert grown > SOAK_MEMORY_TOLERANCE
     assert plain.dbsize() == baseline_keys, key_names(redis_url)
     left = keyspace_bytes(plain) - baseline_memory
-    assert left < SOAK_MEMORY_TOLERANCE_BYTES
+    assert left < SOAK_MEMORY_TOLERANCE
 
 
 def test_a_full_redis_pauses_a_running_job_instead_of_failing_it(redis_factory, service_factory):

@@ -28,7 +28,7 @@ def test_quick_load_loses_no_job_and_no_event() -> None:
     assert soak is not None and soak["jobs"] == config.soak_jobs
     assert soak["peak_keys"] > soak["baseline_keys"]  # the jobs were there, so the check can fail
     assert soak["after_keys"] == soak["baseline_keys"]
-    grown = soak["after_used_memory"] - soak["baseline_used_memory"]
+    grown = soak["after_key_bytes"] - soak["baseline_key_bytes"]
     assert grown <= soak["memory_tolerance_bytes"]
     fairness = report.fairness
     assert fairness is not None and fairness["tenant_a_jobs"] == config.fairness_jobs

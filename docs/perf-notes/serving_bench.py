@@ -27,13 +27,12 @@ from ssdrbm.v1 import rbm_pb2_grpc
 from bench.service import (
     concurrent_load,
     cpu_seconds,
-    redis_server,
     sequential_latency,
-    service_process,
     tensor,
     training_request,
     wait_for_job,
 )
+from bench.service_process import redis_server, service_process
 from bench.timing import percentile, rss_mib
 
 
