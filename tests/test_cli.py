@@ -64,6 +64,7 @@ def test_every_final_state_has_an_exit_code_and_only_those() -> None:
         (errors.DeadlineExceeded("slow"), ExitCode.UNAVAILABLE, "--timeout"),
         (errors.NotFound("no such job"), ExitCode.NOT_FOUND, "job j-1 not found"),
         (errors.NotFound("dataset 'd' not found; upload it"), ExitCode.NOT_FOUND, "ssdrbm upload"),
+        (errors.NotFound("sweep 's' not found; check the id"), ExitCode.NOT_FOUND, "ssdrbm sweeps"),
         (errors.InvalidArgument("lr: must be > 0"), ExitCode.USAGE, "lr: must be > 0"),
         (errors.Unauthenticated("missing token"), ExitCode.UNAUTHENTICATED, "--token"),
         (errors.PermissionDenied("nope"), ExitCode.UNAUTHENTICATED, "not allowed"),

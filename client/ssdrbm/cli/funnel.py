@@ -166,6 +166,8 @@ def _describe_not_found(details: str, context: Context) -> Failure:
     what = details.split(";")[0].strip()
     if what.startswith("dataset"):
         todo = f"upload the data with '{PROGRAM} upload FILE' and pass the id to --dataset-id"
+    elif what.startswith("sweep"):
+        todo = f"list your sweeps with '{PROGRAM} sweeps'"
     else:
         todo = f"list your jobs with '{PROGRAM} jobs'"
         if context.job_id and context.job_id not in what:
