@@ -235,6 +235,10 @@ def test_a_run_deleted_by_its_owner_shows_as_expired_and_is_skipped(idle: Runnin
     [expired] = [run for run in board.runs if run.job_id == gone]
     assert expired.expired and expired.state == pb.JOB_STATE_UNSPECIFIED
     assert dict(expired.point) == dict(sweep.runs[0].point)
+    shown = cli(idle, "sweep-show", sweep.id)
+    assert shown.returncode == 0, shown.stderr
+    [row] = [line.split() for line in shown.stdout.splitlines() if gone in line]
+    assert row[:4] == ["-", gone, "expired", "-"]  # no rank, no step: its job is gone
     assert delete(stub, sweep.id).deleted_jobs == 1  # the other one; no force: all ended
     assert_gone(idle, stub, sweep, [run.job_id for run in sweep.runs])
 

@@ -222,7 +222,7 @@ def leaderboard(sweep: Sweep) -> str:
             str(run.rank or "-"),
             run.job_id or "-",
             _run_state(run),
-            f"{run.step}/{run.total_steps}",
+            "-" if run.expired else f"{run.step}/{run.total_steps}",  # its job is gone
             format_number(run.rank_value),
             *(run.point.get(field, "-") for field in axes),
         ]
