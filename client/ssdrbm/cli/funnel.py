@@ -148,9 +148,11 @@ def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Fail
             ExitCode.NOT_READY,
         )
     if isinstance(error, errors.ResourceExhausted):
+        # The service says "<which limit>; <what to do>"; gRPC's own size limits say no fix.
+        what, _, fix = details.partition("; ")
         return Failure(
-            f"limit reached: {details}",
-            "send less at once (smaller batches or datasets) or wait for running jobs to finish",
+            f"limit reached: {what}",
+            fix or "send less at once (smaller batches or datasets) or wait for running jobs",
             ExitCode.LIMIT,
         )
     return Failure(
