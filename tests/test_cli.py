@@ -69,6 +69,7 @@ def test_every_final_state_has_an_exit_code_and_only_those() -> None:
         (errors.Unauthenticated("missing token"), ExitCode.UNAUTHENTICATED, "--token"),
         (errors.PermissionDenied("nope"), ExitCode.UNAUTHENTICATED, "not allowed"),
         (errors.FailedPrecondition("no checkpoint"), ExitCode.NOT_READY, "ssdrbm get j-1"),
+        (errors.FailedPrecondition("s is running; pass --force"), ExitCode.NOT_READY, "g — pass"),
         (errors.ResourceExhausted("too big"), ExitCode.LIMIT, "too big — send less at once"),
         (errors.ResourceExhausted("64 points at most; use fewer"), ExitCode.LIMIT, "t — use fewer"),
         (errors.ServerError("boom"), ExitCode.ERROR, "boom"),

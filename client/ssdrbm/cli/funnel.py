@@ -142,14 +142,13 @@ def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Fail
         )
     if isinstance(error, errors.FailedPrecondition):
         job = context.job_id or "JOB"
-        return Failure(
-            details,
-            f"check the job with '{PROGRAM} get {job}'; models are served once it has a checkpoint",
-            ExitCode.NOT_READY,
+        what, fix = _what_and_fix(details)
+        serving = (
+            f"check the job with '{PROGRAM} get {job}'; models are served once it has a checkpoint"
         )
+        return Failure(what, fix or serving, ExitCode.NOT_READY)
     if isinstance(error, errors.ResourceExhausted):
-        # The service says "<which limit>; <what to do>"; gRPC's own size limits say no fix.
-        what, _, fix = details.partition("; ")
+        what, fix = _what_and_fix(details)  # gRPC's own size limits say no fix
         return Failure(
             f"limit reached: {what}",
             fix or "send less at once (smaller batches or datasets) or wait for running jobs",
@@ -162,10 +161,17 @@ def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Fail
     )
 
 
+def _what_and_fix(details: str) -> tuple[str, str]:
+    """The service's messages say "<what happened>; <what to do>": the two parts ("" for a
+    message without the second)."""
+    what, _, fix = details.partition("; ")
+    return what.strip(), fix.strip()
+
+
 def _describe_not_found(details: str, context: Context) -> Failure:
     # The service says "<what> not found; <hint for API users>": keep the first part, and give
     # the hint in terms of commands.
-    what = details.split(";")[0].strip()
+    what, _ = _what_and_fix(details)
     if what.startswith("dataset"):
         todo = f"upload the data with '{PROGRAM} upload FILE' and pass the id to --dataset-id"
     elif what.startswith("sweep"):
