@@ -28,11 +28,12 @@ before step 2 and was never acknowledged, so it is dropped and the job lives on.
 
 Retention when a job ends (`ended`, after the end is written; `expire_later`, before): only the
 newest `finished_checkpoints_kept` checkpoints stay (a worker's end drops the others in the same
-step as it writes the end, store/fencing.py, so no reader sees an ended job with more), and with a finished-job TTL every key of the
-job itself gets a Redis expiry, so its data goes at its time even if no sweeper runs; the sweeper
-then only clears the index entries. A process dying between the end and `ended` leaves the job
-with its last few checkpoints and no expiry: more memory, nothing wrong, and the sweeper still
-deletes it at its time when it was to expire.
+step as it writes the end, store/fencing.py, so no reader sees an ended job with more), and with
+a finished-job TTL every key of the job itself gets a Redis expiry, so its data goes at its time
+even if no sweeper runs; the sweeper then only clears the index entries. A process dying between
+the end and `ended` leaves the job with no expiry (and, after a cancel of a queued job, its last
+few checkpoints): more memory, nothing wrong, and the sweeper still deletes it at its time when
+it was to expire.
 """
 
 from __future__ import annotations
