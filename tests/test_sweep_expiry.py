@@ -115,3 +115,21 @@ def test_a_run_the_worker_ends_schedules_its_sweep(
     wait_for(job_gone(running, sweep.runs[0].job_id), "the run's job to expire")
     assert expire_due(running) == 1
     assert rpc_error(lambda: get(stub, sweep.id)).code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_sweep_whose_creation_died_half_way_still_expires(
+    service_factory: Callable[..., RunningService],
+) -> None:
+    """StartSweep died after recording one of its two runs (and was never repeated): once
+    the recorded run's job expired, the sweep goes too."""
+    running = service_factory(run_worker=False, finished_job_ttl_seconds=1)
+    stub = running.stub()
+    sweep = stub.StartSweep(sweep_request(0.01, 0.02))
+    client = redis.Redis.from_url(running.settings.redis_url)
+    client.rpop(Keys().sweep_runs(TENANT, sweep.id))  # as if the second run was never recorded
+    for run in sweep.runs:
+        cancel(stub, run.job_id)
+    recorded = sweep.runs[0].job_id
+    wait_for(job_gone(running, recorded), "the recorded run's job to expire")
+    assert expire_due(running) == 1
+    assert rpc_error(lambda: get(stub, sweep.id)).code() == grpc.StatusCode.NOT_FOUND

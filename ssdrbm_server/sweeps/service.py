@@ -322,8 +322,9 @@ class SweepService:
         except NotFoundError:
             return GONE
         runs = await self._runs(record)
-        if len(record.job_ids) < record.run_count and not record.cancel_requested:
-            return ACTIVE  # still being created
+        # A sweep whose runs are not all created is not waited for: its entry is due a TTL after
+        # a run's end, and a StartSweep still creating runs after the sweep is gone removes the
+        # run it adds (SweepStore.add_run); one that died half-way is not coming back.
         if any(_active(run) for run in runs):
             return ACTIVE
         if not all(run.expired for run in runs):
