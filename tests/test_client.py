@@ -444,6 +444,33 @@ async def _async_checks(service, job_id: str, x, events, probs) -> None:
             await client.cancel("missing-job")
 
 
+@pytest.mark.parametrize(
+    ("array", "says"),
+    [
+        (np.zeros(3, np.float32), "n_examples"),
+        (np.zeros((4, 4), np.complex64), "expected numbers"),
+        (np.array([["a", "b"]]), "expected numbers"),
+    ],
+)
+def test_an_array_the_service_cannot_take_is_refused_before_the_upload(
+    service_factory, array: np.ndarray, says: str
+) -> None:
+    """Not gRPC's "Exception iterating requests!" (UNKNOWN) from inside the request stream:
+    InvalidArgument saying what is wrong, from both clients, and nothing reaches the service."""
+    idle_service = service_factory(run_worker=False)
+    with Client(idle_service.target) as client:
+        with pytest.raises(InvalidArgument, match=says):
+            client.upload_dataset(array)
+        assert list(client.list_datasets()) == []
+
+    async def upload_async() -> None:
+        async with AsyncClient(idle_service.target) as client:
+            await client.upload_dataset(array)
+
+    with pytest.raises(InvalidArgument, match=says):
+        asyncio.run(upload_async())
+
+
 def test_calls_wait_out_a_service_that_is_still_starting(service_factory) -> None:
     port = free_port()
     # No worker: the job only has to be recorded, exactly once.

@@ -97,8 +97,18 @@ def wire_array(array: np.ndarray) -> tuple[np.ndarray, int]:
 def upload_messages(
     array: np.ndarray, *, name: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> Iterator[rbm_pb2.UploadDatasetRequest]:
-    """The header (with the sha256 of the bytes, so the service can check them), then chunks."""
+    """The header (with the sha256 of the bytes, so the service can check them), then chunks.
+
+    The array is checked here, when called (InvalidArgument), not when gRPC first pulls a
+    message: an error raised inside a request stream reaches the caller only as gRPC's
+    "Exception iterating requests!"."""
     wire, dtype = wire_array(array)
+    return _messages(wire, dtype, name, chunk_bytes)
+
+
+def _messages(
+    wire: np.ndarray, dtype: int, name: str, chunk_bytes: int
+) -> Iterator[rbm_pb2.UploadDatasetRequest]:
     data = memoryview(wire.tobytes())
     header = rbm_pb2.DatasetHeader(
         shape=list(wire.shape), dtype=dtype, name=name, sha256=hashlib.sha256(data).hexdigest()
