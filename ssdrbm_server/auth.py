@@ -151,7 +151,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         token = _bearer_token(metadata)
         if token is None:
             raise UnauthenticatedError(
-                "missing credentials: send metadata 'authorization: Bearer <token>'",
+                "missing credentials: send 'authorization: Bearer <token>' (gRPC metadata, "
+                "or the HTTP header on the REST port)",
                 reason="MISSING_CREDENTIALS",
             )
         tenant = self.table.tenant_for(token) if token else None
