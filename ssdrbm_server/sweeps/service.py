@@ -97,7 +97,10 @@ class SweepService:
         for index in range(done, len(jobs)):
             await self._submit_run(tenant, sweep_id, resolved, index, jobs[index], points[index])
         logger.info("sweep %s: %d runs for tenant %s", sweep_id, len(jobs), tenant)
-        return await self.get(tenant, sweep_id)
+        try:
+            return await self.get(tenant, sweep_id)
+        except NotFoundError:
+            raise _deleted_while_created(sweep_id) from None  # its delete removed every run
 
     async def _existing(self, tenant: str, sweep_id: str) -> SweepRecord | None:
         """The sweep an earlier StartSweep with the same request_id created; None when that
@@ -202,12 +205,7 @@ class SweepService:
             raise
         if not await self.sweeps.add_run(tenant, sweep_id, index, record.id):
             await self.jobs.delete(tenant, record.id, force=True)  # queued: cancelled and gone
-            raise NotFoundError(
-                f"sweep {sweep_id} was deleted while StartSweep created its runs; the runs "
-                "were removed with it",
-                resource_type="sweep",
-                resource_name=sweep_id,
-            )
+            raise _deleted_while_created(sweep_id)
 
     # --- reads and cancel ------------------------------------------------------------------
 
@@ -393,6 +391,16 @@ def _rank(runs: list[pb.SweepRun], metric: str) -> None:
             scored.append((signed_value(value, metric), position, run))
     for rank, (_, _, run) in enumerate(sorted(scored, key=lambda item: item[:2]), start=1):
         run.rank = rank
+
+
+def _deleted_while_created(sweep_id: str) -> NotFoundError:
+    """StartSweep's answer when a DeleteSweep removed the sweep before it was done."""
+    return NotFoundError(
+        f"sweep {sweep_id} was deleted while StartSweep created its runs; the runs were removed "
+        "with it",
+        resource_type="sweep",
+        resource_name=sweep_id,
+    )
 
 
 def _active(run: pb.SweepRun) -> bool:
