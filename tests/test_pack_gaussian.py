@@ -266,13 +266,13 @@ def test_gaussian_jobs_train_as_one_pack_each_equal_to_its_solo_job(redis_url):
     requests = [gaussian_job(lr) for lr in (0.01, 0.02)]
     results = packed_and_solo(redis_url, requests)
     for packed_run, solo_run in zip(results["packed"], results["solo"], strict=True):
-        assert packed_run[0].endswith(packed_summary(2)) and "packed" not in solo_run[0]
-        assert [(m.step, m.reconstruction_error) for m in packed_run[1]] == [
-            (m.step, m.reconstruction_error) for m in solo_run[1]
+        assert packed_run.summary.endswith(packed_summary(2)) and "packed" not in solo_run.summary
+        assert [(m.step, m.reconstruction_error) for m in packed_run.metrics] == [
+            (m.step, m.reconstruction_error) for m in solo_run.metrics
         ]
-        assert "log_var" in packed_run[2]
-        for name, value in packed_run[2].items():
-            assert torch.equal(value, solo_run[2][name]), name
+        assert "log_var" in packed_run.parameters
+        for name, value in packed_run.parameters.items():
+            assert torch.equal(value, solo_run.parameters[name]), name
 
 
 # --- CUDA (scripts/gpu-check) -----------------------------------------------------------------

@@ -351,11 +351,11 @@ def test_normalized_scheduled_jobs_train_as_one_pack_each_equal_to_its_solo_job(
     results = packed_and_solo(redis_url, requests)
     lrs = []
     for packed_run, solo_run in zip(results["packed"], results["solo"], strict=True):
-        assert packed_run[0].endswith(packed_summary(3)) and "packed" not in solo_run[0]
-        assert [(m.step, m.lr, m.reconstruction_error) for m in packed_run[1]] == [
-            (m.step, m.lr, m.reconstruction_error) for m in solo_run[1]
+        assert packed_run.summary.endswith(packed_summary(3)) and "packed" not in solo_run.summary
+        assert [(m.step, m.lr, m.reconstruction_error) for m in packed_run.metrics] == [
+            (m.step, m.lr, m.reconstruction_error) for m in solo_run.metrics
         ]
-        lrs.append([m.lr for m in packed_run[1]])
-        for name, value in packed_run[2].items():
-            assert torch.equal(value, solo_run[2][name]), name
+        lrs.append([m.lr for m in packed_run.metrics])
+        for name, value in packed_run.parameters.items():
+            assert torch.equal(value, solo_run.parameters[name]), name
     assert lrs[0][-1] < lrs[0][0] and lrs[1][-1] < lrs[1][0] and len(set(lrs[2])) == 1

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -111,21 +112,38 @@ def run_queued(
     return worker
 
 
+@dataclass
+class TrainedJob:
+    """What a test reads of one finished job."""
+
+    record: JobRecord
+    metric_steps: list[tuple[int, int]]  # (step, attempt) of each metric event
+    checkpoint_steps: list[int]  # the retained checkpoints
+    metrics: list[rbm_pb2.Metrics]
+    parameters: dict[str, torch.Tensor]  # of the latest checkpoint
+
+    @property
+    def summary(self) -> str:
+        return summary(self.record)
+
+
 def packed_and_solo(
     redis_url: str, requests: list[rbm_pb2.StartTrainingRequest]
-) -> dict[str, list[tuple[str, list[rbm_pb2.Metrics], dict]]]:
+) -> dict[str, list[TrainedJob]]:
     """Train ``requests`` queued together by a packing worker ("packed") and by one that
-    does not pack ("solo"); per job, in request order: its runtime summary, its metric
-    events and its final parameters. Every job must succeed."""
-    results: dict[str, list] = {}
+    does not pack ("solo"); per job, in request order, what it ended with. Every job must
+    succeed."""
+    results: dict[str, list[TrainedJob]] = {}
 
     def collect(label: str) -> Callable[[PackHarness, list[str], Worker], Awaitable[None]]:
         async def scenario(h: PackHarness, job_ids: list[str], worker: Worker) -> None:
             records = [await h.wait_done(job_id) for job_id in job_ids]
             assert all(r.state is JobState.SUCCEEDED for r in records), [r.error for r in records]
             results[label] = [
-                (
-                    summary(record),
+                TrainedJob(
+                    record,
+                    await h.metric_steps(record.id),
+                    await h.checkpoints.list_steps(record.id),
                     [
                         rbm_pb2.Metrics.FromString(data)
                         for kind, data, _ in await h.events_of(record.id)
@@ -161,45 +179,19 @@ def test_compatible_jobs_train_as_one_pack_each_equal_to_its_solo_run(redis_url:
         resolved = asyncio.run(resolve(request, SETTINGS, _no_uploads))
         keys.add(job_pack_key(resolved.spec, resolved.n_visible))
     assert len(keys) == 1 and "" not in keys
-    results: dict[str, list] = {}
-
-    def collect(label: str) -> Callable[[PackHarness, list[str], Worker], Awaitable[None]]:
-        async def scenario(h: PackHarness, job_ids: list[str], worker: Worker) -> None:
-            records = [await h.wait_done(job_id) for job_id in job_ids]
-            assert all(r.state is JobState.SUCCEEDED for r in records), [r.error for r in records]
-            results[label] = [
-                (
-                    record,
-                    await h.metric_steps(record.id),
-                    await h.checkpoints.list_steps(record.id),
-                    [
-                        rbm_pb2.Metrics.FromString(data)
-                        for kind, data, _ in await h.events_of(record.id)
-                        if kind == "metrics"
-                    ],
-                    await h.final_parameters(record.id),
-                )
-                for record in records
-            ]
-
-        return scenario
-
-    run_queued(redis_url, requests, collect("packed"), max_pack_size=8)
-    run_queued(redis_url, requests, collect("solo"), max_pack_size=1)
+    results = packed_and_solo(redis_url, requests)
 
     for index, (packed, solo) in enumerate(zip(results["packed"], results["solo"], strict=True)):
-        packed_record, steps, checkpoints, metrics, parameters = packed
-        solo_record, solo_steps, solo_checkpoints, solo_metrics, solo_parameters = solo
         if index < len(packable):
-            assert summary(packed_record).endswith(packed_summary(len(packable)))
+            assert packed.summary.endswith(packed_summary(len(packable)))
         else:
-            assert "packed" not in summary(packed_record)  # another shape: trained alone
-        assert "packed" not in summary(solo_record)
-        assert steps == solo_steps == [(s, 1) for s in range(10, 61, 10)]
-        assert checkpoints == solo_checkpoints == [60]
-        for name in parameters:
-            assert torch.equal(parameters[name], solo_parameters[name]), (index, name)
-        for event, solo_event in zip(metrics, solo_metrics, strict=True):
+            assert "packed" not in packed.summary  # another shape: trained alone
+        assert "packed" not in solo.summary
+        assert packed.metric_steps == solo.metric_steps == [(s, 1) for s in range(10, 61, 10)]
+        assert packed.checkpoint_steps == solo.checkpoint_steps == [60]
+        for name in packed.parameters:
+            assert torch.equal(packed.parameters[name], solo.parameters[name]), (index, name)
+        for event, solo_event in zip(packed.metrics, solo.metrics, strict=True):
             assert event.reconstruction_error == solo_event.reconstruction_error
             assert event.log_likelihood == solo_event.log_likelihood
             assert event.log_likelihood_method == rbm_pb2.LOG_LIKELIHOOD_METHOD_EXACT
