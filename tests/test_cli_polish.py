@@ -31,10 +31,10 @@ from ssdrbm import Client
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
+from tests.fixtures.console import SSDRBM
 from tests.fixtures.redis import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-SSDRBM = str(Path(sys.executable).parent / "ssdrbm")
 # Before, an unreachable service was retried silently for 10 s by default; now a command tries
 # once. The bound is loose on purpose (the interpreter's start alone takes about a second here).
 FAIL_FAST_S = 6.0

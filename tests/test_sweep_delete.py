@@ -7,13 +7,9 @@ deleted or expired (finished_job_ttl_seconds) on the board, the SDK and ``ssdrbm
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -29,12 +25,12 @@ from ssdrbm_server.store.connection import connect
 from ssdrbm_server.store.records import record_from_hash
 from ssdrbm_server.sweeps.rungs import RungGate
 from ssdrbm_server.sweeps.store import SweepStore
+from tests.fixtures.console import cli
 from tests.fixtures.jobs import rpc_error, tiny_request
 from tests.fixtures.service import RunningService
 
 WAIT_S = 120.0  # a bound for a loaded 2-core machine, not a speed check
 ALPHA, BETA = "alpha-secret-1", "beta-secret-2"
-SSDRBM = str(Path(sys.executable).parent / "ssdrbm")
 
 
 def sweep_request(*lrs: float, steps: int = 20) -> pb.StartSweepRequest:
@@ -315,17 +311,6 @@ def test_sdk_deletes_sweeps(idle: RunningService) -> None:
     assert asyncio.run(asynchronous()) == 1
     with Client(idle.target) as client:
         assert list(client.list_sweeps()) == []
-
-
-def cli(running: RunningService, *args: str) -> subprocess.CompletedProcess:
-    """The console script, as a user's shell runs it, against the service."""
-    return subprocess.run(
-        [SSDRBM, *args],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        env={**os.environ, "SSDRBM_TARGET": running.target},
-    )
 
 
 def test_cli_sweep_delete(idle: RunningService) -> None:

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
@@ -29,6 +25,7 @@ from ssdrbm_server.store.connection import connect
 from ssdrbm_server.store.records import record_from_hash
 from ssdrbm_server.sweeps.rungs import RungGate, eval_every_for, resolve_rungs
 from ssdrbm_server.sweeps.store import SweepStore
+from tests.fixtures.console import cli
 from tests.fixtures.jobs import float_tensor, rpc_error, tiny_request
 from tests.fixtures.service import RunningService
 
@@ -381,21 +378,9 @@ def test_list_sweeps_pages_newest_first_and_tenants_see_only_their_own(
 
 # --- SDK and CLI --------------------------------------------------------------------------------
 
-SSDRBM = str(Path(sys.executable).parent / "ssdrbm")
 TINY = ["--hidden", "8", "--batch-size", "20", "--eval-every", "10", "--dataset", "synthetic"]
 TINY += ["--option", "n_visible=16", "--option", "n_hidden=4", "--option", "n_samples=200"]
 TINY += ["--validation-fraction", "0.2"]
-
-
-def cli(service: RunningService, *args: str) -> subprocess.CompletedProcess:
-    """The console script, as a user's shell runs it, against the service."""
-    return subprocess.run(
-        [SSDRBM, *args],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        env={**os.environ, "SSDRBM_TARGET": service.target},
-    )
 
 
 def test_sdk_starts_streams_lists_and_cancels_sweeps(idle: RunningService) -> None:
