@@ -44,12 +44,17 @@ from ssdrbm_server.store.records import JobState
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.metrics import WorkerMetrics
 from ssdrbm_server.worker.process import ChildProcess, describe_exit
-from ssdrbm_server.worker.runner import REDIS_DOWN, JobRunner, StopRequest
+from ssdrbm_server.worker.runner import (
+    LOST,
+    REDIS_DOWN,
+    RELEASED,
+    STOPPED_RELEASE,
+    JobRunner,
+    StopRequest,
+)
 
 logger = logging.getLogger(__name__)
 
-LOST = "lost"
-RELEASED = "released"
 # Ends the child reported itself: its run has already left the pack there.
 _CHILD_ENDS = frozenset({protocol.FINISHED, protocol.FAILED, protocol.STOPPED})
 
@@ -216,7 +221,7 @@ class PackRunner:
             if self.stop.event.is_set():
                 if not self.stop.graceful or (stop_deadline and now > stop_deadline):
                     await child.kill()
-                    await self._release_open("worker stopped; resumes from the last checkpoint")
+                    await self._release_open(STOPPED_RELEASE)
                     return
                 if stop_deadline is None:
                     child.send(protocol.Message(protocol.STOP))
@@ -330,7 +335,8 @@ class PackRunner:
         """Each open job is released to train alone (see the module docstring); a last job
         left alone in the pack counts the failure as a solo job does."""
         open_runs = self._open()
-        if len(open_runs) > 1:
+        shared = len(open_runs) > 1
+        if shared:
             self.metrics.process_failures.inc()
             logger.warning(
                 "pack %s: the training process %s; its %d jobs will train alone",
@@ -341,7 +347,7 @@ class PackRunner:
         for i in open_runs:
             member = self.members[i]
             try:
-                if len(open_runs) > 1:
+                if shared:
                     outcome = await member.train_alone(cause)
                 else:
                     outcome = await member.child_failed(cause, hint=hint(member))

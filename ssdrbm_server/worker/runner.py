@@ -62,6 +62,10 @@ REDIS_DOWN = (
     redis.exceptions.OutOfMemoryError,  # Redis full: writes succeed again once space is freed
 )
 RETRY_DELAY_S = 0.5
+# How a job left a runner other than by ending (JobRunner.run returns these or a JobState value).
+RELEASED = "released"  # back in the queue, to resume from its last checkpoint
+LOST = "lost"  # another worker took it over; nothing more was written
+STOPPED_RELEASE = "worker stopped; resumes from the last checkpoint"  # its state event's message
 # Rough memory of a training process (training_memory_mb): the interpreter with torch loaded,
 # and the parameter-sized arrays alive at once: the model, its gradient, up to two optimizer
 # buffers, the polar step's work space, and the trainer states a checkpoint serialises.
@@ -127,7 +131,7 @@ class JobRunner:
         self.rungs = RungGate(redis, self.keys, self.record)  # its sweep's early stopping
 
     async def run(self) -> str:
-        """Run the job; returns how it ended (a JobState value, "released" or "lost").
+        """Run the job; returns how it ended (a JobState value, RELEASED or LOST).
 
         Its logs carry the job id and tenant, and its span (the training attempt) is a child
         of the StartTraining call that submitted it."""
@@ -144,7 +148,7 @@ class JobRunner:
             return await self._run()
         except LeaseLostError as exc:
             logger.warning("%s; stopping work on it", exc)
-            return "lost"
+            return LOST
         except REDIS_DOWN:
             raise  # retried where they happen; an outage is never the job's failure
         except Exception as exc:
@@ -238,8 +242,7 @@ class JobRunner:
             if self.stop.event.is_set():
                 if not self.stop.graceful or (stop_deadline and now > stop_deadline):
                     await child.kill()
-                    await self.release("worker stopped; resumes from the last checkpoint")
-                    return "released"
+                    return await self.release_for_stop()
                 if stop_deadline is None:
                     child.send(protocol.Message(protocol.STOP))
                     stop_deadline = now + self.settings.stop_timeout_seconds
@@ -288,8 +291,7 @@ class JobRunner:
         its last checkpoint, or end it FAILED once the failures reach the limit (the reason
         ends with ``hint``, what to change)."""
         if self.stop.event.is_set():  # the worker is stopping: not the job's fault
-            await self.release("worker stopped; resumes from the last checkpoint")
-            return "released"
+            return await self.release_for_stop()
         failures = self.record.child_failures + 1
         limit = self.settings.max_training_process_failures
         await self._retry(lambda: self.job.update(child_failures=failures))
@@ -312,7 +314,7 @@ class JobRunner:
             f"the training process {cause} (failure {failures} of {limit}); "
             "resumes from the last checkpoint"
         )
-        return "released"
+        return RELEASED
 
     async def train_alone(self, cause: str) -> str:
         """The pack this job trained in lost its training process: release the job to resume
@@ -320,15 +322,14 @@ class JobRunner:
         counting the failure against it — any run of the pack, or the pack's size, may have
         caused it; alone, a failure is the job's own and counts as above."""
         if self.stop.event.is_set():  # the worker is stopping: not the job's fault
-            await self.release("worker stopped; resumes from the last checkpoint")
-            return "released"
+            return await self.release_for_stop()
         await self._retry(lambda: self.job.update(pack_key=NOT_PACKABLE))
         await self.release(
             f"the training process of its pack {cause}; not counted against this job, which "
             "trains alone from here on (a failure is then its own) and resumes from the last "
             "checkpoint"
         )
-        return "released"
+        return RELEASED
 
     def memory_hint(self) -> str:
         """What a SIGKILL most likely means (the OOM killer), with the memory the job needs."""
@@ -381,8 +382,7 @@ class JobRunner:
                 self._child_idle = True
                 await self.finish(JobState.STOPPED, message=self.rungs.stop_reason)
                 return JobState.STOPPED.value
-            await self.release("worker stopped; resumes from the last checkpoint")
-            return "released"
+            return await self.release_for_stop()
         elif kind == protocol.FAILED:
             self._child_idle = True
             self.step = max(self.step, int(fields["step"]))
@@ -428,6 +428,11 @@ class JobRunner:
             await self.job.release(step=self.step, message=message)
 
         await self._idempotent(write, JobState.QUEUED)
+
+    async def release_for_stop(self) -> str:
+        """Release the job because the worker is stopping (not the job's doing); RELEASED."""
+        await self.release(STOPPED_RELEASE)
+        return RELEASED
 
     async def _idempotent(self, write: Callable[[], Awaitable[None]], state: JobState) -> None:
         """A state change whose reply may have been lost: a retry that finds the change
