@@ -257,7 +257,6 @@ class SweepService:
         jobs deleted. Runs still QUEUED or RUNNING need ``force``, else FailedPreconditionError;
         NotFoundError when unknown or another tenant's."""
         record = await self.sweeps.get(tenant, sweep_id)
-        request_id = pb.StartSweepRequest.FromString(record.request).request_id
         deleted: list[str] = []
         if keep_runs:
             await self.jobs.untag_sweep(record.job_ids)
@@ -275,7 +274,7 @@ class SweepService:
                 )
             await self.sweeps.mark(tenant, sweep_id, cancel=True)  # a half-done delete shows it
             deleted = await self._delete_jobs(tenant, record.job_ids, force=force)
-        listed = await self.sweeps.delete(tenant, sweep_id, request_id)
+        listed = await self._remove(record)
         # Runs that a StartSweep still creating the sweep (so it was RUNNING: force was needed)
         # added after the read above; from the delete on it can add none (SweepStore.add_run).
         late = [job_id for job_id in listed if job_id not in record.job_ids]
@@ -311,6 +310,12 @@ class SweepService:
                 return
             await asyncio.sleep(POLL_S)
 
+    async def _remove(self, record: SweepRecord) -> list[str]:
+        """Delete the sweep's own keys (SweepStore.delete, with its request_id's key); the runs'
+        job ids as the deletion found them."""
+        request_id = pb.StartSweepRequest.FromString(record.request).request_id
+        return await self.sweeps.delete(record.tenant, record.id, request_id)
+
     async def expire_if_done(self, tenant: str, sweep_id: str) -> str:
         """Delete the sweep's keys if none of its runs' jobs is left (they expired); else say
         why not: GONE (no such sweep), ACTIVE (a run's job is queued or running: its end
@@ -327,9 +332,8 @@ class SweepService:
             return ACTIVE
         if not all(run.expired for run in runs):
             return WAITING
-        request_id = pb.StartSweepRequest.FromString(record.request).request_id
         try:
-            await self.sweeps.delete(tenant, sweep_id, request_id)
+            await self._remove(record)
         except NotFoundError:
             return GONE  # deleted meanwhile
         logger.info("sweep %s of tenant %s expired with its runs", sweep_id, tenant)
