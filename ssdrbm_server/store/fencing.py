@@ -137,9 +137,9 @@ redis.call('HSET', KEYS[1], 'state', ARGV[3])  -- 'worker' keeps the last one th
 )
 
 
-def steps_to_drop(existing: list[int], step: int, keep: int) -> list[int]:
-    """The steps to drop when `step` joins `existing`: all but the newest `keep`."""
-    steps = sorted({*existing, step})
+def steps_to_drop(existing: list[int], keep: int) -> list[int]:
+    """The checkpoint steps beyond the newest `keep`: the ones to drop, oldest first."""
+    steps = sorted(set(existing))
     return steps[: max(0, len(steps) - keep)]
 
 
@@ -246,7 +246,7 @@ class FencedJob:
         )
         index = self.keys.checkpoint_index(self.job_id)
         existing = [int(member) for member in await self.redis.zrange(index, 0, -1)]
-        drop = steps_to_drop(existing, step, keep)
+        drop = steps_to_drop([*existing, step], keep)
         keys = [
             self.keys.job(self.job_id),
             index,
@@ -270,7 +270,7 @@ class FencedJob:
         # Only this attempt writes checkpoints (the fence), so they cannot change before the end.
         index = self.keys.checkpoint_index(self.job_id)
         existing = [int(member) for member in await self.redis.zrange(index, 0, -1)]
-        drop = self.lifecycle.retention.checkpoints_to_drop(existing)
+        drop = steps_to_drop(existing, self.lifecycle.retention.checkpoints_kept)
         await self._run(
             self._finish,
             [

@@ -183,11 +183,6 @@ class Retention:
     checkpoints_kept: int = 1  # the newest checkpoints kept (at least 1: serving needs it)
     job_ttl_s: int = 0  # seconds from its end until the job is deleted; 0 keeps it
 
-    def checkpoints_to_drop(self, steps: list[int]) -> list[int]:
-        """The steps of an ended job's checkpoints that go: all but the newest kept."""
-        ordered = sorted(steps)
-        return ordered[: max(0, len(ordered) - self.checkpoints_kept)]
-
     @classmethod
     def from_settings(cls, settings: _RetentionSettings) -> Retention:
         return cls(
