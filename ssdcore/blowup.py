@@ -1,12 +1,31 @@
-"""Blow-up detection and step-size backoff.
+"""Blow-ups and their recovery: one rule for ``ssdcore.fit``, packed fitting and the service.
 
 Divergence is more than NaN/Inf: a Gaussian RBM on Frey Face at SSD lr 0.01 ends with a
 reconstruction error of 4e26 and ‖W‖₂ = 4.5e12, all finite. :class:`BlowUpDetector` watches
 the metric dicts of :meth:`ssdcore.Trainer.evaluate` and says when a run has blown up, with a
 :class:`BlowUp` naming the step, the metric, its value and the reference it was compared to.
-``ssdcore.fit`` (and the service's worker) answer a blow-up by rolling back to the last healthy
-evaluation and dividing every step size by :data:`BACKOFF_FACTOR`, at most
-:data:`DEFAULT_MAX_BACKOFFS` times.
+:class:`Recovery` answers a blow-up. The rule, the same wherever a run trains (``ssdcore.fit``,
+``ssdcore.pack.fit_pack`` per run, the service's training process for a job alone or packed):
+
+- *Blow-up*: an evaluation the detector flags (the criteria below), or a step that turns a
+  parameter NaN/Inf (the trainer's :class:`~ssdcore.DivergenceError`, read by
+  :func:`blowup_from_error`). Every evaluation goes through the detector, the one before
+  training included.
+- *Rollback point*: the run's state at its last evaluation that passed the detector (its start
+  before any has). The service also checkpoints that state before it records the backoff,
+  unless its last checkpoint is already there, so a job resumed after a crash resumes from the
+  same point with the same backoff count and ends as the uninterrupted job does.
+- *Step sizes*: after the n-th backoff every step size is its configured value ×
+  ``factor``⁻ⁿ (absolute, :meth:`ssdcore.Trainer.set_lr_scale`; a schedule's factor still
+  applies). ``factor`` is :data:`BACKOFF_FACTOR` unless the caller gives another (``fit``'s
+  ``backoff_factor``, the job's ``training.backoff_factor``, whose default is this one).
+- *Budget*: at most ``max_backoffs`` backoffs per run (:data:`DEFAULT_MAX_BACKOFFS`; 0 turns
+  backoff off). The next blow-up ends the run at its rollback point with a
+  :class:`~ssdcore.blowup.BlowUpError` whose message names the step, the metric, the step size
+  that blew up and :func:`suggested_lr` of it (one more backoff).
+- *Events*: each backoff is one :class:`BackoffEvent` (step, rolled_back_to, old_lr, new_lr,
+  lr_scale, backoff, max_backoffs, reason); ``fit``'s history entries are its
+  :meth:`~BackoffEvent.history_entry` and the service's ``Backoff`` messages carry its fields.
 
 Criteria, in the order they are checked:
 
@@ -43,22 +62,28 @@ with ‖W‖₂ 320-760, within 6× of healthy runs, whose ‖W‖₂ keeps grow
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 from ssdcore.errors import BlowUpError, DivergenceError
 
 __all__ = [
     "BACKOFF_FACTOR",
     "DEFAULT_MAX_BACKOFFS",
+    "BackoffEvent",
     "BlowUp",
     "BlowUpDetector",
     "BlowUpError",
+    "Recoverable",
+    "Recovery",
     "blowup_from_error",
     "suggested_lr",
 ]
+
+logger = logging.getLogger(__name__)
 
 # --- thresholds (see the module docstring for the calibration runs) ---------------------------
 # An order of magnitude: good runs rose at most 6.2× over their best error, blow-ups 11× (a
@@ -84,8 +109,8 @@ STUCK_FRACTION = 0.9
 STUCK_NORM_GROWTH = 50.0
 
 # --- backoff ------------------------------------------------------------------------------------
-# Blow-ups a run may recover from (each divides the step sizes by BACKOFF_FACTOR); the service's
-# job spec takes these as its defaults.
+# Blow-ups a run may recover from (each divides the step sizes by BACKOFF_FACTOR); fit's and the
+# service's job spec's defaults (ssdrbm_server/resolver.py fills them in).
 DEFAULT_MAX_BACKOFFS = 3
 # One backoff divides every step size by this: a decade, the granularity of the tuning grids.
 BACKOFF_FACTOR = 10.0
@@ -273,6 +298,154 @@ def suggested_lr(current_lr: float, factor: float = BACKOFF_FACTOR) -> float:
     """The step size to suggest after a blow-up at ``current_lr``: one backoff smaller."""
     if not (math.isfinite(current_lr) and current_lr > 0):
         raise ValueError(f"current_lr must be a finite number > 0, got {current_lr!r}")
-    if not (math.isfinite(factor) and factor > 1):
-        raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
+    _check_factor(factor)
     return current_lr / factor
+
+
+def _check_factor(factor: float) -> None:
+    if not (isinstance(factor, int | float) and math.isfinite(factor) and factor > 1):
+        raise ValueError(f"backoff factor must be a finite number > 1, got {factor!r}")
+
+
+# --- recovery -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BackoffEvent:
+    """One backoff: the blow-up at ``step`` rolled the run back to ``rolled_back_to`` and its
+    step size went from ``old_lr`` to ``new_lr`` (scale ``lr_scale``), its ``backoff``-th of
+    ``max_backoffs``; ``reason`` is the blow-up's :meth:`BlowUp.describe`."""
+
+    step: int
+    rolled_back_to: int
+    old_lr: float
+    new_lr: float
+    lr_scale: float
+    backoff: int
+    max_backoffs: int
+    reason: str
+
+    def history_entry(self) -> dict[str, Any]:
+        """The entry ``fit`` and ``fit_pack`` put in a run's history: ``{"event": "backoff"}``
+        and every field."""
+        return {"event": "backoff", **asdict(self)}
+
+
+class Recoverable(Protocol):
+    """What :class:`Recovery` acts on: a :class:`~ssdcore.Trainer`, or one run of a pack
+    (:class:`ssdcore.pack.RunInPack`)."""
+
+    @property
+    def lr(self) -> float:
+        """The step size in effect now (configured × schedule × backoff scale)."""
+        ...
+
+    def snapshot(self) -> Any:
+        """Everything a rollback restores, as it is now."""
+        ...
+
+    def restore(self, snapshot: Any) -> None:
+        """Go back to ``snapshot``, which stays usable for another rollback."""
+        ...
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Every step size = its configured value × ``scale`` (absolute)."""
+        ...
+
+
+class Recovery:
+    """The blow-up rule (module docstring) for one run: its detector, its rollback point and
+    the backoffs it took.
+
+    Feed every evaluation to :meth:`check`, the one before training first; answer a blow-up
+    (from :meth:`check`, or :func:`blowup_from_error` of a failed step) with :meth:`recover`.
+    ``backoffs`` counts backoffs taken before (a resumed job's); :attr:`lr_scale` is the scale
+    they give. ``lr_setting`` and ``max_backoffs_setting`` name the settings in the give-up
+    message (the service says ``optimizer.lr`` and ``training.max_backoffs``).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_backoffs: int = DEFAULT_MAX_BACKOFFS,
+        factor: float = BACKOFF_FACTOR,
+        backoffs: int = 0,
+        lr_setting: str = "lr",
+        max_backoffs_setting: str = "max_backoffs",
+    ) -> None:
+        if not (isinstance(max_backoffs, int) and max_backoffs >= 0):
+            raise ValueError(f"max_backoffs must be an integer >= 0, got {max_backoffs!r}")
+        if not (isinstance(backoffs, int) and backoffs >= 0):
+            raise ValueError(f"backoffs must be an integer >= 0, got {backoffs!r}")
+        _check_factor(factor)
+        self.max_backoffs = max_backoffs
+        self.factor = float(factor)
+        self.backoffs = backoffs
+        self.lr_setting = lr_setting
+        self.max_backoffs_setting = max_backoffs_setting
+        self.detector = BlowUpDetector()
+        self.healthy_step: int | None = None  # the rollback point's step, None before any
+        self._healthy: Any = None
+
+    @property
+    def lr_scale(self) -> float:
+        """What the backoffs taken so far multiply every step size by: factor⁻ⁿ."""
+        return self.factor ** (-self.backoffs)
+
+    def check(self, metrics: Mapping[str, Any], run: Recoverable) -> BlowUp | None:
+        """The blow-up ``metrics`` (an evaluation of ``run`` now) show, or None: then the run
+        is healthy here and this is its rollback point."""
+        blowup = self.detector.observe(metrics)
+        if blowup is None:
+            self._healthy = run.snapshot()
+            self.healthy_step = int(metrics.get("step", 0))
+        return blowup
+
+    def recover(self, blowup: BlowUp, run: Recoverable) -> BackoffEvent:
+        """Roll ``run`` back to its last healthy evaluation with every step size divided by the
+        factor once more, and say so; raise :class:`~ssdcore.blowup.BlowUpError` (``run`` put
+        back to that evaluation) once ``max_backoffs`` are spent or none was healthy."""
+        old_lr = run.lr
+        if self._healthy is None or self.backoffs >= self.max_backoffs:
+            if self._healthy is not None:
+                run.restore(self._healthy)
+            raise self._give_up(blowup, old_lr)
+        self.backoffs += 1
+        run.restore(self._healthy)
+        run.set_lr_scale(self.lr_scale)
+        assert self.healthy_step is not None
+        event = BackoffEvent(
+            step=blowup.step,
+            rolled_back_to=self.healthy_step,
+            old_lr=old_lr,
+            new_lr=run.lr,
+            lr_scale=self.lr_scale,
+            backoff=self.backoffs,
+            max_backoffs=self.max_backoffs,
+            reason=blowup.describe(),
+        )
+        logger.warning(
+            "blow-up: %s; back to step %d with lr %.3g (backoff %d of %d)",
+            event.reason,
+            event.rolled_back_to,
+            event.new_lr,
+            event.backoff,
+            event.max_backoffs,
+        )
+        return event
+
+    def _give_up(self, blowup: BlowUp, lr: float) -> BlowUpError:
+        suggestion = suggested_lr(lr, self.factor)
+        if self.max_backoffs == 0:
+            spent = f"with backoff off ({self.max_backoffs_setting} 0)"
+        else:
+            plural = "" if self.backoffs == 1 else "s"
+            spent = (
+                f"after {self.backoffs} backoff{plural} (each dividing the step sizes by "
+                f"{self.factor:g})"
+            )
+        message = (
+            f"training blew up {spent}: {blowup.describe()}; its step size was {lr:.3g}; "
+            f"try {self.lr_setting} = {suggestion:.3g} or smaller"
+        )
+        return BlowUpError(message, blowup=blowup, suggested_lr=suggestion)

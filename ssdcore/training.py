@@ -13,8 +13,10 @@ raised; the optimizer state and chains are not rolled back, so treat the run as 
 the restored model (or the last checkpoint) from there.
 
 Blow-ups that stay finite (a reconstruction error of 1e26, ‖W‖₂ of 1e12) are caught between
-evaluations by :class:`~ssdcore.blowup.BlowUpDetector`; :func:`fit` answers them by rolling back
-to the last healthy evaluation and scaling every step size down (:meth:`Trainer.set_lr_scale`).
+evaluations by :class:`~ssdcore.blowup.BlowUpDetector`; :func:`fit` answers them with
+:class:`~ssdcore.blowup.Recovery`, the rule the service's training process follows too: back to
+the last healthy evaluation (:meth:`Trainer.snapshot`, :meth:`Trainer.restore`) with every step
+size scaled down (:meth:`Trainer.set_lr_scale`).
 
 On a CUDA device each step (estimate, optimizer step, constraints) is replayed as one CUDA
 graph when it can be captured (:mod:`ssdcore.cuda_graph`); the data batch is gathered into a
@@ -37,10 +39,9 @@ from ssdcore.blowup import (
     BACKOFF_FACTOR,
     DEFAULT_MAX_BACKOFFS,
     BlowUp,
-    BlowUpDetector,
     BlowUpError,
+    Recovery,
     blowup_from_error,
-    suggested_lr,
 )
 from ssdcore.centering import Centering, CenteringConfig
 from ssdcore.cuda_graph import GraphedStep
@@ -506,6 +507,21 @@ class Trainer:
         self._last_good = [p.detach().clone() for _, p in self._named_parameters]
         self._last_good_step = self.step_count
 
+    def snapshot(self) -> dict[str, Any]:
+        """An in-memory copy of the model and of :meth:`state_dict`: what a rollback restores."""
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "trainer": copy.deepcopy(self.state_dict()),
+        }
+
+    @torch.no_grad()
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Go back to a :meth:`snapshot` of this trainer; the snapshot stays usable."""
+        self.model.load_state_dict(snapshot["model"])
+        # A copy again: loading may adopt the tensors it is given (optimizer buffers, chains),
+        # and the snapshot must survive for a second rollback to the same point.
+        self.load_state_dict(copy.deepcopy(snapshot["trainer"]))
+
 
 def fit(
     model: RBM,
@@ -524,6 +540,7 @@ def fit(
     valid_data: Tensor | None = None,
     log_likelihood: str = "none",
     max_backoffs: int = DEFAULT_MAX_BACKOFFS,
+    backoff_factor: float = BACKOFF_FACTOR,
 ) -> list[dict[str, Any]]:
     """Train ``model`` for ``steps`` steps and return the metric history.
 
@@ -533,20 +550,21 @@ def fit(
     None leaves it to the config, and a config without one takes the step-size table's value
     for ``model`` (:mod:`ssdcore.step_sizes`).
 
-    Blow-ups: every evaluation goes through a :class:`~ssdcore.blowup.BlowUpDetector`. On a
-    blow-up (or a :class:`~ssdcore.DivergenceError` from a step) the trainer goes back to its
-    state at the last healthy evaluation, every step size is divided by
-    :data:`~ssdcore.blowup.BACKOFF_FACTOR`, training continues, and the history gets an entry
-    ``{"event": "backoff", "step", "rolled_back_to", "old_lr", "new_lr", "lr_scale", "backoff",
-    "reason"}`` (not passed to ``callback``). Once ``max_backoffs`` backoffs are spent (at once
-    for 0), the next blow-up raises :class:`~ssdcore.blowup.BlowUpError`, a DivergenceError
-    whose message names the step, the metric and a suggested step size; ``model`` is then left
-    at its last healthy state.
+    Blow-ups follow :class:`~ssdcore.blowup.Recovery`'s rule (the service's too): every
+    evaluation goes through the blow-up detector; on a blow-up (or a
+    :class:`~ssdcore.DivergenceError` from a step) the trainer goes back to its state at the
+    last healthy evaluation, every step size is divided by ``backoff_factor`` once more,
+    training continues, and the history gets the
+    :meth:`~ssdcore.blowup.BackoffEvent.history_entry` ``{"event": "backoff", "step",
+    "rolled_back_to", "old_lr", "new_lr", "lr_scale", "backoff", "max_backoffs", "reason"}``
+    (not passed to ``callback``). Once ``max_backoffs`` backoffs are spent (at once for 0), the
+    next blow-up raises :class:`~ssdcore.blowup.BlowUpError`, a DivergenceError whose message
+    names the step, the metric and a suggested step size; ``model`` is then left at its last
+    healthy state.
     """
     if not (isinstance(steps, int) and steps >= 0):
         raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
-    if not (isinstance(max_backoffs, int) and max_backoffs >= 0):
-        raise ValueError(f"max_backoffs must be an integer >= 0, got {max_backoffs!r}")
+    recovery = Recovery(max_backoffs=max_backoffs, factor=backoff_factor)
     config = OptimizerConfig(name=optimizer) if isinstance(optimizer, str) else optimizer
     if lr is not None:
         config = OptimizerConfig(**{**config.to_dict(), "lr": lr})
@@ -566,19 +584,16 @@ def fit(
         valid_data=valid_data,
         tempering=tempering,
     )
-    detector = BlowUpDetector()
     history: list[dict[str, Any]] = []
-    healthy: dict[str, Any] | None = None
-    backoffs = 0
-    metrics, blowup = _checked_metrics(trainer, detector, log_likelihood, steps)
+    metrics, blowup = _checked_metrics(trainer, recovery, log_likelihood, steps)
     while True:
         if blowup is not None:
-            if healthy is None or backoffs >= max_backoffs:
-                raise _budget_spent(trainer, healthy, blowup, backoffs, history)
-            backoffs += 1
-            history.append(_back_off(trainer, healthy, blowup, backoffs))
+            try:
+                history.append(recovery.recover(blowup, trainer).history_entry())
+            except BlowUpError as error:
+                error.history = history
+                raise
         else:
-            healthy = _snapshot(trainer)
             history.append(metrics)
             if callback is not None and callback(metrics) is False:
                 break
@@ -589,76 +604,14 @@ def fit(
         except DivergenceError as error:
             blowup = blowup_from_error(error, trainer.step_count)
             continue
-        metrics, blowup = _checked_metrics(trainer, detector, log_likelihood, steps)
+        metrics, blowup = _checked_metrics(trainer, recovery, log_likelihood, steps)
     return history
 
 
 def _checked_metrics(
-    trainer: Trainer, detector: BlowUpDetector, log_likelihood: str, total_steps: int
+    trainer: Trainer, recovery: Recovery, log_likelihood: str, total_steps: int
 ) -> tuple[dict[str, Any], BlowUp | None]:
     """The trainer's metrics now, and the blow-up they show (or None)."""
     metrics = {**trainer.evaluate(log_likelihood), "total_steps": total_steps}
     logger.debug("step %d: %s", trainer.step_count, metrics)
-    return metrics, detector.observe(metrics)
-
-
-def _snapshot(trainer: Trainer) -> dict[str, Any]:
-    """An in-memory copy of everything a rollback restores (model and trainer state)."""
-    return {
-        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-        "trainer": copy.deepcopy(trainer.state_dict()),
-    }
-
-
-@torch.no_grad()
-def _restore(trainer: Trainer, snapshot: dict[str, Any]) -> None:
-    trainer.model.load_state_dict(snapshot["model"])
-    # A copy again: loading may adopt the tensors it is given (optimizer buffers, chains), and
-    # the snapshot must survive for a second rollback to the same point.
-    trainer.load_state_dict(copy.deepcopy(snapshot["trainer"]))
-
-
-def _back_off(
-    trainer: Trainer, healthy: dict[str, Any], blowup: BlowUp, backoffs: int
-) -> dict[str, Any]:
-    """Roll back to the healthy snapshot with smaller steps; the history entry saying so."""
-    old_lr = trainer.lr
-    _restore(trainer, healthy)
-    trainer.set_lr_scale(BACKOFF_FACTOR ** (-backoffs))
-    entry = {
-        "event": "backoff",
-        "step": blowup.step,
-        "rolled_back_to": trainer.step_count,
-        "old_lr": old_lr,
-        "new_lr": trainer.lr,
-        "lr_scale": trainer.lr_scale,
-        "backoff": backoffs,
-        "reason": blowup.describe(),
-    }
-    logger.warning(
-        "blow-up: %s; back to step %d with lr %.3g (backoff %d)",
-        entry["reason"],
-        entry["rolled_back_to"],
-        entry["new_lr"],
-        backoffs,
-    )
-    return entry
-
-
-def _budget_spent(
-    trainer: Trainer,
-    healthy: dict[str, Any] | None,
-    blowup: BlowUp,
-    backoffs: int,
-    history: list[dict[str, Any]],
-) -> BlowUpError:
-    """The error that ends a run out of backoffs, with the model put back to its last health."""
-    lr = trainer.lr
-    if healthy is not None:
-        _restore(trainer, healthy)
-    suggestion = suggested_lr(lr)
-    message = (
-        f"training blew up: {blowup.describe()}; the step size was {lr:.3g} after {backoffs} "
-        f"backoff(s); try lr={suggestion:.3g} or smaller"
-    )
-    return BlowUpError(message, blowup=blowup, suggested_lr=suggestion, history=history)
+    return metrics, recovery.check(metrics, trainer)

@@ -21,9 +21,11 @@ from ssdcore.blowup import (
     SPECTRAL_NORM_GROWTH,
     STUCK_FRACTION,
     STUCK_NORM_GROWTH,
+    BackoffEvent,
     BlowUp,
     BlowUpDetector,
     BlowUpError,
+    Recovery,
     blowup_from_error,
     suggested_lr,
 )
@@ -208,7 +210,8 @@ def test_without_backoffs_a_blow_up_ends_the_run_naming_step_metric_and_suggesti
         gaussian_fit("freyface", "ssd", 0.01, max_backoffs=0)
     message = str(raised.value)
     assert re.search(r"reconstruction_error \S+ at step 25 is", message)
-    assert "try lr=0.001 or smaller" in message
+    assert "blew up with backoff off (max_backoffs 0)" in message
+    assert "its step size was 0.01; try lr = 0.001 or smaller" in message
     assert raised.value.suggested_lr == pytest.approx(1e-3) and raised.value.step == EVAL_EVERY
     assert [m["step"] for m in raised.value.history] == [0]
 
@@ -223,6 +226,85 @@ def test_a_divergence_error_during_fit_is_backed_off_too():
     backoffs = [e for e in raised.value.history if e.get("event") == "backoff"]
     assert len(backoffs) == DEFAULT_MAX_BACKOFFS
     assert [b["new_lr"] for b in backoffs] == pytest.approx([1e29, 1e28, 1e27])
+    # The factor is fit's to choose (the service's training.backoff_factor), BACKOFF_FACTOR
+    # when not given.
+    torch.manual_seed(0)
+    with pytest.raises(BlowUpError, match="each dividing the step sizes by 100") as raised:
+        fit(
+            GaussianRBM(20, 5),
+            data,
+            steps=40,
+            optimizer="sgd",
+            lr=1e30,
+            eval_every=10,
+            max_backoffs=2,
+            backoff_factor=100.0,
+        )
+    backoffs = [e for e in raised.value.history if e.get("event") == "backoff"]
+    assert [b["new_lr"] for b in backoffs] == pytest.approx([1e28, 1e26])
+    assert raised.value.suggested_lr == pytest.approx(1e24)
+    with pytest.raises(ValueError, match="backoff factor"):
+        fit(GaussianRBM(20, 5), data, steps=1, backoff_factor=1.0)
+
+
+# --- the recovery rule on a trainer -------------------------------------------------------------
+
+
+def test_recovery_rolls_back_to_the_last_healthy_evaluation_until_its_budget_is_spent():
+    data = synthetic_rbm_data(20, 5, n_samples=400, seed=0)
+    torch.manual_seed(0)
+    trainer = Trainer(BernoulliRBM(20, 5), data, optimizer=OptimizerConfig("sgd", lr=0.1))
+    recovery = Recovery(
+        max_backoffs=2,
+        factor=4.0,
+        lr_setting="optimizer.lr",
+        max_backoffs_setting="training.max_backoffs",
+    )
+    assert recovery.check(trainer.evaluate(), trainer) is None and recovery.healthy_step == 0
+    trainer.train_steps(10)
+    assert recovery.check(trainer.evaluate(), trainer) is None and recovery.healthy_step == 10
+    healthy = {name: value.clone() for name, value in trainer.model.state_dict().items()}
+    blowup = BlowUp(15, "reconstruction_error", 1e9, 1.0, "growth", "its best so far")
+
+    events = []
+    for _ in range(2):
+        trainer.train_steps(5)
+        events.append(recovery.recover(blowup, trainer))
+        assert trainer.step_count == 10  # back at the last healthy evaluation, every time
+        for name, value in trainer.model.state_dict().items():
+            assert torch.equal(value, healthy[name])
+    assert events == [
+        BackoffEvent(15, 10, 0.1, 0.1 / 4, 1 / 4, 1, 2, blowup.describe()),
+        BackoffEvent(15, 10, 0.1 / 4, 0.1 / 16, 1 / 16, 2, 2, blowup.describe()),
+    ]
+    assert events[0].history_entry() == {
+        "event": "backoff",
+        "step": 15,
+        "rolled_back_to": 10,
+        "old_lr": 0.1,
+        "new_lr": 0.025,
+        "lr_scale": 0.25,
+        "backoff": 1,
+        "max_backoffs": 2,
+        "reason": blowup.describe(),
+    }
+    trainer.train_steps(5)
+    with pytest.raises(BlowUpError) as raised:
+        recovery.recover(blowup, trainer)
+    assert str(raised.value) == (
+        "training blew up after 2 backoffs (each dividing the step sizes by 4): "
+        f"{blowup.describe()}; its step size was 0.00625; try optimizer.lr = 0.00156 or smaller"
+    )
+    assert raised.value.suggested_lr == 0.1 / 64 and trainer.step_count == 10
+    off = Recovery(max_backoffs=0, max_backoffs_setting="training.max_backoffs")
+    assert off.check(trainer.evaluate(), trainer) is None
+    with pytest.raises(BlowUpError, match=r"with backoff off \(training.max_backoffs 0\)"):
+        off.recover(blowup, trainer)
+    # A resumed run starts at the scale of the backoffs it took before.
+    assert Recovery(factor=4.0, backoffs=2).lr_scale == 1 / 16
+    for bad in ({"factor": 1.0}, {"max_backoffs": -1}, {"backoffs": 1.5}):
+        with pytest.raises(ValueError):
+            Recovery(**bad)
 
 
 # --- the step-size scale ------------------------------------------------------------------------

@@ -14,15 +14,17 @@ from ssdcore.pack.exchange import (
     run_to_trainer,
     trainer_to_run_state,
 )
-from ssdcore.pack.fit import evaluate_run, fit_pack
+from ssdcore.pack.fit import RunInPack, divergence_blowup, evaluate_run, fit_pack
 from ssdcore.pack.pack import PackRun, RunDivergence, TrainingPack, pack_key, run_rules
 from ssdcore.pack.state import RunState
 
 __all__ = [
     "PackRun",
     "RunDivergence",
+    "RunInPack",
     "RunState",
     "TrainingPack",
+    "divergence_blowup",
     "evaluate_run",
     "fit_pack",
     "insert_bytes",

@@ -1,12 +1,12 @@
-"""``fit`` for a pack: train every run to ``steps`` with :func:`ssdcore.fit`'s per-run policy.
+"""``fit`` for a pack: train every run to ``steps`` under :func:`ssdcore.fit`'s blow-up rule.
 
-Each run gets its own :class:`~ssdcore.blowup.BlowUpDetector`, healthy snapshot and backoff
-count. A run that blows up (a metric, or its parameters turning non-finite) is rolled back to
-its last healthy evaluation with every step size divided by
-:data:`~ssdcore.blowup.BACKOFF_FACTOR`, while the other runs go on; once its
-``max_backoffs`` are spent it is held where its last healthy evaluation left it and its
-history ends with a ``{"event": "failed", ...}`` entry (fit would raise BlowUpError there).
-A run that reaches ``steps`` is held while the others catch up.
+Each run has its own :class:`~ssdcore.blowup.Recovery` (detector, rollback point, backoff
+count), acting on the run through :class:`RunInPack`. A run that blows up (a metric, or its
+parameters turning non-finite) is rolled back to its last healthy evaluation with every step
+size divided by the backoff factor, while the other runs go on; once its ``max_backoffs`` are
+spent it is held where its last healthy evaluation left it and its history ends with a
+``{"event": "failed", ...}`` entry (fit would raise that BlowUpError there). A run that reaches
+``steps`` is held while the others catch up.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from ssdcore.blowup import (
     DEFAULT_MAX_BACKOFFS,
     PARAMETERS,
     BlowUp,
-    BlowUpDetector,
-    suggested_lr,
+    BlowUpError,
+    Recovery,
 )
 from ssdcore.evaluation import reconstruction_error, saturated_hidden_fraction, spectral_norm
-from ssdcore.pack.pack import TrainingPack
+from ssdcore.pack.pack import RunDivergence, TrainingPack
 from ssdcore.pack.state import RunState
 from ssdcore.training import DEFAULT_EVAL_EXAMPLES
 
@@ -59,12 +59,38 @@ def evaluate_run(
     }
 
 
+@dataclass(frozen=True)
+class RunInPack:
+    """Run ``run`` of ``pack`` as :class:`~ssdcore.blowup.Recovery` acts on it: its step size,
+    its scale, and its :class:`~ssdcore.pack.RunState` as the snapshot."""
+
+    pack: TrainingPack
+    run: int
+
+    @property
+    def lr(self) -> float:
+        return self.pack.lr(self.run)
+
+    def snapshot(self) -> RunState:
+        return self.pack.run_state(self.run)
+
+    def restore(self, snapshot: RunState) -> None:
+        self.pack.load_run_state(self.run, snapshot.copy())  # the snapshot stays usable
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.pack.set_lr_scale(self.run, scale)
+
+
+def divergence_blowup(event: RunDivergence) -> BlowUp:
+    """The :class:`~ssdcore.blowup.BlowUp` of a run the pack froze (its parameters turned
+    NaN/Inf), as :func:`~ssdcore.blowup.blowup_from_error` gives a solo trainer's."""
+    return BlowUp(event.step, PARAMETERS, math.nan, None, "non-finite", detail=event.what)
+
+
 @dataclass
 class _RunProgress:
+    recovery: Recovery
     valid_data: Tensor | None = None
-    detector: BlowUpDetector = field(default_factory=BlowUpDetector)
-    healthy: RunState | None = None
-    backoffs: int = 0
     finished: bool = False
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -75,6 +101,7 @@ def fit_pack(
     steps: int,
     eval_every: int | None = None,
     max_backoffs: int = DEFAULT_MAX_BACKOFFS,
+    backoff_factor: float = BACKOFF_FACTOR,
     valid_data: Tensor | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Train every run of ``pack`` to ``steps``; one metric history per run (as fit's)."""
@@ -83,9 +110,12 @@ def fit_pack(
     every = eval_every if eval_every is not None else max(1, math.ceil(steps / 10))
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
-    progress = [_RunProgress(valid_data=valid_data) for _ in range(pack.n_runs)]
+    progress = [
+        _RunProgress(Recovery(max_backoffs=max_backoffs, factor=backoff_factor), valid_data)
+        for _ in range(pack.n_runs)
+    ]
     for run in range(pack.n_runs):
-        _evaluate(pack, run, progress[run], steps, max_backoffs)
+        _evaluate(pack, run, progress[run], steps)
     while True:
         running = [r for r in range(pack.n_runs) if not progress[r].finished]
         if not running:
@@ -100,13 +130,9 @@ def fit_pack(
         for run in running:
             step = pack.step_counts[run]
             if run in diverged:
-                event = diverged[run]
-                blowup = BlowUp(
-                    event.step, PARAMETERS, math.nan, None, "non-finite", "", event.what
-                )
-                _handle_blowup(pack, run, progress[run], blowup, max_backoffs)
+                _handle_blowup(pack, run, progress[run], divergence_blowup(diverged[run]))
             elif step % every == 0 or step >= steps:
-                _evaluate(pack, run, progress[run], steps, max_backoffs)
+                _evaluate(pack, run, progress[run], steps)
 
 
 def _next_evaluation(step: int, every: int, steps: int) -> int:
@@ -114,15 +140,12 @@ def _next_evaluation(step: int, every: int, steps: int) -> int:
     return min(steps, (step // every + 1) * every)
 
 
-def _evaluate(
-    pack: TrainingPack, run: int, progress: _RunProgress, steps: int, max_backoffs: int
-) -> None:
+def _evaluate(pack: TrainingPack, run: int, progress: _RunProgress, steps: int) -> None:
     metrics = {**evaluate_run(pack, run, valid_data=progress.valid_data), "total_steps": steps}
-    blowup = progress.detector.observe(metrics)
+    blowup = progress.recovery.check(metrics, RunInPack(pack, run))
     if blowup is not None:
-        _handle_blowup(pack, run, progress, blowup, max_backoffs)
+        _handle_blowup(pack, run, progress, blowup)
         return
-    progress.healthy = pack.run_state(run)
     progress.history.append(metrics)
     if pack.step_counts[run] >= steps:
         progress.finished = True
@@ -131,14 +154,12 @@ def _evaluate(
         pack.release(run)
 
 
-def _handle_blowup(
-    pack: TrainingPack, run: int, progress: _RunProgress, blowup: BlowUp, max_backoffs: int
-) -> None:
-    """Back run ``run`` off to its healthy snapshot, or end it when its backoffs are spent."""
-    old_lr = pack.lr(run)
-    if progress.healthy is None or progress.backoffs >= max_backoffs:
-        if progress.healthy is not None:
-            pack.load_run_state(run, progress.healthy.copy())
+def _handle_blowup(pack: TrainingPack, run: int, progress: _RunProgress, blowup: BlowUp) -> None:
+    """Back run ``run`` off to its last healthy evaluation, or end it once its backoffs are
+    spent (held at that evaluation)."""
+    try:
+        event = progress.recovery.recover(blowup, RunInPack(pack, run))
+    except BlowUpError as error:
         pack.hold(run)
         progress.finished = True
         progress.history.append(
@@ -146,31 +167,11 @@ def _handle_blowup(
                 "event": "failed",
                 "step": blowup.step,
                 "reason": blowup.describe(),
-                "backoffs": progress.backoffs,
-                "suggested_lr": suggested_lr(old_lr),
+                "backoffs": progress.recovery.backoffs,
+                "suggested_lr": error.suggested_lr,
+                "message": str(error),
             }
         )
-        logger.warning("pack run %d failed: %s", run, blowup.describe())
+        logger.warning("pack run %d failed: %s", run, error)
         return
-    progress.backoffs += 1
-    pack.load_run_state(run, progress.healthy.copy())
-    pack.set_lr_scale(run, BACKOFF_FACTOR ** (-progress.backoffs))
-    progress.history.append(
-        {
-            "event": "backoff",
-            "step": blowup.step,
-            "rolled_back_to": pack.step_counts[run],
-            "old_lr": old_lr,
-            "new_lr": pack.lr(run),
-            "lr_scale": pack.lr_scale(run),
-            "backoff": progress.backoffs,
-            "reason": blowup.describe(),
-        }
-    )
-    logger.warning(
-        "pack run %d blow-up: %s; back to step %d with lr %.3g",
-        run,
-        blowup.describe(),
-        pack.step_counts[run],
-        pack.lr(run),
-    )
+    progress.history.append(event.history_entry())
