@@ -56,7 +56,10 @@ class Settings:
     max_dataset_bytes_per_tenant: int = 2 * 1024 * 1024 * 1024
     # UploadDataset calls in progress at once, per API process: each buffers one chunk and
     # writes to Redis; excess calls are refused rather than queued
-    max_concurrent_uploads: int = 2
+    max_concurrent_uploads: int = 4
+    # ... of one tenant: below the server's, so one tenant's slow uploads leave the others room
+    # (2: a training and a validation set at once)
+    max_uploads_per_tenant: int = 2
     # Largest single Redis value of an uploaded dataset: the array is stored in chunks of this
     # size, so no one write or read blocks Redis for long (a multiple of 8, the widest dtype)
     dataset_chunk_bytes: int = 4 * 1024 * 1024
@@ -236,6 +239,7 @@ class Settings:
             "max_dataset_bytes",
             "max_dataset_bytes_per_tenant",
             "max_concurrent_uploads",
+            "max_uploads_per_tenant",
             "dataset_chunk_bytes",
             "redis_connections",
             "max_jobs_per_tenant",

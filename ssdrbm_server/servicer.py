@@ -11,7 +11,6 @@ import hashlib
 import logging
 import math
 import re
-from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -22,16 +21,15 @@ from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from ssdrbm_server import convert, model_export, resolver, tracing
 from ssdrbm_server.auth import current_tenant
+from ssdrbm_server.call_slots import CallSlots, SlotCap
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
-    RETRY_SHORTLY_S,
     AlreadyExistsError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
-    tenant_subject,
 )
 from ssdrbm_server.event_fanout import EventFanout
 from ssdrbm_server.metrics import ServiceMetrics
@@ -99,9 +97,38 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self.models = models
         self.metrics = metrics
         self.recent_jobs = recent_jobs if recent_jobs is not None else RecentJobs()
-        self._open_streams = 0
-        self._tenant_streams: Counter[str] = Counter()  # open StreamMetrics calls per tenant
-        self._uploads = 0  # UploadDataset calls in progress (max_concurrent_uploads)
+        self.streams = CallSlots(  # StreamMetrics and StreamSweep calls
+            SlotCap(
+                settings.max_streams,
+                "max_streams",
+                "this server already serves {count} metric streams (limit {limit}); retry later "
+                "or poll {poll}",
+            ),
+            SlotCap(
+                settings.max_streams_per_tenant,
+                "max_streams_per_tenant",
+                "tenant {tenant!r} already has {count} metric streams open on this server "
+                "(SSDRBM_MAX_STREAMS_PER_TENANT={limit}); close one you no longer follow, or poll "
+                "{poll}",
+            ),
+            on_change=metrics.streams.set if metrics is not None else None,
+        )
+        # Each upload buffers a chunk and keeps Redis writing: bounded per API process.
+        self.uploads = CallSlots(
+            SlotCap(
+                settings.max_concurrent_uploads,
+                "max_concurrent_uploads",
+                "this server already receives {count} uploads, of all tenants "
+                "(SSDRBM_MAX_CONCURRENT_UPLOADS={limit}); retry in a moment",
+            ),
+            SlotCap(
+                settings.max_uploads_per_tenant,
+                "max_uploads_per_tenant",
+                "tenant {tenant!r} already has {count} uploads in progress on this server "
+                "(SSDRBM_MAX_UPLOADS_PER_TENANT={limit}); let one finish (or cancel it), then "
+                "retry",
+            ),
+        )
         self._draining = False
         self.fanout = EventFanout(self._poll, buffer_events=settings.stream_buffer_events)
         self.sweeps = SweepService(
@@ -203,36 +230,11 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self, request: pb.StreamMetricsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MetricEvent]:
         job = await self._job(request.job_id)
-        self._check_stream_room(job.tenant, poll="GetJob")
-        self._stream_opened(+1, job.tenant)
-        try:
+        with self.streams.hold(job.tenant, poll="GetJob"):
             # aclosing: a cancelled call leaves its job's follower at once, not at collection.
             async with aclosing(self._events(job, request.after, request.history_only)) as events:
                 async for event in events:
                     yield event
-        finally:
-            self._stream_opened(-1, job.tenant)
-
-    def _check_stream_room(self, tenant: str, *, poll: str) -> None:
-        """Refuse a StreamMetrics or StreamSweep call at the server's or the tenant's limit."""
-        if self._open_streams >= self.settings.max_streams:
-            raise ResourceExhaustedError(
-                f"this server already serves {self._open_streams} metric streams (limit "
-                f"{self.settings.max_streams}); retry later or poll {poll}",
-                limit="max_streams",
-                retry_after_s=RETRY_SHORTLY_S,
-            )
-        # A share of the global cap per tenant, so one tenant cannot lock the others out.
-        tenant_streams = self._tenant_streams[tenant]
-        if tenant_streams >= self.settings.max_streams_per_tenant:
-            raise ResourceExhaustedError(
-                f"tenant {tenant!r} already has {tenant_streams} metric streams open on this "
-                f"server (SSDRBM_MAX_STREAMS_PER_TENANT={self.settings.max_streams_per_tenant}); "
-                f"close one you no longer follow, or poll {poll}",
-                limit="max_streams_per_tenant",
-                subject=tenant_subject(tenant),
-                retry_after_s=RETRY_SHORTLY_S,
-            )
 
     def begin_shutdown(self) -> None:
         """End live metric streams now (UNAVAILABLE, resumable elsewhere), so a graceful
@@ -240,14 +242,6 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         followers stop at once, a stream reading Redis by itself at its next poll."""
         self._draining = True
         self.fanout.close()
-
-    def _stream_opened(self, delta: int, tenant: str) -> None:
-        self._open_streams += delta
-        self._tenant_streams[tenant] += delta
-        if not self._tenant_streams[tenant]:
-            del self._tenant_streams[tenant]
-        if self.metrics is not None:
-            self.metrics.streams.set(self._open_streams)
 
     async def _events(
         self, job: JobRecord, after: str, history_only: bool
@@ -382,20 +376,8 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> pb.UploadDatasetResponse:
         tenant = current_tenant()
-        # Per API process: each upload holds a chunk buffer and keeps Redis writing.
-        if self._uploads >= self.settings.max_concurrent_uploads:
-            raise ResourceExhaustedError(
-                f"this server already receives {self._uploads} uploads (max_concurrent_uploads "
-                f"= {self.settings.max_concurrent_uploads}, SSDRBM_MAX_CONCURRENT_UPLOADS); retry "
-                "in a moment",
-                limit="max_concurrent_uploads",
-                retry_after_s=RETRY_SHORTLY_S,
-            )
-        self._uploads += 1
-        try:
+        with self.uploads.hold(tenant):
             info, created = await self._receive_upload(tenant, request_iterator)
-        finally:
-            self._uploads -= 1
         return pb.UploadDatasetResponse(
             dataset_id=info.id, shape=list(info.shape), size_bytes=info.size_bytes, created=created
         )
@@ -579,14 +561,10 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         _check_id(request.sweep_id, "sweep_id")
         tenant = current_tenant()
         await self.sweeps.sweeps.get(tenant, request.sweep_id)  # NOT_FOUND before the limits
-        self._check_stream_room(tenant, poll="GetSweep")  # counted with the metric streams
-        self._stream_opened(+1, tenant)
-        try:
+        with self.streams.hold(tenant, poll="GetSweep"):  # counted with the metric streams
             async with aclosing(self.sweeps.stream(tenant, request.sweep_id)) as updates:
                 async for update in updates:
                     yield update
-        finally:
-            self._stream_opened(-1, tenant)
 
     async def DeleteSweep(
         self, request: pb.DeleteSweepRequest, context: grpc.aio.ServicerContext

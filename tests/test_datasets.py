@@ -1,6 +1,7 @@
 """Uploaded datasets through the real service: stored in bounded chunks, listed and deleted per
-tenant with shared content, a per-tenant byte quota, a bound on concurrent uploads, and live
-metric streams that cannot take the Redis connections of ordinary calls."""
+tenant with shared content, a per-tenant byte quota, bounds on concurrent uploads (the server's
+and each tenant's share of it), and live metric streams that cannot take the Redis connections
+of ordinary calls."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import grpc
 import numpy as np
 import pytest
 import redis
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
@@ -181,21 +184,76 @@ def test_concurrent_uploads_are_bounded_and_a_half_written_upload_is_never_seen(
     stub = service.stub()
     held = HeldUpload(stub, array(0))
     assert held.sent.wait(WAIT_S)
-    deadline = time.monotonic() + WAIT_S
-    while service.service.servicer._uploads < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_uploads(service, 1)
     error = rpc_error(lambda: upload(stub, array(1)))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "max_concurrent_uploads" in error.details()
+    assert "SSDRBM_MAX_CONCURRENT_UPLOADS=1" in error.details()
     assert listed(stub) == []  # the held upload's chunks are not a dataset yet
     assert held.release().created
     cut = HeldUpload(stub, array(2))
     assert cut.sent.wait(WAIT_S)
     cut.future.cancel()
-    while service.service.servicer._uploads and time.monotonic() < deadline:
+    deadline = time.monotonic() + WAIT_S
+    while service.service.servicer.uploads.in_progress and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [d.dataset_id for d in listed(stub)] == [held.future.result().dataset_id]
     assert len(redis_server.client().keys("*upload:*")) == 1  # the cut upload's were dropped
+
+
+def quota_subject(error: grpc.RpcError) -> str:
+    """The QuotaFailure subject of a refusal: whose cap it was."""
+    status = rpc_status.from_call(error)
+    assert status is not None, error.details()
+    for detail in status.details:
+        if detail.Is(error_details_pb2.QuotaFailure.DESCRIPTOR):
+            quota = error_details_pb2.QuotaFailure()
+            detail.Unpack(quota)
+            return quota.violations[0].subject
+    raise AssertionError(f"no QuotaFailure in {error.details()}")
+
+
+def wait_for_uploads(service: RunningService, count: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while service.service.servicer.uploads.in_progress < count:
+        assert time.monotonic() < deadline, "the held uploads never reached the server"
+        time.sleep(0.05)
+
+
+def test_one_tenants_slow_uploads_leave_the_others_room(service_factory) -> None:
+    gamma = "gamma-secret-3"
+    service = service_factory(
+        run_worker=False,
+        auth_mode="token",
+        auth_tokens=f"{ALPHA}=alpha,{BETA}=beta,{gamma}=gamma",
+        dataset_chunk_bytes=CHUNK,
+        max_concurrent_uploads=3,
+        max_uploads_per_tenant=2,
+    )
+    alpha, beta, third = (service.stub(token=t) for t in (ALPHA, BETA, gamma))
+    held = [HeldUpload(alpha, array(seed)) for seed in (0, 1)]  # alpha's share, both stalled
+    assert all(h.sent.wait(WAIT_S) for h in held)
+    wait_for_uploads(service, 2)
+    error = rpc_error(lambda: upload(alpha, array(2)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tenant 'alpha' already has 2 uploads" in error.details()
+    assert "SSDRBM_MAX_UPLOADS_PER_TENANT=2" in error.details()
+    assert quota_subject(error) == "tenant:alpha"
+    # Another tenant is not refused for alpha's stalled uploads.
+    started = time.monotonic()
+    assert upload(beta, array(3)).created
+    assert time.monotonic() - started < WAIT_S
+    # The server's cap still bounds all tenants together: alpha 2 + beta 1 = 3.
+    beta_held = HeldUpload(beta, array(4))
+    assert beta_held.sent.wait(WAIT_S)
+    wait_for_uploads(service, 3)
+    error = rpc_error(lambda: upload(third, array(5)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "SSDRBM_MAX_CONCURRENT_UPLOADS=3" in error.details()
+    assert quota_subject(error) == "server"
+    for upload_in_progress in (*held, beta_held):
+        assert upload_in_progress.release().created
+    assert upload(third, array(5)).created  # every slot came back
+    assert service.service.servicer.uploads.in_progress == 0
 
 
 def test_live_streams_leave_redis_connections_for_ordinary_calls(service_factory) -> None:
@@ -211,7 +269,7 @@ def test_live_streams_leave_redis_connections_for_ordinary_calls(service_factory
     jobs = [alpha.StartTraining(tiny_request(), timeout=30).job for _ in range(streams)]
     followers = [Follower(alpha, job.id) for job in jobs]  # queued jobs: they never finish
     deadline = time.monotonic() + WAIT_S
-    while service.service.servicer._open_streams < streams and time.monotonic() < deadline:
+    while service.service.servicer.streams.in_progress < streams and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(2 * service.settings.stream_block_ms / 1000)  # every follower is in XREAD BLOCK
     for _ in range(5):

@@ -1,0 +1,95 @@
+"""Calls of one kind in progress in this API process, capped for the server and for each tenant.
+
+The server's cap bounds what the calls cost together (memory, Redis connections); a tenant's cap
+is its share of it. With the tenant's cap below the server's, one tenant holding every slot it may
+still leaves room for the others, so its slow calls cannot refuse theirs. A call over either cap
+is refused at once (RESOURCE_EXHAUSTED, retry shortly) with a message naming the cap and its
+setting, and a QuotaFailure whose subject says whose cap it was (`tenant:<t>` or `server`).
+
+Metric streams (StreamMetrics, StreamSweep) and uploads (UploadDataset) each have one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ssdrbm_server.errors import (
+    RETRY_SHORTLY_S,
+    SERVER_SUBJECT,
+    ResourceExhaustedError,
+    tenant_subject,
+)
+
+
+@dataclass(frozen=True)
+class SlotCap:
+    """One cap: its value, the Settings field it comes from (named by the refusal's ErrorInfo),
+    and the refusal's message, a format string of ``{count}`` (calls in progress), ``{limit}``,
+    ``{tenant}`` and the fields the caller passes to ``hold``."""
+
+    limit: int
+    setting: str
+    message: str
+
+
+class CallSlots:
+    """Counts the calls in progress; ``hold`` takes a slot for the length of a call."""
+
+    def __init__(
+        self,
+        server: SlotCap,
+        tenant: SlotCap,
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
+        self.server = server
+        self.tenant = tenant
+        self._on_change = on_change  # told the new total (a Prometheus gauge)
+        self._total = 0
+        self._by_tenant: Counter[str] = Counter()
+
+    @property
+    def in_progress(self) -> int:
+        return self._total
+
+    def held_by(self, tenant: str) -> int:
+        return self._by_tenant[tenant]
+
+    @contextlib.contextmanager
+    def hold(self, tenant: str, **fields: str) -> Iterator[None]:
+        """A slot for ``tenant`` while the block runs; ResourceExhaustedError when the server
+        or the tenant is at its cap (``fields`` fill the message)."""
+        self._check(tenant, fields)
+        self._add(tenant, +1)
+        try:
+            yield
+        finally:
+            self._add(tenant, -1)
+
+    def _check(self, tenant: str, fields: dict[str, str]) -> None:
+        # The server's cap first: when both are full, the tenant's share is not what to fix.
+        if self._total >= self.server.limit:
+            raise self._refusal(self.server, self._total, tenant, fields, subject=SERVER_SUBJECT)
+        held = self._by_tenant[tenant]
+        if held >= self.tenant.limit:
+            subject = tenant_subject(tenant)
+            raise self._refusal(self.tenant, held, tenant, fields, subject=subject)
+
+    @staticmethod
+    def _refusal(
+        cap: SlotCap, count: int, tenant: str, fields: dict[str, str], *, subject: str
+    ) -> ResourceExhaustedError:
+        message = cap.message.format(count=count, limit=cap.limit, tenant=tenant, **fields)
+        return ResourceExhaustedError(
+            message, limit=cap.setting, subject=subject, retry_after_s=RETRY_SHORTLY_S
+        )
+
+    def _add(self, tenant: str, delta: int) -> None:
+        self._total += delta
+        self._by_tenant[tenant] += delta
+        if not self._by_tenant[tenant]:
+            del self._by_tenant[tenant]  # idle tenants cost nothing
+        if self._on_change is not None:
+            self._on_change(self._total)
