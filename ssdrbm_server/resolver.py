@@ -10,9 +10,14 @@ Fields that do not apply to the job (a Bernoulli model's variance, a non-SSD job
 stay unset.
 
 Each problem is an INVALID_ARGUMENT naming the field (``optimizer.lr``, ``training.cd_k``, ...)
-and the fix. A job too big for this server (model, checkpoint, per-step or evaluation cost, see
-``check_budgets``) is RESOURCE_EXHAUSTED naming the limit, the computed value and the fix, refused
-on submit: the worker would otherwise allocate it first and fail at run time.
+and the fix. Sizes and costs are request_bounds.py's: counts against the API's limits before a
+field is walked, and a job too big for this server (model, checkpoint, per-step or evaluation
+cost, ``request_bounds.check_budgets``) RESOURCE_EXHAUSTED naming the limit, the computed value
+and the fix, refused on submit: the worker would otherwise allocate it first and fail at run
+time.
+
+``resolve`` looks an uploaded dataset up itself; ``resolve_known`` takes it looked up already
+(``find_dataset``), so a sweep resolves its points off the event loop.
 """
 
 from __future__ import annotations
@@ -45,7 +50,18 @@ from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, steps_per_epoch
 from ssdrbm_server import catalog
 from ssdrbm_server.catalog import DatasetShape
 from ssdrbm_server.config import Settings
-from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError
+from ssdrbm_server.errors import InvalidArgumentError
+from ssdrbm_server.request_bounds import (
+    MAX_AIS_BETAS,
+    MAX_AIS_CHAINS,
+    MAX_BACKOFFS,
+    MAX_BATCH_SIZE,
+    MAX_CD_K,
+    MAX_HIDDEN,
+    at_most,
+    check_budgets,
+    items_at_most,
+)
 from ssdrbm_server.request_checks import check_text, enum_value, finite
 from ssdrbm_server.store.datasets import DatasetInfo
 from ssdrbm_server.vocabulary import (
@@ -60,13 +76,8 @@ from ssdrbm_server.vocabulary import (
 )
 from ssdrbm_server.worker.spec import schedule_config
 
-MAX_HIDDEN = 1 << 16
-MAX_BATCH_SIZE = 1 << 16
-MAX_CD_K = 10_000
-MAX_AIS_CHAINS = 100_000
-MAX_AIS_BETAS = 1_000_000
 MAX_REQUEST_ID_LENGTH = 128
-MAX_BACKOFFS = 100
+MAX_QUOTED = 256  # characters of a request's name (a map key) that a field path quotes
 # The trainer seeds its estimator with seed + an offset, and torch takes seeds below 2^64, so
 # seeds from 2^64 - 0x5EED fail in the training process (measured: "Overflow when unpacking long
 # long"). The contract is the signed 64-bit range: every client language can hold it, and it
@@ -104,6 +115,39 @@ async def resolve(
     ``find_upload(dataset_id)`` gives an uploaded dataset's shape and dtype (NotFoundError when
     the caller cannot see it).
     """
+    spec = _resolved_fields(request, settings)
+    dataset_id = _check_dataset_ref(spec.dataset, settings)
+    upload = await find_upload(dataset_id) if dataset_id else None
+    return _with_upload(spec, upload, settings)
+
+
+async def find_dataset(
+    request: pb.StartTrainingRequest, settings: Settings, find_upload: UploadLookup
+) -> DatasetInfo | None:
+    """The uploaded dataset ``request`` trains on, looked up (None for a built-in one), for
+    ``resolve_known``; its dataset reference is checked as ``resolve`` checks it."""
+    dataset = pb.DatasetRef()
+    dataset.CopyFrom(request.dataset)
+    dataset_id = _check_dataset_ref(dataset, settings)
+    return await find_upload(dataset_id) if dataset_id else None
+
+
+def resolve_known(
+    request: pb.StartTrainingRequest, settings: Settings, upload: DatasetInfo | None
+) -> ResolvedJob:
+    """``resolve`` for a request whose uploaded dataset ``find_dataset`` looked up already:
+    no I/O, so it may run off the event loop (a sweep resolves its points in a thread)."""
+    spec = _resolved_fields(request, settings)
+    dataset_id = _check_dataset_ref(spec.dataset, settings)
+    if dataset_id != (upload.id if upload else None):
+        raise ValueError(f"the request names dataset {dataset_id!r}, not the one looked up")
+    return _with_upload(spec, upload, settings)
+
+
+def _resolved_fields(
+    request: pb.StartTrainingRequest, settings: Settings
+) -> pb.StartTrainingRequest:
+    """A copy of ``request`` with every field that does not depend on the data resolved."""
     spec = pb.StartTrainingRequest()
     spec.CopyFrom(request)
     spec.validate_only = False  # how this call was made, not part of the job
@@ -113,7 +157,13 @@ async def resolve(
     _resolve_optimizer(spec.optimizer, spec.model)
     _resolve_training(spec.training, settings)
     _resolve_eval(spec.eval, settings)
-    upload = await _resolve_dataset_ref(spec.dataset, settings, find_upload)
+    return spec
+
+
+def _with_upload(
+    spec: pb.StartTrainingRequest, upload: DatasetInfo | None, settings: Settings
+) -> ResolvedJob:
+    """The checks that need the dataset (its facts from the upload, or the catalog's)."""
     shape = (
         DatasetShape(n_visible=math.prod(upload.shape[1:]), n_examples=upload.shape[0])
         if upload is not None
@@ -217,10 +267,7 @@ def _resolve_model(model: pb.ModelSpec) -> None:
                 )
     if model.n_hidden < 1:
         raise InvalidArgumentError("model.n_hidden", "is required and must be at least 1")
-    if model.n_hidden > MAX_HIDDEN:
-        raise InvalidArgumentError(
-            "model.n_hidden", f"must be at most {MAX_HIDDEN}, got {model.n_hidden}"
-        )
+    at_most("model.n_hidden", model.n_hidden, MAX_HIDDEN)
 
 
 # --- optimizer --------------------------------------------------------------------------------
@@ -261,8 +308,7 @@ def _resolve_optimizer(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> None
             "optimizer.max_spectral_norm",
             f"must be >= 0 (0 = unbounded), got {optimizer.max_spectral_norm}",
         )
-    if optimizer.rank > MAX_HIDDEN:
-        raise InvalidArgumentError("optimizer.rank", f"must be at most {MAX_HIDDEN}")
+    at_most("optimizer.rank", optimizer.rank, MAX_HIDDEN)
     _resolve_spectral_choices(optimizer, kinds)
     _resolve_schedule(optimizer.schedule)
 
@@ -294,13 +340,18 @@ def _resolve_schedule(schedule: pb.StepSizeSchedule) -> None:
 
 def _check_per_parameter(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> None:
     allowed = parameter_names(model)
+    for field, entries in (
+        ("optimizer.per_parameter", optimizer.per_parameter),
+        ("optimizer.per_parameter_lr", optimizer.per_parameter_lr),
+    ):
+        items_at_most(field, entries, len(allowed), f"one per parameter: {list(allowed)}")
     for name, kind in optimizer.per_parameter.items():
-        field = f"optimizer.per_parameter[{name}]"
+        field = f"optimizer.per_parameter[{name[:MAX_QUOTED]}]"
         _check_parameter_name(name, allowed, field)
         if enum_value(pb.OptimizerKind, kind, field) == pb.OPTIMIZER_KIND_UNSPECIFIED:
             raise InvalidArgumentError(field, "name an optimizer kind (SGD, NESTEROV, SSD, ...)")
     for name, lr in optimizer.per_parameter_lr.items():
-        field = f"optimizer.per_parameter_lr[{name}]"
+        field = f"optimizer.per_parameter_lr[{name[:MAX_QUOTED]}]"
         _check_parameter_name(name, allowed, field)
         if not finite(lr, field) > 0:
             raise InvalidArgumentError(field, f"must be > 0, got {lr}")
@@ -309,7 +360,7 @@ def _check_per_parameter(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> No
 def _check_parameter_name(name: str, allowed: tuple[str, ...], field: str) -> None:
     if name not in allowed:
         raise InvalidArgumentError(
-            field, f"unknown parameter {name!r}; this model has {list(allowed)}"
+            field, f"unknown parameter {name[:MAX_QUOTED]!r}; this model has {list(allowed)}"
         )
 
 
@@ -351,10 +402,7 @@ def _resolve_training(training: pb.TrainingSpec, settings: Settings) -> None:
         )
     if training.batch_size == 0:
         training.batch_size = DEFAULT_BATCH_SIZE
-    if training.batch_size > MAX_BATCH_SIZE:
-        raise InvalidArgumentError(
-            "training.batch_size", f"must be at most {MAX_BATCH_SIZE}, got {training.batch_size}"
-        )
+    at_most("training.batch_size", training.batch_size, MAX_BATCH_SIZE)
     if training.steps and training.epochs:
         raise InvalidArgumentError(
             "training.steps", "set one of training.steps and training.epochs, not both"
@@ -373,10 +421,7 @@ def _resolve_training(training: pb.TrainingSpec, settings: Settings) -> None:
         training.checkpoint_every = settings.default_checkpoint_every
     if not training.HasField("max_backoffs"):
         training.max_backoffs = DEFAULT_MAX_BACKOFFS
-    if training.max_backoffs > MAX_BACKOFFS:
-        raise InvalidArgumentError(
-            "training.max_backoffs", f"must be at most {MAX_BACKOFFS}, got {training.max_backoffs}"
-        )
+    at_most("training.max_backoffs", training.max_backoffs, MAX_BACKOFFS)
     if training.backoff_factor == 0:
         training.backoff_factor = BACKOFF_FACTOR
     if not finite(training.backoff_factor, "training.backoff_factor") > 1:
@@ -435,22 +480,15 @@ def _resolve_centering(training: pb.TrainingSpec) -> None:
         )
 
 
-def temperatures(training: pb.TrainingSpec) -> int:
-    """Chain sets a resolved job runs: its ladder's length with parallel tempering, else 1."""
-    return training.parallel_tempering.temperatures or 1
-
-
 def _resolve_eval(eval_spec: pb.EvalSpec, settings: Settings) -> None:
     if eval_spec.every == 0:
         eval_spec.every = settings.default_eval_every
     if eval_spec.ais_chains == 0:
         eval_spec.ais_chains = DEFAULT_AIS_CHAINS
-    if eval_spec.ais_chains > MAX_AIS_CHAINS:
-        raise InvalidArgumentError("eval.ais_chains", f"must be at most {MAX_AIS_CHAINS}")
+    at_most("eval.ais_chains", eval_spec.ais_chains, MAX_AIS_CHAINS)
     if eval_spec.ais_betas == 0:
         eval_spec.ais_betas = DEFAULT_AIS_BETAS
-    if eval_spec.ais_betas > MAX_AIS_BETAS:
-        raise InvalidArgumentError("eval.ais_betas", f"must be at most {MAX_AIS_BETAS}")
+    at_most("eval.ais_betas", eval_spec.ais_betas, MAX_AIS_BETAS)
     fraction = finite(eval_spec.validation_fraction, "eval.validation_fraction")
     if fraction == 0:
         eval_spec.validation_fraction = settings.default_validation_fraction
@@ -463,10 +501,8 @@ def _resolve_eval(eval_spec: pb.EvalSpec, settings: Settings) -> None:
 # --- data ---------------------------------------------------------------------------------------
 
 
-async def _resolve_dataset_ref(
-    dataset: pb.DatasetRef, settings: Settings, find_upload: UploadLookup
-) -> DatasetInfo | None:
-    """The upload's facts for an uploaded dataset; None for a built-in one (options filled)."""
+def _check_dataset_ref(dataset: pb.DatasetRef, settings: Settings) -> str | None:
+    """The uploaded dataset's id to look up; None for a built-in one (its options filled)."""
     enum_value(pb.Preprocess, dataset.preprocess, "dataset.preprocess")
     source = dataset.WhichOneof("source")
     if source is None:
@@ -478,11 +514,16 @@ async def _resolve_dataset_ref(
     if not dataset.dataset_id:
         raise InvalidArgumentError("dataset.dataset_id", "is empty; use an UploadDataset id")
     check_text(dataset.dataset_id, "dataset.dataset_id", settings.max_string_length)
-    return await find_upload(dataset.dataset_id)
+    return dataset.dataset_id
 
 
 def _resolve_builtin(builtin: pb.BuiltinDataset, settings: Settings) -> None:
     check_text(builtin.name, "dataset.builtin.name", settings.max_string_length)
+    known = catalog.OPTIONS.get(builtin.name)
+    if known is not None:  # an unknown name is refused by parse_options, its options unread
+        items_at_most(
+            "dataset.builtin.options", builtin.options, len(known), f"allowed: {sorted(known)}"
+        )
     for key, value in builtin.options.items():
         check_text(key, "dataset.builtin.options", settings.max_string_length)
         check_text(value, f"dataset.builtin.options[{key}]", settings.max_string_length)
@@ -566,105 +607,3 @@ def _with_dataset(
             f"{settings.max_total_steps}",
         )
     return ResolvedJob(spec, total_steps, dataset.n_visible, dataset.n_examples)
-
-
-# --- budgets ------------------------------------------------------------------------------------
-
-# The trainer state holds the parameters and up to three buffers of their size (momentum or the
-# preconditioner's two moments, the last finite parameters kept for a blow-up's restore).
-TRAINER_STATE_COPIES = 4
-MIB = 1024 * 1024
-
-
-def check_budgets(spec: pb.StartTrainingRequest, n_visible: int, settings: Settings) -> None:
-    """Refuse a job whose size or cost exceeds this server's budgets, before anything is
-    allocated; each is RESOURCE_EXHAUSTED naming the limit, the computed value and the fix."""
-    model, training = spec.model, spec.training
-    n_hidden = model.n_hidden
-    if n_visible > settings.max_visibles:
-        _exhausted(
-            "dataset width",
-            f"{n_visible} visible units",
-            f"{settings.max_visibles}",
-            "max_visibles",
-            "reduce the data's dimension (crop, downsample, PCA) before uploading",
-        )
-    params = model_bytes(model, n_visible)
-    if params > settings.max_model_bytes:
-        _exhausted(
-            "model size",
-            f"{params / MIB:.1f} MiB for {n_visible}×{n_hidden}",
-            f"{settings.max_model_bytes / MIB:.1f} MiB",
-            "max_model_bytes",
-            "lower model.n_hidden",
-        )
-    state = checkpoint_bytes(model, n_visible, training)
-    if state > settings.max_value_bytes:
-        _exhausted(
-            "checkpoint size",
-            f"about {state / MIB:.1f} MiB of trainer state (model, optimizer buffers, chains)",
-            f"{settings.max_value_bytes / MIB:.1f} MiB, the store's largest value",
-            "max_value_bytes",
-            "lower model.n_hidden (or training.batch_size for PCD)",
-        )
-    sweeps = training.cd_k * temperatures(training)  # every temperature sweeps cd_k times
-    flops = step_flops(n_visible, n_hidden, training.batch_size, sweeps)
-    if flops > settings.max_step_flops:
-        _exhausted(
-            "training step cost",
-            f"about {flops:.3g} FLOPs per step (2·B·V·H·(2·cd_k·T+2) with "
-            f"B={training.batch_size}, V={n_visible}, H={n_hidden}, cd_k={training.cd_k}, "
-            f"T={sweeps // training.cd_k} temperatures)",
-            f"{settings.max_step_flops:.3g}",
-            "max_step_flops",
-            "lower training.cd_k, training.batch_size, model.n_hidden or the temperatures",
-        )
-    if spec.eval.ais:
-        cost = eval_flops(n_visible, n_hidden, spec.eval.ais_chains, spec.eval.ais_betas)
-        if cost > settings.max_eval_flops:
-            _exhausted(
-                "AIS evaluation cost",
-                f"about {cost:.3g} FLOPs per evaluation (2·chains·betas·V·H with chains="
-                f"{spec.eval.ais_chains}, betas={spec.eval.ais_betas})",
-                f"{settings.max_eval_flops:.3g}",
-                "max_eval_flops",
-                "lower eval.ais_chains or eval.ais_betas, or turn eval.ais off",
-            )
-
-
-def model_bytes(model: pb.ModelSpec, n_visible: int) -> int:
-    """float32 bytes of the model's parameters: W, both biases and any variance parameters."""
-    count = n_visible * model.n_hidden + n_visible + model.n_hidden
-    if model.kind == pb.MODEL_KIND_GAUSSIAN:
-        count += {
-            pb.VARIANCE_KIND_ISOTROPIC: 1,
-            pb.VARIANCE_KIND_DIAGONAL: n_visible,
-            pb.VARIANCE_KIND_FULL: n_visible * n_visible,
-        }.get(model.variance, 0)
-    return 4 * count
-
-
-def checkpoint_bytes(model: pb.ModelSpec, n_visible: int, training: pb.TrainingSpec) -> int:
-    """The trainer state's size, the largest value a checkpoint writes (an estimate that errs
-    high): the parameters and their buffers, and the PCD chains (B, V) and (B, H)."""
-    chains = 4 * training.batch_size * (n_visible + model.n_hidden) if training.persistent else 0
-    chains *= temperatures(training)
-    return TRAINER_STATE_COPIES * model_bytes(model, n_visible) + chains
-
-
-def step_flops(n_visible: int, n_hidden: int, batch_size: int, cd_k: int) -> int:
-    """FLOPs of one CD-k step: 2k+2 (B, V)×(V, H)-sized products (the data's hidden units, k
-    Gibbs sweeps each way, the gradient), two FLOPs per multiply-add."""
-    return 2 * batch_size * n_visible * n_hidden * (2 * cd_k + 2)
-
-
-def eval_flops(n_visible: int, n_hidden: int, chains: int, betas: int) -> int:
-    """FLOPs of one AIS estimate: a Gibbs sweep (two products) per chain and temperature."""
-    return 2 * chains * betas * n_visible * n_hidden
-
-
-def _exhausted(what: str, value: str, limit: str, setting: str, fix: str) -> None:
-    raise ResourceExhaustedError(
-        f"{what}: {value} is over this server's limit of {limit} (SSDRBM_{setting.upper()}); {fix}",
-        limit=setting,
-    )

@@ -20,13 +20,12 @@ from ssdrbm_server.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from ssdrbm_server.request_bounds import model_bytes, step_flops
 from ssdrbm_server.resolver import (
     MAX_SEED,
     ResolvedJob,
     first_difference,
-    model_bytes,
     resolve,
-    step_flops,
     training_defaults,
 )
 from ssdrbm_server.store.datasets import DatasetInfo

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ssdrbm.v1 import rbm_pb2 as pb
 
-from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError
+from ssdrbm_server.errors import InvalidArgumentError
 from ssdrbm_server.vocabulary import OPTIMIZER_NAMES
 
 PER_PARAMETER_LR = "optimizer.per_parameter_lr."
@@ -119,7 +119,8 @@ def describe(point: Point) -> str:
 
 
 def check_axes(request: pb.StartSweepRequest) -> list[Axis]:
-    """The request's axes (with ``seeds`` as a training.seed axis), checked field by field."""
+    """The request's axes (with ``seeds`` as a training.seed axis), checked field by field;
+    their sizes were bounded before (request_bounds.check_sweep)."""
     axes: list[Axis] = []
     random_mode = request.mode == pb.SWEEP_MODE_RANDOM
     for index, message in enumerate(request.axes):
@@ -194,30 +195,20 @@ def _range_axis(message: pb.SweepAxis, kind: FieldKind, where: str) -> Axis:
     return Axis(message.field, kind, (), where, low, high, log)
 
 
-def expand(axes: list[Axis], request: pb.StartSweepRequest, max_points: int) -> list[Point]:
+def expand(axes: list[Axis], request: pb.StartSweepRequest) -> list[Point]:
     """The sweep's points: the grid's combinations in axis order, or ``samples`` random draws
-    reproducible from ``seed``; more than ``max_points`` is RESOURCE_EXHAUSTED."""
-    if request.mode == pb.SWEEP_MODE_RANDOM:
-        count = request.samples
-        if count < 1:
-            raise InvalidArgumentError("samples", "RANDOM mode needs samples >= 1")
-    else:
+    reproducible from ``seed``. Their number is request_bounds.check_sweep's, checked before."""
+    if request.mode != pb.SWEEP_MODE_RANDOM:
         if request.samples:
             raise InvalidArgumentError("samples", "applies to RANDOM mode only; leave it unset")
-        count = math.prod(len(axis.values) for axis in axes)
-    if count > max_points:
-        raise ResourceExhaustedError(
-            f"the sweep has {count} points, more than this server's limit of {max_points} "
-            "(SSDRBM_MAX_SWEEP_POINTS); use fewer values or samples",
-            limit="max_sweep_points",
-        )
-    if request.mode != pb.SWEEP_MODE_RANDOM:
         grid = itertools.product(*(axis.values for axis in axes))
         return [
             {axis.field: value for axis, value in zip(axes, combo, strict=True)} for combo in grid
         ]
+    if request.samples < 1:
+        raise InvalidArgumentError("samples", "RANDOM mode needs samples >= 1")
     draws = random.Random(request.seed)
-    return [{axis.field: _draw(axis, draws) for axis in axes} for _ in range(count)]
+    return [{axis.field: _draw(axis, draws) for axis in axes} for _ in range(request.samples)]
 
 
 def _draw(axis: Axis, draws: random.Random) -> float:

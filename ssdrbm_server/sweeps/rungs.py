@@ -27,13 +27,13 @@ from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdrbm_server.errors import InvalidArgumentError
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.request_bounds import MAX_RUNGS
 from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.records import JobRecord
 from ssdrbm_server.sweeps.ranking import metric_value, signed_value
 
 DEFAULT_REDUCTION_FACTOR = 3
 MAX_REDUCTION_FACTOR = 100
-MAX_RUNGS = 64
 
 # KEYS: the rung's sorted set, the sweep's decisions, the sweep. ARGV: job id, step, signed
 # value, eta. Returns "<promote|stop> <runs at the rung> <runs kept>". A deleted sweep decides

@@ -1,9 +1,11 @@
 """The sweep RPCs: StartSweep, GetSweep, ListSweeps, CancelSweep, StreamSweep, DeleteSweep.
 
-StartSweep checks everything before it creates anything: the axes and their points, each point
-resolved by the one resolver (a bad point is INVALID_ARGUMENT naming the axis and its value), the
-points limit (SSDRBM_MAX_SWEEP_POINTS) and the tenant's job limit (the sweep's jobs beside its
-queued and running ones, SSDRBM_MAX_JOBS_PER_TENANT). Then the sweep record, then one ordinary
+StartSweep checks everything before it creates anything: first every size in the request from
+its own numbers (request_bounds.check_sweep: the points, SSDRBM_MAX_SWEEP_POINTS, the axes, seeds
+and rungs), then the axes and their points, each point resolved by the one resolver in a thread
+(a bad point is INVALID_ARGUMENT naming the axis and its value), the rank metric against what
+the runs report, and the tenant's job limit (the sweep's jobs beside its queued and running
+ones, SSDRBM_MAX_JOBS_PER_TENANT). Then the sweep record, then one ordinary
 job per point, tagged with the sweep's id (store.py has the order and its repair).
 
 DeleteSweep deletes each run's job as DeleteJob does (with `force`, the same rules: a queued run
@@ -23,7 +25,7 @@ from collections.abc import AsyncIterator
 
 from ssdrbm.v1 import rbm_pb2 as pb
 
-from ssdrbm_server import convert, resolver
+from ssdrbm_server import convert, request_bounds, resolver
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
     AlreadyExistsError,
@@ -34,10 +36,16 @@ from ssdrbm_server.errors import (
     tenant_subject,
 )
 from ssdrbm_server.request_checks import check_text, enum_value
+from ssdrbm_server.store.datasets import DatasetInfo
 from ssdrbm_server.store.jobs import JobStore
 from ssdrbm_server.store.records import JobState
 from ssdrbm_server.sweeps import axes as sweep_axes
-from ssdrbm_server.sweeps.ranking import metric_value, resolve_rank_metric, signed_value
+from ssdrbm_server.sweeps.ranking import (
+    check_reported,
+    metric_value,
+    resolve_rank_metric,
+    signed_value,
+)
 from ssdrbm_server.sweeps.rungs import eval_every_for, resolve_rungs
 from ssdrbm_server.sweeps.store import SweepRecord, SweepStore
 
@@ -122,21 +130,43 @@ class SweepService:
             raise InvalidArgumentError(
                 "base.request_id", "leave it empty; the sweep's request_id covers its runs"
             )
+        request_bounds.check_sweep(request, self.settings)  # every size, before any is walked
         metric = resolve_rank_metric(request.rank_metric)
         axes = sweep_axes.check_axes(request)
-        points = sweep_axes.expand(axes, request, self.settings.max_sweep_points)
+        points = sweep_axes.expand(axes, request)
+        try:  # no axis changes the dataset: the runs share one lookup
+            upload = await resolver.find_dataset(request.base, self.settings, find_upload)
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"base.{error.field}", error.description) from None
+        # Resolving every point (and asking which metrics its model reports) is CPU work that
+        # grows with the points: a thread's, so the event loop keeps answering other calls.
+        return await asyncio.to_thread(self._resolve_points, request, metric, axes, points, upload)
+
+    def _resolve_points(
+        self,
+        request: pb.StartSweepRequest,
+        metric: str,
+        axes: list[sweep_axes.Axis],
+        points: list[sweep_axes.Point],
+        upload: DatasetInfo | None,
+    ) -> tuple[pb.StartSweepRequest, list[sweep_axes.Point], list[resolver.ResolvedJob]]:
         # The runs' step count (the rungs need it) does not depend on any axis: the first point
         # tells it.
-        first = await self._resolve_point(request.base, axes, points[0], 0, find_upload)
+        first = self._resolve_point(request.base, axes, points[0], 0, upload)
         rungs, eta = resolve_rungs(request.early_stopping, first.total_steps)
         base = pb.StartTrainingRequest()
         base.CopyFrom(request.base)
         base.validate_only = False
         base.eval.every = eval_every_for(base.eval.every, self.settings.default_eval_every, rungs)
         jobs = [
-            await self._resolve_point(base, axes, point, index, find_upload)
+            self._resolve_point(base, axes, point, index, upload)
             for index, point in enumerate(points)
         ]
+        check_reported(
+            metric,
+            [job.spec for job in jobs],
+            [_where(index, point) for index, point in enumerate(points)],
+        )
         resolved = pb.StartSweepRequest()
         resolved.CopyFrom(request)
         resolved.base.CopyFrom(base)
@@ -147,17 +177,17 @@ class SweepService:
         resolved.early_stopping.reduction_factor = eta
         return resolved, points, jobs
 
-    async def _resolve_point(
+    def _resolve_point(
         self,
         base: pb.StartTrainingRequest,
         axes: list[sweep_axes.Axis],
         point: sweep_axes.Point,
         index: int,
-        find_upload: resolver.UploadLookup,
+        upload: DatasetInfo | None,
     ) -> resolver.ResolvedJob:
         spec = sweep_axes.apply_point(base, point)
         try:
-            return await resolver.resolve(spec, self.settings, find_upload)
+            return resolver.resolve_known(spec, self.settings, upload)
         except InvalidArgumentError as error:
             raise _point_error(error, axes, point, index) from None
 
@@ -438,7 +468,7 @@ def _point_error(
 ) -> InvalidArgumentError:
     """The resolver's refusal of one point, naming the axis and its value when an axis set
     the field (else the base request's field)."""
-    where = f"sweep point {index} ({sweep_axes.describe(point)})"
+    where = _where(index, point)
     for axis in axes:
         if axis.sets(error.field):
             value = sweep_axes.format_value(axis.field, point[axis.field])
@@ -447,6 +477,11 @@ def _point_error(
                 f"{axis.field} = {value} is refused: {error.description} ({where})",
             )
     return InvalidArgumentError(f"base.{error.field}", f"{error.description} ({where})")
+
+
+def _where(index: int, point: sweep_axes.Point) -> str:
+    """``sweep point 3 (optimizer.lr=0.01 training.seed=2)``, for messages."""
+    return f"sweep point {index} ({sweep_axes.describe(point)})"
 
 
 def _check_same_request(existing: SweepRecord, resolved: pb.StartSweepRequest) -> None:
