@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     pin_this_process(settings.serving_cpu_set, "serving")  # before gRPC starts its threads
     try:
         asyncio.run(serve(settings))
+    except ConfigError as exc:  # found at start, e.g. a Redis that would lose jobs
+        print(f"ssdrbm server: configuration error: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError:
         logging.getLogger("ssdrbm_server").exception("the service stopped with an error")
         return 1

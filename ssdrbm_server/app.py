@@ -34,7 +34,7 @@ from ssdrbm_server.inference.rest import InferenceHttpServer, start_inference_ht
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.metrics import LatencyInterceptor, ServiceMetrics, refresh_job_gauges
 from ssdrbm_server.readiness import LIVENESS, READINESS, follow_redis
-from ssdrbm_server.redis_checks import check_redis_config
+from ssdrbm_server.redis_checks import RedisWatch, WriteGate
 from ssdrbm_server.servicer import RBMServicer, Stores
 from ssdrbm_server.serving import ModelServer, ServingLimits
 from ssdrbm_server.store import CheckpointStore, DatasetStore, EventStore, JobStore, connect
@@ -107,6 +107,16 @@ class Service:
         )
         self.health = health.aio.HealthServicer()
         self.auth = AuthInterceptor(settings)  # also the inference REST endpoint's
+        # Checked at start and every SSDRBM_REDIS_CHECK_INTERVAL_S (redis_checks.py); an
+        # in-process worker shares it.
+        self.redis_watch = RedisWatch(
+            self.redis,
+            settings,
+            consequence=(
+                "StartTraining, StartSweep and UploadDataset are refused, readiness is "
+                "NOT_SERVING and this process's worker (if any) claims no new job"
+            ),
+        )
         self.server = grpc.aio.server(
             # The first interceptor is the outermost: latency sees the final status, errors are
             # mapped before it, and authentication runs closest to the handler.
@@ -114,6 +124,7 @@ class Service:
                 LatencyInterceptor(self.metrics),
                 ErrorMappingInterceptor(),
                 self.auth,
+                WriteGate(self.redis_watch),  # new work only while Redis would keep it
             ],
             options=[
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -134,6 +145,7 @@ class Service:
         self.port = self._bind(settings)
         self._refresh: asyncio.Task[None] | None = None
         self._readiness: asyncio.Task[None] | None = None
+        self._redis_checks: asyncio.Task[None] | None = None
         self._sweepers: list[asyncio.Task[None]] = []
         self._worker_task: asyncio.Task[None] | None = None  # an in-process worker, if any
 
@@ -163,8 +175,9 @@ class Service:
 
     async def start(self) -> int:
         """Start serving; returns the bound port. Refuses (RedisConfigError) a Redis that would
-        lose jobs (ssdrbm_server/redis_checks.py)."""
-        await check_redis_config(self.redis, self.settings)
+        lose acknowledged work (ssdrbm_server/redis_checks.py), and checks it again while
+        serving."""
+        await self.redis_watch.check_at_start()
         await self.server.start()
         self.inference_http = start_inference_http(self.settings, self.inference, self.auth)
         for name in ("", LIVENESS, SERVICE_NAME, READINESS):
@@ -172,8 +185,15 @@ class Service:
         self._refresh = asyncio.create_task(
             refresh_job_gauges(self.metrics, self.stores.jobs.count_by_state)
         )
+        self._redis_checks = asyncio.create_task(self.redis_watch.run())
         self._readiness = asyncio.create_task(
-            follow_redis(self.redis, self.health, SERVICE_NAME, worker_alive=self._worker_running)
+            follow_redis(
+                self.redis,
+                self.health,
+                SERVICE_NAME,
+                worker_alive=self._worker_running,
+                redis_fit=lambda: self.redis_watch.fit,
+            )
         )
         # Expired jobs and deletes a dead process left half done (store/lifecycle.py), and
         # sweeps whose jobs expired (sweeps/expiry.py).
@@ -191,7 +211,9 @@ class Service:
         grace = self.settings.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         self.servicer.begin_shutdown()
-        await stop_background_tasks([self._refresh, self._readiness, *self._sweepers])
+        await stop_background_tasks(
+            [self._refresh, self._readiness, self._redis_checks, *self._sweepers]
+        )
         if self.inference_http is not None:
             await asyncio.to_thread(self.inference_http.stop)
         await self.server.stop(grace)
@@ -307,6 +329,7 @@ def _start_worker(settings: Settings, service: Service) -> tuple[Worker, asyncio
     worker = Worker(
         settings.replace(worker_id=settings.worker_id or default_worker_id()),
         metrics=WorkerMetrics(service.metrics.registry),
+        redis_watch=service.redis_watch,  # checked once per process, gating both
     )
     logger.info("worker %s runs in this process", worker.worker_id)
     return worker, asyncio.create_task(worker.run())

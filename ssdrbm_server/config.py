@@ -166,9 +166,15 @@ class Settings:
     finished_job_ttl_seconds: int = 0
     # Job records (any state) of one tenant; past it StartTraining asks to delete finished jobs
     max_job_records_per_tenant: int = 10_000
-    # Start even though Redis keeps no AOF and no RDB snapshots (a restart loses every job):
-    # development and tests only
+    # Run even though Redis keeps no append-only file (appendonly no: a crash loses every write
+    # since the last RDB snapshot, if any) or leaves its fsync to the OS (appendfsync no):
+    # development and tests only; logged as a WARNING at start and every minute
+    # (ssdrbm_server/redis_checks.py). An evicting maxmemory-policy is never allowed
     allow_no_persistence: bool = False
+    # The API and every worker check Redis's persistence and eviction settings at start and
+    # again this often (CONFIG SET changes them at run time); while they would lose acknowledged
+    # work, the API refuses new work and readiness is NOT_SERVING, and workers claim no new job
+    redis_check_interval_s: float = 30.0
     torch_threads: int = 0  # CPU threads of each training process; 0: torch's default
 
     # Authentication: "none" (development, tenant "default") or "token" (bearer tokens)
@@ -280,6 +286,11 @@ class Settings:
             raise ConfigError(
                 f"SSDRBM_DATASET_CHUNK_BYTES ({self.dataset_chunk_bytes}) must be a multiple of 8, "
                 "so no array element straddles two chunks"
+            )
+        if self.redis_check_interval_s <= 0:
+            raise ConfigError(
+                "SSDRBM_REDIS_CHECK_INTERVAL_S must be above 0 (seconds between checks of "
+                f"Redis's persistence settings), not {self.redis_check_interval_s}"
             )
         if self.upload_idle_seconds <= 0:
             raise ConfigError("SSDRBM_UPLOAD_IDLE_SECONDS must be positive")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+from collections.abc import Callable
 
 from ssdrbm_server.config import ConfigError, Settings
 
@@ -124,6 +125,21 @@ async def keep_warning(settings: Settings, interval_s: float = WARNING_INTERVAL_
             settings.listen_address,
         )
     message = unauthenticated_remote_warning(settings)
-    while message is not None:
-        logger.warning(message)
+    if message is not None:
+        await repeat_warning(lambda: message, interval_s)
+
+
+async def repeat_warning(
+    message: Callable[[], str | None],
+    interval_s: float = WARNING_INTERVAL_S,
+    *,
+    logger: logging.Logger = logger,
+) -> None:
+    """Log ``message()`` as a WARNING at once and every ``interval_s`` after, whenever it has
+    one (forever): what an explicit setting allows must not be forgotten once the first warning
+    has scrolled away. The Redis checks repeat theirs with it (redis_checks.py)."""
+    while True:
+        text = message()
+        if text is not None:
+            logger.warning(text)
         await asyncio.sleep(interval_s)

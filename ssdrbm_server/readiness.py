@@ -6,8 +6,9 @@ grpc.health.v1 entries this server registers (Kubernetes gRPC probes name them i
 - ``""`` (the whole server) and ``liveness``: SERVING while the process runs. The health service
   answers from the event loop, so an answer at all proves the loop is not stuck; a failing
   liveness probe means "restart me".
-- ``readiness``: SERVING while Redis, the system of record, answers a PING and, where this
-  process runs a worker, that worker is alive; NOT_SERVING otherwise. A failing readiness probe
+- ``readiness``: SERVING while Redis, the system of record, answers a PING and keeps what it
+  acknowledged (AOF on, no eviction: redis_checks.py) and, where this process runs a worker,
+  that worker is alive; NOT_SERVING otherwise. A failing readiness probe
   means "route calls elsewhere", not "restart me": a restart does not bring Redis back.
 - ``ssdrbm.v1.RBMService``: follows Redis alone (its calls fail UNAVAILABLE without it).
 
@@ -47,11 +48,14 @@ async def follow_redis(
     service_name: str,
     *,
     worker_alive: Callable[[], bool] | None = None,
+    redis_fit: Callable[[], bool] | None = None,
     interval_s: float = READINESS_INTERVAL_S,
 ) -> None:
     """Ping Redis every ``interval_s`` and set ``service_name``'s health to match, and
-    ``readiness`` to Redis and ``worker_alive()`` together (forever)."""
+    ``readiness`` to Redis, ``worker_alive()`` and ``redis_fit()`` (its persistence settings
+    keep acknowledged work, redis_checks.py) together (forever)."""
     state: tuple[bool, bool] | None = None  # (Redis answers, ready); None: not set yet
+    blocked_by: str | None = None  # why readiness is NOT_SERVING while Redis answers
     while True:
         reason: Exception | None = None
         try:
@@ -59,19 +63,32 @@ async def follow_redis(
             redis_ok = True
         except (TimeoutError, RedisError, OSError) as exc:
             redis_ok, reason = False, exc
-        ready = redis_ok and (worker_alive is None or worker_alive())
         if state is not None and state[0] != redis_ok:
             if redis_ok:
                 logger.info("Redis answers again: %s is SERVING", service_name)
             else:
                 logger.warning("Redis unreachable (%s): %s is NOT_SERVING", reason, service_name)
-        if state is not None and state[1] and not ready and redis_ok:
-            logger.warning("the in-process worker is not running: %s is NOT_SERVING", READINESS)
+        blocker = _not_ready_because(worker_alive, redis_fit) if redis_ok else None
+        if blocker is not None and blocker != blocked_by:
+            logger.warning("%s: %s is NOT_SERVING", blocker, READINESS)
+        blocked_by = blocker
+        ready = redis_ok and blocker is None
         if state != (redis_ok, ready):
             state = (redis_ok, ready)
             await servicer.set(service_name, SERVING if redis_ok else NOT_SERVING)
             await servicer.set(READINESS, SERVING if ready else NOT_SERVING)
         await asyncio.sleep(interval_s)
+
+
+def _not_ready_because(
+    worker_alive: Callable[[], bool] | None, redis_fit: Callable[[], bool] | None
+) -> str | None:
+    """Why this process is not ready although Redis answers, or None."""
+    if worker_alive is not None and not worker_alive():
+        return "the in-process worker is not running"
+    if redis_fit is not None and not redis_fit():
+        return "Redis would lose acknowledged work (its settings are logged as an ERROR)"
+    return None
 
 
 async def beat_file(path: str, interval_s: float) -> None:

@@ -1,86 +1,290 @@
-"""Checks at start that Redis is configured to be the system of record.
+"""Redis must keep what the service acknowledged: checked at start and again while running.
 
-Two settings make Redis lose jobs silently: an evicting `maxmemory-policy` (e.g. allkeys-lru
-drops running jobs' hashes when memory runs short) and no persistence (no AOF and no RDB
-snapshots: a restart empties it). The service refuses to start on either, with the fix in the
-message; persistence may be waived for development and tests (`allow_no_persistence`). Managed
-Redis often forbids CONFIG: then the checks are skipped with a warning.
+A job acknowledged (StartTraining answered OK) or a checkpoint recorded must survive a Redis
+crash. Three settings break that silently:
+
+- an evicting `maxmemory-policy` (e.g. allkeys-lru) drops jobs' hashes when memory runs short;
+- no append-only file (`appendonly no`): RDB snapshots alone lose every write since the last
+  snapshot (minutes) when Redis is killed, so acknowledged jobs vanish and a running job's
+  record goes back to an older checkpoint;
+- `appendfsync no`: the AOF reaches the disk when the OS decides (about 30 s on Linux), so a
+  host crash loses that much. `everysec` loses at most about a second on a host crash and
+  nothing when only Redis dies (each write reaches the OS before its reply); `always` loses
+  nothing.
+
+Every process that writes (the API and each worker) refuses to start on any of them, with the
+fix in the message, and checks again every SSDRBM_REDIS_CHECK_INTERVAL_S, since `CONFIG SET`
+changes them at run time. While Redis is unfit the API reports readiness NOT_SERVING and refuses
+the calls that create work (`WRITE_METHODS`: FAILED_PRECONDITION naming the setting and the
+fix), and a worker claims no new job (the one it runs goes on), each logging an ERROR every
+check; both resume once a check finds the setting fixed.
+
+No AOF and `appendfsync no` may be waived for development and tests
+(SSDRBM_ALLOW_NO_PERSISTENCE=1): then logged as a WARNING at start and every minute. Eviction is
+never waived. On Redis Cluster every node the client knows (primaries and replicas) is asked.
+Managed Redis often forbids CONFIG: then the checks are skipped with a warning.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
+import grpc
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 
 from ssdrbm_server.config import ConfigError, Settings
+from ssdrbm_server.errors import FailedPreconditionError
+from ssdrbm_server.exposure import repeat_warning
+from ssdrbm_server.handlers import wrap_handler
 from ssdrbm_server.store.connection import RedisClient
 
 logger = logging.getLogger(__name__)
 
 SAFE_POLICY = "noeviction"
+SAFE_FSYNC = ("everysec", "always")
+CHECKED = ("maxmemory-policy", "appendonly", "appendfsync")
+ALLOW_NO_PERSISTENCE = "SSDRBM_ALLOW_NO_PERSISTENCE=1"
+# The calls that create work Redis would then have to keep: refused while it would not.
+WRITE_METHODS = frozenset(
+    f"/ssdrbm.v1.RBMService/{name}" for name in ("StartTraining", "StartSweep", "UploadDataset")
+)
+# Redis (or a cluster node) cannot be asked now: an outage, which readiness reports, not a verdict.
+_UNREACHABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.RedisClusterException,
+    TimeoutError,
+    OSError,
+)
 
 
 class RedisConfigError(ConfigError):
-    """Redis is configured in a way that would lose jobs."""
+    """Redis is configured in a way that would lose acknowledged work."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a check found: ``refused`` settings stop writes, ``waived`` ones are only warned
+    about (SSDRBM_ALLOW_NO_PERSISTENCE). Each entry names the node, the setting and the fix."""
+
+    refused: tuple[str, ...] = ()
+    waived: tuple[str, ...] = ()
+
+    @property
+    def fit(self) -> bool:
+        return not self.refused
+
+    def reason(self) -> str:
+        return "; ".join(self.refused)
+
+    def warning(self) -> str | None:
+        if not self.waived:
+            return None
+        return f"Redis may lose acknowledged work ({ALLOW_NO_PERSISTENCE}): " + "; ".join(
+            self.waived
+        )
 
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def _config(redis_client: RedisClient, name: str) -> str | None:
-    """CONFIG GET `name` (one node's answer on a cluster); None when not reported."""
-    reply = await redis_client.config_get(name)
-    for key, value in (reply or {}).items():
-        if _text(key) == name:
-            return _text(value)
-    return None
+def _values(reply: object) -> dict[str, str]:
+    return {_text(key): _text(value) for key, value in dict(reply or {}).items()}
 
 
-def problems(policy: str | None, appendonly: str | None, save: str | None, *,
-             allow_no_persistence: bool) -> list[str]:  # fmt: skip
-    """What is wrong with these settings, each with its fix (empty: all is well)."""
-    found = []
-    if policy is not None and policy != SAFE_POLICY:
-        found.append(
-            f"Redis's maxmemory-policy is {policy!r}, which evicts keys (jobs, checkpoints) when "
-            f"memory runs short; set `maxmemory-policy {SAFE_POLICY}` (a full Redis then refuses "
-            "writes, which the service reports as RESOURCE_EXHAUSTED)"
-        )
-    no_persistence = appendonly == "no" and (save or "").strip() == ""
-    if no_persistence and not allow_no_persistence:
-        found.append(
-            "Redis keeps no append-only file and no snapshots, so a restart loses every job; "
-            "set `appendonly yes` (with appendfsync everysec or always), or "
-            "SSDRBM_ALLOW_NO_PERSISTENCE=1 for development"
-        )
-    return found
+async def read_config(client: RedisClient) -> dict[str, dict[str, str]]:
+    """The `CHECKED` settings of every node: ``{node address: {name: value}}`` (the address is
+    "" for a single Redis). One CONFIG GET per setting, which every Redis version accepts."""
+    nodes: dict[str, dict[str, str]] = {}
+    if isinstance(client, RedisCluster):
+        await client.initialize()  # the node list is empty until the first command otherwise
+    for name in CHECKED:
+        if isinstance(client, RedisCluster):
+            cluster_nodes = client.get_nodes()  # primaries and replicas the client knows
+            replies = await asyncio.gather(
+                *(client.config_get(name, target_nodes=node) for node in cluster_nodes)
+            )
+            named = zip((node.name for node in cluster_nodes), replies, strict=True)
+        else:
+            named = [("", await client.config_get(name))]
+        for node, reply in named:
+            nodes.setdefault(node, {}).update(_values(reply))
+    return nodes
 
 
-async def check_redis_config(redis_client: RedisClient, settings: Settings) -> None:
-    """Raise RedisConfigError when Redis would lose jobs; warn when CONFIG is not allowed."""
+def judge(nodes: dict[str, dict[str, str]], *, allow_no_persistence: bool) -> Verdict:
+    """Each node's settings against the rules above, fixes included."""
+    refused: list[str] = []
+    waived: list[str] = []
+    for node, values in sorted(nodes.items()):
+        where = f"Redis node {node}" if node else "Redis"
+        policy = values.get("maxmemory-policy")
+        if policy is not None and policy != SAFE_POLICY:
+            refused.append(
+                f"{where} has maxmemory-policy {policy!r}, which evicts keys (jobs, checkpoints) "
+                f"when memory runs short; set `maxmemory-policy {SAFE_POLICY}` (a full Redis then "
+                "refuses writes, which the service reports as RESOURCE_EXHAUSTED)"
+            )
+        losses = []
+        if values.get("appendonly", "yes") != "yes":
+            losses.append(
+                f"{where} has appendonly {values['appendonly']!r}: without the append-only file "
+                "a crash loses every write since the last RDB snapshot, acknowledged jobs "
+                "included; set `appendonly yes` with `appendfsync everysec` (or `always`): "
+                "`redis-server --appendonly yes`, or CONFIG SET appendonly yes and the same in "
+                "redis.conf"
+            )
+        elif values.get("appendfsync", "everysec") not in SAFE_FSYNC:
+            losses.append(
+                f"{where} has appendfsync {values['appendfsync']!r}: the append-only file "
+                "reaches the disk when the OS decides, so a host crash loses about the last 30 s "
+                "of acknowledged writes; set `appendfsync everysec` (at most about a second) or "
+                "`always`"
+            )
+        if allow_no_persistence:
+            waived += losses
+        else:
+            refused += [f"{loss} (or {ALLOW_NO_PERSISTENCE} for development)" for loss in losses]
+    return Verdict(tuple(refused), tuple(waived))
+
+
+async def check_redis_config(redis_client: RedisClient, settings: Settings) -> Verdict | None:
+    """Raise RedisConfigError when Redis would lose acknowledged work; what was found, or None
+    when it could not be asked (unreachable, or CONFIG not allowed: warned)."""
     try:
-        policy = await _config(redis_client, "maxmemory-policy")
-        appendonly = await _config(redis_client, "appendonly")
-        save = await _config(redis_client, "save")
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        nodes = await read_config(redis_client)
+    except _UNREACHABLE as exc:
         # Unreachable (or a wrong password) at start: the service still starts, reports
-        # NOT_SERVING and answers UNAVAILABLE until Redis is back, as it does after a restart.
+        # NOT_SERVING and answers UNAVAILABLE until Redis is back; the periodic check then
+        # judges it.
         logger.warning("cannot reach Redis to check its configuration (%s); not checked", exc)
-        return
+        return None
     except redis.exceptions.ResponseError as exc:  # e.g. CONFIG renamed or not permitted
         logger.warning(
-            "cannot read Redis's configuration (%s); make sure maxmemory-policy is %s and AOF "
-            "is on, or jobs may be lost",
+            "cannot read Redis's configuration (%s); make sure maxmemory-policy is %s and "
+            "appendonly is yes (appendfsync everysec or always) on every node, or acknowledged "
+            "work may be lost",
             exc,
             SAFE_POLICY,
         )
-        return
-    found = problems(policy, appendonly, save, allow_no_persistence=settings.allow_no_persistence)
-    if found:
-        raise RedisConfigError("; ".join(found))
-    if appendonly == "no" and (save or "").strip() == "":
-        logger.warning("Redis keeps no persistence (allowed by SSDRBM_ALLOW_NO_PERSISTENCE)")
-    elif appendonly == "no":
-        logger.warning("Redis persists by RDB snapshots only: a crash loses the latest writes")
+        return None
+    verdict = judge(nodes, allow_no_persistence=settings.allow_no_persistence)
+    if not verdict.fit:
+        raise RedisConfigError(verdict.reason())
+    return verdict
+
+
+class RedisWatch:
+    """Redis's fitness as the last check found it, for the gates that act on it: readiness and
+    `WriteGate` in the API, the claim loop in a worker.
+
+    ``consequence`` says in the ERROR logged each check while unfit what this process holds
+    back meanwhile."""
+
+    def __init__(self, client: RedisClient, settings: Settings, *, consequence: str) -> None:
+        self.client = client
+        self.settings = settings
+        self.consequence = consequence
+        self.verdict = Verdict()  # unchecked counts as fit: the start check refuses, not this
+        self._config_readable = True
+
+    @property
+    def fit(self) -> bool:
+        return self.verdict.fit
+
+    def refusal(self) -> str | None:
+        """Why writes are held back now, or None."""
+        return None if self.fit else self.verdict.reason()
+
+    async def check_at_start(self) -> None:
+        """Raise RedisConfigError on an unfit Redis (the process must not start)."""
+        verdict = await check_redis_config(self.client, self.settings)
+        self._config_readable = verdict is not None
+        self.verdict = verdict or Verdict()
+
+    async def check(self) -> None:
+        """Ask Redis again; log what changed, and an ERROR every check while unfit."""
+        try:
+            nodes = await read_config(self.client)
+        except _UNREACHABLE:
+            return  # an outage: readiness reports it; the verdict stands until Redis answers
+        except redis.exceptions.ResponseError as exc:
+            if self._config_readable:
+                logger.warning("cannot read Redis's configuration any more (%s); not checked", exc)
+            self._config_readable = False
+            return
+        self._config_readable = True
+        was_fit, self.verdict = (
+            self.fit,
+            judge(nodes, allow_no_persistence=self.settings.allow_no_persistence),
+        )
+        if not self.fit:
+            logger.error(
+                "Redis would lose acknowledged work: %s. Until it is fixed %s",
+                self.verdict.reason(),
+                self.consequence,
+            )
+        elif not was_fit:
+            logger.info("Redis keeps acknowledged work again: resuming")
+
+    async def run(self, interval_s: float | None = None) -> None:
+        """Check every ``interval_s`` (SSDRBM_REDIS_CHECK_INTERVAL_S) and repeat the warning for
+        what SSDRBM_ALLOW_NO_PERSISTENCE waives (at once, then every minute), forever."""
+        interval = self.settings.redis_check_interval_s if interval_s is None else interval_s
+        await asyncio.gather(
+            self._check_every(interval),
+            repeat_warning(lambda: self.verdict.warning(), logger=logger),
+        )
+
+    async def _check_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.check()
+
+
+def _refusing(method: str, reason: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` replaced by one that answers FAILED_PRECONDITION with ``reason``."""
+    name = method.rsplit("/", 1)[-1]
+
+    def refuse(_behavior: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+        async def refused(_request: Any, _context: grpc.aio.ServicerContext) -> Any:
+            raise FailedPreconditionError(
+                f"{name} is refused while Redis would lose acknowledged work: {reason}. Reads "
+                "still work; retry once the operator has fixed Redis",
+                precondition="REDIS_NOT_DURABLE",
+                subject="redis",
+            )
+
+        return refused
+
+    refused = wrap_handler(handler, refuse, refuse)
+    assert refused is not None
+    return refused
+
+
+class WriteGate(grpc.aio.ServerInterceptor):
+    """Refuses `WRITE_METHODS` while ``watch`` finds Redis unfit. FAILED_PRECONDITION, not
+    UNAVAILABLE: it lasts until an operator acts, so clients should not retry it shortly."""
+
+    def __init__(self, watch: RedisWatch, methods: Iterable[str] = WRITE_METHODS) -> None:
+        self.watch = watch
+        self.methods = frozenset(methods)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        reason = self.watch.refusal() if method in self.methods else None
+        if handler is None or reason is None:
+            return handler
+        return _refusing(method, reason, handler)

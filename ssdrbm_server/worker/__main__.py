@@ -81,6 +81,9 @@ def run() -> int:
         return 2
     try:
         asyncio.run(main(settings))
+    except ConfigError as exc:  # found at start, e.g. a Redis that would lose jobs
+        print(f"ssdrbm-worker: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         tracing.shutdown()
     return 0

@@ -28,6 +28,7 @@ from ssdrbm_server import tracing
 from ssdrbm_server.config import Settings
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.readiness import beat_file
+from ssdrbm_server.redis_checks import RedisWatch
 from ssdrbm_server.store.connection import connect
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.pack_claims import PackClaims
@@ -52,9 +53,17 @@ def default_worker_id() -> str:
 class Worker:
     """One worker: runs at most one job at a time (one per GPU), configured by ``Settings``."""
 
-    def __init__(self, settings: Settings, *, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        metrics: WorkerMetrics | None = None,
+        redis_watch: RedisWatch | None = None,
+    ) -> None:
         """``metrics``: where to count (the server's registry when the worker runs inside the
-        server process); by default a registry of its own, ``self.metrics.registry``."""
+        server process); by default a registry of its own, ``self.metrics.registry``.
+        ``redis_watch``: the server's, when the worker runs inside the server process, which
+        checks Redis's settings for both; by default the worker checks them itself."""
         settings.check()
         self.settings = settings
         self.worker_id = settings.worker_id or default_worker_id()
@@ -66,6 +75,7 @@ class Worker:
         self._started = False
         self._spare: ChildProcess | None = None  # a training process started ahead of its job
         self.metrics = metrics if metrics is not None else WorkerMetrics()
+        self._redis_watch = redis_watch
 
     async def run(self) -> None:
         """Take and run jobs until `stop()`."""
@@ -73,6 +83,12 @@ class Worker:
             raise RuntimeError(f"worker {self.worker_id} is already running")
         self._started = True
         client = connect(self.settings.redis_url, cluster=self.settings.redis_cluster)
+        try:
+            watch, redis_checks = await self._watch_redis(client)
+        except BaseException:  # a Redis that would lose jobs: this worker must not start
+            await client.aclose()
+            self._stopped.set()
+            raise
         queue = JobQueue(client, keys=self.keys)
         leases = LeaseStore(client, keys=self.keys)
         self._spare = ChildProcess.for_settings(self.settings)
@@ -81,6 +97,9 @@ class Worker:
         check_pending = True
         try:
             while not self._stop.event.is_set():
+                if not watch.fit:  # no new job Redis might lose; the ERROR comes with each check
+                    await self._pause(REDIS_RETRY_S)
+                    continue
                 try:
                     lease = await self._next_lease(queue, leases, check_pending)
                     check_pending = False
@@ -101,9 +120,10 @@ class Worker:
                     logger.exception("worker %s: unexpected error", self.worker_id)
                     await self._pause(REDIS_RETRY_S)
         finally:
-            if heartbeat is not None:
-                heartbeat.cancel()
-                await asyncio.gather(heartbeat, return_exceptions=True)
+            for task in (heartbeat, redis_checks):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             if self._spare is not None:
                 await self._spare.kill()
                 self._spare.close()
@@ -111,6 +131,21 @@ class Worker:
             await client.aclose()
             self._stopped.set()
             logger.info("worker %s stopped", self.worker_id)
+
+    async def _watch_redis(
+        self, client: aioredis.Redis
+    ) -> tuple[RedisWatch, asyncio.Task[None] | None]:
+        """The watch the claim loop consults, and its periodic check when this worker runs it
+        (a worker alone: checked here first, RedisConfigError on a Redis that would lose jobs)."""
+        if self._redis_watch is not None:
+            return self._redis_watch, None
+        watch = RedisWatch(
+            client,
+            self.settings,
+            consequence=f"worker {self.worker_id} claims no new job (the one it runs goes on)",
+        )
+        await watch.check_at_start()
+        return watch, asyncio.create_task(watch.run())
 
     def _beat_heartbeat_file(self) -> asyncio.Task[None] | None:
         """The file `healthcheck --worker` reads (readiness.py), if one is configured."""
