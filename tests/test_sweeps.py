@@ -132,6 +132,30 @@ def test_a_bad_point_refuses_the_sweep_before_any_job(idle: RunningService) -> N
     assert not list(stub.ListJobs(pb.ListJobsRequest()).jobs)
 
 
+def test_a_rank_metric_the_runs_never_report_is_refused(idle: RunningService) -> None:
+    stub = idle.stub()
+    gaussian = sweep_request(lr_axis(0.01), rank_metric="pseudo_log_likelihood")
+    gaussian.base.model.kind = pb.MODEL_KIND_GAUSSIAN
+    gaussian.base.optimizer.kind = pb.OPTIMIZER_KIND_SGD
+    without_ais = sweep_request(lr_axis(0.01), rank_metric="log_likelihood_lower")
+    hidden = pb.SweepAxis(field="model.n_hidden", values=[8, 32])  # exact up to 16 hidden
+    too_wide = sweep_request(hidden, rank_metric="log_likelihood")
+    for request, says in [
+        (gaussian, "reports free_energy_gap, log_likelihood, reconstruction_error;"),
+        (without_ais, "base.eval.ais adds"),
+        (too_wide, "sweep point 1 (model.n_hidden=32)"),
+    ]:
+        error = rpc_error(lambda request=request: stub.StartSweep(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith("rank_metric: "), error.details()
+        assert says in error.details(), error.details()
+    assert not list(stub.ListSweeps(pb.ListSweepsRequest()).sweeps)
+    without_ais.base.eval.ais = True
+    for request in [without_ais, sweep_request(hidden, rank_metric="pseudo_log_likelihood")]:
+        request.validate_only = True
+        assert len(stub.StartSweep(request).runs) == len(request.axes[0].values)
+
+
 def test_rungs_and_the_evaluations_at_them() -> None:
     assert resolve_rungs(pb.EarlyStopping(min_steps=10), 100) == ([10, 30, 90], 3)
     assert resolve_rungs(pb.EarlyStopping(min_steps=5, reduction_factor=2), 40) == ([5, 10, 20], 2)

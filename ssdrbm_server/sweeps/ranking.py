@@ -2,15 +2,29 @@
 
 The one place a metric's direction is defined: the leaderboard (service.py) and the ASHA
 decision (rungs.py) both compare ``signed_value``s, lower is better.
+
+A sweep ranks only by a metric its runs report (``check_reported``). Which ones a job reports
+is not listed here: the worker's evaluation (worker/job_training.evaluate_job) picks the
+log-likelihood method for the job, and ssdcore's ``Trainer.evaluate`` decides which values
+come with that method and model; ``reported_metrics`` asks both, on a 2×2 stand-in of the
+job's model, so the answer cannot drift from what the runs send.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+from typing import TYPE_CHECKING, Any, cast
 
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdrbm_server.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from ssdcore.training import Trainer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_RANK_METRIC = "reconstruction_error"
 # metric -> True when higher is better
@@ -45,3 +59,68 @@ def metric_value(metrics: pb.Metrics, name: str) -> float | None:
 def signed_value(value: float, name: str) -> float:
     """The value turned so that lower is better, for every metric."""
     return -value if HIGHER_IS_BETTER[name] else value
+
+
+def check_reported(metric: str, specs: list[pb.StartTrainingRequest], where: list[str]) -> None:
+    """INVALID_ARGUMENT naming ``rank_metric`` when a run (``specs[i]``, described by
+    ``where[i]``) would never report ``metric``: its runs would all end unranked."""
+    for spec, place in zip(specs, where, strict=True):
+        reported = reported_metrics(spec)
+        if reported is not None and metric not in reported:
+            hint = "" if spec.eval.ais else " (base.eval.ais adds the log-likelihood bounds)"
+            raise InvalidArgumentError(
+                "rank_metric",
+                f"{metric} is never reported by the runs of this sweep ({place}): their model "
+                f"reports {', '.join(sorted(reported))}; rank by one of those{hint}",
+            )
+
+
+def reported_metrics(spec: pb.StartTrainingRequest) -> frozenset[str] | None:
+    """The rank metrics that a job with this resolved spec reports in its metric events (at
+    its evaluations or at its checkpoints); None when the stand-in could not tell."""
+    from ssdrbm_server.worker.job_training import evaluate_job  # torch: imported on first use
+
+    methods = set()
+    for with_ais in {False, spec.eval.ais}:  # AIS runs at checkpoints only, when asked
+        probe = _MethodProbe()
+        evaluate_job(cast("Trainer", probe), spec, with_ais=with_ais)
+        methods.add(probe.method)
+    try:
+        names = [_evaluated(spec.model.SerializeToString(), method) for method in sorted(methods)]
+    except Exception:  # a stand-in is no reason to refuse a sweep: it goes unchecked
+        logger.exception("could not tell the metrics of model %s", spec.model)
+        return None
+    return frozenset().union(*names) & frozenset(HIGHER_IS_BETTER)
+
+
+class _MethodProbe:
+    """Takes a Trainer's place in the worker's evaluation to learn the log-likelihood method it
+    asks for, computing nothing."""
+
+    method = "none"
+
+    def evaluate(self, log_likelihood: str = "none", **_: Any) -> dict[str, Any]:
+        self.method = log_likelihood
+        return {}
+
+
+STAND_IN_UNITS = 2  # visible and hidden units of the stand-in model: what it reports, cheaply
+STAND_IN_ROWS = 4
+
+
+@functools.lru_cache(maxsize=64)
+def _evaluated(model_spec: bytes, method: str) -> frozenset[str]:
+    """The names ``Trainer.evaluate(method)`` reports for a small model of the same kind,
+    with validation rows (the resolver's split always keeps some)."""
+    import torch
+
+    from ssdcore.models import model_from_config
+    from ssdcore.training import Trainer
+    from ssdrbm_server.worker.spec import model_config
+
+    stand_in = pb.StartTrainingRequest(model=pb.ModelSpec.FromString(model_spec))
+    stand_in.model.n_hidden = STAND_IN_UNITS
+    model = model_from_config(model_config(stand_in, STAND_IN_UNITS))
+    rows = torch.zeros(STAND_IN_ROWS, STAND_IN_UNITS)
+    trainer = Trainer(model, rows, batch_size=STAND_IN_ROWS, valid_data=rows)
+    return frozenset(trainer.evaluate(method, ais_chains=2, ais_betas=2))
