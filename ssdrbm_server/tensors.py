@@ -7,6 +7,7 @@ must be finite, and the element count must stay under the configured limit.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from ssdrbm.v1 import rbm_pb2
@@ -22,7 +23,7 @@ def tensor_to_array(tensor: rbm_pb2.Tensor, *, field: str, max_elements: int) ->
     Raises InvalidArgumentError (naming ``field``) for a missing or inconsistent shape, a byte
     length that does not match it, or NaN/Inf values; ResourceExhaustedError over the limit.
     """
-    shape = check_batch_shape(tuple(tensor.shape), field=field, max_elements=max_elements)
+    shape = check_batch_shape(tensor.shape, field=field, max_elements=max_elements)
     elements = math.prod(shape)
     expected_bytes = elements * FLOAT32_LE.itemsize
     if len(tensor.data) != expected_bytes:
@@ -38,16 +39,19 @@ def tensor_to_array(tensor: rbm_pb2.Tensor, *, field: str, max_elements: int) ->
     return array.astype(np.float32, copy=True)
 
 
-def check_batch_shape(shape: tuple[int, ...], *, field: str, max_elements: int) -> tuple[int, int]:
+def check_batch_shape(shape: Sequence[int], *, field: str, max_elements: int) -> tuple[int, int]:
     """(batch, width) of a 2-D input shape within the element limit, or an error naming ``field``.
 
     The one shape rule of every serving input (ssdrbm.v1 tensors and Open Inference inputs).
+    The number of dimensions is checked before any is read: a shape may hold millions.
     """
     if len(shape) != 2:
+        shown = list(shape) if len(shape) <= 8 else f"{len(shape)} dimensions"
         raise InvalidArgumentError(
             f"{field}.shape",
-            f"must be (batch, n_visible) with 2 dimensions, got {list(shape)}",
+            f"must be (batch, n_visible) with 2 dimensions, got {shown}",
         )
+    shape = tuple(shape)
     if any(dim < 1 for dim in shape):
         raise InvalidArgumentError(f"{field}.shape", f"dimensions must be >= 1, got {list(shape)}")
     elements = math.prod(shape)

@@ -44,19 +44,14 @@ def check_input_header(
         raise InvalidArgumentError(
             f"{field}.datatype", f"{datatype!r} is not accepted; send {ACCEPTED}"
         )
-    return check_batch_shape(tuple(shape), field=field, max_elements=max_elements)
+    return check_batch_shape(shape, field=field, max_elements=max_elements)
 
 
 def to_model_input(
     values: np.ndarray, datatype: str, shape: tuple[int, int], *, field: str
 ) -> np.ndarray:
     """A writable float32 (B, V) array from the flat ``values`` of an input of ``datatype``."""
-    if values.size != shape[0] * shape[1]:
-        raise InvalidArgumentError(
-            field,
-            f"shape {list(shape)} needs {shape[0] * shape[1]} {datatype} elements, "
-            f"got {values.size}",
-        )
+    check_element_count(values.size, datatype, shape, field=field)
     if datatype == "BOOL" and values.size and values.max() > 1:
         raise InvalidArgumentError(field, "BOOL elements must be 0 (false) or 1 (true)")
     if datatype == "UINT8" and values.size and (values.min() < 0 or values.max() > 255):
@@ -65,6 +60,16 @@ def to_model_input(
     if datatype == "FP32" and not np.isfinite(array).all():
         raise InvalidArgumentError(field, "contains NaN or Inf; send finite values")
     return array
+
+
+def check_element_count(count: int, datatype: str, shape: tuple[int, int], *, field: str) -> None:
+    """The input's values must be as many as its (checked) shape says; counted before they are
+    converted, so a short shape cannot carry a long list."""
+    if count != shape[0] * shape[1]:
+        raise InvalidArgumentError(
+            field,
+            f"shape {list(shape)} needs {shape[0] * shape[1]} {datatype} elements, got {count}",
+        )
 
 
 def decode_input(request: oip.ModelInferRequest, *, max_elements: int) -> np.ndarray:
@@ -89,8 +94,10 @@ def decode_input(request: oip.ModelInferRequest, *, max_elements: int) -> np.nda
             f"datatype {tensor.datatype} takes its values in contents.{expected}, got "
             f"{', '.join(typed)}",
         )
-    values = np.asarray(getattr(tensor.contents, expected))
-    return to_model_input(values, tensor.datatype, shape, field=f"inputs[0].contents.{expected}")
+    contents = getattr(tensor.contents, expected)
+    field = f"inputs[0].contents.{expected}"
+    check_element_count(len(contents), tensor.datatype, shape, field=field)
+    return to_model_input(np.asarray(contents), tensor.datatype, shape, field=field)
 
 
 def _from_raw(

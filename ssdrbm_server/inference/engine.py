@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +25,7 @@ from ssdrbm.v1 import rbm_pb2
 from ssdrbm_server.errors import InvalidArgumentError, NotFoundError
 from ssdrbm_server.inference.codec import INPUT_NAME, OUTPUT_DATATYPE
 from ssdrbm_server.inference.names import ModelNames, parse_version
+from ssdrbm_server.request_bounds import items_at_most
 from ssdrbm_server.serving import Caller, LoadedModel, ModelServer
 from ssdrbm_server.store.records import JobRecord
 
@@ -76,10 +77,16 @@ def server_version() -> str:
         return "unknown"
 
 
+def bound_outputs(outputs: Sized) -> None:
+    """Refuse more requested outputs than the model has, before any of them is read."""
+    items_at_most("outputs", outputs, len(OUTPUTS), f"name each of {', '.join(OUTPUTS)} once")
+
+
 def requested_outputs(names: Sequence[str]) -> tuple[str, ...]:
     """The outputs to compute: the ones named (checked, each once), or the default."""
     if not names:
         return DEFAULT_OUTPUTS
+    bound_outputs(names)
     for index, name in enumerate(names):
         if name not in OUTPUTS:
             raise InvalidArgumentError(

@@ -21,7 +21,12 @@ from ssdrbm_server.auth import current_tenant
 from ssdrbm_server.config import Settings
 from ssdrbm_server.handlers import INFERENCE_SERVICE_NAME
 from ssdrbm_server.inference import codec
-from ssdrbm_server.inference.engine import SERVER_NAME, InferenceEngine, server_version
+from ssdrbm_server.inference.engine import (
+    SERVER_NAME,
+    InferenceEngine,
+    bound_outputs,
+    server_version,
+)
 from ssdrbm_server.inference.names import ModelNames
 from ssdrbm_server.recent_jobs import RecentJobs
 from ssdrbm_server.servicer import Stores
@@ -76,6 +81,7 @@ class InferenceServicer:
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
         v = codec.decode_input(request, max_elements=self.max_tensor_elements)
+        bound_outputs(request.outputs)
         result = await self.engine.infer(
             Caller(tenant=current_tenant(), time_remaining=context.time_remaining()),
             request.model_name,
