@@ -1,8 +1,8 @@
 """Service case: the gRPC service measured end to end over loopback, as its clients see it.
 
-The case starts its own redis-server (free port, temporary directory, no persistence) and the
-service (gRPC server + worker) as a separate process on port 0 (`bench.service_host`), both
-through `bench.service_process`, then:
+The case starts its own redis-server (free port, temporary directory, AOF fsynced every
+second) and the service (gRPC server + worker) as a separate process on port 0
+(`bench.service_host`), both through `bench.service_process`, then:
 
 1. trains a 784×500 Bernoulli RBM on MNIST through StartTraining, to have a model to serve;
 2. times Reconstruct and SampleHidden one request at a time at batch 1 and 256 (p50 / p99);

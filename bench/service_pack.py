@@ -101,7 +101,6 @@ def _worker_env(redis_url: str, pack_size: int) -> dict[str, str]:
         **os.environ,
         "SSDRBM_REDIS_URL": redis_url,
         "SSDRBM_MAX_PACK_SIZE": str(pack_size),
-        "SSDRBM_ALLOW_NO_PERSISTENCE": "1",
         "SSDRBM_WORKER_METRICS_PORT": "0",
         "SSDRBM_TORCH_THREADS": "1",  # both modes on one core each, the same for both
         "SSDRBM_LOG_LEVEL": "WARNING",

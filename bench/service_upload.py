@@ -131,7 +131,7 @@ def upload_cases(
         logger.info("service: uploading %d MiB while Redis is PINGed", size_mib)
         metrics = measure_upload(stub, server, redis_url, size_mib, plan.idle_seconds)
         config = {"size_mib": size_mib, "dtype": "uint8", "width": WIDTH,
-                  "store_chunk_bytes": chunk_bytes, "redis": "no persistence"}  # fmt: skip
+                  "store_chunk_bytes": chunk_bytes, "redis": "AOF everysec"}  # fmt: skip
         cases.append(Case("service", f"dataset upload {size_mib} MiB", config, metrics,
                           notes=[f"dataset upload: {OLD_FIGURES}"]))  # fmt: skip
     return cases

@@ -85,15 +85,21 @@ def test_redis_crash_and_restart_loses_nothing_acknowledged(
     redis_factory: Callable[..., RedisServer], service_factory: Callable[..., RunningService]
 ) -> None:
     """Redis (AOF, fsync always) is killed while a job trains and a client follows it: every
-    RPC answers UNAVAILABLE meanwhile and the server keeps running; after the restart the job
-    finishes SUCCEEDED and the resumed stream holds every step exactly once."""
+    RPC answers UNAVAILABLE meanwhile and the server keeps running; after the restart every
+    acknowledged job is there, the running job's record is at least at the checkpoint
+    acknowledged before the kill, it finishes SUCCEEDED and the resumed stream holds every step
+    exactly once."""
     store = redis_factory(appendonly=True)
     running = service_factory(store.url, torch_threads=1)
     stub = running.stub()
     total, every = 1500, 20
     job = stub.StartTraining(training_request(total, every=every, checkpoint_every=100)).job
     follower = Follower(stub, job.id)
-    before = wait_for_job(stub, job.id, lambda j: j.checkpoint_step >= 100 or j.state > 2)
+    wait_for_job(stub, job.id, lambda j: j.checkpoint_step >= 100 or j.state > 2)
+    # Acknowledged just before the kill: jobs answered OK (queued behind the running one) and
+    # the running job's newest checkpoint.
+    queued = [stub.StartTraining(tiny_request(seed=seed)).job.id for seed in range(10)]
+    before = stub.GetJob(rbm_pb2.GetJobRequest(job_id=job.id))
     assert before.state == rbm_pb2.JOB_STATE_RUNNING, "the job ended before Redis went down"
 
     store.kill()
@@ -137,6 +143,8 @@ def test_redis_crash_and_restart_loses_nothing_acknowledged(
     store.start()
     after = wait_for_job(stub, job.id, lambda j: True)  # answers again
     assert after.checkpoint_step >= before.checkpoint_step and after.step >= before.step
+    for queued_id in queued:
+        assert stub.GetJob(rbm_pb2.GetJobRequest(job_id=queued_id)).id == queued_id
     resumed = Follower(stub, job.id, after=seen[-1].resume_token)
     resumed.join()
     assert resumed.error is None, resumed.error
