@@ -27,7 +27,7 @@ from google.protobuf import json_format
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore import checkpoint as ssdcheckpoint
-from ssdcore.blowup import BlowUp, BlowUpDetector, blowup_from_error
+from ssdcore.blowup import BlowUp, BlowUpError, blowup_from_error
 from ssdcore.errors import DivergenceError
 from ssdcore.models import model_from_config
 from ssdcore.training import Trainer
@@ -38,11 +38,14 @@ from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
 from ssdrbm_server.worker.job_training import (
     ALIVE_MAX_INTERVAL_S,
     MAX_STEPS_BETWEEN_POLLS,
+    backoff_message,
     build_trainer,
     evaluate_job,
     failure_reason,
+    job_recovery,
     metrics_message,
     pick_device,
+    rollback_needs_checkpoint,
 )
 from ssdrbm_server.worker.pack_child import train_pack
 from ssdrbm_server.worker.spec import check_resolved, runtime
@@ -147,7 +150,7 @@ class Training:
         self.spec = rbm_pb2.StartTrainingRequest.FromString(start.blobs["spec"])
         check_resolved(self.spec)
         self.settings = Settings(**fields["settings"])
-        self.backoffs = int(fields.get("backoffs", 0))
+        self.recovery = job_recovery(self.spec, int(fields.get("backoffs", 0)))
         self.uploaded = (
             Uploaded(
                 fields["dataset_dtype"], tuple(fields["dataset_shape"]), start.blobs["dataset"]
@@ -161,7 +164,6 @@ class Training:
         self.total = int(fields["total_steps"])
         self.n_visible = int(fields.get("n_visible", 0))  # as resolved when the job was accepted
         self.last_checkpoint = -1
-        self.detector = BlowUpDetector()
         self.alive_interval = min(
             ALIVE_MAX_INTERVAL_S, self.settings.child_heartbeat_timeout_seconds / 4
         )
@@ -186,17 +188,16 @@ class Training:
         if self.resume:
             ssdcheckpoint.load_trainer_state(self.trainer, self.resume)
             self.last_checkpoint = self.trainer.step_count
-        self.trainer.set_lr_scale(self._lr_scale(self.backoffs))
-        # Where a blow-up rolls back to until the first checkpoint: this attempt's start.
-        self.good_state = ssdcheckpoint.trainer_to_bytes(self.trainer)
-        self.good_step = self.trainer.step_count
-        self.detector.observe(self._evaluate(with_ais=False))  # the baseline before training
+        self.trainer.set_lr_scale(self.recovery.lr_scale)
+        # The evaluation before training: the detector's baseline and the first rollback point.
+        blowup = self.recovery.check(self._evaluate(with_ais=False), self.trainer)
         self._send(
             protocol.STARTED,
             start_step=self.trainer.step_count,
             runtime=json.dumps(self._runtime(device)),
         )
-        self._loop()
+        if blowup is None or self._recover(blowup):
+            self._loop()
 
     def _runtime(self, device: torch.device) -> dict[str, Any]:
         weight_group = next(g for g in self.trainer.optimizer.param_groups if g["name"] == "W")
@@ -208,9 +209,6 @@ class Training:
             cuda_graph=bool(self.trainer.cuda_graph),
         )
         return json_format.MessageToDict(described, preserving_proto_field_name=True)
-
-    def _lr_scale(self, backoffs: int) -> float:
-        return self.spec.training.backoff_factor ** (-backoffs)
 
     def _loop(self) -> None:
         every = self.spec.eval.every
@@ -239,7 +237,7 @@ class Training:
             # checkpoint step is also an evaluation step.
             if step % every == 0 or at_checkpoint:
                 values = self._evaluate(with_ais=at_checkpoint and self.spec.eval.ais)
-                blowup = self.detector.observe(values)
+                blowup = self.recovery.check(values, self.trainer)
                 if blowup is not None:
                     if not self._recover(blowup):
                         return
@@ -250,43 +248,24 @@ class Training:
         self._send(protocol.FINISHED, step=self.trainer.step_count)
 
     def _recover(self, blowup: BlowUp) -> bool:
-        """Roll back and continue with smaller steps (True), or fail the job (False)."""
-        lr = self.trainer.lr  # optimizer.lr at the scale of the backoffs taken so far
-        limit = self.spec.training.max_backoffs
-        if self.backoffs >= limit:
+        """Roll back to the last healthy evaluation and continue with smaller steps (True), or
+        fail the job once its backoffs are spent (False): ssdcore.blowup's rule."""
+        try:
+            event = self.recovery.recover(blowup, self.trainer)
+        except BlowUpError as error:
             if self.runs:
                 self._send_progress()
-            _report_failure(self.conn, self._failure(blowup, lr), step=blowup.step, diverged=True)
+            reason = failure_reason(error, self.last_checkpoint)
+            _report_failure(self.conn, reason, step=blowup.step, diverged=True)
             return False
-        self.backoffs += 1
-        ssdcheckpoint.load_trainer_state(self.trainer, self.good_state)
-        self.trainer.set_lr_scale(self._lr_scale(self.backoffs))
-        new_lr = self.trainer.lr
-        event = rbm_pb2.Backoff(
-            step=blowup.step,
-            rollback_step=self.good_step,
-            reason=blowup.describe(),
-            old_lr=lr,
-            new_lr=new_lr,
-            backoff=self.backoffs,
-            max_backoffs=limit,
-        )
-        logger.warning(
-            "blow-up at step %d (%s): back to step %d with lr %.3g",
-            blowup.step,
-            event.reason,
-            self.good_step,
-            new_lr,
-        )
+        if rollback_needs_checkpoint(event, self.last_checkpoint):
+            self._checkpoint()
         self._send(
             protocol.BACKOFF,
-            blobs={"backoff": event.SerializeToString()},
-            rollback_step=self.good_step,
+            blobs={"backoff": backoff_message(event).SerializeToString()},
+            rollback_step=event.rolled_back_to,
         )
         return True
-
-    def _failure(self, blowup: BlowUp, lr: float) -> str:
-        return failure_reason(self.spec, self.backoffs, self.last_checkpoint, blowup, lr)
 
     def _stop_requested(self) -> bool:
         if not self.conn.poll():
@@ -328,7 +307,6 @@ class Training:
             config_json=json.dumps(self.model.config(), sort_keys=True),
         )
         self.last_checkpoint = step
-        self.good_state, self.good_step = trainer_state, step
 
     def _trained(self, steps: int, seconds: float) -> None:
         """Note a run of steps for the worker's metrics; sent with the next message, or on

@@ -1,9 +1,11 @@
 """What a job's training process does the same way for a solo job and a packed run.
 
 The trainer it builds for a job (packed runs continue such Trainers: ssdcore.pack), the
-evaluation behind each metric event and its Metrics message, the reason given when training
-blew up for good, the device, and the pacing of polls and heartbeats. ``child.py`` (one job)
-and ``pack_child.py`` (a pack) both ask here, so the two cannot drift apart.
+evaluation behind each metric event and its Metrics message, the job's blow-up recovery
+(ssdcore.blowup.Recovery with the job's backoff settings), its Backoff message and the reason
+given when training blew up for good, the device, and the pacing of polls and heartbeats.
+``child.py`` (one job) and ``pack_child.py`` (a pack) both ask here, so the two cannot drift
+apart.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 from ssdrbm.v1 import rbm_pb2
 
-from ssdcore.blowup import BlowUp, suggested_lr
+from ssdcore.blowup import BackoffEvent, BlowUpError, Recovery
 from ssdcore.models import model_from_config
 from ssdcore.training import Trainer
 from ssdrbm_server.worker.datasets import SplitData
@@ -71,31 +73,48 @@ def evaluate_job(
     )
 
 
-def failure_reason(
-    spec: rbm_pb2.StartTrainingRequest,
-    backoffs: int,
-    last_checkpoint: int,
-    blowup: BlowUp,
-    lr: float,
-) -> str:
-    """Why the job failed, with the step size that blew up and one to try instead."""
-    training = spec.training
-    spent = (
-        f"after {backoffs} backoffs"
-        if training.max_backoffs
-        else "with backoff off (training.max_backoffs 0)"
+def job_recovery(spec: rbm_pb2.StartTrainingRequest, backoffs: int) -> Recovery:
+    """The job's blow-up recovery: ``fit``'s rule with its training.max_backoffs and
+    training.backoff_factor, ``backoffs`` already taken (kept in its record across attempts)."""
+    return Recovery(
+        max_backoffs=spec.training.max_backoffs,
+        factor=spec.training.backoff_factor,
+        backoffs=backoffs,
+        lr_setting="optimizer.lr",
+        max_backoffs_setting="training.max_backoffs",
     )
-    scaled = (
-        f" (optimizer.lr {spec.optimizer.lr:.3g} / {training.backoff_factor:g}^{backoffs})"
-        if backoffs
-        else ""
+
+
+def backoff_message(event: BackoffEvent) -> rbm_pb2.Backoff:
+    """The Backoff event of the metric stream, field for field the recovery's event."""
+    return rbm_pb2.Backoff(
+        step=event.step,
+        rollback_step=event.rolled_back_to,
+        reason=event.reason,
+        old_lr=event.old_lr,
+        new_lr=event.new_lr,
+        backoff=event.backoff,
+        max_backoffs=event.max_backoffs,
     )
-    suggestion = suggested_lr(lr, training.backoff_factor)
+
+
+def rollback_needs_checkpoint(event: BackoffEvent, last_checkpoint: int) -> bool:
+    """Whether the rollback point must be checkpointed before the backoff is recorded.
+
+    A restart resumes from the last checkpoint, or from the start (step 0, the same state again)
+    when there is none. Checkpointing the rollback point first when it is neither makes a crash
+    at any moment harmless: before the checkpoint, the job resumes from an earlier one and
+    retrains to the same blow-up; between it and the backoff, from the rollback point with the
+    old count (the same blow-up again); after both, from there with the new count.
+    """
+    return event.rolled_back_to != max(last_checkpoint, 0)
+
+
+def failure_reason(error: BlowUpError, last_checkpoint: int) -> str:
+    """Why the job failed: the recovery's message (the step, the metric, the step size that
+    blew up and one to try), and the checkpoint it keeps."""
     kept = f"step {last_checkpoint}" if last_checkpoint >= 0 else "none"
-    return (
-        f"training blew up {spent}: {blowup.describe()}; its step size was {lr:.3g}{scaled}; "
-        f"try optimizer.lr = {suggestion:.3g} or smaller (the last good checkpoint is {kept})"
-    )
+    return f"{error} (the last good checkpoint is {kept})"
 
 
 _LL_METHODS = {

@@ -4,12 +4,13 @@ Each job is built (or resumed from its checkpoint) as a solo Trainer exactly as
 :class:`~ssdrbm_server.worker.child.Training` builds it, and the Trainers are packed
 (:func:`ssdcore.pack.pack_trainers`), so each run continues its solo trajectory (bit for bit on
 the CPU, docs/ARCHITECTURE.md "Packed training"). From there every job keeps the solo loop's
-rules on its own: its own evaluation and checkpoint steps, blow-up detector, backoff budget and
-rollback point (its last checkpoint), and messages that carry its index (``run``) so the worker
-writes each with that job's fencing token. A run that finishes, fails or is dropped by the
-worker (cancelled, lease lost) is held in its slot — it stops moving, the others go on. Its
-evaluations and checkpoints go through the run's solo Trainer (:func:`ssdcore.pack.run_to_trainer`),
-so metric events and checkpoints are the solo job's, to the byte layout.
+rules on its own: its own evaluation and checkpoint steps, blow-up recovery (ssdcore.blowup's
+rule: detector, backoff budget, rollback point at its last healthy evaluation), and messages
+that carry its index (``run``) so the worker writes each with that job's fencing token. A run
+that finishes, fails or is dropped by the worker (cancelled, lease lost) is held in its slot —
+it stops moving, the others go on. Its evaluations and checkpoints go through the run's solo
+Trainer (:func:`ssdcore.pack.run_to_trainer`), so metric events and checkpoints are the solo
+job's, to the byte layout.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -28,8 +28,14 @@ from google.protobuf import json_format
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore import checkpoint as ssdcheckpoint
-from ssdcore.blowup import PARAMETERS, BlowUp, BlowUpDetector
-from ssdcore.pack import TrainingPack, insert_bytes, pack_trainers, run_to_trainer
+from ssdcore.blowup import BlowUp, BlowUpError, Recovery
+from ssdcore.pack import (
+    RunInPack,
+    TrainingPack,
+    divergence_blowup,
+    pack_trainers,
+    run_to_trainer,
+)
 from ssdcore.training import Trainer
 from ssdrbm_server.config import Settings
 from ssdrbm_server.worker import protocol
@@ -37,11 +43,14 @@ from ssdrbm_server.worker.datasets import DatasetError, SplitData, Uploaded, pre
 from ssdrbm_server.worker.job_training import (
     ALIVE_MAX_INTERVAL_S,
     MAX_STEPS_BETWEEN_POLLS,
+    backoff_message,
     build_trainer,
     evaluate_job,
     failure_reason,
+    job_recovery,
     metrics_message,
     pick_device,
+    rollback_needs_checkpoint,
 )
 from ssdrbm_server.worker.spec import check_resolved, runtime
 
@@ -55,13 +64,10 @@ class PackedJob:
     index: int  # its place in the start message: the ``run`` of its messages
     spec: rbm_pb2.StartTrainingRequest
     total: int
-    backoffs: int
-    good_state: bytes = b""  # where a blow-up rolls back to: its last checkpoint or its start
-    good_step: int = 0
+    recovery: Recovery  # its blow-up rule, with the backoffs it took before
     last_checkpoint: int = -1
     slot: int = -1  # its slot in the TrainingPack
     open: bool = True
-    detector: BlowUpDetector = field(default_factory=BlowUpDetector)
 
 
 def train_pack(conn: Connection, start: protocol.Message) -> None:
@@ -104,14 +110,18 @@ class PackTraining:
             else None
         )
         self.job_fields: list[dict[str, Any]] = fields["jobs"]
+        specs = [
+            rbm_pb2.StartTrainingRequest.FromString(start.blobs[f"spec.{i}"])
+            for i in range(len(self.job_fields))
+        ]
         self.jobs = [
             PackedJob(
                 index=i,
-                spec=rbm_pb2.StartTrainingRequest.FromString(start.blobs[f"spec.{i}"]),
+                spec=spec,
                 total=int(job["total_steps"]),
-                backoffs=int(job.get("backoffs", 0)),
+                recovery=job_recovery(spec, int(job.get("backoffs", 0))),
             )
-            for i, job in enumerate(self.job_fields)
+            for i, (spec, job) in enumerate(zip(specs, self.job_fields, strict=True))
         ]
         self.resumes = [start.blobs.get(f"resume.{i}", b"") for i in range(len(self.jobs))]
         if self.settings.torch_threads:
@@ -153,8 +163,14 @@ class PackTraining:
         self.pack = pack_trainers(trainers)
         for slot, job in enumerate(joined):
             job.slot = slot
+            # The evaluation before training: the baseline and the first rollback point.
+            trainer = run_to_trainer(self.pack, slot, valid_data=self.valid)
+            values = evaluate_job(trainer, job.spec, with_ais=False)
+            blowup = job.recovery.check(values, RunInPack(self.pack, slot))
             described = self._runtime(job, trainers[slot], device, len(joined))
             self._send(job, protocol.STARTED, start_step=self._step(job), runtime=described)
+            if blowup is not None:
+                self._recover(job, blowup)
         self._loop()
 
     def _trainer(self, job: PackedJob, data: SplitData, device: torch.device) -> Trainer:
@@ -173,10 +189,7 @@ class PackTraining:
         if resume:
             ssdcheckpoint.load_trainer_state(trainer, resume)
             job.last_checkpoint = trainer.step_count
-        trainer.set_lr_scale(spec.training.backoff_factor ** (-job.backoffs))
-        job.good_state = ssdcheckpoint.trainer_to_bytes(trainer)
-        job.good_step = trainer.step_count
-        job.detector.observe(evaluate_job(trainer, spec, with_ais=False))  # the baseline
+        trainer.set_lr_scale(job.recovery.lr_scale)
         return trainer
 
     def _runtime(self, job: PackedJob, trainer: Trainer, device: torch.device, size: int) -> str:
@@ -226,10 +239,7 @@ class PackTraining:
                     continue
                 event = diverged.get(job.slot)
                 if event is not None:
-                    blowup = BlowUp(
-                        event.step, PARAMETERS, math.nan, None, "non-finite", detail=event.what
-                    )
-                    self._recover(job, blowup)
+                    self._recover(job, divergence_blowup(event))
                 else:
                     self._after_steps(job)
 
@@ -244,7 +254,7 @@ class PackTraining:
             self._beat(force=with_ais)
             values = evaluate_job(trainer, spec, with_ais=with_ais)
             self._beat()
-            blowup = job.detector.observe(values)
+            blowup = job.recovery.check(values, RunInPack(self.pack, job.slot))
             if blowup is not None:
                 self._recover(job, blowup)
                 return
@@ -258,41 +268,22 @@ class PackTraining:
             self._end(job, protocol.FINISHED, step=step)
 
     def _recover(self, job: PackedJob, blowup: BlowUp) -> None:
-        """Roll the job back to its last checkpoint with smaller steps, or fail it (the solo
-        policy, for this run alone)."""
+        """Roll the job back to its last healthy evaluation with smaller steps, or fail it (the
+        solo process's rule, for this run alone)."""
         assert self.pack is not None
-        lr = self.pack.lr(job.slot)
-        limit = job.spec.training.max_backoffs
-        if job.backoffs >= limit:
-            reason = failure_reason(job.spec, job.backoffs, job.last_checkpoint, blowup, lr)
+        try:
+            event = job.recovery.recover(blowup, RunInPack(self.pack, job.slot))
+        except BlowUpError as error:
+            reason = failure_reason(error, job.last_checkpoint)
             self._fail(job, reason, step=blowup.step, diverged=True)
             return
-        job.backoffs += 1
-        insert_bytes(self.pack, job.slot, job.good_state)
-        factor = job.spec.training.backoff_factor
-        self.pack.set_lr_scale(job.slot, factor ** (-job.backoffs))
-        event = rbm_pb2.Backoff(
-            step=blowup.step,
-            rollback_step=job.good_step,
-            reason=blowup.describe(),
-            old_lr=lr,
-            new_lr=self.pack.lr(job.slot),
-            backoff=job.backoffs,
-            max_backoffs=limit,
-        )
-        logger.warning(
-            "packed run %d: blow-up at step %d (%s): back to step %d with lr %.3g",
-            job.index,
-            blowup.step,
-            event.reason,
-            job.good_step,
-            event.new_lr,
-        )
+        if rollback_needs_checkpoint(event, job.last_checkpoint):
+            self._checkpoint(job)
         self._send(
             job,
             protocol.BACKOFF,
-            blobs={"backoff": event.SerializeToString()},
-            rollback_step=job.good_step,
+            blobs={"backoff": backoff_message(event).SerializeToString()},
+            rollback_step=event.rolled_back_to,
         )
 
     def _checkpoint(self, job: PackedJob, trainer: Trainer | None = None) -> None:
@@ -312,7 +303,6 @@ class PackTraining:
             config_json=json.dumps(trainer.model.config(), sort_keys=True),
         )
         job.last_checkpoint = step
-        job.good_state, job.good_step = state, step
 
     def _requests(self) -> bool:
         """Read what the worker sent: a stop (every job checkpoints and stops: True), or a

@@ -8,6 +8,9 @@ Child -> worker:
     started      start_step, runtime                      the data is loaded, training begins
     metrics      step                   + metrics         a serialized ssdrbm.v1.Metrics
     backoff      rollback_step          + backoff         a blow-up, rolled back (ssdrbm.v1.Backoff)
+                                                          to the last healthy evaluation; a
+                                                          checkpoint of that step comes first
+                                                          unless the last one is there already
     checkpoint   step, config_json      + model, trainer  safetensors bytes
     finished     step                                     the last step is trained and saved
     stopped      step                                     stopped on request, after a checkpoint

@@ -1,0 +1,203 @@
+"""One blow-up recovery rule (ssdcore.blowup.Recovery) for the library and the service.
+
+The same diverging configuration, trained by ``ssdcore.fit`` and by the service (StartTraining,
+its worker and training process, a real redis-server), backs off at the same steps to the same
+points with the same step sizes, publishes the library's evaluations, and ends with the
+library's parameters, bit for bit on the CPU (one torch thread on both sides: the same float32
+operations in the same order). A training process killed after a backoff rolled the job back
+between two checkpoints resumes from that point and still ends with those parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+from ssdrbm.v1 import rbm_pb2 as pb
+
+from ssdcore import fit
+from ssdcore.checkpoint import model_from_bytes
+from ssdcore.models import model_from_config
+from ssdcore.models.base import RBM
+from ssdrbm_server.config import Settings
+from ssdrbm_server.worker.datasets import prepare
+from ssdrbm_server.worker.job_training import EXACT_LL_MAX_HIDDEN
+from ssdrbm_server.worker.spec import model_config, optimizer_config
+from tests.fixtures.service import RunningService
+from tests.test_service import events, export, states
+from tests.test_worker import training_processes_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Plain SGD on a unit-variance Gaussian RBM at this step size, reached over a 30-step warm-up:
+# the synthetic data blows it up at step 5 (rolled back to the start) and, ten times smaller,
+# at step 40 as the warm-up ramps it (rolled back to step 35, between two checkpoints); a
+# hundred times smaller it trains on (seeded: always these steps).
+LR, WARMUP = 20.0, 30
+EXPECTED_BACKOFFS = [(5, 0), (40, 35)]
+WAIT_S = 120.0  # bound for a job to end on a loaded machine (not a speed check)
+
+
+def diverging_request(*, steps: int, checkpoint_every: int) -> pb.StartTrainingRequest:
+    builtin = pb.BuiltinDataset(
+        name="synthetic", options={"n_visible": "16", "n_hidden": "4", "n_samples": "400"}
+    )
+    warm_up = pb.StepSizeSchedule(kind=pb.SCHEDULE_KIND_CONSTANT, warmup_steps=WARMUP)
+    return pb.StartTrainingRequest(
+        model=pb.ModelSpec(
+            kind=pb.MODEL_KIND_GAUSSIAN, n_hidden=8, variance=pb.VARIANCE_KIND_IDENTITY
+        ),
+        optimizer=pb.OptimizerSpec(kind=pb.OPTIMIZER_KIND_SGD, lr=LR, schedule=warm_up),
+        training=pb.TrainingSpec(
+            batch_size=20, steps=steps, seed=3, checkpoint_every=checkpoint_every
+        ),
+        eval=pb.EvalSpec(every=5, validation_fraction=0.2),
+        dataset=pb.DatasetRef(builtin=builtin),
+    )
+
+
+def library_run(job: pb.Job, settings: Settings) -> tuple[list[dict[str, Any]], RBM]:
+    """``ssdcore.fit`` on the job's resolved spec, its history and model. The data is the job's
+    own (the training process's preparation: dataset, preprocessing, validation split, after
+    seeding torch with the job's seed) and the model is drawn from the generator state the
+    training process draws it from."""
+    spec = job.spec
+    torch.manual_seed(spec.training.seed)
+    data = prepare(spec, settings, None)
+    model = model_from_config(model_config(spec, data.n_visible))
+    assert spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN  # the service evaluates it exactly
+    history = fit(
+        model,
+        data.train,
+        steps=job.total_steps,
+        batch_size=spec.training.batch_size,
+        cd_k=spec.training.cd_k,
+        persistent=spec.training.persistent,
+        optimizer=optimizer_config(spec.optimizer),
+        seed=spec.training.seed,
+        eval_every=spec.eval.every,
+        valid_data=data.valid,
+        log_likelihood="exact",
+        max_backoffs=spec.training.max_backoffs,
+        backoff_factor=spec.training.backoff_factor,
+    )
+    return history, model
+
+
+def library_events(history: list[dict[str, Any]]) -> list[tuple]:
+    """The history as the service's stream shows it: every evaluation after the one before
+    training (which the service does not publish), and every backoff, in order."""
+    shown = []
+    for entry in history:
+        if entry.get("event") == "backoff":
+            shown.append(
+                (
+                    "backoff",
+                    entry["step"],
+                    entry["rolled_back_to"],
+                    entry["old_lr"],
+                    entry["new_lr"],
+                    entry["backoff"],
+                    entry["max_backoffs"],
+                    entry["reason"],
+                )
+            )
+        elif entry["step"] > 0:
+            shown.append(("metrics", entry["step"], entry["reconstruction_error"], entry["lr"]))
+    return shown
+
+
+def service_events(stream: list[pb.MetricEvent]) -> list[tuple]:
+    shown = []
+    for event in stream:
+        kind = event.WhichOneof("event")
+        if kind == "backoff":
+            b = event.backoff
+            shown.append(
+                (
+                    "backoff",
+                    b.step,
+                    b.rollback_step,
+                    b.old_lr,
+                    b.new_lr,
+                    b.backoff,
+                    b.max_backoffs,
+                    b.reason,
+                )
+            )
+        elif kind == "metrics":
+            m = event.metrics
+            shown.append(("metrics", m.step, m.reconstruction_error, m.lr))
+    return shown
+
+
+def assert_same_parameters(stub, job: pb.Job, model: RBM) -> None:
+    """The job's final checkpoint holds exactly ``model``'s parameters."""
+    header, data = export(stub, job.id)
+    exported = model_from_bytes(data).state_dict()
+    assert header.step == job.total_steps
+    for name, value in model.state_dict().items():
+        assert torch.equal(exported[name], value), name
+
+
+def test_the_library_and_the_service_back_off_alike_and_end_with_the_same_parameters(
+    service_factory,
+) -> None:
+    running: RunningService = service_factory(torch_threads=1, finished_checkpoints_kept=10)
+    stub = running.stub()
+    job = stub.StartTraining(diverging_request(steps=60, checkpoint_every=20), timeout=30).job
+    stream = events(stub, job.id)
+    job = stub.GetJob(pb.GetJobRequest(job_id=job.id), timeout=10)
+    assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
+    assert states(stream) == ["QUEUED", "RUNNING", "SUCCEEDED"] and job.backoffs == 2
+
+    history, model = library_run(job, running.settings)
+    shown = library_events(history)
+    assert [(e[1], e[2]) for e in shown if e[0] == "backoff"] == EXPECTED_BACKOFFS
+    assert service_events(stream) == shown
+    assert_same_parameters(stub, job, model)
+    # The rollback to step 35 checkpointed it (checkpoints every 20 steps do not include it),
+    # so that a restart would resume from there.
+    header, _ = export(stub, job.id, step=35)
+    assert header.step == 35
+
+
+def test_a_training_process_killed_after_a_rollback_between_checkpoints_resumes_from_it(
+    service_factory,
+) -> None:
+    """The second backoff rolls back to step 35, the only checkpoint until step 1500; the
+    training process is killed after it. The job resumes from step 35 with its two backoffs
+    and ends exactly as the uninterrupted library run: each evaluation and backoff once in
+    the stream, the same parameters."""
+    running: RunningService = service_factory(torch_threads=1)
+    stub = running.stub()
+    known = set(training_processes_of(os.getpid()))
+    request = diverging_request(steps=3000, checkpoint_every=1500)
+    job = stub.StartTraining(request, timeout=30).job
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        record = stub.GetJob(pb.GetJobRequest(job_id=job.id), timeout=10)
+        if record.backoffs == 2 and record.checkpoint_step == 35 and record.step > 35:
+            break
+        assert record.step < 1500 and time.monotonic() < deadline, record
+        time.sleep(0.01)
+    trainers = [pid for pid in training_processes_of(os.getpid()) if pid not in known]
+    assert len(trainers) == 1, trainers
+    os.kill(trainers[0], signal.SIGKILL)
+    stream = events(stub, job.id)
+    job = stub.GetJob(pb.GetJobRequest(job_id=job.id), timeout=10)
+    assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
+    assert job.training_process_failures == 1 and job.backoffs == 2
+    assert states(stream) == ["QUEUED", "RUNNING", "QUEUED", "RUNNING", "SUCCEEDED"]
+    resumed = [e.state for e in stream if e.WhichOneof("event") == "state"][3]
+    assert resumed.step == 35
+
+    history, model = library_run(job, running.settings)
+    shown = library_events(history)
+    assert [(e[1], e[2]) for e in shown if e[0] == "backoff"] == EXPECTED_BACKOFFS
+    assert service_events(stream) == shown
+    assert_same_parameters(stub, job, model)
