@@ -25,6 +25,19 @@ a listing entry that ListJobs skips. The limit check and the active set are one 
 so the limit holds on Cluster without a race window; a removal from the active set that a
 crash lost can only refuse a submit early, never admit one beyond the limit.
 
+A request id answers the job it created, in any state, for `idempotency_ttl_s` (the tenant's
+idempotency key). Once that job is deleted (DeleteJob, or a finished job's expiry) the request
+id names no job and a repeat creates a new job, as the first request did: the request id makes
+retries of one submission safe, and deleting its job is the client's own word that the
+submission is over (a refusal would leave the id unusable until its TTL, for nothing). On
+Cluster the key and the job are in different slots, so this holds by the order of the steps: a
+delete releases the key (lifecycle.py, step 2) before it removes any key of the job, and a
+repeat reads the key (in step 2 above), then the job, then the key again. When the key still
+names the job, the job existed at that last read, and the record read is the answer; otherwise
+(its delete began meanwhile, or the job is gone, whose key the repeat then releases) the
+reservation runs again and makes a new job. So a repeat racing a delete answers the job as it
+was before the delete began, or a new job; never a job already gone, and never an error.
+
 Cancel decides on the job hash alone (one script); the indexes follow (indexes.py).
 
 Delete (and retention when a job ends: checkpoints trimmed, finished jobs expiring) is in
@@ -150,6 +163,17 @@ _RESERVED, _REPEATED, _AT_LIMIT, _AT_QUOTA = 1, 0, -1, -2
 
 
 @dataclass
+class _Reservation:
+    """What step 2 decided: `status` (a reply of _RESERVE), the job reserved or found, the
+    reserved job's listing position, and for a repeated request id the job it answers."""
+
+    status: int
+    job_id: str
+    seq: int
+    existing: JobRecord | None = None
+
+
+@dataclass
 class _Found:
     """What a repair needs to know of a job the tenant's keys name."""
 
@@ -233,7 +257,8 @@ class JobStore:
             args += [field, value]
         await self._create(keys=self._job_keys(job_id), args=args)
         limits = (max_active, max_records, idempotency_ttl_s)
-        status, found_id, seq = await self._reserve_job(tenant, job_id, request_id, limits)
+        reservation = await self._reserve_job(tenant, job_id, request_id, limits)
+        status = reservation.status
         if status != _RESERVED:
             await self.redis.delete(*self._job_keys(job_id))  # else it expires by itself
         if status == _AT_LIMIT:
@@ -250,22 +275,21 @@ class JobStore:
                 limit="max_job_records_per_tenant",
                 subject=tenant_subject(tenant),
             )
-        if status == _RESERVED:
-            await self._admit_job(tenant, job_id, seq)
-            logger.info("job %s submitted by tenant %s", job_id, tenant)
-        else:
-            logger.info("repeated request id for tenant %s: job %s", tenant, found_id)
-        return await self.get(tenant, found_id), status == _RESERVED
+        if reservation.existing is not None:
+            logger.info("repeated request id for tenant %s: job %s", tenant, reservation.job_id)
+            return reservation.existing, False
+        await self._admit_job(tenant, job_id, reservation.seq)
+        logger.info("job %s submitted by tenant %s", job_id, tenant)
+        return await self.get(tenant, job_id), True
 
     async def _reserve_job(
         self, tenant: str, job_id: str, request_id: str | None, limits: tuple[int, int, int]
-    ) -> tuple[int, str, int]:
-        """Step 2: (status, job id, listing position), after repairing what stood in the way:
-        a full tenant whose active set holds ended or vanished jobs, or a request id whose job
-        expired before it was admitted."""
-        idempotency = self.keys.idempotency(tenant, request_id or "")
+    ) -> _Reservation:
+        """Step 2, after repairing what stood in the way: a full tenant whose active set holds
+        ended or vanished jobs, or a request id whose job is gone or expired before it was
+        admitted; a repeated request id comes with the job it answers."""
         keys = [
-            idempotency,
+            self.keys.idempotency(tenant, request_id or ""),
             self.keys.tenant_active(tenant),
             self.keys.tenant_jobs(tenant),
             self.keys.tenant_sequence(tenant),
@@ -273,17 +297,34 @@ class JobStore:
         args = [job_id, "1" if request_id else "0", *limits]
         for _ in range(_SUBMIT_ROUNDS):
             status, found_id, seq = await self._reserve(keys=keys, args=args)
-            found_id = found_id.decode()
+            reservation = _Reservation(status, found_id.decode(), seq)
             if status == _AT_LIMIT:
                 if not await self._repair_active(tenant):
-                    return status, found_id, seq
+                    return reservation
             elif status == _REPEATED:
-                [found] = await self._probe([found_id])
-                if not await self._repair(tenant, found_id, found, idempotency):
-                    return status, found_id, seq
+                existing = await self._answer(tenant, reservation.job_id, request_id or "")
+                reservation.existing = existing
+                if reservation.existing is not None:
+                    return reservation
             else:
-                return status, found_id, seq
+                return reservation
         raise UnavailableError(f"tenant {tenant}'s jobs changed while submitting; retry")
+
+    async def _answer(self, tenant: str, job_id: str, request_id: str) -> JobRecord | None:
+        """The job a repeated request id answers, or None when the reservation must run again
+        (module notes): the job is gone (its key is released here) or its delete began."""
+        [found] = await self._probe([job_id])
+        if found.state is None or found.unadmitted:
+            await self._repair(tenant, job_id, found, request_id)
+            if found.state is None:
+                return None
+        try:
+            record = await self.get(tenant, job_id)
+        except NotFoundError:
+            return None  # deleted since: its key was released first
+        if await self.redis.get(self.keys.idempotency(tenant, request_id)) != job_id.encode():
+            return None  # its delete began after the read: the record may be gone already
+        return record
 
     async def _admit_job(self, tenant: str, job_id: str, seq: int) -> None:
         """Steps 3 and 4: queue the job (once, however often this runs), then keep it."""
@@ -306,12 +347,14 @@ class JobStore:
         return found
 
     async def _repair(
-        self, tenant: str, job_id: str, found: _Found, idempotency: str | None = None
+        self, tenant: str, job_id: str, found: _Found, request_id: str | None = None
     ) -> bool:
         """Finish what a dead process left of a job named by the tenant's keys; True when the
         job no longer counts as active (it ended, or its hash is gone and is forgotten)."""
         if found.state is None:
-            await self.lifecycle.drop_from_tenant(tenant, job_id, idempotency)
+            if request_id:
+                await self.lifecycle.release_request_id(tenant, job_id, request_id)
+            await self.lifecycle.drop_from_tenant(tenant, job_id)
             await self.index.forget(job_id)
             return True
         if found.state.is_terminal:
@@ -436,6 +479,9 @@ class JobStore:
                     precondition="JOB_ACTIVE",
                     subject=f"job:{job_id}",
                 )
+            # Before the cancel: a repeat of its request id never answers the job this delete
+            # cancelled (lifecycle.py, step 2; the purge's own release is then a no-op).
+            await self.lifecycle.release_request_id(tenant, job_id)
             record = await self.cancel(tenant, job_id)
         if not await self.lifecycle.purge(job_id, tenant, allow_active=force):
             # Only without force, for a job that cannot go back from an end: a bug, not a race.

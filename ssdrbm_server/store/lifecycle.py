@@ -7,24 +7,35 @@ good:
 
 1. schedule (`{jobs}`): `{jobs}:purge` gets the entry `<id> <tenant>`, due now for a delete, or
    `finished_job_ttl_seconds` after the end for an expiring job. While the entry exists, the
-   sweeper (`sweep`, run by every API process) repeats steps 2-5 for it once it is
+   sweeper (`sweep`, run by every API process) repeats steps 2-6 for it once it is
    `SWEEP_GRACE_MS` overdue.
-2. the job's own keys (`{<id>}`, one script): hash, metric stream, checkpoint index and every
+2. the request id (`{<t>}`): the idempotency key of the StartTraining that created the job,
+   when it still names this job (`release_request_id`). This is where a delete takes effect for
+   the request id: a repeat from here on creates a new job. It comes before any key of the job
+   goes, so a repeat that reads the job and then finds the key still naming it answers a job
+   that existed at that moment (jobs.py); a forced delete releases it even before it cancels
+   the job, so a repeat never answers the job cancelled by its own delete. Without the record
+   (e.g. Redis expired it first) the key goes by its own TTL, or with the repeat that finds its
+   job gone.
+3. the job's own keys (`{<id>}`, one script): hash, metric stream, checkpoint index and every
    checkpoint. The script checks the index still lists exactly the checkpoints it was given
    (else the caller reads it again), so no checkpoint written meanwhile survives. From here on
    the job is NOT_FOUND everywhere; a worker still running it (a forced delete) has its next
    fenced write refused, since the fence needs the hash, and stops within a heartbeat.
-3. the tenant's keys (`{<t>}`): active set, listing, and the idempotency key when it still
-   names this job (without the record, e.g. when Redis expired it first, that key goes by its
-   own TTL).
-4. the shared indexes (`{jobs}`): state sets, lease and queue bookkeeping (indexes.py `forget`,
+4. the tenant's keys (`{<t>}`): active set and listing.
+5. the shared indexes (`{jobs}`): state sets, lease and queue bookkeeping (indexes.py `forget`,
    whose version tombstone stops a late index step of a worker from indexing the job again).
-5. the schedule entry, last.
+6. the schedule entry, last.
 
-The sweeper refuses to remove a QUEUED or RUNNING job (step 2 checks the state in the same
-script): an entry it finds for one came from a retention schedule made before an end that did
-not happen (the lease was lost; the next end schedules again) or from a forced delete that died
-before step 2 and was never acknowledged, so it is dropped and the job lives on.
+Steps 2 and 3 act only on a job of the tenant that is ended (or `allow_active`, a forced
+delete): the state is read before step 2 (an end is never undone and the tenant never changes,
+so what was read still holds) and checked again in step 3's script.
+
+The sweeper refuses to remove a QUEUED or RUNNING job: an entry it finds for one came from a
+retention schedule made before an end that did not happen (the lease was lost; the next end
+schedules again) or from a forced delete that died before step 3 and was never acknowledged, so
+it is dropped and the job lives on (its request id released when that delete got past step 2:
+a repeat then creates a new job).
 
 Retention when a job ends (`ended`, after the end is written; `expire_later`, before): only the
 newest `finished_checkpoints_kept` checkpoints stay (a worker's end drops the others in the same
@@ -51,7 +62,7 @@ from ssdrbm_server.errors import UnavailableError
 from ssdrbm_server.keys import Keys, is_job_id
 from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.indexes import NOW_MS, JobIndex
-from ssdrbm_server.store.records import JobState
+from ssdrbm_server.store.records import ACTIVE_STATES, JobState
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +173,18 @@ return 'kept'
 """
 )
 
-# KEYS: tenant active set, tenant listing, and the idempotency key when known. ARGV: job id.
+# KEYS: tenant active set, tenant listing. ARGV: job id.
 _DROP_FROM_TENANT = """
 redis.call('SREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
-if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
 return 1
+"""
+
+# KEYS: an idempotency key. ARGV: job id. Deleted only while it names that job: a key a repeat
+# already moved to a new job stays.
+_RELEASE_REQUEST_ID = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -218,6 +235,7 @@ class JobLifecycle:
         self._delete = redis.register_script(_DELETE)
         self._retain = redis.register_script(_RETAIN)
         self._drop_from_tenant = redis.register_script(_DROP_FROM_TENANT)
+        self._release_request_id = redis.register_script(_RELEASE_REQUEST_ID)
 
     # --- retention ------------------------------------------------------------------------
 
@@ -266,30 +284,43 @@ class JobLifecycle:
         """Delete every key of the job, in the order of the module notes; False when it was
         QUEUED or RUNNING and `allow_active` is off (the job is left as it was)."""
         await self.schedule(job_id, tenant, delay_ms=0)
-        request_id = await self.redis.hget(self.keys.job(job_id), REQUEST_ID_FIELD)
-        outcome = await self._delete_job_keys(job_id, tenant, allow_active)
-        if outcome in ("active", "other"):
+        owner, state, request_id = await self.redis.hmget(
+            self.keys.job(job_id), ["tenant", "state", REQUEST_ID_FIELD]
+        )
+        active = state is not None and JobState(state.decode()) in ACTIVE_STATES
+        if owner is not None and (owner.decode() != tenant or (active and not allow_active)):
             await self._unschedule(job_id, tenant)
             return False
-        await self.drop_from_tenant(
-            tenant,
-            job_id,
-            self.keys.idempotency(tenant, request_id.decode()) if request_id else None,
-        )
+        await self.release_request_id(tenant, job_id, (request_id or b"").decode())
+        outcome = await self._delete_job_keys(job_id, tenant, allow_active)
+        if outcome in ("active", "other"):
+            await self._unschedule(job_id, tenant)  # not after the check above: a bug
+            return False
+        await self.drop_from_tenant(tenant, job_id)
         await self.index.forget(job_id)
         await self._unschedule(job_id, tenant)
         logger.info("job %s of tenant %s deleted (%s)", job_id, tenant, outcome)
         return True
 
-    async def drop_from_tenant(self, tenant: str, job_id: str, idempotency: str | None) -> None:
-        """Step 3: the tenant's active set, listing and (when given) idempotency key."""
+    async def release_request_id(
+        self, tenant: str, job_id: str, request_id: str | None = None
+    ) -> None:
+        """Step 2: the request id (read from the job when not given) no longer names the job,
+        so a repeat creates a new one."""
+        if request_id is None:
+            raw = await self.redis.hget(self.keys.job(job_id), REQUEST_ID_FIELD)
+            request_id = raw.decode() if raw else ""
+        if request_id:
+            idempotency = self.keys.idempotency(tenant, request_id)
+            await self._release_request_id(keys=[idempotency], args=[job_id])
+
+    async def drop_from_tenant(self, tenant: str, job_id: str) -> None:
+        """Step 4: the tenant's active set and listing."""
         keys = [self.keys.tenant_active(tenant), self.keys.tenant_jobs(tenant)]
-        if idempotency:
-            keys.append(idempotency)
         await self._drop_from_tenant(keys=keys, args=[job_id])
 
     async def _delete_job_keys(self, job_id: str, tenant: str, allow_active: bool) -> str:
-        """Step 2, read again while a worker writes a checkpoint in between."""
+        """Step 3, read again while a worker writes a checkpoint in between."""
         for _ in range(_PURGE_RETRIES):
             keys, steps = await self._job_slot(job_id)
             outcome = await self._delete(
