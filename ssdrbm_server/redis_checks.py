@@ -39,7 +39,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from ssdrbm_server.config import ConfigError, Settings
 from ssdrbm_server.errors import FailedPreconditionError
-from ssdrbm_server.exposure import repeat_warning
+from ssdrbm_server.exposure import WARNING_INTERVAL_S, repeat_warning
 from ssdrbm_server.handlers import wrap_handler
 from ssdrbm_server.store.connection import RedisClient
 
@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 SAFE_POLICY = "noeviction"
 SAFE_FSYNC = ("everysec", "always")
 CHECKED = ("maxmemory-policy", "appendonly", "appendfsync")
+UNANSWERED_S = 1.0  # how often Redis is asked while it has never answered a check
 ALLOW_NO_PERSISTENCE = "SSDRBM_ALLOW_NO_PERSISTENCE=1"
 # The calls that create work Redis would then have to keep: refused while it would not.
 WRITE_METHODS = frozenset(
@@ -155,30 +156,12 @@ def judge(nodes: dict[str, dict[str, str]], *, allow_no_persistence: bool) -> Ve
     return Verdict(tuple(refused), tuple(waived))
 
 
-async def check_redis_config(redis_client: RedisClient, settings: Settings) -> Verdict | None:
-    """Raise RedisConfigError when Redis would lose acknowledged work; what was found, or None
-    when it could not be asked (unreachable, or CONFIG not allowed: warned)."""
-    try:
-        nodes = await read_config(redis_client)
-    except _UNREACHABLE as exc:
-        # Unreachable (or a wrong password) at start: the service still starts, reports
-        # NOT_SERVING and answers UNAVAILABLE until Redis is back; the periodic check then
-        # judges it.
-        logger.warning("cannot reach Redis to check its configuration (%s); not checked", exc)
-        return None
-    except redis.exceptions.ResponseError as exc:  # e.g. CONFIG renamed or not permitted
-        logger.warning(
-            "cannot read Redis's configuration (%s); make sure maxmemory-policy is %s and "
-            "appendonly is yes (appendfsync everysec or always) on every node, or acknowledged "
-            "work may be lost",
-            exc,
-            SAFE_POLICY,
-        )
-        return None
-    verdict = judge(nodes, allow_no_persistence=settings.allow_no_persistence)
-    if not verdict.fit:
-        raise RedisConfigError(verdict.reason())
-    return verdict
+async def check_redis_config(redis_client: RedisClient, settings: Settings) -> Verdict:
+    """Raise RedisConfigError when Redis would lose acknowledged work; what was found (nothing
+    when it could not be asked)."""
+    watch = RedisWatch(redis_client, settings, consequence="")
+    await watch.check_at_start()
+    return watch.verdict
 
 
 class RedisWatch:
@@ -193,6 +176,7 @@ class RedisWatch:
         self.settings = settings
         self.consequence = consequence
         self.verdict = Verdict()  # unchecked counts as fit: the start check refuses, not this
+        self._answered = False  # Redis has answered a check (or refused CONFIG) at least once
         self._config_readable = True
 
     @property
@@ -204,27 +188,22 @@ class RedisWatch:
         return None if self.fit else self.verdict.reason()
 
     async def check_at_start(self) -> None:
-        """Raise RedisConfigError on an unfit Redis (the process must not start)."""
-        verdict = await check_redis_config(self.client, self.settings)
-        self._config_readable = verdict is not None
-        self.verdict = verdict or Verdict()
+        """Raise RedisConfigError on an unfit Redis (the process must not start). Unreachable,
+        the process still starts (readiness NOT_SERVING, UNAVAILABLE until Redis is back) and
+        the first check once Redis answers judges it."""
+        nodes = await self._ask(at_start=True)
+        if nodes is not None:
+            self.verdict = judge(nodes, allow_no_persistence=self.settings.allow_no_persistence)
+            if not self.fit:
+                raise RedisConfigError(self.verdict.reason())
 
     async def check(self) -> None:
         """Ask Redis again; log what changed, and an ERROR every check while unfit."""
-        try:
-            nodes = await read_config(self.client)
-        except _UNREACHABLE:
-            return  # an outage: readiness reports it; the verdict stands until Redis answers
-        except redis.exceptions.ResponseError as exc:
-            if self._config_readable:
-                logger.warning("cannot read Redis's configuration any more (%s); not checked", exc)
-            self._config_readable = False
-            return
-        self._config_readable = True
-        was_fit, self.verdict = (
-            self.fit,
-            judge(nodes, allow_no_persistence=self.settings.allow_no_persistence),
-        )
+        nodes = await self._ask(at_start=False)
+        if nodes is None:
+            return  # the verdict stands until Redis tells
+        was_fit = self.fit
+        self.verdict = judge(nodes, allow_no_persistence=self.settings.allow_no_persistence)
         if not self.fit:
             logger.error(
                 "Redis would lose acknowledged work: %s. Until it is fixed %s",
@@ -234,18 +213,47 @@ class RedisWatch:
         elif not was_fit:
             logger.info("Redis keeps acknowledged work again: resuming")
 
-    async def run(self, interval_s: float | None = None) -> None:
+    async def _ask(self, *, at_start: bool) -> dict[str, dict[str, str]] | None:
+        """Each node's settings, or None when Redis cannot tell now: unreachable (an outage,
+        which readiness reports) or CONFIG refused (managed Redis: warned once)."""
+        try:
+            nodes = await read_config(self.client)
+        except _UNREACHABLE as exc:
+            if at_start:
+                logger.warning("cannot reach Redis to check its configuration (%s) yet", exc)
+            return None
+        except redis.exceptions.ResponseError as exc:  # e.g. CONFIG renamed or not permitted
+            self._answered = True
+            if self._config_readable:
+                logger.warning(
+                    "cannot read Redis's configuration (%s); make sure maxmemory-policy is %s "
+                    "and appendonly is yes (appendfsync everysec or always) on every node, or "
+                    "acknowledged work may be lost",
+                    exc,
+                    SAFE_POLICY,
+                )
+            self._config_readable = False
+            return None
+        self._answered = self._config_readable = True
+        return nodes
+
+    async def run(
+        self, interval_s: float | None = None, warning_interval_s: float = WARNING_INTERVAL_S
+    ) -> None:
         """Check every ``interval_s`` (SSDRBM_REDIS_CHECK_INTERVAL_S) and repeat the warning for
-        what SSDRBM_ALLOW_NO_PERSISTENCE waives (at once, then every minute), forever."""
+        what SSDRBM_ALLOW_NO_PERSISTENCE waives (at once, then every ``warning_interval_s``, a
+        minute), forever."""
         interval = self.settings.redis_check_interval_s if interval_s is None else interval_s
         await asyncio.gather(
             self._check_every(interval),
-            repeat_warning(lambda: self.verdict.warning(), logger=logger),
+            repeat_warning(lambda: self.verdict.warning(), warning_interval_s, logger=logger),
         )
 
     async def _check_every(self, interval_s: float) -> None:
         while True:
-            await asyncio.sleep(interval_s)
+            # Until Redis first answers (unreachable at start), ask about as often as readiness
+            # does, so that a Redis that comes up unfit is held back at once.
+            await asyncio.sleep(interval_s if self._answered else min(interval_s, UNANSWERED_S))
             await self.check()
 
 

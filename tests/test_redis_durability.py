@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -251,3 +252,66 @@ def test_one_cluster_node_without_aof_is_found(redis_cluster: RedisClusterNodes)
     message = str(refused.value)
     assert f"Redis node 127.0.0.1:{other.port} has appendonly 'no'" in message
     assert message.count("appendonly 'no'") == 1  # that node only
+
+
+def test_a_redis_unreachable_at_start_is_judged_as_soon_as_it_answers(
+    redis_factory: Callable[..., RedisServer],
+) -> None:
+    """A process may start before Redis (readiness NOT_SERVING meanwhile); a Redis that then
+    comes up without AOF is held back within about a second, not a whole check period."""
+    store = redis_factory(appendonly=False, save="900 1")
+    store.stop()
+    settings = Settings(redis_url=store.url, redis_check_interval_s=30.0)
+
+    async def scenario() -> None:
+        client = connect(store.url)
+        watch = RedisWatch(client, settings, consequence="nothing is claimed")
+        checks = None
+        try:
+            await watch.check_at_start()  # not reachable: no verdict, no refusal
+            assert watch.fit
+            checks = asyncio.create_task(watch.run())
+            await asyncio.to_thread(store.start)
+            deadline = time.monotonic() + NOTICE_TIMEOUT_S
+            while watch.fit:
+                assert time.monotonic() < deadline, "never judged"
+                await asyncio.sleep(0.1)
+            assert "appendonly 'no'" in (watch.refusal() or "")
+        finally:
+            if checks is not None:
+                checks.cancel()
+                await asyncio.gather(checks, return_exceptions=True)
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_development_override_is_warned_of_at_start_and_then_repeatedly(
+    redis_factory: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """SSDRBM_ALLOW_NO_PERSISTENCE=1 lets a process run on a Redis without AOF, and says so as a
+    WARNING at start and again every minute (here every 0.01 s), like the other overrides."""
+    store = redis_factory(appendonly=False)
+    settings = Settings(redis_url=store.url, allow_no_persistence=True)
+
+    def warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "SSDRBM_ALLOW_NO_PERSISTENCE=1" in r.getMessage()]
+
+    async def scenario() -> None:
+        client = connect(store.url)
+        watch = RedisWatch(client, settings, consequence="")
+        try:
+            await watch.check_at_start()
+            assert watch.fit
+            checks = asyncio.create_task(watch.run(warning_interval_s=0.01))
+            while len(warnings()) < 3:
+                await asyncio.sleep(0.01)
+            checks.cancel()
+            await asyncio.gather(checks, return_exceptions=True)
+        finally:
+            await client.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="ssdrbm_server.redis_checks"):
+        asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    assert all(r.levelno == logging.WARNING for r in warnings())
+    assert "appendonly 'no'" in warnings()[0].getMessage()
