@@ -48,6 +48,18 @@ TRAINER_STATE_COPIES = 4
 MIB = 1024 * 1024
 
 
+# A refusal quotes at most this much of a request's own text (a name, a key): the message
+# travels in a trailer that gRPC clients refuse beyond 8 KiB (errors.MAX_STATUS_BYTES).
+QUOTED_CHARS = 256
+
+
+def quoted(text: str) -> str:
+    """``text`` as a message quotes it (``repr``), cut to QUOTED_CHARS characters."""
+    if len(text) <= QUOTED_CHARS:
+        return repr(text)
+    return f"{text[:QUOTED_CHARS]!r}… ({len(text)} characters)"
+
+
 # --- the two kinds of refusal --------------------------------------------------------------------
 
 

@@ -58,9 +58,11 @@ from ssdrbm_server.request_bounds import (
     MAX_BATCH_SIZE,
     MAX_CD_K,
     MAX_HIDDEN,
+    QUOTED_CHARS,
     at_most,
     check_budgets,
     items_at_most,
+    quoted,
 )
 from ssdrbm_server.request_checks import check_text, enum_value, finite
 from ssdrbm_server.store.datasets import DatasetInfo
@@ -77,7 +79,6 @@ from ssdrbm_server.vocabulary import (
 from ssdrbm_server.worker.spec import schedule_config
 
 MAX_REQUEST_ID_LENGTH = 128
-MAX_QUOTED = 256  # characters of a request's name (a map key) that a field path quotes
 # The trainer seeds its estimator with seed + an offset, and torch takes seeds below 2^64, so
 # seeds from 2^64 - 0x5EED fail in the training process (measured: "Overflow when unpacking long
 # long"). The contract is the signed 64-bit range: every client language can hold it, and it
@@ -346,12 +347,12 @@ def _check_per_parameter(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> No
     ):
         items_at_most(field, entries, len(allowed), f"one per parameter: {list(allowed)}")
     for name, kind in optimizer.per_parameter.items():
-        field = f"optimizer.per_parameter[{name[:MAX_QUOTED]}]"
+        field = f"optimizer.per_parameter[{name[:QUOTED_CHARS]}]"
         _check_parameter_name(name, allowed, field)
         if enum_value(pb.OptimizerKind, kind, field) == pb.OPTIMIZER_KIND_UNSPECIFIED:
             raise InvalidArgumentError(field, "name an optimizer kind (SGD, NESTEROV, SSD, ...)")
     for name, lr in optimizer.per_parameter_lr.items():
-        field = f"optimizer.per_parameter_lr[{name[:MAX_QUOTED]}]"
+        field = f"optimizer.per_parameter_lr[{name[:QUOTED_CHARS]}]"
         _check_parameter_name(name, allowed, field)
         if not finite(lr, field) > 0:
             raise InvalidArgumentError(field, f"must be > 0, got {lr}")
@@ -360,7 +361,7 @@ def _check_per_parameter(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> No
 def _check_parameter_name(name: str, allowed: tuple[str, ...], field: str) -> None:
     if name not in allowed:
         raise InvalidArgumentError(
-            field, f"unknown parameter {name[:MAX_QUOTED]!r}; this model has {list(allowed)}"
+            field, f"unknown parameter {quoted(name)}; this model has {list(allowed)}"
         )
 
 

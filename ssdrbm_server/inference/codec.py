@@ -10,12 +10,14 @@ per UINT8 or BOOL element) or as the typed ``contents`` field; outputs go back a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 from ssdrbm.inference.v2 import open_inference_pb2 as oip
 
 from ssdrbm_server.errors import InvalidArgumentError
+from ssdrbm_server.request_bounds import QUOTED_CHARS, quoted
 from ssdrbm_server.tensors import check_batch_shape
 
 INPUT_NAME = "input"
@@ -38,11 +40,11 @@ def check_input_header(
     if name != INPUT_NAME:
         raise InvalidArgumentError(
             f"{field}.name",
-            f"unknown input {name!r}; the model has one input named {INPUT_NAME!r}",
+            f"unknown input {quoted(name)}; the model has one input named {INPUT_NAME!r}",
         )
     if datatype not in WIRE_DTYPES:
         raise InvalidArgumentError(
-            f"{field}.datatype", f"{datatype!r} is not accepted; send {ACCEPTED}"
+            f"{field}.datatype", f"{quoted(datatype)} is not accepted; send {ACCEPTED}"
         )
     return check_batch_shape(shape, field=field, max_elements=max_elements)
 
@@ -128,9 +130,11 @@ def requested_output_names(request: oip.ModelInferRequest) -> list[str]:
     """The names in ``outputs`` (checked against the model's outputs by the engine)."""
     for index, output in enumerate(request.outputs):
         if output.parameters:
+            shown = sorted(name[:QUOTED_CHARS] for name in itertools.islice(output.parameters, 4))
+            more = len(output.parameters) - len(shown)
+            got = ", ".join(shown) + (f" and {more} more" if more else "")
             raise InvalidArgumentError(
-                f"outputs[{index}].parameters",
-                f"not supported (got {', '.join(sorted(output.parameters))}); remove them",
+                f"outputs[{index}].parameters", f"not supported (got {got}); remove them"
             )
     return [output.name for output in request.outputs]
 
@@ -143,7 +147,7 @@ def request_seed(parameters: Mapping[str, oip.InferParameter]) -> int:
             continue
         if name != SEED_PARAMETER:
             raise InvalidArgumentError(
-                f"parameters[{name!r}]",
+                f"parameters[{quoted(name)}]",
                 f"unknown parameter; the one parameter is {SEED_PARAMETER!r} (hidden_sample)",
             )
         kind = parameter.WhichOneof("parameter_choice")

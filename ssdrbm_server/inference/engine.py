@@ -25,7 +25,7 @@ from ssdrbm.v1 import rbm_pb2
 from ssdrbm_server.errors import InvalidArgumentError, NotFoundError
 from ssdrbm_server.inference.codec import INPUT_NAME, OUTPUT_DATATYPE
 from ssdrbm_server.inference.names import ModelNames, parse_version
-from ssdrbm_server.request_bounds import items_at_most
+from ssdrbm_server.request_bounds import items_at_most, quoted
 from ssdrbm_server.serving import Caller, LoadedModel, ModelServer
 from ssdrbm_server.store.records import JobRecord
 
@@ -91,7 +91,7 @@ def requested_outputs(names: Sequence[str]) -> tuple[str, ...]:
         if name not in OUTPUTS:
             raise InvalidArgumentError(
                 f"outputs[{index}].name",
-                f"unknown output {name!r}; choose from {', '.join(OUTPUTS)}",
+                f"unknown output {quoted(name)}; choose from {', '.join(OUTPUTS)}",
             )
     if len(set(names)) != len(names):
         raise InvalidArgumentError("outputs", f"name each output once, got {list(names)}")
