@@ -13,8 +13,10 @@ the metric dicts of :meth:`ssdcore.Trainer.evaluate` and says when a run has blo
   training included.
 - *Rollback point*: the run's state at its last evaluation that passed the detector (its start
   before any has). The service also checkpoints that state before it records the backoff,
-  unless its last checkpoint is already there, so a job resumed after a crash resumes from the
-  same point with the same backoff count and ends as the uninterrupted job does.
+  unless a restart resumes there anyway (its last checkpoint, or step 0 when it has none), so a
+  job resumed after a crash resumes from the same point with the same backoff count. (A
+  resumed job's detector takes its references from the resume point, not from the run before
+  it: a growth that the uninterrupted run's references would flag may pass after a resume.)
 - *Step sizes*: after the n-th backoff every step size is its configured value ×
   ``factor``⁻ⁿ (absolute, :meth:`ssdcore.Trainer.set_lr_scale`; a schedule's factor still
   applies). ``factor`` is :data:`BACKOFF_FACTOR` unless the caller gives another (``fit``'s
@@ -163,8 +165,8 @@ class BlowUpDetector:
 
     Feed it every evaluation in order, starting with the one before training
     (:meth:`observe`). References (the best reconstruction error, the ‖W‖₂ reference) are
-    taken from healthy evaluations only. :meth:`state_dict` is plain JSON, so a resumed job
-    keeps them.
+    taken from healthy evaluations only. :meth:`state_dict` is plain JSON, for a caller that
+    keeps them across a resume (checkpoints do not hold them yet).
     """
 
     def __init__(self) -> None:

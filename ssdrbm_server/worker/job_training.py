@@ -102,10 +102,12 @@ def rollback_needs_checkpoint(event: BackoffEvent, last_checkpoint: int) -> bool
     """Whether the rollback point must be checkpointed before the backoff is recorded.
 
     A restart resumes from the last checkpoint, or from the start (step 0, the same state again)
-    when there is none. Checkpointing the rollback point first when it is neither makes a crash
-    at any moment harmless: before the checkpoint, the job resumes from an earlier one and
-    retrains to the same blow-up; between it and the backoff, from the rollback point with the
-    old count (the same blow-up again); after both, from there with the new count.
+    when there is none. Checkpointing the rollback point first when it is neither leaves a crash
+    at any moment a retrain of the same steps: before the checkpoint, the job resumes from an
+    earlier one and retrains to the blow-up; between it and the backoff, from the rollback point
+    with the old count (the blow-up again); after both, from there with the new count. (The
+    blow-up is found again as long as the resumed detector, whose references start at the
+    resume point, still flags it; see ssdcore.blowup.)
     """
     return event.rolled_back_to != max(last_checkpoint, 0)
 
