@@ -10,6 +10,7 @@ between two checkpoints resumes from that point and still ends with those parame
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -24,11 +25,16 @@ from ssdcore.checkpoint import model_from_bytes
 from ssdcore.models import model_from_config
 from ssdcore.models.base import RBM
 from ssdrbm_server.config import Settings
+from ssdrbm_server.store import JobState
+from ssdrbm_server.worker import Worker
 from ssdrbm_server.worker.datasets import prepare
 from ssdrbm_server.worker.job_training import EXACT_LL_MAX_HIDDEN
+from ssdrbm_server.worker.pack_child import packed_summary
 from ssdrbm_server.worker.spec import model_config, optimizer_config
 from tests.fixtures.service import RunningService
+from tests.test_packed_worker import PackHarness, run_queued
 from tests.test_service import events, export, states
+from tests.test_worker import SETTINGS as WORKER_SETTINGS
 from tests.test_worker import training_processes_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,6 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # hundred times smaller it trains on (seeded: always these steps).
 LR, WARMUP = 20.0, 30
 EXPECTED_BACKOFFS = [(5, 0), (40, 35)]
+MESSAGES = {"metrics": pb.Metrics, "backoff": pb.Backoff}  # stored event data by kind
 WAIT_S = 120.0  # bound for a job to end on a loaded machine (not a speed check)
 
 
@@ -60,12 +67,13 @@ def diverging_request(*, steps: int, checkpoint_every: int) -> pb.StartTrainingR
     )
 
 
-def library_run(job: pb.Job, settings: Settings) -> tuple[list[dict[str, Any]], RBM]:
-    """``ssdcore.fit`` on the job's resolved spec, its history and model. The data is the job's
+def library_run(
+    spec: pb.StartTrainingRequest, total_steps: int, settings: Settings
+) -> tuple[list[dict[str, Any]], RBM]:
+    """``ssdcore.fit`` on a job's resolved spec, its history and model. The data is the job's
     own (the training process's preparation: dataset, preprocessing, validation split, after
     seeding torch with the job's seed) and the model is drawn from the generator state the
     training process draws it from."""
-    spec = job.spec
     torch.manual_seed(spec.training.seed)
     data = prepare(spec, settings, None)
     model = model_from_config(model_config(spec, data.n_visible))
@@ -73,7 +81,7 @@ def library_run(job: pb.Job, settings: Settings) -> tuple[list[dict[str, Any]], 
     history = fit(
         model,
         data.train,
-        steps=job.total_steps,
+        steps=total_steps,
         batch_size=spec.training.batch_size,
         cd_k=spec.training.cd_k,
         persistent=spec.training.persistent,
@@ -112,26 +120,32 @@ def library_events(history: list[dict[str, Any]]) -> list[tuple]:
 
 
 def service_events(stream: list[pb.MetricEvent]) -> list[tuple]:
+    """A job's metric stream as :func:`library_events` shows the library's history."""
+    return stored_events(
+        [(e.WhichOneof("event"), getattr(e, e.WhichOneof("event"))) for e in stream]
+    )
+
+
+def stored_events(events: list[tuple[str, Any]]) -> list[tuple]:
+    """(kind, message) events, the Backoff and Metrics ones as :func:`library_events` shows
+    the library's history."""
     shown = []
-    for event in stream:
-        kind = event.WhichOneof("event")
+    for kind, message in events:
         if kind == "backoff":
-            b = event.backoff
             shown.append(
                 (
                     "backoff",
-                    b.step,
-                    b.rollback_step,
-                    b.old_lr,
-                    b.new_lr,
-                    b.backoff,
-                    b.max_backoffs,
-                    b.reason,
+                    message.step,
+                    message.rollback_step,
+                    message.old_lr,
+                    message.new_lr,
+                    message.backoff,
+                    message.max_backoffs,
+                    message.reason,
                 )
             )
         elif kind == "metrics":
-            m = event.metrics
-            shown.append(("metrics", m.step, m.reconstruction_error, m.lr))
+            shown.append(("metrics", message.step, message.reconstruction_error, message.lr))
     return shown
 
 
@@ -155,7 +169,7 @@ def test_the_library_and_the_service_back_off_alike_and_end_with_the_same_parame
     assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
     assert states(stream) == ["QUEUED", "RUNNING", "SUCCEEDED"] and job.backoffs == 2
 
-    history, model = library_run(job, running.settings)
+    history, model = library_run(job.spec, job.total_steps, running.settings)
     shown = library_events(history)
     assert [(e[1], e[2]) for e in shown if e[0] == "backoff"] == EXPECTED_BACKOFFS
     assert service_events(stream) == shown
@@ -173,9 +187,9 @@ def test_a_training_process_killed_after_a_rollback_between_checkpoints_resumes_
     training process is killed after it. The job resumes from step 35 with its two backoffs
     and ends exactly as the uninterrupted library run: each evaluation and backoff once in
     the stream, the same parameters."""
+    known = set(training_processes_of(os.getpid()))  # before the service starts its own
     running: RunningService = service_factory(torch_threads=1)
     stub = running.stub()
-    known = set(training_processes_of(os.getpid()))
     request = diverging_request(steps=3000, checkpoint_every=1500)
     job = stub.StartTraining(request, timeout=30).job
     deadline = time.monotonic() + WAIT_S
@@ -196,8 +210,45 @@ def test_a_training_process_killed_after_a_rollback_between_checkpoints_resumes_
     resumed = [e.state for e in stream if e.WhichOneof("event") == "state"][3]
     assert resumed.step == 35
 
-    history, model = library_run(job, running.settings)
+    history, model = library_run(job.spec, job.total_steps, running.settings)
     shown = library_events(history)
     assert [(e[1], e[2]) for e in shown if e[0] == "backoff"] == EXPECTED_BACKOFFS
     assert service_events(stream) == shown
     assert_same_parameters(stub, job, model)
+
+
+def test_a_packed_job_backs_off_as_the_library_and_ends_with_its_parameters(
+    redis_url: str,
+) -> None:
+    """The diverging job packed with a healthy one (the same pack key, another step size):
+    its backoffs, evaluations and final parameters are the library run's, bit for bit; the
+    healthy run is not disturbed by them (tests/test_packed_worker.py compares such runs with
+    their solo runs)."""
+    diverging = diverging_request(steps=60, checkpoint_every=20)
+    healthy = pb.StartTrainingRequest()
+    healthy.CopyFrom(diverging)
+    healthy.optimizer.lr = LR / 100
+    ended: dict[str, Any] = {}
+
+    async def scenario(h: PackHarness, job_ids: list[str], worker: Worker) -> None:
+        records = [await h.wait_done(job_id) for job_id in job_ids]
+        assert [r.state for r in records] == [JobState.SUCCEEDED] * 2, [r.error for r in records]
+        assert all(json.loads(r.runtime)["summary"].endswith(packed_summary(2)) for r in records)
+        record = records[0]
+        ended["record"] = record
+        ended["events"] = [
+            (kind, MESSAGES[kind].FromString(data))
+            for kind, data, _ in await h.events_of(record.id)
+            if kind in MESSAGES
+        ]
+        ended["parameters"] = await h.final_parameters(record.id)
+
+    run_queued(redis_url, [diverging, healthy], scenario, max_pack_size=2)
+    record = ended["record"]
+    spec = pb.StartTrainingRequest.FromString(record.spec)
+    history, model = library_run(spec, record.total_steps, WORKER_SETTINGS)
+    shown = library_events(history)
+    assert [(e[1], e[2]) for e in shown if e[0] == "backoff"] == EXPECTED_BACKOFFS
+    assert stored_events(ended["events"]) == shown
+    for name, value in model.state_dict().items():
+        assert torch.equal(ended["parameters"][name], value), name
