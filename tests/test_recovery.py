@@ -4,8 +4,9 @@ The same diverging configuration, trained by ``ssdcore.fit`` and by the service 
 its worker and training process, a real redis-server), backs off at the same steps to the same
 points with the same step sizes, publishes the library's evaluations, and ends with the
 library's parameters, bit for bit on the CPU (one torch thread on both sides: the same float32
-operations in the same order). A training process killed after a backoff rolled the job back
-between two checkpoints resumes from that point and still ends with those parameters.
+operations in the same order); so does the job trained in a pack with another. A training
+process killed after a backoff rolled the job back between two checkpoints resumes from that
+point and still ends with those parameters.
 """
 
 from __future__ import annotations
