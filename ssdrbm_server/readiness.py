@@ -8,8 +8,8 @@ grpc.health.v1 entries this server registers (Kubernetes gRPC probes name them i
   liveness probe means "restart me".
 - ``readiness``: SERVING while Redis, the system of record, answers a PING and keeps what it
   acknowledged (AOF on, no eviction: redis_checks.py) and, where this process runs a worker,
-  that worker is alive; NOT_SERVING otherwise. A failing readiness probe
-  means "route calls elsewhere", not "restart me": a restart does not bring Redis back.
+  that worker is alive; NOT_SERVING otherwise. A failing readiness probe means "route calls
+  elsewhere", not "restart me": a restart does not bring Redis back (nor fix its settings).
 - ``ssdrbm.v1.RBMService``: follows Redis alone (its calls fail UNAVAILABLE without it).
 
 A worker alone (``python -m ssdrbm_server.worker``) serves no gRPC: it touches its heartbeat file
