@@ -276,6 +276,10 @@ def test_fit_pack_backs_off_one_run_and_leaves_the_others_untouched(data):
     events = [entry.get("event") for entry in histories[1]]
     assert events == [None, "backoff", "backoff", "failed"]
     assert histories[1][1]["new_lr"] == pytest.approx(1e5)
+    failed = histories[1][-1]  # what fit's BlowUpError would say, with the same suggestion
+    assert failed["message"].startswith("training blew up after 2 backoffs")
+    assert failed["suggested_lr"] == pytest.approx(1e3)
+    assert pack.step_counts[1] == histories[1][2]["rolled_back_to"]  # held at its last health
     for run in (0, 2):
         assert [entry["step"] for entry in histories[run]] == [0, 10, 20]
         trainer = solo(data, configs[run], run, valid_data=valid)
