@@ -363,7 +363,8 @@ class Recovery:
     (from :meth:`check`, or :func:`blowup_from_error` of a failed step) with :meth:`recover`.
     ``backoffs`` counts backoffs taken before (a resumed job's); :attr:`lr_scale` is the scale
     they give. ``lr_setting`` and ``max_backoffs_setting`` name the settings in the give-up
-    message (the service says ``optimizer.lr`` and ``training.max_backoffs``).
+    message (the service says ``optimizer.lr`` and ``training.max_backoffs``); ``label`` names
+    the run in the log (e.g. "pack run 2").
     """
 
     def __init__(
@@ -374,6 +375,7 @@ class Recovery:
         backoffs: int = 0,
         lr_setting: str = "lr",
         max_backoffs_setting: str = "max_backoffs",
+        label: str = "",
     ) -> None:
         if not (isinstance(max_backoffs, int) and max_backoffs >= 0):
             raise ValueError(f"max_backoffs must be an integer >= 0, got {max_backoffs!r}")
@@ -385,6 +387,7 @@ class Recovery:
         self.backoffs = backoffs
         self.lr_setting = lr_setting
         self.max_backoffs_setting = max_backoffs_setting
+        self.label = label
         self.detector = BlowUpDetector()
         self.healthy_step: int | None = None  # the rollback point's step, None before any
         self._healthy: Any = None
@@ -427,7 +430,8 @@ class Recovery:
             reason=blowup.describe(),
         )
         logger.warning(
-            "blow-up: %s; back to step %d with lr %.3g (backoff %d of %d)",
+            "%sblow-up: %s; back to step %d with lr %.3g (backoff %d of %d)",
+            f"{self.label}: " if self.label else "",
             event.reason,
             event.rolled_back_to,
             event.new_lr,

@@ -111,8 +111,11 @@ def fit_pack(
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
     progress = [
-        _RunProgress(Recovery(max_backoffs=max_backoffs, factor=backoff_factor), valid_data)
-        for _ in range(pack.n_runs)
+        _RunProgress(
+            Recovery(max_backoffs=max_backoffs, factor=backoff_factor, label=f"pack run {run}"),
+            valid_data,
+        )
+        for run in range(pack.n_runs)
     ]
     for run in range(pack.n_runs):
         _evaluate(pack, run, progress[run], steps)

@@ -73,15 +73,17 @@ def evaluate_job(
     )
 
 
-def job_recovery(spec: rbm_pb2.StartTrainingRequest, backoffs: int) -> Recovery:
+def job_recovery(spec: rbm_pb2.StartTrainingRequest, backoffs: int, *, label: str = "") -> Recovery:
     """The job's blow-up recovery: ``fit``'s rule with its training.max_backoffs and
-    training.backoff_factor, ``backoffs`` already taken (kept in its record across attempts)."""
+    training.backoff_factor, ``backoffs`` already taken (kept in its record across attempts);
+    ``label`` names it in the log (a packed run)."""
     return Recovery(
         max_backoffs=spec.training.max_backoffs,
         factor=spec.training.backoff_factor,
         backoffs=backoffs,
         lr_setting="optimizer.lr",
         max_backoffs_setting="training.max_backoffs",
+        label=label,
     )
 
 

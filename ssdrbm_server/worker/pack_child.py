@@ -119,7 +119,7 @@ class PackTraining:
                 index=i,
                 spec=spec,
                 total=int(job["total_steps"]),
-                recovery=job_recovery(spec, int(job.get("backoffs", 0))),
+                recovery=job_recovery(spec, int(job.get("backoffs", 0)), label=f"packed run {i}"),
             )
             for i, (spec, job) in enumerate(zip(specs, self.job_fields, strict=True))
         ]
