@@ -14,9 +14,11 @@ the metric dicts of :meth:`ssdcore.Trainer.evaluate` and says when a run has blo
 - *Rollback point*: the run's state at its last evaluation that passed the detector (its start
   before any has). The service also checkpoints that state before it records the backoff,
   unless a restart resumes there anyway (its last checkpoint, or step 0 when it has none), so a
-  job resumed after a crash resumes from the same point with the same backoff count. (A
-  resumed job's detector takes its references from the resume point, not from the run before
-  it: a growth that the uninterrupted run's references would flag may pass after a resume.)
+  job resumed after a crash resumes from the same point with the same backoff count. Two limits
+  of a resume: its detector takes its references from the resume point, not from the run
+  before it, so a growth that the uninterrupted run's references would flag may pass; and a job
+  stopped on request resumes from the step it stopped at, which need not be an evaluation, and
+  rolls back there until its next healthy evaluation.
 - *Step sizes*: after the n-th backoff every step size is its configured value ×
   ``factor``⁻ⁿ (absolute, :meth:`ssdcore.Trainer.set_lr_scale`; a schedule's factor still
   applies). ``factor`` is :data:`BACKOFF_FACTOR` unless the caller gives another (``fit``'s
