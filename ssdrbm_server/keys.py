@@ -24,6 +24,7 @@ keys with the same tag live together and one Lua script may use them all.
 | `tenant:{<t>}:jobs`               | zset   | the tenant's job ids by sequence (ListJobs paging) |
 | `tenant:{<t>}:seq`                | string | counter giving the tenant's jobs their position   |
 | `tenant:{<t>}:active`             | set    | the tenant's QUEUED + RUNNING job ids (limits)    |
+| `tenant:{<t>}:job_datasets`       | hash   | active job id -> the uploaded dataset it uses     |
 | `tenant:{<t>}:idem:<sha256(rid)>` | string | job id created for that StartTraining request_id  |
 | `tenant:{<t>}:datasets`           | hash   | dataset id -> JSON: this tenant's name, size, time |
 | `tenant:{<t>}:dataset_bytes`      | string | bytes of the tenant's datasets (per-tenant quota) |
@@ -152,6 +153,11 @@ class Keys:
 
     def tenant_datasets(self, tenant: str) -> str:
         return f"{self._tenant(tenant)}:datasets"
+
+    # In the tenant's slot with its datasets and active set: a submit takes the reference in
+    # the step that accepts the job, and a delete of the dataset checks it in one step too.
+    def tenant_job_datasets(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:job_datasets"
 
     def idempotency(self, tenant: str, request_id: str) -> str:
         # Hashed: a request id is free text (any length, any character, ':' included).

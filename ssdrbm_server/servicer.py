@@ -25,9 +25,7 @@ from ssdrbm_server.call_slots import CallSlots, SlotCap
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
     AlreadyExistsError,
-    FailedPreconditionError,
     InvalidArgumentError,
-    NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -38,7 +36,7 @@ from ssdrbm_server.request_checks import enum_value
 from ssdrbm_server.server_info import server_info
 from ssdrbm_server.serving import Caller, ModelServer
 from ssdrbm_server.store.checkpoints import CheckpointStore
-from ssdrbm_server.store.datasets import DatasetInfo, DatasetStore, Upload
+from ssdrbm_server.store.datasets import DatasetInfo, DatasetInUseError, DatasetStore, Upload
 from ssdrbm_server.store.events import EventStore
 from ssdrbm_server.store.jobs import JobStore
 from ssdrbm_server.store.records import JobRecord
@@ -439,34 +437,18 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     ) -> pb.DeleteDatasetResponse:
         _check_id(request.dataset_id, "dataset_id")
         tenant = current_tenant()
-        await self.stores.datasets.info(tenant, request.dataset_id)  # NOT_FOUND first
-        # A queued job loads the bytes when it starts (and again when it is resumed), so the
-        # dataset stays while one of the tenant's QUEUED or RUNNING jobs trains on it.
-        job = await self._active_job_using(tenant, request.dataset_id)
-        if job is not None:
-            raise FailedPreconditionError(
-                f"dataset {request.dataset_id} is used by job {job.id} ({job.state.value}); "
-                "wait for it to finish or cancel it (ssdrbm cancel), then delete the dataset",
-                precondition="DATASET_IN_USE",
-                subject=f"job:{job.id}",
-            )
-        await self.stores.datasets.delete(tenant, request.dataset_id)
+        # Refused while one of the tenant's QUEUED or RUNNING jobs trains on it (a queued job
+        # loads the bytes when it starts, and again when it is resumed): store/datasets.py.
+        try:
+            await self.stores.datasets.delete(tenant, request.dataset_id)
+        except DatasetInUseError as in_use:
+            # References of jobs that ended, left by a process that died before its index step,
+            # are released here; only jobs still queued or running refuse the delete.
+            active = await self.stores.jobs.still_active(tenant, in_use.job_ids)
+            if active:
+                raise DatasetInUseError(request.dataset_id, active) from None
+            await self.stores.datasets.delete(tenant, request.dataset_id)
         return pb.DeleteDatasetResponse(dataset_id=request.dataset_id)
-
-    async def _active_job_using(self, tenant: str, dataset_id: str) -> JobRecord | None:
-        """One of the tenant's QUEUED or RUNNING jobs (at most max_jobs_per_tenant) that
-        trains on the dataset, if any."""
-        jobs = self.stores.jobs
-        members = await jobs.redis.smembers(jobs.keys.tenant_active(tenant))
-        for job_id in sorted(member.decode() for member in members):
-            try:
-                job = await jobs.get(tenant, job_id)
-            except NotFoundError:
-                continue  # the active set is an index; the job may be gone already
-            spec = pb.StartTrainingRequest.FromString(job.spec)
-            if not job.state.is_terminal and spec.dataset.dataset_id == dataset_id:
-                return job
-        return None
 
     def _check_dataset_header(self, header: pb.DatasetHeader) -> int:
         """Byte size the header describes, after checking its fields."""

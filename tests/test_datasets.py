@@ -134,9 +134,21 @@ def test_a_dataset_used_by_a_queued_job_cannot_be_deleted(secured: RunningServic
     job = stub.StartTraining(request, timeout=30).job
     error = rpc_error(lambda: delete(stub, dataset_id))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert job.id in error.details()
+    assert job.id in error.details() and "cancel them" in error.details()
     stub.CancelJob(pb.CancelJobRequest(job_id=job.id), timeout=30)
-    assert delete(stub, dataset_id).dataset_id == dataset_id
+    # A sweep's runs are jobs submitted the same way: each holds the dataset.
+    request.optimizer.ClearField("lr")
+    axis = pb.SweepAxis(field="optimizer.lr", values=[0.01, 0.1])
+    sweep = stub.StartSweep(pb.StartSweepRequest(base=request, axes=[axis]), timeout=30)
+    runs = [run.job_id for run in sweep.runs]
+    error = rpc_error(lambda: delete(stub, dataset_id))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert all(run in error.details() for run in runs)
+    stub.CancelSweep(pb.CancelSweepRequest(sweep_id=sweep.id), timeout=30)
+    assert delete(stub, dataset_id).dataset_id == dataset_id  # ended jobs let go of it
+    dataset_ref = pb.DatasetRef(dataset_id=dataset_id)
+    gone = rpc_error(lambda: stub.StartTraining(tiny_request(dataset=dataset_ref), timeout=30))
+    assert gone.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_the_per_tenant_quota_counts_stored_bytes(service_factory) -> None:

@@ -27,6 +27,7 @@ from ssdrbm.v1 import rbm_pb2 as pb
 
 from tests.fixtures.jobs import rpc_error, tiny_request
 from tests.fixtures.service import RunningService
+from tests.test_datasets import CHUNK, array, delete, listed, upload
 
 TRIALS = 60
 MAX_DELAY_S = 0.012  # spread of the second call's start: about the length of a delete
@@ -111,3 +112,53 @@ def test_a_repeat_of_a_finished_jobs_request_id_answers_that_job(
     stub.DeleteJob(pb.DeleteJobRequest(job_id=job_id), timeout=WAIT_S)
     fresh = stub.StartTraining(request, timeout=WAIT_S)  # deleted: the request_id is free
     assert fresh.created and fresh.job.id != job_id
+
+
+def test_a_dataset_deleted_while_a_job_on_it_is_submitted_never_fails_the_accepted_job(
+    service_factory: Callable[..., RunningService],
+) -> None:
+    running = service_factory(dataset_chunk_bytes=CHUNK)  # with a worker: accepted jobs train
+    stub = running.stub()
+    rng = random.Random(1)
+    outcomes: Counter[str] = Counter()
+    accepted: list[str] = []
+    for trial in range(TRIALS):
+        dataset_id = upload(stub, array(trial)).dataset_id
+        request = tiny_request(steps=10, dataset=pb.DatasetRef(dataset_id=dataset_id))
+        request.training.batch_size = 4
+        deleted, submitted = race(
+            partial(delete, stub, dataset_id),
+            partial(stub.StartTraining, request, timeout=WAIT_S),
+            rng.uniform(-MAX_DELAY_S / 2, MAX_DELAY_S / 2),
+        )
+        if isinstance(deleted, pb.DeleteDatasetResponse):
+            # The delete came first: the submit found no dataset, and nothing was queued.
+            assert isinstance(submitted, grpc.RpcError), f"trial {trial}: a job was accepted"
+            assert submitted.code() == grpc.StatusCode.NOT_FOUND, describe(submitted)
+            assert dataset_id in submitted.details()
+            outcomes["the delete first"] += 1
+        else:
+            # The submit came first: the delete is refused, naming the job and what to do.
+            assert isinstance(submitted, pb.StartTrainingResponse), describe(submitted)
+            assert deleted.code() == grpc.StatusCode.FAILED_PRECONDITION, describe(deleted)
+            assert submitted.job.id in deleted.details() and "cancel" in deleted.details()
+            accepted.append(submitted.job.id)
+            outcomes["the submit first"] += 1
+    print(f"{TRIALS} trials: {dict(outcomes)}")
+    ended = [wait_until_ended(stub, job_id) for job_id in accepted]
+    failed = [job.error for job in ended if job.state != pb.JOB_STATE_SUCCEEDED]
+    assert failed == []
+    # Ended jobs hold their datasets no more: every one left can be deleted now.
+    for dataset in listed(stub):
+        delete(stub, dataset.dataset_id)
+    assert listed(stub) == []
+
+
+def wait_until_ended(stub: Any, job_id: str) -> pb.Job:
+    deadline = time.monotonic() + WAIT_S * 3
+    while True:
+        job = stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=WAIT_S)
+        if job.state not in (pb.JOB_STATE_QUEUED, pb.JOB_STATE_RUNNING):
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} still {pb.JobState.Name(job.state)}"
+        time.sleep(0.1)

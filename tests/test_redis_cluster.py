@@ -32,7 +32,7 @@ from ssdrbm_server.store import (
 )
 from tests.fixtures.redis import RedisClusterNodes
 from tests.fixtures.service import RunningService, make_settings
-from tests.test_store import metrics, read_all, run, states_of, submit
+from tests.test_store import dataset_references, metrics, read_all, run, states_of, submit
 
 JOBS = 16  # enough that all of them landing on one of 3 nodes is out of the question (3^-15)
 
@@ -214,6 +214,10 @@ def test_events_queue_and_datasets_on_a_cluster(redis_cluster_url: str) -> None:
             await CheckpointStore(redis).latest(job.id)
 
     run_on_cluster(redis_cluster_url, scenario)
+
+
+def test_dataset_references_on_a_cluster(redis_cluster_url: str) -> None:
+    run_on_cluster(redis_cluster_url, dataset_references)
 
 
 def test_the_whole_service_runs_a_job_on_the_cluster(redis_cluster_url: str) -> None:

@@ -30,6 +30,7 @@ from ssdrbm_server.store import (
     LeaseStore,
     connect,
 )
+from ssdrbm_server.store.datasets import DatasetInUseError
 from ssdrbm_server.store.lifecycle import Retention
 
 SPEC = rbm_pb2.StartTrainingRequest(
@@ -676,6 +677,39 @@ def test_delete_removes_every_key_and_index_entry_of_a_job(redis_url: str) -> No
         assert created and again.id != job.id
 
     run(redis_url, scenario)
+
+
+def on_dataset(dataset_id: str) -> bytes:
+    """SPEC training on an uploaded dataset."""
+    spec = rbm_pb2.StartTrainingRequest.FromString(SPEC)
+    spec.dataset.dataset_id = dataset_id
+    return spec.SerializeToString()
+
+
+async def dataset_references(redis) -> None:
+    """An accepted job holds its uploaded dataset until it ends; a submit finds it gone once
+    deleted; a reference an end left behind (its index step lost) is repaired."""
+    jobs, datasets = JobStore(redis), DatasetStore(redis)
+    info, _ = await datasets.put("t1", shape=(2, 4), dtype="uint8", name="d", data=bytes(8))
+    with pytest.raises(NotFoundError, match=info.id):  # another tenant's: not theirs to train on
+        await jobs.submit("t2", on_dataset(info.id), name="n", total_steps=10, request_id=None)
+    job, _ = await jobs.submit("t1", on_dataset(info.id), name="n", total_steps=10, request_id=None)
+    with pytest.raises(DatasetInUseError, match=job.id) as refused:
+        await datasets.delete("t1", info.id)
+    assert refused.value.job_ids == [job.id]
+    # An end whose index step never ran still holds the dataset, until someone looks at the job.
+    await redis.hset(Keys().job(job.id), "state", JobState.CANCELLED.value)
+    with pytest.raises(DatasetInUseError):
+        await datasets.delete("t1", info.id)
+    assert await jobs.still_active("t1", [job.id]) == []
+    await datasets.delete("t1", info.id)
+    with pytest.raises(NotFoundError, match=info.id):
+        await jobs.submit("t1", on_dataset(info.id), name="n", total_steps=10, request_id=None)
+    assert await redis.hlen(Keys().tenant_job_datasets("t1")) == 0
+
+
+def test_an_accepted_job_holds_its_dataset_until_it_ends(redis_url: str) -> None:
+    run(redis_url, dataset_references)
 
 
 def test_a_finished_job_keeps_its_last_checkpoint(redis_url: str) -> None:

@@ -311,10 +311,12 @@ def test_a_blow_up_fails_the_job_when_backoff_is_off(redis_url: str) -> None:
         assert state_names(await h.state_changes(job_id))[-1] == "FAILED"
 
         # Jobs that cannot start fail with their reason; the same worker goes on. (StartTraining
-        # refuses such specs; these stand for data deleted or a spec stored by another version.)
+        # refuses such specs; these stand for data lost or a spec stored by another version.)
         resolved = await resolve(spec(steps=10), SETTINGS, h.datasets.info)
         missing, unknown, unresolved = (pb_copy(resolved.spec) for _ in range(3))
-        missing.dataset.dataset_id = "0" * 64
+        lost, _ = await h.datasets.put(TENANT, shape=(4, 8), dtype="uint8", name="", data=bytes(32))
+        await h.redis.delete(Keys().dataset(lost.id))  # its record lost; the submit sees the entry
+        missing.dataset.dataset_id = lost.id
         unknown.dataset.builtin.name = "imagenet"
         unresolved.optimizer.ClearField("lr")
         reasons = []

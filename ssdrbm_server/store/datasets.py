@@ -29,9 +29,13 @@ there):
    which case the reference from step 1 or 3 is released again.
 
 Deleting is the reverse: drop the tenant's entry (`{<t>}`), then its reference (`{<id>}`); the
-last reference takes the record with it and the chunks are unlinked. Dying between steps leaves
-either a reference the tenant no longer lists (uploading and deleting the same bytes again
-clears it) or chunks no record points at; neither is ever read.
+last reference takes the record with it and the chunks are unlinked. The first step is refused
+while one of the tenant's QUEUED or RUNNING jobs trains on the dataset: a job takes that
+reference (`tenant:{<t>}:job_datasets`) in the same step as it is accepted, on the same slot
+(store/jobs.py), so a delete and a submit racing each other are ordered by Redis: the submit
+finds the dataset gone (NOT_FOUND), or the delete finds the job (FAILED_PRECONDITION naming
+it). Dying between steps leaves either a reference the tenant no longer lists (uploading and
+deleting the same bytes again clears it) or chunks no record points at; neither is ever read.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ssdrbm_server.errors import (
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
@@ -123,15 +128,22 @@ redis.call('INCRBY', KEYS[2], ARGV[3])
 return {1, used + tonumber(ARGV[3])}
 """
 
-# KEYS: tenant datasets, tenant bytes. ARGV: id, size. 1 removed, 0 was not there.
+# KEYS: tenant datasets, tenant bytes, tenant job datasets. ARGV: id, size.
+# Returns {1} removed, {0} was not there, {-1, job id...} used by those active jobs.
 _REMOVE = """
+local users = {-1}
+local references = redis.call('HGETALL', KEYS[3])
+for i = 1, #references, 2 do
+  if references[i + 1] == ARGV[1] then users[#users + 1] = references[i] end
+end
+if #users > 1 then return users end
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
-  return 0
+  return {0}
 end
 if tonumber(redis.call('DECRBY', KEYS[2], ARGV[2])) < 0 then
   redis.call('SET', KEYS[2], 0)
 end
-return 1
+return {1}
 """
 
 # KEYS: dataset, its tenants. ARGV: tenant. Returns the upload id to unlink, '' while referenced.
@@ -260,14 +272,14 @@ class DatasetStore:
     async def info(self, tenant: str, dataset_id: str) -> DatasetInfo:
         """Shape, dtype, name and size; NotFoundError when the tenant has no such dataset."""
         if not is_dataset_id(dataset_id):
-            raise _not_found(dataset_id)
+            raise dataset_not_found(dataset_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hget(self.keys.tenant_datasets(tenant), dataset_id)
             pipe.hmget(self.keys.dataset(dataset_id), _RECORD_FIELDS)
             entry, record = await pipe.execute()
         info = _info(dataset_id, entry, record)
         if info is None:
-            raise _not_found(dataset_id)
+            raise dataset_not_found(dataset_id)
         return info
 
     async def load(self, tenant: str, dataset_id: str) -> tuple[DatasetInfo, bytes]:
@@ -276,17 +288,17 @@ class DatasetStore:
         info = await self.info(tenant, dataset_id)
         blob, chunks = await self.redis.hmget(self.keys.dataset(dataset_id), ["blob", "chunks"])
         if blob is None or chunks is None:
-            raise _not_found(dataset_id)
+            raise dataset_not_found(dataset_id)
         upload_key = self.keys.upload(blob.decode())
         parts: list[bytes] = []
         for index in range(int(chunks)):
             part = await self.redis.hget(upload_key, str(index))
             if part is None:
-                raise _not_found(dataset_id)
+                raise dataset_not_found(dataset_id)
             parts.append(part)
         data = b"".join(parts)
         if len(data) != info.size_bytes:
-            raise _not_found(dataset_id)
+            raise dataset_not_found(dataset_id)
         return info, data
 
     async def list(
@@ -312,12 +324,19 @@ class DatasetStore:
         return page, (page_ids[-1] if more else "")
 
     async def delete(self, tenant: str, dataset_id: str) -> DatasetInfo:
-        """Drop the tenant's dataset; its bytes go once no tenant references them."""
+        """Drop the tenant's dataset; its bytes go once no tenant references them.
+        DatasetInUseError while the tenant's queued or running jobs hold it."""
         info = await self.info(tenant, dataset_id)
-        await self._remove(
-            keys=[self.keys.tenant_datasets(tenant), self.keys.tenant_dataset_bytes(tenant)],
+        status, *users = await self._remove(
+            keys=[
+                self.keys.tenant_datasets(tenant),
+                self.keys.tenant_dataset_bytes(tenant),
+                self.keys.tenant_job_datasets(tenant),
+            ],
             args=[dataset_id, info.size_bytes],
         )
+        if status < 0:
+            raise DatasetInUseError(dataset_id, sorted(user.decode() for user in users))
         await self._drop_reference(tenant, dataset_id)
         logger.info("dataset %s deleted for tenant %s", dataset_id, tenant)
         return info
@@ -528,7 +547,24 @@ def _over_quota(tenant: str, size: int, used: int, quota: int) -> ResourceExhaus
     )
 
 
-def _not_found(dataset_id: str) -> NotFoundError:
+class DatasetInUseError(FailedPreconditionError):
+    """The tenant's queued or running jobs `job_ids` train on the dataset."""
+
+    SHOWN = 5  # job ids named in the message
+
+    def __init__(self, dataset_id: str, job_ids: list[str]) -> None:
+        shown = ", ".join(job_ids[: self.SHOWN])
+        more = f" and {len(job_ids) - self.SHOWN} more" if len(job_ids) > self.SHOWN else ""
+        super().__init__(
+            f"dataset {dataset_id} is used by queued or running job(s) {shown}{more}; wait for "
+            "them to finish or cancel them (`ssdrbm cancel JOB`), then delete the dataset",
+            precondition="DATASET_IN_USE",
+            subject=f"job:{job_ids[0]}",
+        )
+        self.job_ids = job_ids
+
+
+def dataset_not_found(dataset_id: str) -> NotFoundError:
     return NotFoundError(
         f"dataset {dataset_id[:80]!r} not found; upload it with UploadDataset and use the "
         "returned dataset_id",

@@ -9,7 +9,9 @@ Redis Cluster the indexes cannot join that script, because they are shared by al
   `{jobs}:queue:<t>` and their rotation, queue.py) and `{jobs}:versions` share the `{jobs}`
   tag, so one script (`_SYNC`) updates them together: a job is queued atomically with its
   QUEUED state, and its tenant joins the rotation in the same step;
-- `tenant:{<t>}:active` (the per-tenant limit) is in the tenant's slot.
+- `tenant:{<t>}:active` (the per-tenant limit) is in the tenant's slot, with
+  `tenant:{<t>}:job_datasets` (which uploaded dataset each active job uses, so that dataset
+  cannot be deleted, store/datasets.py): a job leaves both in one step (`leave_active`).
 
 They are updated AFTER the job hash, as separate steps, by whoever made the transition. Two
 rules make a process death (or a slow process) between the steps safe:
@@ -143,6 +145,16 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(AR
 )
 
 
+# KEYS: tenant active set, tenant job datasets, and the tenant listing when the job leaves it
+# too. ARGV: job id. The job's dataset reference goes with its place in the active set.
+_LEAVE_ACTIVE = """
+redis.call('SREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
+return 1
+"""
+
+
 def index_version(state: JobState, attempt: int) -> int:
     """The version of a job's state: strictly increasing over the job's life (see above)."""
     return 3 * attempt + _RANK.get(state, _TERMINAL_RANK)
@@ -158,6 +170,7 @@ class JobIndex:
         self._reserve_lease = redis.register_script(_RESERVE_LEASE)
         self._lapsed = redis.register_script(_LAPSED)
         self._tombstone = redis.register_script(_TOMBSTONE)
+        self._leave_active = redis.register_script(_LEAVE_ACTIVE)
 
     def _global_keys(self) -> list[str]:
         states = [self.keys.jobs_in_state(state.value) for state in JobState]
@@ -210,11 +223,19 @@ class JobIndex:
         """
         if state.is_terminal:
             # Before the lease entry goes: while it exists, a claimer comes back here.
-            await self.redis.srem(self.keys.tenant_active(tenant), job_id)
+            await self.leave_active(tenant, job_id)
         target = list(JobState).index(state) + 1
         lease = lease_deadline if state is JobState.RUNNING else None
         queue_for = tenant if enqueue else None
         await self._apply(job_id, index_version(state, attempt), target, lease, queue_for)
+
+    async def leave_active(self, tenant: str, job_id: str, *, unlist: bool = False) -> None:
+        """The job no longer counts against its tenant's limit, and no longer holds the
+        uploaded dataset it trains on; `unlist` (a delete) takes it off the listing too."""
+        keys = [self.keys.tenant_active(tenant), self.keys.tenant_job_datasets(tenant)]
+        if unlist:
+            keys.append(self.keys.tenant_jobs(tenant))
+        await self._leave_active(keys=keys, args=[job_id])
 
     async def forget(self, job_id: str) -> None:
         """Drop a job whose hash is gone (expired unfinished submit, lost data) from the shared

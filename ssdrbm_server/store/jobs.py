@@ -7,9 +7,11 @@ once the job is queued:
 
 1. create (job slot): the job hash (QUEUED) and its first event, both expiring after
    `ADMISSION_TTL_S`. Dying here leaves an orphan nobody can name; it expires.
-2. reserve (tenant slot, atomic): the idempotency key, the active-job limit, the listing
-   position and the active set. A repeated request id or a full tenant answers here and the
-   orphan of step 1 is deleted. From here on the job may be seen (ListJobs, the request id).
+2. reserve (tenant slot, atomic): the idempotency key, the uploaded dataset the job trains on
+   (the tenant must still have it), the active-job limit, the listing position, the active set
+   and the job's reference to its dataset. A repeated request id, a dataset deleted since the
+   request was checked or a full tenant answers here and the orphan of step 1 is deleted. From
+   here on the job may be seen (ListJobs, the request id).
 3. queue (`{jobs}` slot): the QUEUED state set and the job appended to its tenant's queue
    (which joins the rotation of tenants, queue.py), once per version (indexes.py), so doing
    this twice queues the job once. A cancelled or deleted job's entry stays in the queue until
@@ -38,6 +40,12 @@ names the job, the job existed at that last read, and the record read is the ans
 reservation runs again and makes a new job. So a repeat racing a delete answers the job as it
 was before the delete began, or a new job; never a job already gone, and never an error.
 
+An accepted job holds its uploaded dataset: the reference (`tenant:{<t>}:job_datasets`, job ->
+dataset) is taken in step 2, so a DeleteDataset (one script on the same slot, datasets.py)
+either runs first, and the submit answers NOT_FOUND, or after, and is refused naming the job. It
+goes when the job leaves the active set (indexes.py `leave_active`: its end, or its delete), so
+a sweep's runs, which are submitted here too, hold their dataset the same way.
+
 Cancel decides on the job hash alone (one script); the indexes follow (indexes.py).
 
 Delete (and retention when a job ends: checkpoints trimmed, finished jobs expiring) is in
@@ -54,6 +62,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
+from ssdrbm.v1 import rbm_pb2
+
 from ssdrbm_server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -64,6 +75,7 @@ from ssdrbm_server.errors import (
 )
 from ssdrbm_server.keys import Keys, is_job_id
 from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.datasets import dataset_not_found
 from ssdrbm_server.store.events import event_values, state_event_fields, xadd_event
 from ssdrbm_server.store.indexes import JobIndex
 from ssdrbm_server.store.lifecycle import REQUEST_ID_FIELD, JobLifecycle, Retention
@@ -90,15 +102,20 @@ return 1
 """
 )
 
-# KEYS: idempotency, tenant active set, tenant listing, tenant sequence.
+# KEYS: idempotency, tenant active set, tenant listing, tenant sequence, tenant datasets, tenant
+# job datasets.
 # ARGV: job id, use idempotency ("1"/"0"), max active (0 = no limit), max job records (0 = no
-# limit), idempotency key TTL seconds (0 = none).
+# limit), idempotency key TTL seconds (0 = none), uploaded dataset id ('' = none).
 # Returns {1, id, seq} when reserved, {0, existing id, 0} for a repeated request id,
-# {-1, "", 0} at the active-job limit, {-2, "", 0} at the job-record quota.
+# {-1, "", 0} at the active-job limit, {-2, "", 0} at the job-record quota, {-3, "", 0} when the
+# tenant has no such dataset (any more).
 _RESERVE = """
 if ARGV[2] == '1' then
   local existing = redis.call('GET', KEYS[1])
   if existing then return {0, existing, 0} end
+end
+if ARGV[6] ~= '' and redis.call('HEXISTS', KEYS[5], ARGV[6]) == 0 then
+  return {-3, '', 0}
 end
 local max_active = tonumber(ARGV[3])
 if max_active > 0 and redis.call('SCARD', KEYS[2]) >= max_active then
@@ -110,6 +127,7 @@ if max_records > 0 and redis.call('ZCARD', KEYS[3]) >= max_records then
 end
 local seq = redis.call('INCR', KEYS[4])
 redis.call('SADD', KEYS[2], ARGV[1])
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[6], ARGV[1], ARGV[6]) end
 redis.call('ZADD', KEYS[3], seq, ARGV[1])
 if ARGV[2] == '1' then
   local ttl = tonumber(ARGV[5])
@@ -159,7 +177,7 @@ _SUBMIT_ROUNDS = 3  # reservations retried after a repair freed a slot or a requ
 _LIST_BATCH = 200
 
 # Replies of _RESERVE.
-_RESERVED, _REPEATED, _AT_LIMIT, _AT_QUOTA = 1, 0, -1, -2
+_RESERVED, _REPEATED, _AT_LIMIT, _AT_QUOTA, _NO_DATASET = 1, 0, -1, -2, -3
 
 
 @dataclass
@@ -185,6 +203,16 @@ class _Found:
 def new_job_id() -> str:
     """A random job id: 32 hex digits."""
     return uuid.uuid4().hex
+
+
+def uploaded_dataset(spec: bytes) -> str:
+    """The uploaded dataset a job's spec trains on: "" for a built-in one, or for a spec that
+    does not parse (its worker fails the job)."""
+    try:
+        dataset = rbm_pb2.StartTrainingRequest.FromString(spec).dataset
+    except DecodeError:
+        return ""
+    return dataset.dataset_id if dataset.WhichOneof("source") == "dataset_id" else ""
 
 
 def _not_found(job_id: str) -> NotFoundError:
@@ -257,10 +285,13 @@ class JobStore:
             args += [field, value]
         await self._create(keys=self._job_keys(job_id), args=args)
         limits = (max_active, max_records, idempotency_ttl_s)
-        reservation = await self._reserve_job(tenant, job_id, request_id, limits)
+        dataset_id = uploaded_dataset(spec)
+        reservation = await self._reserve_job(tenant, job_id, request_id, limits, dataset_id)
         status = reservation.status
         if status != _RESERVED:
             await self.redis.delete(*self._job_keys(job_id))  # else it expires by itself
+        if status == _NO_DATASET:
+            raise dataset_not_found(dataset_id)  # deleted since the request was checked
         if status == _AT_LIMIT:
             raise ResourceExhaustedError(
                 f"tenant already has {max_active} queued or running jobs; wait for one to finish "
@@ -283,7 +314,12 @@ class JobStore:
         return await self.get(tenant, job_id), True
 
     async def _reserve_job(
-        self, tenant: str, job_id: str, request_id: str | None, limits: tuple[int, int, int]
+        self,
+        tenant: str,
+        job_id: str,
+        request_id: str | None,
+        limits: tuple[int, int, int],
+        dataset_id: str,
     ) -> _Reservation:
         """Step 2, after repairing what stood in the way: a full tenant whose active set holds
         ended or vanished jobs, or a request id whose job is gone or expired before it was
@@ -293,8 +329,10 @@ class JobStore:
             self.keys.tenant_active(tenant),
             self.keys.tenant_jobs(tenant),
             self.keys.tenant_sequence(tenant),
+            self.keys.tenant_datasets(tenant),
+            self.keys.tenant_job_datasets(tenant),
         ]
-        args = [job_id, "1" if request_id else "0", *limits]
+        args = [job_id, "1" if request_id else "0", *limits, dataset_id]
         for _ in range(_SUBMIT_ROUNDS):
             status, found_id, seq = await self._reserve(keys=keys, args=args)
             reservation = _Reservation(status, found_id.decode(), seq)
@@ -371,10 +409,17 @@ class JobStore:
         job_ids = sorted(
             m.decode() for m in await self.redis.smembers(self.keys.tenant_active(tenant))
         )
-        freed = False
+        return len(await self.still_active(tenant, job_ids)) < len(job_ids)
+
+    async def still_active(self, tenant: str, job_ids: list[str]) -> list[str]:
+        """Those of the tenant's jobs that are QUEUED or RUNNING. The others leave the active set
+        here, releasing their dataset: the index step of an end or a delete that a dead process
+        left undone."""
+        active = []
         for job_id, found in zip(job_ids, await self._probe(job_ids), strict=True):
-            freed = await self._repair(tenant, job_id, found) or freed
-        return freed
+            if not await self._repair(tenant, job_id, found):
+                active.append(job_id)
+        return active
 
     async def get(self, tenant: str, job_id: str) -> JobRecord:
         """The job's record; NotFoundError when unknown or owned by another tenant."""

@@ -22,7 +22,7 @@ good:
    (else the caller reads it again), so no checkpoint written meanwhile survives. From here on
    the job is NOT_FOUND everywhere; a worker still running it (a forced delete) has its next
    fenced write refused, since the fence needs the hash, and stops within a heartbeat.
-4. the tenant's keys (`{<t>}`): active set and listing.
+4. the tenant's keys (`{<t>}`): active set, the job's dataset reference, and listing.
 5. the shared indexes (`{jobs}`): state sets, lease and queue bookkeeping (indexes.py `forget`,
    whose version tombstone stops a late index step of a worker from indexing the job again).
 6. the schedule entry, last.
@@ -173,13 +173,6 @@ return 'kept'
 """
 )
 
-# KEYS: tenant active set, tenant listing. ARGV: job id.
-_DROP_FROM_TENANT = """
-redis.call('SREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
-"""
-
 # KEYS: an idempotency key. ARGV: job id. Deleted only while it names that job: a key a repeat
 # already moved to a new job stays.
 _RELEASE_REQUEST_ID = """
@@ -234,7 +227,6 @@ class JobLifecycle:
         self._settle = redis.register_script(_SETTLE)
         self._delete = redis.register_script(_DELETE)
         self._retain = redis.register_script(_RETAIN)
-        self._drop_from_tenant = redis.register_script(_DROP_FROM_TENANT)
         self._release_request_id = redis.register_script(_RELEASE_REQUEST_ID)
 
     # --- retention ------------------------------------------------------------------------
@@ -315,9 +307,8 @@ class JobLifecycle:
             await self._release_request_id(keys=[idempotency], args=[job_id])
 
     async def drop_from_tenant(self, tenant: str, job_id: str) -> None:
-        """Step 4: the tenant's active set and listing."""
-        keys = [self.keys.tenant_active(tenant), self.keys.tenant_jobs(tenant)]
-        await self._drop_from_tenant(keys=keys, args=[job_id])
+        """Step 4: the tenant's active set (with the job's dataset reference) and listing."""
+        await self.index.leave_active(tenant, job_id, unlist=True)
 
     async def _delete_job_keys(self, job_id: str, tenant: str, allow_active: bool) -> str:
         """Step 3, read again while a worker writes a checkpoint in between."""
