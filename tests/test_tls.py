@@ -184,7 +184,7 @@ def tls_redis(pki: Pki, tmp_path: Path) -> Iterator[int]:
         [REDIS_SERVER, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
          "--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
          "--tls-ca-cert-file", str(pki.ca), "--tls-auth-clients", "no",
-         "--dir", str(tmp_path), "--save", "", "--appendonly", "no"],
+         "--dir", str(tmp_path), "--save", "", "--appendonly", "yes"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     client = redis.Redis(port=port, ssl=True, ssl_ca_certs=str(pki.ca), socket_timeout=0.5)
