@@ -57,8 +57,8 @@ def check_batch_shape(shape: Sequence[int], *, field: str, max_elements: int) ->
     elements = math.prod(shape)
     if elements > max_elements:
         raise ResourceExhaustedError(
-            f"{field} has {elements} elements, more than this server's limit of {max_elements} "
-            "(SSDRBM_MAX_TENSOR_ELEMENTS); send smaller batches",
+            f"{field}.shape: {list(shape)} makes {elements} elements, more than this server's "
+            f"limit of {max_elements} (SSDRBM_MAX_TENSOR_ELEMENTS); send smaller batches",
             limit="max_tensor_elements",
         )
     return int(shape[0]), int(shape[1])
