@@ -1,6 +1,7 @@
 """The one place a StartTrainingRequest becomes a job's spec: every field resolved and checked.
 
-``resolve`` is called once, in StartTraining. What it returns is stored with the job and used
+``resolve`` is called once, in StartTraining (a sweep calls ``resolve_known`` per point). What
+it returns is stored with the job and used
 verbatim by the worker, which has no defaults of its own. Fields left unset take the server's
 defaults from their owners: step sizes from ssdcore's table (ssdcore/step_sizes.py), blow-up
 recovery from ssdcore/blowup.py, the server-tunable counts from ``Settings``, dataset options
