@@ -6,14 +6,18 @@ still leaves room for the others, so its slow calls cannot refuse theirs. A call
 is refused at once (RESOURCE_EXHAUSTED, retry shortly) with a message naming the cap and its
 setting, and a QuotaFailure whose subject says whose cap it was (`tenant:<t>` or `server`).
 
-Metric streams (StreamMetrics, StreamSweep) and uploads (UploadDataset) each have one.
+Metric streams (StreamMetrics, StreamSweep) and uploads (UploadDataset) each have one; serving
+(Reconstruct, SampleHidden) has one without a server cap (its thread pool is that bound), whose
+calls wait a little for a slot (`hold_waiting`), so a short burst is smoothed over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from ssdrbm_server.errors import (
@@ -40,15 +44,16 @@ class CallSlots:
 
     def __init__(
         self,
-        server: SlotCap,
+        server: SlotCap | None,
         tenant: SlotCap,
         on_change: Callable[[int], None] | None = None,
     ) -> None:
-        self.server = server
+        self.server = server  # None: no cap for the whole server
         self.tenant = tenant
         self._on_change = on_change  # told the new total (a Prometheus gauge)
         self._total = 0
         self._by_tenant: Counter[str] = Counter()
+        self._freed = asyncio.Event()  # set, and replaced, whenever a slot is given back
 
     @property
     def in_progress(self) -> int:
@@ -61,21 +66,45 @@ class CallSlots:
     def hold(self, tenant: str, **fields: str) -> Iterator[None]:
         """A slot for ``tenant`` while the block runs; ResourceExhaustedError when the server
         or the tenant is at its cap (``fields`` fill the message)."""
-        self._check(tenant, fields)
+        refusal = self._refusal_for(tenant, fields)
+        if refusal is not None:
+            raise refusal
+        with self._held(tenant):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def hold_waiting(self, tenant: str, wait_s: float, **fields: str) -> AsyncIterator[None]:
+        """As ``hold``, but a call over a cap first waits up to ``wait_s`` seconds for a slot
+        (the message may use ``{wait_s}``)."""
+        deadline = time.monotonic() + max(wait_s, 0.0)
+        fields = {**fields, "wait_s": f"{wait_s:.2f}"}
+        while (refusal := self._refusal_for(tenant, fields)) is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise refusal
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), remaining)
+        with self._held(tenant):
+            yield
+
+    def _refusal_for(self, tenant: str, fields: dict[str, str]) -> ResourceExhaustedError | None:
+        # The server's cap first: when both are full, the tenant's share is not what to fix.
+        if self.server is not None and self._total >= self.server.limit:
+            return self._refusal(self.server, self._total, tenant, fields, subject=SERVER_SUBJECT)
+        held = self._by_tenant[tenant]
+        if held >= self.tenant.limit:
+            return self._refusal(self.tenant, held, tenant, fields, subject=tenant_subject(tenant))
+        return None
+
+    @contextlib.contextmanager
+    def _held(self, tenant: str) -> Iterator[None]:
         self._add(tenant, +1)
         try:
             yield
         finally:
             self._add(tenant, -1)
-
-    def _check(self, tenant: str, fields: dict[str, str]) -> None:
-        # The server's cap first: when both are full, the tenant's share is not what to fix.
-        if self._total >= self.server.limit:
-            raise self._refusal(self.server, self._total, tenant, fields, subject=SERVER_SUBJECT)
-        held = self._by_tenant[tenant]
-        if held >= self.tenant.limit:
-            subject = tenant_subject(tenant)
-            raise self._refusal(self.tenant, held, tenant, fields, subject=subject)
+            self._freed.set()  # wakes the calls waiting for a slot
+            self._freed = asyncio.Event()
 
     @staticmethod
     def _refusal(

@@ -20,25 +20,23 @@ occupy every pool thread for long.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ssdrbm_server.call_slots import CallSlots, SlotCap
 from ssdrbm_server.errors import (
-    RETRY_SHORTLY_S,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     ResourceExhaustedError,
-    tenant_subject,
 )
 from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.store.checkpoints import Checkpoint, CheckpointStore
@@ -203,40 +201,6 @@ def _hidden(
         return _in_chunks(v, width, chunking, model.hidden_probs)  # (B, H)
 
 
-class TenantSlots:
-    """At most ``limit`` pooled computations per tenant; a caller waits a bounded time for one."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._semaphores: dict[str, asyncio.Semaphore] = {}
-        self._users: Counter[str] = Counter()  # holders and waiters: the semaphore's lifetime
-
-    @contextlib.asynccontextmanager
-    async def hold(self, tenant: str, wait_s: float) -> AsyncIterator[None]:
-        semaphore = self._semaphores.setdefault(tenant, asyncio.Semaphore(self.limit))
-        self._users[tenant] += 1
-        try:
-            try:
-                await asyncio.wait_for(semaphore.acquire(), max(wait_s, 0.0))
-            except TimeoutError:
-                raise ResourceExhaustedError(
-                    f"tenant {tenant!r} already has {self.limit} serving calls computing "
-                    f"(SSDRBM_MAX_SERVING_CALLS_PER_TENANT={self.limit}) and none finished "
-                    f"within {wait_s:.2f} s; retry with backoff or send fewer calls at once",
-                    limit="max_serving_calls_per_tenant",
-                    subject=tenant_subject(tenant),
-                    retry_after_s=RETRY_SHORTLY_S,
-                ) from None
-            try:
-                yield
-            finally:
-                semaphore.release()
-        finally:
-            self._users[tenant] -= 1
-            if not self._users[tenant]:  # idle tenants cost nothing
-                del self._users[tenant], self._semaphores[tenant]
-
-
 @dataclass(frozen=True)
 class ServingLimits:
     """The serving side of ``Settings`` (see config.py for each one's reason)."""
@@ -272,7 +236,16 @@ class ModelServer:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="serving")
         self.limits = limits or ServingLimits()
         self.metrics = metrics
-        self.slots = TenantSlots(self.limits.calls_per_tenant)
+        self.slots = CallSlots(  # no server cap: the pool's threads are that bound
+            None,
+            SlotCap(
+                self.limits.calls_per_tenant,
+                "max_serving_calls_per_tenant",
+                "tenant {tenant!r} already has {count} serving calls computing "
+                "(SSDRBM_MAX_SERVING_CALLS_PER_TENANT={limit}) and none finished within "
+                "{wait_s} s; retry with backoff or send fewer calls at once",
+            ),
+        )
 
     def close(self) -> None:
         """Stop the thread pool (waits for running computations)."""
@@ -394,7 +367,7 @@ class ModelServer:
         deadline = None if remaining is None else time.monotonic() + remaining
         chunking = Chunking(self.limits.chunk_rows, deadline, self.metrics)
         wait_s = self.limits.wait_s if remaining is None else min(self.limits.wait_s, remaining)
-        async with self.slots.hold(caller.tenant, wait_s):
+        async with self.slots.hold_waiting(caller.tenant, wait_s):
             loop = asyncio.get_running_loop()
             try:
                 return await loop.run_in_executor(self.pool, function, *args, chunking)
