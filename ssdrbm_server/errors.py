@@ -304,7 +304,8 @@ def details_trailer(exc: BaseException) -> tuple[tuple[str, bytes], ...]:
     return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
-async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+def _answer_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+    """Set the call's status for ``exc``; the handler then returns and gRPC sends it."""
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.error("unhandled error in %s", method, exc_info=exc)
@@ -312,9 +313,14 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
         logger.warning("%s: %s (%s)", method, message, exc)
     else:
         logger.debug("%s: %s %s", method, code.name, message)
-    # abort() replaces any trailing metadata the handler set; keep it beside the details.
+    # Not context.abort(): its AbortError sits in a reference cycle with gRPC's frames, which
+    # hold the request, until Python's full collection runs, so every refused request's memory
+    # (a whole message of huge lists) stayed that long. Keep the handler's trailing metadata
+    # beside the details, as abort() did.
     trailing = (*tuple(context.trailing_metadata() or ()), *details_trailer(exc))
-    await context.abort(code, message, trailing)
+    context.set_code(code)
+    context.set_details(message)
+    context.set_trailing_metadata(trailing)
 
 
 class _Undecodable:
@@ -397,7 +403,7 @@ def _mapped(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMetho
             except Exception as exc:
                 if _is_passthrough(exc):
                     raise
-                await _abort_for(exc, context, method)
+                _answer_for(exc, context, method)
 
         return mapped
 
@@ -412,7 +418,7 @@ def _mapped(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMetho
             except Exception as exc:
                 if _is_passthrough(exc):
                     raise
-                await _abort_for(exc, context, method)
+                _answer_for(exc, context, method)
 
         return mapped
 

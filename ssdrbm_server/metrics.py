@@ -112,11 +112,11 @@ async def refresh_job_gauges(
 
 
 def _code_of(exc: BaseException | None, context: grpc.aio.ServicerContext) -> str:
-    if exc is None:
-        return "OK"
-    if isinstance(exc, grpc.aio.AbortError):
+    if exc is None or isinstance(exc, grpc.aio.AbortError):  # a refusal sets the context's code
         code = context.code()
-        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+        if isinstance(code, grpc.StatusCode):
+            return code.name
+        return "OK" if exc is None else "UNKNOWN"
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         return "CANCELLED"
     return status_for(exc)[0].name
