@@ -116,11 +116,15 @@ def test_a_bad_point_refuses_the_sweep_before_any_job(idle: RunningService) -> N
     assert "sweep point 1" in error.details()
     assert not list(stub.ListJobs(pb.ListJobsRequest()).jobs)
     assert not list(stub.ListSweeps(pb.ListSweepsRequest()).sweeps)
+    seeds_past_the_last_seed = sweep_request(lr_axis(0.1), seeds=2)
+    seeds_past_the_last_seed.base.training.seed = 2**64 - 1
     for request, field in [
         (sweep_request(pb.SweepAxis(field="training.steps", values=[1])), "axes[0].field"),
         (sweep_request(), "axes"),
         (sweep_request(lr_axis(0.1), rank_metric="accuracy"), "rank_metric"),
         (sweep_request(pb.SweepAxis(field="model.n_hidden", values=[2.5])), "axes[0].values"),
+        (sweep_request(pb.SweepAxis(field="model.n_hidden", values=[1e10])), "axes[0].values"),
+        (seeds_past_the_last_seed, "seeds"),
         (
             sweep_request(lr_axis(0.1), early_stopping=pb.EarlyStopping(min_steps=20)),
             "early_stopping.min_steps",

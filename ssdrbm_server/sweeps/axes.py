@@ -21,7 +21,7 @@ from ssdrbm_server.vocabulary import OPTIMIZER_NAMES
 PER_PARAMETER_LR = "optimizer.per_parameter_lr."
 SEED_FIELD = "training.seed"
 
-Point = dict[str, float]  # axis field -> value (ints and enum numbers as floats)
+Point = dict[str, float]  # axis field -> value (enum numbers and integers as floats, seeds as ints)
 
 
 def _set_lr(spec: pb.StartTrainingRequest, value: float) -> None:
@@ -129,7 +129,9 @@ def check_axes(request: pb.StartSweepRequest) -> list[Axis]:
         if any(axis.field == SEED_FIELD for axis in axes):
             raise InvalidArgumentError("seeds", f"give seeds or a {SEED_FIELD} axis, not both")
         first = request.base.training.seed
-        values = tuple(float(first + i) for i in range(request.seeds))
+        # Exact integers: a float would merge seeds from 2^53 on.
+        values = tuple(first + i for i in range(request.seeds))
+        _check_holds(FIELDS[SEED_FIELD], SEED_FIELD, values[-1], "seeds")
         axes.append(Axis(SEED_FIELD, FIELDS[SEED_FIELD], values, "seeds"))
     if not axes:
         raise InvalidArgumentError(
@@ -170,6 +172,7 @@ def _check_axis(message: pb.SweepAxis, where: str, random_mode: bool) -> Axis:
                     f"{where}.values",
                     f"{message.field} takes {_WHAT_VALUES[kind.kind]}, got {value!r}",
                 )
+            _check_holds(kind, message.field, value, f"{where}.values")
     if has_range:
         if values:
             raise InvalidArgumentError(where, "give values or a range, not both")
@@ -183,6 +186,17 @@ def _check_axis(message: pb.SweepAxis, where: str, random_mode: bool) -> Axis:
     return Axis(message.field, kind, values, where)
 
 
+def _check_holds(kind: FieldKind, field: str, value: float, where: str) -> None:
+    """INVALID_ARGUMENT naming ``where`` when the request field cannot hold ``value`` (an
+    integer field has its wire type's range); the resolver then judges the values it holds."""
+    try:
+        kind.apply(pb.StartTrainingRequest(), value)
+    except (ValueError, OverflowError):
+        raise InvalidArgumentError(
+            where, f"{field} = {format_value(field, value)} is out of the field's range"
+        ) from None
+
+
 def _range_axis(message: pb.SweepAxis, kind: FieldKind, where: str) -> Axis:
     low, high = message.range.low, message.range.high
     log = message.range.scale == pb.AXIS_SCALE_LOG
@@ -192,6 +206,9 @@ def _range_axis(message: pb.SweepAxis, kind: FieldKind, where: str) -> Axis:
         )
     if log and low <= 0:
         raise InvalidArgumentError(f"{where}.range.low", f"a LOG range needs low > 0, got {low}")
+    if kind.kind == "integer":  # draws are rounded: the ends are the extremes
+        _check_holds(kind, message.field, float(round(low)), f"{where}.range.low")
+        _check_holds(kind, message.field, float(round(high)), f"{where}.range.high")
     return Axis(message.field, kind, (), where, low, high, log)
 
 
