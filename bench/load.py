@@ -31,9 +31,7 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,12 +50,12 @@ from ssdrbm.connection import with_bearer_token
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.redis_process import RedisServer, free_port
 from ssdrbm_server.store.records import worker_label
 
 logger = logging.getLogger("bench.load")
 
 REPO = Path(__file__).resolve().parents[1]
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 N_VISIBLE = 16
 START_TIMEOUT_S = 60.0
 # The soak compares the keys' own sizes (`keyspace_bytes`), not the allocator's total, which
@@ -149,12 +147,6 @@ class Deadline:
             raise DeadlineExceeded(f"deadline passed while {what}")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def percentiles(samples: list[float]) -> dict[str, float]:
     """count, p50, p95, p99 and max of latencies given in seconds, in milliseconds."""
     if not samples:
@@ -178,9 +170,9 @@ class Cluster:
     def __init__(self, directory: Path, config: LoadConfig) -> None:
         self.directory = directory
         self.config = config
-        self.redis_port = free_port()
+        self.redis = RedisServer(directory / "redis")
         self.api_port = free_port()
-        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.redis_url = self.redis.url
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
@@ -207,14 +199,7 @@ class Cluster:
         }
 
     def start(self) -> None:
-        redis_dir = self.directory / "redis"
-        redis_dir.mkdir()
-        self._spawn(
-            "redis",
-            [REDIS_SERVER, "--port", str(self.redis_port), "--bind", "127.0.0.1",
-             "--dir", str(redis_dir), "--save", "", "--appendonly", "yes",
-             "--appendfsync", "everysec"],
-        )  # fmt: skip
+        self.redis.start()
         self._spawn(
             "api",
             [sys.executable, "-m", "ssdrbm_server", "--no-worker", "--listen",
@@ -268,8 +253,8 @@ class Cluster:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        """SIGTERM everything (workers first), SIGKILL what lingers."""
-        order = [n for n in self.processes if n.startswith("worker")] + ["api", "redis"]
+        """SIGTERM everything (workers first, Redis last), SIGKILL what lingers."""
+        order = [n for n in self.processes if n.startswith("worker")] + ["api"]
         for name in order:
             process = self.processes.get(name)
             if process is None or process.poll() is not None:
@@ -280,6 +265,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        self.redis.stop()
 
 
 # --- the load ---------------------------------------------------------------------------------

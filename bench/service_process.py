@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,34 +18,18 @@ from pathlib import Path
 from bench.data import REPO_ROOT
 from bench.timing import rss_mib
 from ssdcore.data import default_data_dir
+from ssdrbm_server.redis_process import RedisServer
 
 START_TIMEOUT_S = 60.0
 STREAM_BLOCK_MS = 1000  # the server's XREAD BLOCK per poll of a metric stream
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
 def redis_server(directory: Path) -> Iterator[str]:
     """A throw-away redis-server on a free loopback port, with the append-only file the service
     requires (fsynced every second, as compose and Kubernetes run it); yields its URL."""
-    executable = shutil.which("redis-server") or "/usr/bin/redis-server"
-    port = _free_port()
-    command = [
-        executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
-        "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-        "--logfile", str(directory / "redis.log"),
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_port(port, process)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        stop_process(process, 10)
+    with RedisServer(directory) as server:
+        yield server.url
 
 
 def stop_process(process: subprocess.Popen, grace_s: float) -> None:
@@ -59,17 +40,6 @@ def stop_process(process: subprocess.Popen, grace_s: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-def _wait_for_port(port: int, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"redis-server exited with status {process.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError("redis-server did not start listening in time")
 
 
 @dataclass

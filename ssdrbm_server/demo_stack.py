@@ -21,7 +21,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,13 +28,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
-import redis
-
 from ssdrbm_server import demo
 from ssdrbm_server.healthcheck import check
 from ssdrbm_server.readiness import READINESS
+from ssdrbm_server.redis_process import RedisServer, free_port
 
-REDIS_SERVER = shutil.which("redis-server") or "redis-server"
 START_TIMEOUT_S = 60.0
 # The demo's job is throw-away: a short drain and checkpoint wait keep Ctrl-C prompt.
 DEMO_SERVICE_SETTINGS = {"SSDRBM_SHUTDOWN_GRACE_S": "2", "SSDRBM_STOP_TIMEOUT_SECONDS": "5"}
@@ -52,22 +49,22 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class LocalStack:
     """Redis and the service as child processes in sessions of their own."""
 
     def __init__(self, state_dir: Path, *, port: int, metrics_port: int) -> None:
         self.state_dir = state_dir
         self.logs = state_dir / "logs"
-        self.redis_port = free_port()
+        self.redis = RedisServer(
+            state_dir / "redis",
+            logfile=self.logs / "redis.log",
+            popen_options={
+                "start_new_session": True,  # out of the terminal's process group: Ctrl-C is ours
+                "preexec_fn": _die_with_parent,
+            },
+        )
         self.port = port or free_port()
         self.metrics_port = metrics_port or free_port()
-        self.redis: subprocess.Popen[bytes] | None = None
         self.service: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self.hurry = False  # a second signal while stopping: kill, do not wait
@@ -77,35 +74,25 @@ class LocalStack:
         return f"127.0.0.1:{self.port}"
 
     def start_redis(self) -> None:
-        data = self.state_dir / "redis"
+        data = self.redis.directory
         shutil.rmtree(data, ignore_errors=True)  # no jobs of an earlier, interrupted run
-        data.mkdir(parents=True)
-        self.logs.mkdir(parents=True, exist_ok=True)
-        print(f"starting redis-server on 127.0.0.1:{self.redis_port} (data in {data})", flush=True)
-        self.redis = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.redis_port), "--bind", "127.0.0.1",
-             "--dir", str(data.resolve()), "--appendonly", "yes", "--save", "",
-             "--daemonize", "no", "--logfile", str((self.logs / "redis.log").resolve())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,  # out of the terminal's process group: Ctrl-C is ours
-            preexec_fn=_die_with_parent,
-        )  # fmt: skip
-        client = redis.Redis(port=self.redis_port, socket_connect_timeout=0.5)
+        print(f"starting redis-server on 127.0.0.1:{self.redis.port} (data in {data})", flush=True)
         try:
-            self._wait(lambda: _pings(client), self.redis, "redis-server answering")
-        finally:
-            client.close()
+            self.redis.start(START_TIMEOUT_S)
+        except RuntimeError as failed:
+            raise SystemExit(f"demo: {failed}") from None
 
     def start_service(self) -> None:
         env = {
             **os.environ,
             **{k: v for k, v in DEMO_SERVICE_SETTINGS.items() if k not in os.environ},
-            "SSDRBM_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+            "SSDRBM_REDIS_URL": self.redis.url,
             "SSDRBM_LISTEN_ADDRESS": self.target,
             "SSDRBM_METRICS_PORT": str(self.metrics_port),
             "SSDRBM_METRICS_ADDRESS": "127.0.0.1",
         }
         log = self.logs / "service.log"
+        self.logs.mkdir(parents=True, exist_ok=True)
         print(
             f"starting the service on {self.target} (log: {log}, metrics: "
             f"http://127.0.0.1:{self.metrics_port}/metrics)",
@@ -142,8 +129,8 @@ class LocalStack:
         if self.service is not None:
             self._stop(self.service, SERVICE_STOP_S, "the service")
             _kill_group(self.service.pid)  # its training process, if it outlived it
-        if self.redis is not None:
-            self._stop(self.redis, REDIS_STOP_S, "redis-server")
+        if self.redis.process is not None:
+            self._stop(self.redis.process, REDIS_STOP_S, "redis-server")
 
     def _stop(self, process: subprocess.Popen[bytes], bound_s: float, name: str) -> None:
         if process.poll() is not None:
@@ -158,13 +145,6 @@ class LocalStack:
                 return
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(0.1)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-        return False
 
 
 def _die_with_parent() -> None:

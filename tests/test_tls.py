@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,8 @@ import redis
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from ssdrbm_server.config import ConfigError, Settings
+from ssdrbm_server.redis_process import RedisServer, RedisTls
 from tests.fixtures.jobs import rpc_error, tiny_request
-from tests.fixtures.redis import REDIS_SERVER, RedisServer, free_port
 from tests.fixtures.service import RunningService
 
 OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"
@@ -179,29 +178,9 @@ def test_redis_password_in_the_url(
 @pytest.fixture
 def tls_redis(pki: Pki, tmp_path: Path) -> Iterator[int]:
     """A redis-server that speaks only TLS (clients need not present a certificate)."""
-    port = free_port()
-    process = subprocess.Popen(
-        [REDIS_SERVER, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-         "--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
-         "--tls-ca-cert-file", str(pki.ca), "--tls-auth-clients", "no",
-         "--dir", str(tmp_path), "--save", "", "--appendonly", "yes"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    client = redis.Redis(port=port, ssl=True, ssl_ca_certs=str(pki.ca), socket_timeout=0.5)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert process.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
-        yield port
-    finally:
-        client.close()
-        process.terminate()
-        process.wait(10)
+    tls = RedisTls(cert_file=pki.server_cert, key_file=pki.server_key, ca_file=pki.ca)
+    with RedisServer(tmp_path, tls=tls) as server:
+        yield server.port
 
 
 def test_redis_over_tls(
