@@ -85,8 +85,11 @@ def reported_metrics(spec: pb.StartTrainingRequest) -> frozenset[str] | None:
         probe = _MethodProbe()
         evaluate_job(cast("Trainer", probe), spec, with_ais=with_ais)
         methods.add(probe.method)
+    stand_in = pb.ModelSpec()
+    stand_in.CopyFrom(spec.model)
+    stand_in.n_hidden = STAND_IN_UNITS  # the method above was decided with the job's own size
     try:
-        names = [_evaluated(spec.model.SerializeToString(), method) for method in sorted(methods)]
+        names = [_evaluated(stand_in.SerializeToString(), method) for method in sorted(methods)]
     except Exception:  # a stand-in is no reason to refuse a sweep: it goes unchecked
         logger.exception("could not tell the metrics of model %s", spec.model)
         return None
@@ -110,8 +113,8 @@ STAND_IN_ROWS = 4
 
 @functools.lru_cache(maxsize=64)
 def _evaluated(model_spec: bytes, method: str) -> frozenset[str]:
-    """The names ``Trainer.evaluate(method)`` reports for a small model of the same kind,
-    with validation rows (the resolver's split always keeps some)."""
+    """The names ``Trainer.evaluate(method)`` reports for the stand-in model ``model_spec``
+    (STAND_IN_UNITS hidden units), with validation rows (the resolver's split keeps some)."""
     import torch
 
     from ssdcore.models import model_from_config
@@ -119,7 +122,6 @@ def _evaluated(model_spec: bytes, method: str) -> frozenset[str]:
     from ssdrbm_server.worker.spec import model_config
 
     stand_in = pb.StartTrainingRequest(model=pb.ModelSpec.FromString(model_spec))
-    stand_in.model.n_hidden = STAND_IN_UNITS
     model = model_from_config(model_config(stand_in, STAND_IN_UNITS))
     rows = torch.zeros(STAND_IN_ROWS, STAND_IN_UNITS)
     trainer = Trainer(model, rows, batch_size=STAND_IN_ROWS, valid_data=rows)
