@@ -4,10 +4,10 @@ The one place a metric's direction is defined: the leaderboard (service.py) and 
 decision (rungs.py) both compare ``signed_value``s, lower is better.
 
 A sweep ranks only by a metric its runs report (``check_reported``). Which ones a job reports
-is not listed here: the worker's evaluation (worker/job_training.evaluate_job) picks the
-log-likelihood method for the job, and ssdcore's ``Trainer.evaluate`` decides which values
-come with that method and model; ``reported_metrics`` asks both, on a 2×2 stand-in of the
-job's model, so the answer cannot drift from what the runs send.
+is not listed here: the worker's evaluation picks the log-likelihood method for the job
+(worker/job_training.log_likelihood_method), and ssdcore's ``Trainer.evaluate`` decides which
+values come with that method and model; ``reported_metrics`` asks both, evaluating a 2×2
+stand-in of the job's model, so the answer cannot drift from what the runs send.
 """
 
 from __future__ import annotations
@@ -15,14 +15,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import TYPE_CHECKING, Any, cast
 
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdrbm_server.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from ssdcore.training import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +74,10 @@ def check_reported(metric: str, specs: list[pb.StartTrainingRequest], where: lis
 def reported_metrics(spec: pb.StartTrainingRequest) -> frozenset[str] | None:
     """The rank metrics that a job with this resolved spec reports in its metric events (at
     its evaluations or at its checkpoints); None when the stand-in could not tell."""
-    from ssdrbm_server.worker.job_training import evaluate_job  # torch: imported on first use
+    from ssdrbm_server.worker.job_training import log_likelihood_method  # torch: on first use
 
-    methods = set()
-    for with_ais in {False, spec.eval.ais}:  # AIS runs at checkpoints only, when asked
-        probe = _MethodProbe()
-        evaluate_job(cast("Trainer", probe), spec, with_ais=with_ais)
-        methods.add(probe.method)
+    # AIS runs at checkpoints only, when asked; the other evaluations use the plain method
+    methods = {log_likelihood_method(spec, with_ais=ais) for ais in {False, spec.eval.ais}}
     stand_in = pb.ModelSpec()
     stand_in.CopyFrom(spec.model)
     stand_in.n_hidden = STAND_IN_UNITS  # the method above was decided with the job's own size
@@ -94,17 +87,6 @@ def reported_metrics(spec: pb.StartTrainingRequest) -> frozenset[str] | None:
         logger.exception("could not tell the metrics of model %s", spec.model)
         return None
     return frozenset().union(*names) & frozenset(HIGHER_IS_BETTER)
-
-
-class _MethodProbe:
-    """Takes a Trainer's place in the worker's evaluation to learn the log-likelihood method it
-    asks for, computing nothing."""
-
-    method = "none"
-
-    def evaluate(self, log_likelihood: str = "none", **_: Any) -> dict[str, Any]:
-        self.method = log_likelihood
-        return {}
 
 
 STAND_IN_UNITS = 2  # visible and hidden units of the stand-in model: what it reports, cheaply

@@ -60,17 +60,22 @@ def build_trainer(
 def evaluate_job(
     trainer: Trainer, spec: rbm_pb2.StartTrainingRequest, *, with_ais: bool
 ) -> dict[str, Any]:
-    """The job's metric event values: AIS when asked, else the exact log-likelihood for
-    small hidden layers."""
-    if with_ais:
-        method = "ais"
-    elif spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN:
-        method = "exact"
-    else:
-        method = "none"
+    """The job's metric event values, with its ``log_likelihood_method``."""
     return trainer.evaluate(
-        log_likelihood=method, ais_chains=spec.eval.ais_chains, ais_betas=spec.eval.ais_betas
+        log_likelihood=log_likelihood_method(spec, with_ais=with_ais),
+        ais_chains=spec.eval.ais_chains,
+        ais_betas=spec.eval.ais_betas,
     )
+
+
+def log_likelihood_method(spec: rbm_pb2.StartTrainingRequest, *, with_ais: bool) -> str:
+    """How a job's evaluation estimates the log-likelihood: AIS when asked (at checkpoints),
+    else exactly for small hidden layers, else not at all."""
+    if with_ais:
+        return "ais"
+    if spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN:
+        return "exact"
+    return "none"
 
 
 def job_recovery(spec: rbm_pb2.StartTrainingRequest, backoffs: int, *, label: str = "") -> Recovery:
