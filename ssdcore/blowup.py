@@ -14,11 +14,17 @@ the metric dicts of :meth:`ssdcore.Trainer.evaluate` and says when a run has blo
 - *Rollback point*: the run's state at its last evaluation that passed the detector (its start
   before any has). The service also checkpoints that state before it records the backoff,
   unless a restart resumes there anyway (its last checkpoint, or step 0 when it has none), so a
-  job resumed after a crash resumes from the same point with the same backoff count. Two limits
-  of a resume: its detector takes its references from the resume point, not from the run
-  before it, so a growth that the uninterrupted run's references would flag may pass; and a job
-  stopped on request resumes from the step it stopped at, which need not be an evaluation, and
-  rolls back there until its next healthy evaluation.
+  job resumed after a crash resumes from the same point with the same backoff count.
+- *Resume*: a checkpoint keeps :meth:`Recovery.state_dict` (the detector's references, plain
+  JSON) beside the trainer's state, and a run resumed from it takes them back
+  (:meth:`Recovery.resume`): its evaluation at the resume point is judged against them without
+  being added to them, so every later evaluation meets the references of the uninterrupted run
+  and a growth it would flag is flagged at the same step. The backoff count is the caller's to
+  keep (the service's job record, written with each backoff). Limits: a checkpoint written
+  before these references were kept restarts them at the resume point (as before, logged); and
+  a job stopped on request resumes from the step it stopped at, which need not be an
+  evaluation, and rolls back there until its next healthy evaluation (where the uninterrupted
+  run would roll back to the evaluation before it).
 - *Step sizes*: after the n-th backoff every step size is its configured value ×
   ``factor``⁻ⁿ (absolute, :meth:`ssdcore.Trainer.set_lr_scale`; a schedule's factor still
   applies). ``factor`` is :data:`BACKOFF_FACTOR` unless the caller gives another (``fit``'s
@@ -167,8 +173,8 @@ class BlowUpDetector:
 
     Feed it every evaluation in order, starting with the one before training
     (:meth:`observe`). References (the best reconstruction error, the ‖W‖₂ reference) are
-    taken from healthy evaluations only. :meth:`state_dict` is plain JSON, for a caller that
-    keeps them across a resume (checkpoints do not hold them yet).
+    taken from healthy evaluations only. :meth:`state_dict` is plain JSON: a checkpoint keeps
+    it (through :meth:`Recovery.state_dict`) so that a resumed run judges as if never stopped.
     """
 
     def __init__(self) -> None:
@@ -179,16 +185,20 @@ class BlowUpDetector:
 
     def observe(self, metrics: Mapping[str, Any]) -> BlowUp | None:
         """The blow-up these metrics show, or None (then they update the references)."""
+        blowup = self.judge(metrics)
+        if blowup is None:
+            self._update(metrics, int(metrics.get("step", 0)))
+        return blowup
+
+    def judge(self, metrics: Mapping[str, Any]) -> BlowUp | None:
+        """The blow-up these metrics show against the references, which stay as they are."""
         step = int(metrics.get("step", 0))
-        blowup = (
+        return (
             _non_finite(metrics, step)
             or self._reconstruction_growth(metrics, step)
             or self._norm_growth(metrics, step)
             or self._stuck(metrics, step)
         )
-        if blowup is None:
-            self._update(metrics, step)
-        return blowup
 
     # --- criteria -------------------------------------------------------------------------
 
@@ -361,8 +371,9 @@ class Recovery:
     """The blow-up rule (module docstring) for one run: its detector, its rollback point and
     the backoffs it took.
 
-    Feed every evaluation to :meth:`check`, the one before training first; answer a blow-up
-    (from :meth:`check`, or :func:`blowup_from_error` of a failed step) with :meth:`recover`.
+    Feed every evaluation to :meth:`check`, the one before training first (a run resumed from
+    a checkpoint: :meth:`resume` instead); answer a blow-up (from :meth:`check`, or
+    :func:`blowup_from_error` of a failed step) with :meth:`recover`.
     ``backoffs`` counts backoffs taken before (a resumed job's); :attr:`lr_scale` is the scale
     they give. ``lr_setting`` and ``max_backoffs_setting`` name the settings in the give-up
     message (the service says ``optimizer.lr`` and ``training.max_backoffs``); ``label`` names
@@ -404,9 +415,40 @@ class Recovery:
         is healthy here and this is its rollback point."""
         blowup = self.detector.observe(metrics)
         if blowup is None:
-            self._healthy = run.snapshot()
-            self.healthy_step = int(metrics.get("step", 0))
+            self._mark_healthy(metrics, run)
         return blowup
+
+    def resume(
+        self, state: Mapping[str, Any], metrics: Mapping[str, Any], run: Recoverable
+    ) -> BlowUp | None:
+        """:meth:`check` for the evaluation of a run resumed from a checkpoint that kept
+        ``state`` (:meth:`state_dict` as it was then): the detector takes its references back
+        and judges ``metrics`` against them without adding them, since the checkpointed step is
+        an evaluation they hold already (or, for a run stopped between two evaluations, one the
+        uninterrupted run never made). Every later evaluation thus meets the references it
+        would have met had the run never stopped. ``ValueError`` when ``state`` is not
+        :meth:`state_dict` output."""
+        self.load_state_dict(state)
+        blowup = self.detector.judge(metrics)
+        if blowup is None:
+            self._mark_healthy(metrics, run)
+        return blowup
+
+    def _mark_healthy(self, metrics: Mapping[str, Any], run: Recoverable) -> None:
+        self._healthy = run.snapshot()
+        self.healthy_step = int(metrics.get("step", 0))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint of the run keeps of this rule, as plain JSON types: the
+        detector's references. The rollback point is the checkpoint itself, and the backoffs
+        taken are counted by the caller (``backoffs``; the service's job record)."""
+        return {"detector": self.detector.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back :meth:`state_dict` output (``ValueError`` naming what is missing)."""
+        if not isinstance(state, Mapping) or not isinstance(state.get("detector"), Mapping):
+            raise ValueError("blow-up recovery state lacks its 'detector' references")
+        self.detector.load_state_dict(state["detector"])
 
     def recover(self, blowup: BlowUp, run: Recoverable) -> BackoffEvent:
         """Roll ``run`` back to its last healthy evaluation with every step size divided by the

@@ -1,10 +1,14 @@
 """Checkpoints of a job: the last few, each verified by sha256 when read.
 
 A checkpoint `job:{<id>}:ckpt:<step>` holds the model as safetensors bytes (`data`, what serving
-and ExportModel use), its JSON config, and the full trainer state (`trainer_state`: optimizer,
-PCD chains, random generators) that a worker resumes from. Both carry a sha256; a checkpoint
-whose bytes do not match is skipped by `latest()` in favour of the previous good one. Workers
-write checkpoints through their fenced writer (ssdrbm_server/store/fencing.py); this module reads.
+and ExportModel use), its JSON config, the full trainer state (`trainer_state`: optimizer,
+PCD chains, random generators) that a worker resumes from, and the blow-up recovery's state as
+of that step (`recovery_state`: `ssdcore.blowup.Recovery.state_dict()` as JSON, the detector's
+references), so that the resumed run judges blow-ups as the uninterrupted one would. Each
+carries a sha256; a checkpoint whose bytes do not match is skipped by `latest()` in favour of
+the previous good one. A checkpoint written before the recovery state was kept has none (empty).
+Workers write checkpoints through their fenced writer (ssdrbm_server/store/fencing.py), all of
+a checkpoint in one script; this module reads.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ class Checkpoint:
     config_json: str  # the model's config, enough to rebuild it
     trainer_state: bytes = b""  # ssdcore.checkpoint.trainer_to_bytes; empty unless requested
     trainer_sha256: str = ""
+    # ssdcore.blowup.Recovery.state_dict() as JSON, with the trainer state; empty unless
+    # requested, or when the checkpoint was written before it was kept
+    recovery_state: str = ""
 
 
 def sha256_hex(data: bytes) -> str:
@@ -41,7 +48,13 @@ def sha256_hex(data: bytes) -> str:
 
 
 def checkpoint_fields(
-    *, step: int, data: bytes, config_json: str, trainer_state: bytes, attempt: int
+    *,
+    step: int,
+    data: bytes,
+    config_json: str,
+    trainer_state: bytes,
+    recovery_state: str,
+    attempt: int,
 ) -> dict[str, bytes | str | int]:
     """Hash fields of a checkpoint about to be written (digests computed here)."""
     return {
@@ -51,6 +64,8 @@ def checkpoint_fields(
         "config_json": config_json,
         "trainer_state": trainer_state,
         "trainer_sha256": sha256_hex(trainer_state),
+        "recovery_state": recovery_state,
+        "recovery_sha256": sha256_hex(recovery_state.encode()),
         "attempt": attempt,
     }
 
@@ -62,7 +77,8 @@ class CorruptCheckpointError(FailedPreconditionError):
 
 
 _MODEL_FIELDS = ("step", "data", "sha256", "attempt", "config_json")
-_ALL_FIELDS = (*_MODEL_FIELDS, "trainer_state", "trainer_sha256")
+_RESUME_FIELDS = ("trainer_state", "trainer_sha256", "recovery_state", "recovery_sha256")
+_ALL_FIELDS = (*_MODEL_FIELDS, *_RESUME_FIELDS)
 
 
 class CheckpointStore:
@@ -132,10 +148,26 @@ class CheckpointStore:
                 "use an earlier checkpoint_step"
             )
         if with_trainer_state:
-            checkpoint.trainer_state = raw["trainer_state"] or b""
-            checkpoint.trainer_sha256 = (raw["trainer_sha256"] or b"").decode()
-            if sha256_hex(checkpoint.trainer_state) != checkpoint.trainer_sha256:
-                raise CorruptCheckpointError(
-                    f"trainer state at step {step} of job {job_id} is corrupted (sha256 mismatch)"
-                )
+            _load_resume_state(checkpoint, raw, job_id)
         return checkpoint
+
+
+def _load_resume_state(checkpoint: Checkpoint, raw: dict, job_id: str) -> None:
+    """The trainer and recovery states of ``checkpoint`` from its ``raw`` fields, each checked
+    against its sha256 (a checkpoint written before the recovery state was kept has neither
+    that state nor its digest)."""
+    step = checkpoint.step
+    checkpoint.trainer_state = raw["trainer_state"] or b""
+    checkpoint.trainer_sha256 = (raw["trainer_sha256"] or b"").decode()
+    if sha256_hex(checkpoint.trainer_state) != checkpoint.trainer_sha256:
+        raise CorruptCheckpointError(
+            f"trainer state at step {step} of job {job_id} is corrupted (sha256 mismatch)"
+        )
+    recovery_state = raw["recovery_state"] or b""
+    if raw["recovery_sha256"] is not None and sha256_hex(recovery_state) != (
+        raw["recovery_sha256"].decode()
+    ):
+        raise CorruptCheckpointError(
+            f"blow-up recovery state at step {step} of job {job_id} is corrupted (sha256 mismatch)"
+        )
+    checkpoint.recovery_state = recovery_state.decode()

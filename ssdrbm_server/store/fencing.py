@@ -230,9 +230,12 @@ class FencedJob:
         data: bytes,
         config_json: str,
         trainer_state: bytes,
+        recovery_state: str = "",
         keep: int = DEFAULT_KEEP,
     ) -> None:
         """Store a checkpoint (sha256 computed here) and drop those beyond the newest `keep`.
+        `recovery_state` is the blow-up recovery's state at `step` (JSON; see checkpoints.py),
+        written in the same script as the trainer state it belongs to.
 
         The retained steps are read first so the script gets every key it deletes; only this
         attempt writes checkpoints (the fence), so they cannot change in between.
@@ -242,6 +245,7 @@ class FencedJob:
             data=data,
             config_json=config_json,
             trainer_state=trainer_state,
+            recovery_state=recovery_state,
             attempt=self.attempt,
         )
         index = self.keys.checkpoint_index(self.job_id)

@@ -40,6 +40,8 @@ from ssdrbm_server.worker.job_training import (
     MAX_STEPS_BETWEEN_POLLS,
     backoff_message,
     build_trainer,
+    check_start,
+    checkpoint_parts,
     evaluate_job,
     failure_reason,
     job_recovery,
@@ -159,6 +161,7 @@ class Training:
             else None
         )
         self.resume = start.blobs.get("resume", b"")
+        self.recovery_state: str = fields.get("recovery_state", "")  # kept with the checkpoint
         if self.settings.torch_threads:
             torch.set_num_threads(self.settings.torch_threads)
         self.total = int(fields["total_steps"])
@@ -189,8 +192,15 @@ class Training:
             ssdcheckpoint.load_trainer_state(self.trainer, self.resume)
             self.last_checkpoint = self.trainer.step_count
         self.trainer.set_lr_scale(self.recovery.lr_scale)
-        # The evaluation before training: the detector's baseline and the first rollback point.
-        blowup = self.recovery.check(self._evaluate(with_ais=False), self.trainer)
+        # The evaluation before training: the detector's baseline (or, resumed, the references
+        # its checkpoint kept) and the first rollback point.
+        blowup = check_start(
+            self.recovery,
+            self._evaluate(with_ais=False),
+            self.trainer,
+            resumed=bool(self.resume),
+            recovery_state=self.recovery_state,
+        )
         self._send(
             protocol.STARTED,
             start_step=self.trainer.step_count,
@@ -299,13 +309,8 @@ class Training:
         if step == self.last_checkpoint:
             return
         self._beat()
-        trainer_state = ssdcheckpoint.trainer_to_bytes(self.trainer)
-        self._send(
-            protocol.CHECKPOINT,
-            blobs={"model": ssdcheckpoint.model_to_bytes(self.model), "trainer": trainer_state},
-            step=step,
-            config_json=json.dumps(self.model.config(), sort_keys=True),
-        )
+        blobs, fields = checkpoint_parts(self.trainer, self.recovery)
+        self._send(protocol.CHECKPOINT, blobs=blobs, step=step, **fields)
         self.last_checkpoint = step
 
     def _trained(self, steps: int, seconds: float) -> None:

@@ -2,20 +2,24 @@
 
 The trainer it builds for a job (packed runs continue such Trainers: ssdcore.pack), the
 evaluation behind each metric event and its Metrics message, the job's blow-up recovery
-(ssdcore.blowup.Recovery with the job's backoff settings), its Backoff message and the reason
-given when training blew up for good, the device, and the pacing of polls and heartbeats.
+(ssdcore.blowup.Recovery with the job's backoff settings; what a checkpoint keeps of it and how
+a resume takes it back), its Backoff message and the reason given when training blew up for
+good, the contents of a checkpoint, the device, and the pacing of polls and heartbeats.
 ``child.py`` (one job) and ``pack_child.py`` (a pack) both ask here, so the two cannot drift
 apart.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 import torch
 from ssdrbm.v1 import rbm_pb2
 
-from ssdcore.blowup import BackoffEvent, BlowUpError, Recovery
+from ssdcore import checkpoint as ssdcheckpoint
+from ssdcore.blowup import BackoffEvent, BlowUp, BlowUpError, Recoverable, Recovery
 from ssdcore.models import model_from_config
 from ssdcore.training import Trainer
 from ssdrbm_server.worker.datasets import SplitData
@@ -25,6 +29,8 @@ from ssdrbm_server.worker.spec import (
     optimizer_config,
     tempering_config,
 )
+
+logger = logging.getLogger(__name__)
 
 MAX_STEPS_BETWEEN_POLLS = 10  # train at most this many steps before looking for a stop request
 EXACT_LL_MAX_HIDDEN = 16  # 2^16 hidden states: exact log Z is cheap enough for every event
@@ -92,6 +98,50 @@ def job_recovery(spec: rbm_pb2.StartTrainingRequest, backoffs: int, *, label: st
     )
 
 
+def check_start(
+    recovery: Recovery,
+    values: dict[str, Any],
+    run: Recoverable,
+    *,
+    resumed: bool,
+    recovery_state: str,
+) -> BlowUp | None:
+    """The evaluation before training (``values``, of ``run`` now) through the recovery.
+
+    A fresh job: the detector's baseline and the first rollback point (``Recovery.check``). A
+    job resumed from a checkpoint that kept its ``recovery_state`` (Recovery.state_dict as JSON):
+    the detector's references come back and judge the evaluation without taking it in
+    (``Recovery.resume``), so the run goes on as if never stopped. A checkpoint written before
+    that state was kept has none: its references restart here, and the log says so.
+    """
+    if resumed and recovery_state:
+        return recovery.resume(json.loads(recovery_state), values, run)
+    if resumed:
+        logger.info(
+            "the checkpoint at step %s keeps no blow-up detector references (written by an "
+            "older version); they restart from this step",
+            values.get("step"),
+        )
+    return recovery.check(values, run)
+
+
+def checkpoint_parts(
+    trainer: Trainer, recovery: Recovery
+) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """A checkpoint message's binary parts and fields for the job ``trainer`` trains: the
+    model, the trainer's full state, the model's config and the recovery's state (the detector's
+    references), everything a resume needs to go on exactly as the run would have."""
+    blobs = {
+        "model": ssdcheckpoint.model_to_bytes(trainer.model),
+        "trainer": ssdcheckpoint.trainer_to_bytes(trainer),
+    }
+    fields = {
+        "config_json": json.dumps(trainer.model.config(), sort_keys=True),
+        "recovery_state": json.dumps(recovery.state_dict(), sort_keys=True),
+    }
+    return blobs, fields
+
+
 def backoff_message(event: BackoffEvent) -> rbm_pb2.Backoff:
     """The Backoff event of the metric stream, field for field the recovery's event."""
     return rbm_pb2.Backoff(
@@ -113,8 +163,8 @@ def rollback_needs_checkpoint(event: BackoffEvent, last_checkpoint: int) -> bool
     at any moment a retrain of the same steps: before the checkpoint, the job resumes from an
     earlier one and retrains to the blow-up; between it and the backoff, from the rollback point
     with the old count (the blow-up again); after both, from there with the new count. (The
-    blow-up is found again as long as the resumed detector, whose references start at the
-    resume point, still flags it; see ssdcore.blowup.)
+    blow-up is found again: the resumed detector takes back the references its checkpoint
+    kept; see ssdcore.blowup.)
     """
     return event.rolled_back_to != max(last_checkpoint, 0)
 

@@ -45,6 +45,8 @@ from ssdrbm_server.worker.job_training import (
     MAX_STEPS_BETWEEN_POLLS,
     backoff_message,
     build_trainer,
+    check_start,
+    checkpoint_parts,
     evaluate_job,
     failure_reason,
     job_recovery,
@@ -163,10 +165,17 @@ class PackTraining:
         self.pack = pack_trainers(trainers)
         for slot, job in enumerate(joined):
             job.slot = slot
-            # The evaluation before training: the baseline and the first rollback point.
+            # The evaluation before training: the baseline (or, resumed, the references its
+            # checkpoint kept) and the first rollback point.
             trainer = run_to_trainer(self.pack, slot, valid_data=self.valid)
             values = evaluate_job(trainer, job.spec, with_ais=False)
-            blowup = job.recovery.check(values, RunInPack(self.pack, slot))
+            blowup = check_start(
+                job.recovery,
+                values,
+                RunInPack(self.pack, slot),
+                resumed=bool(self.resumes[job.index]),
+                recovery_state=self.job_fields[job.index].get("recovery_state", ""),
+            )
             described = self._runtime(job, trainers[slot], device, len(joined))
             self._send(job, protocol.STARTED, start_step=self._step(job), runtime=described)
             if blowup is not None:
@@ -294,14 +303,8 @@ class PackTraining:
         self._beat()
         if trainer is None:
             trainer = run_to_trainer(self.pack, job.slot, valid_data=self.valid)
-        state = ssdcheckpoint.trainer_to_bytes(trainer)
-        self._send(
-            job,
-            protocol.CHECKPOINT,
-            blobs={"model": ssdcheckpoint.model_to_bytes(trainer.model), "trainer": state},
-            step=step,
-            config_json=json.dumps(trainer.model.config(), sort_keys=True),
-        )
+        blobs, fields = checkpoint_parts(trainer, job.recovery)
+        self._send(job, protocol.CHECKPOINT, blobs=blobs, step=step, **fields)
         job.last_checkpoint = step
 
     def _requests(self) -> bool:

@@ -11,7 +11,8 @@ Child -> worker:
                                                           to the last healthy evaluation; a
                                                           checkpoint of that step comes first
                                                           unless the last one is there already
-    checkpoint   step, config_json      + model, trainer  safetensors bytes
+    checkpoint   step, config_json,     + model, trainer  safetensors bytes; recovery_state is
+                 recovery_state                           the detector's references (JSON)
     finished     step                                     the last step is trained and saved
     stopped      step                                     stopped on request, after a checkpoint
     failed       step, reason, diverged                   training cannot go on
@@ -22,12 +23,14 @@ Child -> worker:
     alive                                                 a heartbeat: still making progress
                                                           (also sent once warm, before a job)
 Worker -> child:
-    start        settings, backoffs, total_steps, n_visible, upload info, log_context
+    start        settings, backoffs, total_steps, n_visible, upload info, log_context,
+                 recovery_state (kept with the resume checkpoint)
                                             + spec, dataset, resume
     stop                                                  checkpoint now, end with "stopped"
 
 Packed training (worker/pack_child.py, worker/pack_runner.py): the worker sends one
-    start_pack   settings, upload info, jobs: [{backoffs, total_steps, n_visible, log_context}]
+    start_pack   settings, upload info,
+                 jobs: [{backoffs, total_steps, n_visible, log_context, recovery_state}]
                                             + spec.<i>, resume.<i> (run i), dataset (shared)
     drop         run                                      run i leaves the pack, nothing more
                                                           is sent for it (cancel, lost lease)

@@ -221,6 +221,7 @@ class JobRunner:
                     lambda: checkpoints.latest(self.lease.job_id, with_trainer_state=True)
                 )
                 blobs["resume"] = checkpoint.trainer_state
+                fields["recovery_state"] = checkpoint.recovery_state
                 self.step = checkpoint.step
                 logger.info("job %s resumes from step %d", self.lease.job_id, checkpoint.step)
             except FailedPreconditionError as exc:
@@ -407,6 +408,7 @@ class JobRunner:
                     data=message.blobs["model"],
                     config_json=message.fields["config_json"],
                     trainer_state=message.blobs["trainer"],
+                    recovery_state=message.fields.get("recovery_state", ""),
                     keep=self.settings.checkpoint_keep,
                 )
             )
