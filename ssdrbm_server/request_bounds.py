@@ -21,7 +21,7 @@ inputs are bounded by ``tensors.check_batch_shape`` (elements) and ``serving.Mod
 from __future__ import annotations
 
 import math
-from collections.abc import Sized
+from collections.abc import Sequence, Sized
 
 from ssdrbm.v1 import rbm_pb2 as pb
 
@@ -142,6 +142,39 @@ def _fits_points(field: str, count: int, what: str, limit: int) -> None:
             "max_sweep_points",
             f"give at most {limit} {what}",
         )
+
+
+# --- uploads -------------------------------------------------------------------------------------
+
+# (n_examples, n_features) or (n_examples, height, width)
+DATASET_DIMENSIONS = (2, 3)
+
+
+def check_dataset_shape(shape: Sequence[int], itemsize: int, settings: Settings) -> int:
+    """The bytes an upload's ``header.shape`` describes, after checking it: its number of
+    dimensions before any is read or quoted, each dimension >= 1, then the size against
+    SSDRBM_MAX_DATASET_BYTES."""
+    if len(shape) not in DATASET_DIMENSIONS:
+        raise InvalidArgumentError(
+            "header.shape",
+            f"has {len(shape)} dimensions; give (n_examples, n_features) or "
+            "(n_examples, height, width)",
+        )
+    if any(dim < 1 for dim in shape):
+        raise InvalidArgumentError(
+            "header.shape", f"every dimension must be >= 1, got {list(shape)}"
+        )
+    size = math.prod(shape) * itemsize
+    if size > settings.max_dataset_bytes:
+        dims = " × ".join(str(dim) for dim in shape)
+        raise over_limit(
+            "header.shape",
+            f"{dims} × {itemsize} bytes = {size} bytes",
+            f"{settings.max_dataset_bytes} bytes per dataset",
+            "max_dataset_bytes",
+            "upload a smaller subset",
+        )
+    return size
 
 
 # --- a job's cost on its data --------------------------------------------------------------------

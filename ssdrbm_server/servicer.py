@@ -26,12 +26,12 @@ from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
     AlreadyExistsError,
     InvalidArgumentError,
-    ResourceExhaustedError,
     UnavailableError,
 )
 from ssdrbm_server.event_fanout import EventFanout
 from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.recent_jobs import RecentJobs
+from ssdrbm_server.request_bounds import check_dataset_shape
 from ssdrbm_server.request_checks import enum_value
 from ssdrbm_server.server_info import server_info
 from ssdrbm_server.serving import Caller, ModelServer
@@ -453,26 +453,13 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     def _check_dataset_header(self, header: pb.DatasetHeader) -> int:
         """Byte size the header describes, after checking its fields."""
         enum_value(pb.DType, header.dtype, "header.dtype")
-        shape = list(header.shape)
-        if len(shape) not in (2, 3) or any(dim < 1 for dim in shape):
-            raise InvalidArgumentError(
-                "header.shape",
-                f"must be (n_examples, n_features) or (n_examples, height, width) with every "
-                f"dimension >= 1, got {shape}",
-            )
+        size = check_dataset_shape(header.shape, DTYPES[header.dtype].itemsize, self.settings)
         if len(header.name) > self.settings.max_string_length:
             raise InvalidArgumentError(
                 "header.name", f"at most {self.settings.max_string_length} characters"
             )
         if header.sha256 and not _SHA256_HEX.fullmatch(header.sha256):
             raise InvalidArgumentError("header.sha256", "must be 64 lower-case hex digits")
-        size = math.prod(shape) * DTYPES[header.dtype].itemsize
-        if size > self.settings.max_dataset_bytes:
-            raise ResourceExhaustedError(
-                f"the dataset is {size} bytes, more than this server's limit of "
-                f"{self.settings.max_dataset_bytes} bytes; upload a smaller subset",
-                limit="max_dataset_bytes",
-            )
         return size
 
     async def ExportModel(

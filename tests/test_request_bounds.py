@@ -49,12 +49,11 @@ MIB = 1024 * 1024
 FLAT_BYTES = 4 * MIB
 # ... and over requests holding huge lists, each up to MESSAGE_BYTES on the wire and several
 # times that parsed: what stays (VmRSS) is a few messages' worth and the peak (VmHWM) what
-# parsing one takes (measured: +4 to +10 MiB kept, +33 to +58 MiB peak over 300 requests); a
-# refused request kept until a full garbage collection would add hundreds of MiB.
-HUGE_KEPT_BYTES = 8 * MESSAGE_BYTES
+# parsing one takes (measured: +4 to +48 MiB kept, +33 to +58 MiB peak over 300 requests: the
+# allocator's arenas of gRPC's threads keep what they like); a refused request kept until a
+# full garbage collection would add hundreds of MiB, which these bounds still catch.
+HUGE_KEPT_BYTES = 32 * MESSAGE_BYTES
 HUGE_PEAK_BYTES = 32 * MESSAGE_BYTES
-# Refusals that do not name their field yet (test_an_upload_header_names_its_shape).
-UNNAMED = {("UploadDataset", "header.shape")}
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
@@ -357,7 +356,7 @@ def _check_answer(api: Api, bases: dict[str, Message], case: Case, value: Any, l
         assert "checkpoint" in case.name, (case, value, details)
         return
     assert code in ALLOWED, (case, value, length, code, details)
-    if code != grpc.StatusCode.OK and (case.method, case.name) not in UNNAMED:
+    if code != grpc.StatusCode.OK:
         assert _names_the_field(case, details), (case, value, length, details)
 
 
@@ -415,11 +414,6 @@ def test_huge_repeated_fields_within_the_message_limit_are_answered_at_once(api:
     assert after["VmHWM"] - before["VmHWM"] <= HUGE_PEAK_BYTES, (before, after)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="UploadDataset's header check (servicer.py) says 'the dataset is N bytes' without "
-    "naming header.shape, and quotes every dimension of a shape it refuses",
-)
 def test_an_upload_header_names_its_shape(api: Api) -> None:
     for shape in ([2**31, 2**31], [1] * HUGE):
         header = pb.DatasetHeader(shape=shape)
