@@ -4,9 +4,10 @@ The demo (``ssdrbm_server.demo_stack``), the benchmarks and the tests start Redi
 ``RedisServer``. By default it keeps an append-only file fsynced every second, never evicts
 (ssdrbm_server/redis_checks.py refuses a Redis that would lose acknowledged work), takes no RDB
 snapshots and listens on 127.0.0.1 only, on a free port unless given one. ``start()`` returns
-once the server answers PING; ``stop()`` sends SIGTERM (Redis writes out its AOF and exits),
-then SIGKILL past a timeout. The port and directory stay the same across ``stop()`` and
-``start()``, so a server with AOF comes back with its data.
+once the server answers (this very process, not another one holding the port); ``stop()`` sends
+SIGTERM (Redis writes out its AOF and exits), then SIGKILL past a timeout. The port and
+directory stay the same across ``stop()`` and ``start()``, so a server with AOF comes back with
+its data.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import redis
 from ssdrbm_server.redis_checks import SAFE_FSYNC, SAFE_POLICY
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-START_TIMEOUT_S = 60.0  # a large append-only file is loaded before the first PING answers
+START_TIMEOUT_S = 60.0  # a large append-only file is loaded before it answers
 STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
 CLUSTER_NODE_TIMEOUT_MS = 5000
 LOG_TAIL_CHARS = 2000  # of redis.log, in the error when the server exits at start
@@ -138,8 +139,8 @@ class RedisServer:
         return self.process is not None and self.process.poll() is None
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Start the server (no-op if running) and wait until it answers PING; RuntimeError
-        with the end of its log if it exits or does not answer within ``timeout_s``."""
+        """Start the server (no-op if running) and wait until it answers; RuntimeError with the
+        end of its log if it exits or does not answer within ``timeout_s``."""
         if self.running():
             return
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -169,13 +170,15 @@ class RedisServer:
                         f"port {self.port}:\n{self._log_tail()}"
                     )
                 try:
-                    if client.ping():
+                    # Answered by this process, not by another one that holds the port: then
+                    # ours exits at start, which the check above reports.
+                    if client.info("server")["process_id"] == self.process.pid:
                         return
                 except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                     pass
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"redis-server on port {self.port} did not answer PING within "
+                        f"redis-server on port {self.port} did not answer within "
                         f"{timeout_s:.0f} s:\n{self._log_tail()}"
                     )
                 time.sleep(0.02)
