@@ -114,7 +114,10 @@ class Backoff:
         """The sleep before retrying after ``error``, or None when it is not worth retrying."""
         if not is_retryable(error):
             return None
-        return self.next_sleep(retry_delay(error))
+        sleep = self.next_sleep(retry_delay(error))
+        if sleep is not None:
+            logger.debug("retrying in %.2fs after %s", sleep, error.code())
+        return sleep
 
 
 NO_RETRY = RetryPolicy(attempts=1)
@@ -138,7 +141,6 @@ def call_with_retry(
             delay = backoff.after(error)
             if delay is None:
                 raise
-            logger.debug("retrying in %.2fs after %s", delay, error.code())
             sleep(delay)
 
 
@@ -152,5 +154,4 @@ async def acall_with_retry(call: Callable[[], Awaitable[T]], policy: RetryPolicy
             delay = backoff.after(error)
             if delay is None:
                 raise
-            logger.debug("retrying in %.2fs after %s", delay, error.code())
             await asyncio.sleep(delay)
