@@ -17,6 +17,10 @@ from ssdcore import BernoulliRBM, CDEstimator, GaussianRBM, OptimizerConfig, Tra
 from ssdcore.checkpoint import load_trainer_state, trainer_from_bytes, trainer_to_bytes
 from ssdcore.data import synthetic_rbm_data
 from ssdcore.optim.polar import polar_gram_factors, polar_newton_schulz
+from ssdcore.optim.polar import polar_gram_factors as packed_gram_factors
+from ssdcore.optim.polar import polar_newton_schulz as packed_newton_schulz
+from ssdcore.optim.polar import polar_newton_schulz_factors as packed_newton_schulz_factors
+from ssdcore.optim.polar import polar_svd as packed_svd
 from ssdcore.pack import (
     PackRun,
     TrainingPack,
@@ -29,12 +33,6 @@ from ssdcore.pack import (
     run_to_trainer,
 )
 from ssdcore.pack.gradients import PackedCD
-from ssdcore.pack.polar import (
-    packed_gram_factors,
-    packed_newton_schulz,
-    packed_newton_schulz_factors,
-    packed_svd,
-)
 from ssdcore.pack.random import PackedRandom
 from ssdcore.sampling import RandomSource
 from ssdcore.training import _ESTIMATOR_SEED_OFFSET

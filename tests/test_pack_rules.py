@@ -17,9 +17,11 @@ import torch
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore import BernoulliRBM, OptimizerConfig, Trainer
+from ssdcore.batched import stacked_copy
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.data import synthetic_rbm_data
 from ssdcore.optim.polar import polar_newton_schulz
+from ssdcore.optim.polar import polar_newton_schulz as packed_newton_schulz
 from ssdcore.optim.step_rules import spectral_length
 from ssdcore.pack import (
     PackRun,
@@ -32,9 +34,7 @@ from ssdcore.pack import (
     run_to_bytes,
     run_to_trainer,
 )
-from ssdcore.pack.aligned import stacked_copy
 from ssdcore.pack.optim import PackedOptimizer, ParameterRule
-from ssdcore.pack.polar import packed_newton_schulz
 from ssdcore.schedules import Schedule
 from ssdrbm_server.packing import NOT_PACKABLE
 from ssdrbm_server.resolver import resolve

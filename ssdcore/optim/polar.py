@@ -13,6 +13,12 @@ of the S∞ upper bound and the one every method here agrees on.
 Nuclear norm convention: ``‖σ(G)‖₁ = ⟨G, U Vᵀ⟩``, which is exact for an exact polar factor and
 gives a consistent, never-overestimating value for the approximate ones (Newton–Schulz,
 randomized).
+
+Stacks: :func:`polar_svd`, :func:`polar_gram_factors`, :func:`polar_newton_schulz` and
+:func:`polar_newton_schulz_factors` also take a stack of M gradients (M, m, n), one per run of a
+pack (:mod:`ssdcore.pack`), and give each run's result bit for bit as for its matrix alone (on the
+CPU; see :mod:`ssdcore.batched`). There a run whose gradient is not finite gets a NaN nuclear
+norm, and so a non-finite step, instead of failing the batched ``eigh`` for every run.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ssdcore.batched import addmm, aligned, matmul, per_matrix, stacked_empty
 from ssdcore.optim.threads import one_cpu_thread
 
 # Muon's tuned quintic coefficients (Keller Jordan, "Muon" optimizer): they push every singular
@@ -40,22 +47,22 @@ DEFAULT_POWER_ITERATIONS = 2
 class Polar(NamedTuple):
     """Polar factor of a matrix and its nuclear norm."""
 
-    direction: Tensor  # (m, n) U Vᵀ over the numerical range
-    nuclear_norm: Tensor  # () ‖σ(G)‖₁
+    direction: Tensor  # (..., m, n) U Vᵀ over the numerical range
+    nuclear_norm: Tensor  # (...) ‖σ(G)‖₁
 
 
 class FactoredPolar(NamedTuple):
     """Polar factor kept as a product ``left @ right`` so a step can fuse it into one addmm."""
 
-    left: Tensor  # (m, r)
-    right: Tensor  # (r, n)
-    nuclear_norm: Tensor  # ()
+    left: Tensor  # (..., m, r)
+    right: Tensor  # (..., r, n)
+    nuclear_norm: Tensor  # (...)
 
 
 def _kept(singular_values: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Mask of singular values above the numerical-rank tolerance (as ``torch.linalg.pinv``)."""
-    tolerance = singular_values.amax() * max(shape) * torch.finfo(singular_values.dtype).eps
-    return singular_values > tolerance
+    largest = singular_values.amax(dim=-1, keepdim=True)
+    return singular_values > largest * max(shape[-2:]) * torch.finfo(singular_values.dtype).eps
 
 
 def polar_svd(grad: Tensor) -> Polar:
@@ -65,13 +72,13 @@ def polar_svd(grad: Tensor) -> Polar:
     the ground truth for the other methods.
     """
     u, s, vh = torch.linalg.svd(grad, full_matrices=False)  # (m, k), (k,), (k, n)
-    direction = (u * _kept(s, grad.shape)) @ vh
-    return Polar(direction, s.sum())
+    direction = matmul(u * _kept(s, grad.shape).unsqueeze(-2), vh)
+    return Polar(direction, s.sum(dim=-1))
 
 
 def _kept_squares(eigenvalues: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """:func:`_kept` for the eigenvalues λ = σ² of the Gram matrix of a ``dtype`` matrix."""
-    tolerance = (max(shape) * torch.finfo(dtype).eps) ** 2 * eigenvalues.amax()
+    tolerance = (max(shape[-2:]) * torch.finfo(dtype).eps) ** 2 * eigenvalues.amax(-1, True)
     return eigenvalues > tolerance
 
 
@@ -81,8 +88,8 @@ def _nuclear_norm(eigenvalues: Tensor, shape: tuple[int, ...]) -> Tensor:
     A non-finite eigenvalue (a gradient with NaN or Inf) makes the result non-finite, so that
     the step spreads it to the parameters and divergence is detected, not hidden as a zero step.
     """
-    noise = max(shape) * torch.finfo(eigenvalues.dtype).eps * eigenvalues.amax()
-    return torch.where(eigenvalues <= noise, 0.0, eigenvalues).sqrt().sum()
+    noise = max(shape[-2:]) * torch.finfo(eigenvalues.dtype).eps * eigenvalues.amax(-1, True)
+    return torch.where(eigenvalues <= noise, 0.0, eigenvalues).sqrt().sum(dim=-1)
 
 
 def _inverse_square_root(
@@ -94,13 +101,18 @@ def _inverse_square_root(
     polar factor over its numerical range. ``‖σ‖₁ = Σ sqrt(λ)`` sums, like :func:`polar_svd`,
     every singular value, dropped ones included, down to the float64 rounding noise of the Gram
     matrix (``max(m, n) · eps64 · λ_max``), below which sqrt(λ) would be noise, not a σ.
+    A non-finite Gram matrix is decomposed as the identity and gets a NaN ``‖σ‖₁``: one run of
+    a stack fails alone, not the batched ``eigh`` (LAPACK decomposes each matrix on its own
+    copy, so a batched call gives each run's solo result).
     """
-    eigenvalues, vectors = torch.linalg.eigh(gram)
+    finite = torch.isfinite(gram).flatten(-2).all(dim=-1)  # () or (M,)
+    identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    eigenvalues, vectors = torch.linalg.eigh(torch.where(finite[..., None, None], gram, identity))
     kept = _kept_squares(eigenvalues, shape, dtype)
-    nuclear_norm = _nuclear_norm(eigenvalues, shape)
+    nuclear_norm = torch.where(finite, _nuclear_norm(eigenvalues, shape), torch.nan)
     safe = torch.where(kept, eigenvalues, 1.0)
     inverse_root = torch.where(kept, safe.rsqrt(), 0.0)
-    return (vectors * inverse_root) @ vectors.mT, nuclear_norm
+    return matmul(vectors * inverse_root.unsqueeze(-2), vectors.mT), nuclear_norm
 
 
 def _gram_is_exact_enough(dtype: torch.dtype) -> bool:
@@ -127,13 +139,17 @@ def polar_gram_factors(grad: Tensor) -> FactoredPolar:
     """
     if not _gram_is_exact_enough(grad.dtype):
         u, s, vh = torch.linalg.svd(grad, full_matrices=False)
-        return FactoredPolar(u * _kept(s, grad.shape), vh, s.sum())
-    wide = grad.shape[0] < grad.shape[1]
-    g64 = grad.to(torch.float64)
-    gram = g64 @ g64.mT if wide else g64.mT @ g64  # (min, min)
+        return FactoredPolar(u * _kept(s, grad.shape).unsqueeze(-2), vh, s.sum(dim=-1))
+    wide = grad.shape[-2] < grad.shape[-1]
+    if grad.ndim == 2:
+        g64 = grad.to(torch.float64)
+    else:
+        g64 = stacked_empty(grad.shape[0], grad.shape[1:], dtype=torch.float64, device=grad.device)
+        g64.copy_(grad)
+    gram = matmul(g64, g64.mT) if wide else matmul(g64.mT, g64)  # (min, min)
     with one_cpu_thread(grad.device):
         inverse_root, nuclear_norm = _inverse_square_root(gram, grad.shape, grad.dtype)
-    inverse_root = inverse_root.to(grad.dtype)
+    inverse_root = aligned(inverse_root.to(grad.dtype))
     if wide:
         return FactoredPolar(inverse_root, grad, nuclear_norm.to(grad.dtype))
     return FactoredPolar(grad, inverse_root, nuclear_norm.to(grad.dtype))
@@ -405,15 +421,16 @@ def polar_newton_schulz_factors(
     10× cheaper at 784×500 on the CPU, and a handful of tiny kernels on a GPU. Starts from
     ``Y = I / ‖G‖_F`` (``‖G‖_F² = ⟨Q, P⟩``); ``‖σ‖₁ ≈ ⟨G, X⟩ = ⟨Q Y, P⟩``.
     """
-    q = left.mT @ left  # (r, r)
-    p = right @ right.mT  # (r, r)
-    frobenius = (q * p).sum().sqrt().clamp_min(torch.finfo(left.dtype).tiny)
-    y = torch.eye(q.shape[0], dtype=left.dtype, device=left.device) / frobenius
+    q = matmul(left.mT, left)  # (r, r)
+    p = matmul(right, right.mT)  # (r, r)
+    frobenius = per_matrix(_inner_product, q, p).sqrt().clamp_min(torch.finfo(left.dtype).tiny)
+    eye = torch.eye(q.shape[-1], dtype=left.dtype, device=left.device)
+    y = eye / frobenius[..., None, None]
     for a, b, c in _newton_schulz_coefficients(fast_steps, polish_steps):
-        z = (y @ p) @ y.mT @ q
-        y = torch.addmm(y, torch.addmm(z, z, z, beta=b, alpha=c), y, beta=a)
-    nuclear_norm = ((q @ y) * p).sum()
-    return FactoredPolar(left, y @ right, nuclear_norm)
+        z = matmul(matmul(matmul(y, p), y.mT), q)
+        y = addmm(y, addmm(z, z, z, beta=b, alpha=c), y, beta=a)
+    nuclear_norm = per_matrix(_inner_product, matmul(q, y), p)
+    return FactoredPolar(left, matmul(y, right), nuclear_norm)
 
 
 def polar_newton_schulz(grad: Tensor, *, fast_steps: int = 5, polish_steps: int = 3) -> Polar:
@@ -427,11 +444,17 @@ def polar_newton_schulz(grad: Tensor, *, fast_steps: int = 5, polish_steps: int 
     ``1e-4 ‖G‖_F`` are not fully lifted; they carry a negligible share of ‖σ(G)‖₁.
     The nuclear norm is ``⟨G, X⟩``.
     """
-    transposed = grad.shape[0] > grad.shape[1]
+    transposed = grad.shape[-2] > grad.shape[-1]
     x = grad.mT if transposed else grad  # (small, large): the Gram matrix A is small
-    x = x / x.norm().clamp_min(torch.finfo(grad.dtype).tiny)
+    norm = per_matrix(torch.linalg.vector_norm, x)
+    x = x / norm.clamp_min(torch.finfo(grad.dtype).tiny)[..., None, None]
     for a, b, c in _newton_schulz_coefficients(fast_steps, polish_steps):
-        gram = x @ x.mT
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        gram = matmul(x, x.mT)
+        x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     direction = x.mT if transposed else x
-    return Polar(direction, (grad * direction).sum())
+    return Polar(direction, per_matrix(_inner_product, grad, direction))
+
+
+def _inner_product(left: Tensor, right: Tensor) -> Tensor:
+    """``⟨left, right⟩`` of two matrices, as one full reduction."""
+    return (left * right).sum()

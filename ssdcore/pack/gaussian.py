@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ssdcore.batched import stacked_empty
 from ssdcore.models.base import GibbsKernel
-from ssdcore.pack.aligned import stacked_empty
 from ssdcore.pack.gradients import PackedCD
 from ssdcore.pack.models import PACKABLE_VARIANCES
 from ssdcore.pack.random import PackedRandom

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ssdcore.pack.aligned import ALIGNMENT_BYTES, stacked_empty
+from ssdcore.batched import ALIGNMENT_BYTES, stacked_empty
 from ssdcore.pack.random import PackedRandom
 
 # Floats in ALIGNMENT_BYTES: a row block of a multiple of this many floats ends aligned.

@@ -30,17 +30,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ssdcore.batched import stacked_empty
 from ssdcore.models.base import RBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer
+from ssdcore.optim.polar import (
+    polar_gram_factors,
+    polar_newton_schulz,
+    polar_newton_schulz_factors,
+    polar_svd,
+)
 from ssdcore.optim.ssd import FACTORED_METHODS
 from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, frobenius_squared
-from ssdcore.pack.aligned import stacked_empty
-from ssdcore.pack.polar import (
-    packed_gram_factors,
-    packed_newton_schulz,
-    packed_newton_schulz_factors,
-    packed_svd,
-)
 
 PACKED_POLAR_METHODS = ("lowrank", "svd", "newton-schulz")
 
@@ -249,20 +249,20 @@ class PackedOptimizer:
     ) -> None:
         if rule.method == "newton-schulz" and grad is None:
             assert factors is not None
-            left, right, nuclear_norm = packed_newton_schulz_factors(*factors)
+            left, right, nuclear_norm = polar_newton_schulz_factors(*factors)
             length = self._spectral_length(rule, nuclear_norm, grad, factors, parameter.shape)
             self._apply_factored_(name, parameter, left, right, length)
             return
         assert grad is not None
         if rule.method == "lowrank":
-            left, right, nuclear_norm = packed_gram_factors(grad)
+            left, right, nuclear_norm = polar_gram_factors(grad)
             length = self._spectral_length(rule, nuclear_norm, grad, factors, parameter.shape)
             self._apply_factored_(name, parameter, left, right, length)
             return
         if rule.method == "svd":
-            direction, nuclear_norm = packed_svd(grad)
+            direction, nuclear_norm = polar_svd(grad)
         else:
-            direction, nuclear_norm = packed_newton_schulz(grad)
+            direction, nuclear_norm = polar_newton_schulz(grad)
         length = self._spectral_length(rule, nuclear_norm, grad, factors, parameter.shape)
         # solo: p.addcmul_(direction, length, value=-lr) = p + ((-lr)·direction)·length
         parameter.addcmul_(direction * self._neg_lr[name], length.view(-1, 1, 1))

@@ -40,13 +40,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ssdcore.batched import stacked_copy
 from ssdcore.cuda_graph import GraphedStep
 from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.factory import model_from_config
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.config import OptimizerConfig, resolve_for
-from ssdcore.pack.aligned import stacked_copy
 from ssdcore.pack.gaussian import PackedGaussianCD
 from ssdcore.pack.gradients import PackedCD
 from ssdcore.pack.models import (

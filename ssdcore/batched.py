@@ -1,0 +1,103 @@
+"""Linear algebra written once for one matrix or a stack of M: the solo step's kernels and the
+packed step's (:mod:`ssdcore.pack`) are the same functions.
+
+A solo run's tensors are (m, n); a pack's are (M, m, n), run ``i`` in slice ``i``. The math of
+the polar factors, step rules, optimizer steps and gradients is written once over tensors with
+an optional leading run axis (``...``, ``dim=-1``, ``.mT``); the few operations that differ by
+rank go through the helpers here:
+
+- :func:`matmul` / :func:`addmm`: ``mm`` / ``addmm`` for a matrix, ``bmm`` / ``baddbmm`` into an
+  aligned stack for a stack. On the CPU the batched kernels give each run's product bit for bit
+  as the solo kernel gives it (``tests/test_pack.py``).
+- :func:`per_matrix`: an operation run matrix by matrix where a batched call would not repeat
+  the solo result: full reductions (torch splits a large one across threads in its own way, so
+  a batched ``sum(dim=(-2, -1))`` of a 784×64 matrix differs in the last bit on two threads)
+  and ``mv`` (a batched product with a vector takes another BLAS kernel).
+- :func:`stacked_empty`: stacks whose run slices start on 64-byte boundaries. BLAS kernels
+  (MKL's gemv and gemm on the CPU) take different code paths for output buffers of different
+  alignment, which changes the last bit of some results; a solo run writes into freshly
+  allocated (aligned) buffers, so padding each run's slice to a 64-byte multiple puts every
+  run's outputs at the solo run's alignment, whatever the model's shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+ALIGNMENT_BYTES = 64
+
+
+def stacked_empty(
+    n_runs: int,
+    shape: tuple[int, ...],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Tensor:
+    """An uninitialized (n_runs, *shape) tensor, each run's slice contiguous and 64-byte aligned
+    (the rows of the run dimension are padded; the tensor itself is then not contiguous)."""
+    per_run = math.prod(shape)
+    quantum = max(1, ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size())
+    run_stride = -(-per_run // quantum) * quantum
+    storage = torch.empty(max(1, n_runs * run_stride), dtype=dtype, device=device)
+    strides, inner = [], 1
+    for size in reversed(shape):
+        strides.append(inner)
+        inner *= size
+    return storage.as_strided((n_runs, *shape), (run_stride, *reversed(strides)))
+
+
+def stacked_like(tensor: Tensor) -> Tensor:
+    """:func:`stacked_empty` of ``tensor``'s shape, dtype and device."""
+    return stacked_empty(
+        tensor.shape[0], tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+    )
+
+
+def stacked_copy(tensor: Tensor) -> Tensor:
+    """An aligned copy of a stacked tensor."""
+    return stacked_like(tensor).copy_(tensor)
+
+
+def aligned(tensor: Tensor) -> Tensor:
+    """``tensor`` itself for a matrix (fresh tensors are aligned), an aligned copy of a stack."""
+    return tensor if tensor.ndim < 3 else stacked_copy(tensor)
+
+
+def _product_out(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
+    shape = (left.shape[-2], right.shape[-1])
+    return stacked_empty(left.shape[0], shape, dtype=dtype, device=left.device)
+
+
+def matmul(left: Tensor, right: Tensor) -> Tensor:
+    """``left @ right``: ``mm`` for matrices, ``bmm`` into an aligned stack for stacks."""
+    if left.ndim == 2:
+        return left @ right
+    out = _product_out(left, right, torch.promote_types(left.dtype, right.dtype))
+    return torch.bmm(left, right, out=out)
+
+
+def addmm(
+    base: Tensor, left: Tensor, right: Tensor, *, beta: float = 1.0, alpha: float = 1.0
+) -> Tensor:
+    """``beta·base + alpha·left @ right``: ``addmm`` for matrices, ``baddbmm`` into an aligned
+    stack for stacks."""
+    if left.ndim == 2:
+        return torch.addmm(base, left, right, beta=beta, alpha=alpha)
+    out = _product_out(left, right, left.dtype)
+    return torch.baddbmm(base, left, right, beta=beta, alpha=alpha, out=out)
+
+
+def per_matrix(function: Callable[..., Tensor], *tensors: Tensor, rank: int = 2) -> Tensor:
+    """``function(*tensors)`` for single rank-``rank`` tensors; for stacks (one more leading
+    dimension) the function run by run, results stacked. For what a batched call would not
+    repeat bit for bit: full reductions and ``mv`` (see the module docstring)."""
+    if tensors[0].ndim == rank:
+        return function(*tensors)
+    return torch.stack(
+        [function(*parts) for parts in zip(*(t.unbind(0) for t in tensors), strict=True)]
+    )
