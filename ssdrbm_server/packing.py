@@ -21,8 +21,8 @@ import json
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.pack import pack_key
+from ssdrbm_server.job_spec import model_config, optimizer_config
 from ssdrbm_server.store.records import NOT_PACKABLE
-from ssdrbm_server.worker.spec import model_config, optimizer_config
 
 
 def job_pack_key(spec: pb.StartTrainingRequest, n_visible: int) -> str:

@@ -52,6 +52,7 @@ from ssdrbm_server import catalog
 from ssdrbm_server.catalog import DatasetShape
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import InvalidArgumentError
+from ssdrbm_server.job_spec import schedule_config
 from ssdrbm_server.request_bounds import (
     MAX_AIS_BETAS,
     MAX_AIS_CHAINS,
@@ -77,7 +78,6 @@ from ssdrbm_server.vocabulary import (
     VARIANCE_NAMES,
     VARIANCES_BY_NAME,
 )
-from ssdrbm_server.worker.spec import schedule_config
 
 MAX_REQUEST_ID_LENGTH = 128
 # The trainer seeds its estimator with seed + an offset, and torch takes seeds below 2^64, so

@@ -29,12 +29,11 @@ from ssdcore.checkpoint import model_from_bytes
 from ssdcore.models import model_from_config
 from ssdcore.models.base import RBM
 from ssdrbm_server.config import Settings
+from ssdrbm_server.job_spec import EXACT_LL_MAX_HIDDEN, model_config, optimizer_config
 from ssdrbm_server.store import JobState
 from ssdrbm_server.worker import Worker
 from ssdrbm_server.worker.datasets import prepare
-from ssdrbm_server.worker.job_training import EXACT_LL_MAX_HIDDEN
 from ssdrbm_server.worker.pack_child import packed_summary
-from ssdrbm_server.worker.spec import model_config, optimizer_config
 from tests.fixtures.service import RunningService
 from tests.test_packed_worker import PackHarness, run_queued, summary
 from tests.test_service import events, export, states

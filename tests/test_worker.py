@@ -29,6 +29,7 @@ from ssdrbm.v1 import rbm_pb2
 from ssdcore.checkpoint import model_from_bytes
 from ssdcore.optim import OptimizerConfig
 from ssdrbm_server.config import Settings
+from ssdrbm_server.job_spec import model_config, optimizer_config
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.resolver import resolve
 from ssdrbm_server.store import (
@@ -43,7 +44,6 @@ from ssdrbm_server.store import (
 from ssdrbm_server.store.datasets import DatasetInfo
 from ssdrbm_server.worker import Worker
 from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
-from ssdrbm_server.worker.spec import model_config, optimizer_config
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ The one place a metric's direction is defined: the leaderboard (service.py) and 
 decision (rungs.py) both compare ``signed_value``s, lower is better.
 
 A sweep ranks only by a metric its runs report (``check_reported``). Which ones a job reports
-is not listed here: the worker's evaluation picks the log-likelihood method for the job
-(worker/job_training.log_likelihood_method), and ssdcore's ``Trainer.evaluate`` decides which
+is not listed here: the job spec says which log-likelihood method the job's evaluations use
+(job_spec.log_likelihood_method), and ssdcore's ``Trainer.evaluate`` decides which
 values come with that method and model; ``reported_metrics`` asks both, evaluating a 2×2
 stand-in of the job's model, so the answer cannot drift from what the runs send.
 """
@@ -74,7 +74,7 @@ def check_reported(metric: str, specs: list[pb.StartTrainingRequest], where: lis
 def reported_metrics(spec: pb.StartTrainingRequest) -> frozenset[str] | None:
     """The rank metrics that a job with this resolved spec reports in its metric events (at
     its evaluations or at its checkpoints); None when the stand-in could not tell."""
-    from ssdrbm_server.worker.job_training import log_likelihood_method  # torch: on first use
+    from ssdrbm_server.job_spec import log_likelihood_method  # torch: on first use
 
     # AIS runs at checkpoints only, when asked; the other evaluations use the plain method
     methods = {log_likelihood_method(spec, with_ais=ais) for ais in {False, spec.eval.ais}}
@@ -101,7 +101,7 @@ def _evaluated(model_spec: bytes, method: str) -> frozenset[str]:
 
     from ssdcore.models import model_from_config
     from ssdcore.training import Trainer
-    from ssdrbm_server.worker.spec import model_config
+    from ssdrbm_server.job_spec import model_config
 
     stand_in = pb.StartTrainingRequest(model=pb.ModelSpec.FromString(model_spec))
     model = model_from_config(model_config(stand_in, STAND_IN_UNITS))

@@ -33,6 +33,7 @@ from ssdcore.models import model_from_config
 from ssdcore.training import Trainer
 from ssdrbm_server import logs
 from ssdrbm_server.config import Settings
+from ssdrbm_server.job_spec import check_resolved
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
 from ssdrbm_server.worker.job_training import (
@@ -48,9 +49,9 @@ from ssdrbm_server.worker.job_training import (
     metrics_message,
     pick_device,
     rollback_needs_checkpoint,
+    runtime,
 )
 from ssdrbm_server.worker.pack_child import train_pack
-from ssdrbm_server.worker.spec import check_resolved, runtime
 
 logger = logging.getLogger(__name__)
 

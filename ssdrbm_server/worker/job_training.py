@@ -4,7 +4,8 @@ The trainer it builds for a job (packed runs continue such Trainers: ssdcore.pac
 evaluation behind each metric event and its Metrics message, the job's blow-up recovery
 (ssdcore.blowup.Recovery with the job's backoff settings; what a checkpoint keeps of it and how
 a resume takes it back), its Backoff message and the reason given when training blew up for
-good, the contents of a checkpoint, the device, and the pacing of polls and heartbeats.
+good, the contents of a checkpoint, the device and what ran on it (``runtime``), and the pacing
+of polls and heartbeats.
 ``child.py`` (one job) and ``pack_child.py`` (a pack) both ask here, so the two cannot drift
 apart.
 """
@@ -22,18 +23,19 @@ from ssdcore import checkpoint as ssdcheckpoint
 from ssdcore.blowup import BackoffEvent, BlowUp, BlowUpError, Recoverable, Recovery
 from ssdcore.models import model_from_config
 from ssdcore.training import Trainer
-from ssdrbm_server.worker.datasets import SplitData
-from ssdrbm_server.worker.spec import (
+from ssdrbm_server.job_spec import (
     centering_config,
+    log_likelihood_method,
     model_config,
     optimizer_config,
     tempering_config,
 )
+from ssdrbm_server.vocabulary import POLAR_METHODS_BY_NAME
+from ssdrbm_server.worker.datasets import SplitData
 
 logger = logging.getLogger(__name__)
 
 MAX_STEPS_BETWEEN_POLLS = 10  # train at most this many steps before looking for a stop request
-EXACT_LL_MAX_HIDDEN = 16  # 2^16 hidden states: exact log Z is cheap enough for every event
 # Heartbeats go out at most this often, and at least four times per heartbeat deadline.
 ALIVE_MAX_INTERVAL_S = 1.0
 
@@ -41,6 +43,23 @@ ALIVE_MAX_INTERVAL_S = 1.0
 def pick_device() -> torch.device:
     """CUDA when present, CPU otherwise."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def runtime(
+    spec: rbm_pb2.OptimizerSpec, *, device: str, weight_method: str | None, cuda_graph: bool
+) -> rbm_pb2.Runtime:
+    """What ran: the device, the polar method of W (SSD jobs) and whether AUTO chose it."""
+    runtime = rbm_pb2.Runtime(device=device, cuda_graph=cuda_graph)
+    parts = [f"device: {device}"]
+    if weight_method is not None:
+        runtime.method = POLAR_METHODS_BY_NAME[weight_method]
+        automatic = spec.method == rbm_pb2.POLAR_METHOD_AUTO
+        chosen = f" (auto on {device.split(':')[0]})" if automatic else ""
+        parts.append(f"method: {weight_method}{chosen}")
+    if cuda_graph:
+        parts.append("CUDA graph")
+    runtime.summary = ", ".join(parts)
+    return runtime
 
 
 def build_trainer(
@@ -72,16 +91,6 @@ def evaluate_job(
         ais_chains=spec.eval.ais_chains,
         ais_betas=spec.eval.ais_betas,
     )
-
-
-def log_likelihood_method(spec: rbm_pb2.StartTrainingRequest, *, with_ais: bool) -> str:
-    """How a job's evaluation estimates the log-likelihood: AIS when asked (at checkpoints),
-    else exactly for small hidden layers, else not at all."""
-    if with_ais:
-        return "ais"
-    if spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN:
-        return "exact"
-    return "none"
 
 
 def job_recovery(spec: rbm_pb2.StartTrainingRequest, backoffs: int, *, label: str = "") -> Recovery:

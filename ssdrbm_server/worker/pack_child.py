@@ -38,6 +38,7 @@ from ssdcore.pack import (
 )
 from ssdcore.training import Trainer
 from ssdrbm_server.config import Settings
+from ssdrbm_server.job_spec import check_resolved
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.datasets import DatasetError, SplitData, Uploaded, prepare
 from ssdrbm_server.worker.job_training import (
@@ -53,8 +54,8 @@ from ssdrbm_server.worker.job_training import (
     metrics_message,
     pick_device,
     rollback_needs_checkpoint,
+    runtime,
 )
-from ssdrbm_server.worker.spec import check_resolved, runtime
 
 logger = logging.getLogger(__name__)
 

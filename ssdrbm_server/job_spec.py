@@ -1,8 +1,11 @@
-"""A job's resolved spec in ssdcore's terms: the model config and the optimizer config.
+"""A job's resolved spec in ssdcore's terms: what the job trains and how it is evaluated.
 
-The spec was resolved once, in StartTraining (ssdrbm_server/resolver.py), and is read here as
-it is: no defaults live in the worker. The SSD polar method may be AUTO, which ssdcore resolves
-for the device the model is on; ``runtime`` reports what was chosen.
+The API side owns the job spec: ``resolver.py`` turns a StartTrainingRequest into it once, in
+StartTraining, and this module reads it: the model, optimizer, schedule, centering and
+tempering configs, and the log-likelihood method of the job's evaluations. The resolver, the
+pack key (``packing.py``), the sweeps' rank-metric check and the worker's training process all
+ask here, so they read a spec the same way. No defaults live here: the spec is read as stored.
+The SSD polar method may be AUTO, which ssdcore resolves for the device the model is on.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from ssdrbm_server.vocabulary import (
     MODEL_NAMES,
     OPTIMIZER_NAMES,
     POLAR_METHOD_NAMES,
-    POLAR_METHODS_BY_NAME,
     PRECONDITIONER_NAMES,
     SCHEDULE_KIND_NAMES,
     STEP_RULE_NAMES,
     VARIANCE_NAMES,
 )
+
+EXACT_LL_MAX_HIDDEN = 16  # 2^16 hidden states: exact log Z is cheap enough for every event
 
 
 class UnresolvedSpecError(ValueError):
@@ -127,18 +131,11 @@ def tempering_config(training: pb.TrainingSpec) -> TemperingConfig | None:
     return TemperingConfig(n_temperatures=tempering.temperatures, min_beta=tempering.min_beta)
 
 
-def runtime(
-    spec: pb.OptimizerSpec, *, device: str, weight_method: str | None, cuda_graph: bool
-) -> pb.Runtime:
-    """What ran: the device, the polar method of W (SSD jobs) and whether AUTO chose it."""
-    runtime = pb.Runtime(device=device, cuda_graph=cuda_graph)
-    parts = [f"device: {device}"]
-    if weight_method is not None:
-        runtime.method = POLAR_METHODS_BY_NAME[weight_method]
-        automatic = spec.method == pb.POLAR_METHOD_AUTO
-        chosen = f" (auto on {device.split(':')[0]})" if automatic else ""
-        parts.append(f"method: {weight_method}{chosen}")
-    if cuda_graph:
-        parts.append("CUDA graph")
-    runtime.summary = ", ".join(parts)
-    return runtime
+def log_likelihood_method(spec: pb.StartTrainingRequest, *, with_ais: bool) -> str:
+    """How a job's evaluation estimates the log-likelihood: AIS when asked (at checkpoints),
+    else exactly for small hidden layers, else not at all."""
+    if with_ais:
+        return "ais"
+    if spec.model.n_hidden <= EXACT_LL_MAX_HIDDEN:
+        return "exact"
+    return "none"
