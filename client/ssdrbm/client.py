@@ -6,49 +6,35 @@ with Client("localhost:50051") as client:
     job = client.start_training(n_hidden=25, steps=500)
     final = client.wait(job.id)
     features = client.sample_hidden(job.id, x)
+
+Each method runs its call's steps (``calls.py``, shared with the asyncio client) on a blocking
+channel.
 """
 
 from __future__ import annotations
 
-import logging
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from ssdrbm import export, reconnect, serving
-from ssdrbm.connection import TLS, Connection
-from ssdrbm.datasets import (
-    DEFAULT_CHUNK_BYTES,
-    Dataset,
-    UploadedDataset,
-    load_array,
-    upload_messages,
-)
-from ssdrbm.errors import (
-    ResourceExhausted,
-    SSDRBMError,
-    Unavailable,
-    from_rpc_error,
-    retry_delay,
-)
-from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
+from ssdrbm import calls
+from ssdrbm.calls import DEFAULT_PAGE_SIZE
+from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, Dataset, UploadedDataset
+from ssdrbm.errors import SSDRBMError
+from ssdrbm.events import Job, JobState, MetricEvent
 from ssdrbm.model_file import ExportedModel
-from ssdrbm.retry import RetryPolicy, call_with_retry, is_retryable
 from ssdrbm.server_info import ServerInfo
-from ssdrbm.spec import TrainingDefaults, training_request
-from ssdrbm.sweeps import Sweep, sweep_request
-from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
-from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+from ssdrbm.spec import TrainingDefaults
+from ssdrbm.sweeps import Sweep
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_PAGE_SIZE = 50
+T = TypeVar("T")
 
 
-class Client:
+class Client(calls.ClientBase):
     """A connection to the ssdrbm service.
 
     Args:
@@ -64,28 +50,8 @@ class Client:
         reconnect_s: how long a metric stream tries to reconnect after losing its connection.
     """
 
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        token: str | None = None,
-        tls: TLS | bool | None = None,
-        timeout: float | None = None,
-        retry: RetryPolicy | None = None,
-        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-        reconnect_s: float = reconnect.DEFAULT_RECONNECT_S,
-    ) -> None:
-        self.connection = Connection.resolve(target, token=token, tls=tls, timeout=timeout)
-        self.retry = retry or RetryPolicy()
-        self.max_batch_bytes = max_batch_bytes
-        self.reconnect_s = reconnect_s
-        self._channel = self.connection.sync_channel()
-        self._stub = rbm_pb2_grpc.RBMServiceStub(self._channel)
-
-    @property
-    def target(self) -> str:
-        """The address this client talks to."""
-        return self.connection.target
+    def _open_channel(self) -> grpc.Channel:
+        return self.connection.sync_channel()
 
     def close(self) -> None:
         """Close the channel; calls in flight are cancelled."""
@@ -97,33 +63,38 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- plumbing ------------------------------------------------------------------------------
+    # -- the transport: perform the effects of a call's steps ----------------------------------
 
-    def _pages(self, method: str, request: Any, field: str) -> Iterator[Any]:
-        """Every item (``field`` of each response) of a paged List call, fetching the next page
-        with ``next_page_token`` as the iteration reaches it."""
-        while True:
-            response = self._call(method, request)
-            yield from getattr(response, field)
-            if not response.next_page_token:
-                return
-            request.page_token = response.next_page_token
+    def _run(self, steps: calls.Steps[T]) -> T:
+        """Run a call's steps to their result."""
+        walk = calls.Walk(steps)
+        for _ in self._walk(walk):
+            pass  # calls that return a result emit nothing
+        return walk.result
 
-    def _call(self, method: str, request: Any) -> Any:
-        """A unary call with the deadline, the token and retries on UNAVAILABLE.
+    def _iterate(self, steps: calls.Steps[None]) -> Iterator[Any]:
+        """Run a call's steps, yielding the items they emit."""
+        return self._walk(calls.Walk(steps))
 
-        Every unary call is idempotent: reads, cancel, and StartTraining through its request_id.
-        """
-        stub_method = getattr(self._stub, method)
+    def _walk(self, walk: calls.Walk[Any]) -> Iterator[Any]:
+        for effect in walk:
+            if isinstance(effect, calls.Emit):
+                yield effect.item
+            else:
+                walk.reply, walk.error = self._perform(effect)
+
+    def _perform(self, effect: calls.Effect) -> tuple[Any, grpc.RpcError | None]:
+        """The effect's answer, or the RpcError it failed with."""
         try:
-            return call_with_retry(
-                lambda: stub_method(
-                    request, timeout=self.connection.timeout, metadata=self.connection.metadata()
-                ),
-                self.retry,
-            )
+            if isinstance(effect, calls.Sleep):
+                time.sleep(effect.seconds)
+                return None, None
+            if isinstance(effect, calls.Next):
+                return next(effect.call, None), None
+            method = getattr(self._stub, effect.method)
+            return method(effect.request, timeout=effect.timeout, metadata=effect.metadata), None
         except grpc.RpcError as error:
-            raise from_rpc_error(error, self.target) from None
+            return None, error
 
     # -- jobs ----------------------------------------------------------------------------------
 
@@ -151,43 +122,35 @@ class Client:
         :meth:`upload_dataset`; ``preprocess`` ("none", "binarize", "scale", "standardize");
         ``request_id`` (generated when missing); ``name``. Zeros mean "the server's default".
         """
-        request = training_request(**kwargs)
-        # The request_id makes a repeat return the original job, so retrying cannot duplicate it.
-        return Job.from_proto(self._call("StartTraining", request).job)
+        return self._run(calls.start_training(self, **kwargs))
 
     def training_defaults(self) -> TrainingDefaults:
         """The defaults the service fills into unset fields: step sizes per model and
         optimizer, and a minimal request resolved (every other default)."""
-        return TrainingDefaults.from_proto(
-            self._call("GetTrainingDefaults", rbm_pb2.GetTrainingDefaultsRequest())
-        )
+        return self._run(calls.training_defaults(self))
 
     def server_info(self) -> ServerInfo:
         """The service's version, API and optional features (``GetServerInfo``)."""
-        return ServerInfo.from_proto(self._call("GetServerInfo", rbm_pb2.GetServerInfoRequest()))
+        return self._run(calls.server_info(self))
 
     def get_job(self, job_id: str) -> Job:
         """The job's current record; :class:`~ssdrbm.errors.NotFound` when it does not exist."""
-        return Job.from_proto(self._call("GetJob", rbm_pb2.GetJobRequest(job_id=job_id)))
+        return self._run(calls.get_job(self, job_id))
 
     def list_jobs(
         self, state: JobState | str | None = None, *, page_size: int = DEFAULT_PAGE_SIZE
     ) -> Iterator[Job]:
         """Every job of the caller, newest first, fetching pages as the iteration goes."""
-        state_number = JobState(state).to_proto() if state else 0
-        request = rbm_pb2.ListJobsRequest(page_size=page_size, state=state_number)
-        for message in self._pages("ListJobs", request, "jobs"):
-            yield Job.from_proto(message)
+        return self._iterate(calls.list_jobs(self, state, page_size))
 
     def cancel(self, job_id: str) -> Job:
         """Ask the job to stop; returns its record (a finished job is left as it is)."""
-        return Job.from_proto(self._call("CancelJob", rbm_pb2.CancelJobRequest(job_id=job_id)))
+        return self._run(calls.cancel(self, job_id))
 
     def delete_job(self, job_id: str, *, force: bool = False) -> None:
         """Delete a finished job with its metrics and checkpoints (it is NOT_FOUND afterwards);
         a queued or running job raises FailedPrecondition unless ``force`` cancels it first."""
-        request = rbm_pb2.DeleteJobRequest(job_id=job_id, force=force)
-        self._call("DeleteJob", request)
+        self._run(calls.delete_job(self, job_id, force))
 
     # -- sweeps (ssdrbm/sweeps.py) --------------------------------------------------------------
 
@@ -200,55 +163,31 @@ class Client:
         ``rungs``, ``name``, ``request_id`` (generated when missing), ``validate_only``, and
         :meth:`start_training`'s keywords for what every run shares.
         """
-        return Sweep.from_proto(self._call("StartSweep", sweep_request(**kwargs)))
+        return self._run(calls.start_sweep(self, **kwargs))
 
     def get_sweep(self, sweep_id: str) -> Sweep:
         """The sweep with its leaderboard (runs best first)."""
-        return Sweep.from_proto(self._call("GetSweep", rbm_pb2.GetSweepRequest(sweep_id=sweep_id)))
+        return self._run(calls.get_sweep(self, sweep_id))
 
     def list_sweeps(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[Sweep]:
         """Every sweep of the caller, newest first (without their runs: see get_sweep)."""
-        request = rbm_pb2.ListSweepsRequest(page_size=page_size)
-        for message in self._pages("ListSweeps", request, "sweeps"):
-            yield Sweep.from_proto(message)
+        return self._iterate(calls.list_sweeps(self, page_size))
 
     def cancel_sweep(self, sweep_id: str) -> Sweep:
         """Cancel every queued or running run of the sweep."""
-        request = rbm_pb2.CancelSweepRequest(sweep_id=sweep_id)
-        return Sweep.from_proto(self._call("CancelSweep", request))
+        return self._run(calls.cancel_sweep(self, sweep_id))
 
     def delete_sweep(self, sweep_id: str, *, force: bool = False, keep_runs: bool = False) -> int:
         """Delete the sweep and its runs' jobs (their metrics and checkpoints); returns how many
         jobs were deleted. Queued or running runs raise FailedPrecondition unless ``force``
         cancels them first; ``keep_runs`` deletes only the sweep and keeps its jobs."""
-        request = rbm_pb2.DeleteSweepRequest(sweep_id=sweep_id, force=force, keep_runs=keep_runs)
-        return self._call("DeleteSweep", request).deleted_jobs
+        return self._run(calls.delete_sweep(self, sweep_id, force, keep_runs))
 
     def stream_sweep(self, sweep_id: str, *, timeout: float | None = None) -> Iterator[Sweep]:
         """The live leaderboard: a :class:`~ssdrbm.sweeps.Sweep` on every change (and every
         few seconds) until the sweep ends. Each update is whole, so a dropped connection is
         simply opened again."""
-        deadline = reconnect.deadline_after(timeout)
-        backoff = reconnect.Reconnect(self.retry, self.reconnect_s)
-        while True:
-            call = self._stub.StreamSweep(
-                rbm_pb2.StreamSweepRequest(sweep_id=sweep_id),
-                timeout=reconnect.remaining(deadline),
-                metadata=self.connection.metadata(),
-            )
-            try:
-                for message in call:
-                    backoff.reset()
-                    sweep = Sweep.from_proto(message.sweep)
-                    yield sweep
-                    if sweep.done:
-                        return
-                return
-            except grpc.RpcError as error:
-                if not is_retryable(error) or not backoff.wait(retry_delay(error)):
-                    raise from_rpc_error(error, self.target) from None
-            finally:
-                call.cancel()
+        return self._iterate(calls.stream_sweep(self, sweep_id, timeout))
 
     # -- metrics -------------------------------------------------------------------------------
 
@@ -266,40 +205,7 @@ class Client:
         exactly once and in order. ``after`` starts after a known token; ``follow=False`` stops
         after the history; ``timeout`` bounds the whole stream (DeadlineExceeded after it).
         """
-        token = after or ""
-        deadline = reconnect.deadline_after(timeout)
-        backoff = reconnect.Reconnect(self.retry, self.reconnect_s)
-        while True:
-            request = rbm_pb2.StreamMetricsRequest(
-                job_id=job_id, after=token, history_only=not follow
-            )
-            call = self._stub.StreamMetrics(
-                request, timeout=reconnect.remaining(deadline), metadata=self.connection.metadata()
-            )
-            received = 0
-            try:
-                for message in call:
-                    token = message.resume_token or token
-                    received += 1
-                    backoff.reset()
-                    event = event_from_proto(message)
-                    if event is None:
-                        continue
-                    yield event
-                    if isinstance(event, StateEvent) and event.state.terminal:
-                        return
-            except grpc.RpcError as error:
-                if not is_retryable(error) or not backoff.wait(retry_delay(error)):
-                    raise from_rpc_error(error, self.target) from None
-                logger.info("metric stream of %s dropped (%s); resuming", job_id, error.code())
-                continue
-            finally:
-                call.cancel()
-            if not follow or (received == 0 and self.get_job(job_id).done):
-                return
-            # The server closed the stream before the job ended (e.g. it is draining): resume.
-            if not backoff.wait():
-                raise Unavailable(reconnect.STREAM_KEEPS_CLOSING.format(job_id), target=self.target)
+        return self._iterate(calls.stream_metrics(self, job_id, after, follow, timeout))
 
     def wait(
         self,
@@ -316,24 +222,6 @@ class Client:
 
     # -- serving -------------------------------------------------------------------------------
 
-    def _batched(
-        self, x: np.ndarray, method: str, build: Callable[[np.ndarray, int], Any], same: bool
-    ) -> np.ndarray:
-        plan = serving.BatchPlan.for_input(x, self.max_batch_bytes)
-        outputs: list[np.ndarray] = []
-        start = 0
-        while start < plan.batch.shape[0]:
-            rows = plan.next_slice(start)
-            try:
-                response = self._call(method, build(plan.batch[rows], start))
-            except ResourceExhausted:
-                if plan.shrink():
-                    continue
-                raise
-            outputs.append(serving.output_array(response))
-            start = rows.stop
-        return plan.assemble(outputs, same_shape=same)
-
     def reconstruct(
         self,
         job_id: str,
@@ -349,18 +237,8 @@ class Client:
         ``x`` is (batch, n_visible), a single vector or a stack of images; the result has the
         same shape. Large batches are split into several requests. ``seed`` 0 means random.
         """
-
-        def build(rows: np.ndarray, start: int) -> rbm_pb2.ReconstructRequest:
-            return serving.reconstruct_request(
-                job_id,
-                rows,
-                k=k,
-                mean_field=mean_field,
-                seed=serving.chunk_seed(seed, start),
-                checkpoint_step=checkpoint_step,
-            )
-
-        return self._batched(x, "Reconstruct", build, same=True)
+        steps = calls.reconstruct(self, job_id, x, k, mean_field, seed, checkpoint_step)
+        return self._run(steps)
 
     def sample_hidden(
         self,
@@ -375,18 +253,8 @@ class Client:
 
         Returns (batch, n_hidden), or (n_hidden,) for a single vector.
         """
-        mode_number = serving.hidden_mode(mode)
-
-        def build(rows: np.ndarray, start: int) -> rbm_pb2.SampleHiddenRequest:
-            return serving.sample_hidden_request(
-                job_id,
-                rows,
-                mode=mode_number,
-                seed=serving.chunk_seed(seed, start),
-                checkpoint_step=checkpoint_step,
-            )
-
-        return self._batched(x, "SampleHidden", build, same=False)
+        steps = calls.sample_hidden(self, job_id, x, mode, seed, checkpoint_step)
+        return self._run(steps)
 
     # -- datasets and models -------------------------------------------------------------------
 
@@ -408,67 +276,22 @@ class Client:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> UploadedDataset:
         """Like :meth:`upload_dataset`; returns the id with shape, size and whether it is new."""
-        array = load_array(data)
-        # Uploads are content-addressed, so sending the same bytes again is safe to retry.
-        timeout = self.connection.timeout + array.nbytes / 5e6
-        try:
-            response = call_with_retry(
-                lambda: self._stub.UploadDataset(
-                    upload_messages(array, name=name, chunk_bytes=chunk_bytes),
-                    timeout=timeout,
-                    metadata=self.connection.metadata(),
-                ),
-                self.retry,
-            )
-        except grpc.RpcError as error:
-            raise from_rpc_error(error, self.target) from None
-        return UploadedDataset(
-            id=response.dataset_id,
-            shape=tuple(response.shape),
-            size_bytes=response.size_bytes,
-            created=response.created,
-        )
+        return self._run(calls.upload_dataset(self, data, name, chunk_bytes))
 
     def list_datasets(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[Dataset]:
         """The caller's uploaded datasets, ordered by id, fetching pages as the iteration goes."""
-        request = rbm_pb2.ListDatasetsRequest(page_size=page_size)
-        for message in self._pages("ListDatasets", request, "datasets"):
-            yield Dataset.from_proto(message)
+        return self._iterate(calls.list_datasets(self, page_size))
 
     def delete_dataset(self, dataset_id: str) -> None:
         """Remove a dataset from the caller's datasets; its bytes go once no tenant uses them.
         :class:`~ssdrbm.errors.FailedPrecondition` while a queued or running job of the
         caller trains on it; :class:`~ssdrbm.errors.NotFound` for an unknown id. Deleting
         again is NotFound, so a retried delete may report that."""
-        self._call("DeleteDataset", rbm_pb2.DeleteDatasetRequest(dataset_id=dataset_id))
-
-    def _download(
-        self,
-        job_id: str,
-        checkpoint_step: int,
-        export_format: int = rbm_pb2.EXPORT_FORMAT_SAFETENSORS,
-    ) -> export.ModelDownload:
-        request = rbm_pb2.ExportModelRequest(
-            job_id=job_id, checkpoint_step=checkpoint_step, format=export_format
-        )
-        try:
-            return call_with_retry(
-                lambda: export.collect_export(
-                    self._stub.ExportModel(
-                        request,
-                        timeout=self.connection.timeout,
-                        metadata=self.connection.metadata(),
-                    ),
-                    export_format,
-                ),
-                self.retry,
-            )
-        except grpc.RpcError as error:
-            raise from_rpc_error(error, self.target) from None
+        self._run(calls.delete_dataset(self, dataset_id))
 
     def fetch_model(self, job_id: str, *, checkpoint_step: int = 0) -> ExportedModel:
         """The job's latest (or a given) checkpoint as numpy tensors plus its config."""
-        return self._download(job_id, checkpoint_step).model()
+        return self._run(calls.fetch_model(self, job_id, checkpoint_step))
 
     def export_model(
         self,
@@ -491,11 +314,8 @@ class Client:
         The bytes are checked against the sha256 the service announces. Returns the directory
         (for Triton, the model's folder) or the file.
         """
-        export_format = export.wire_format(format)
-        if format == "triton":
-            export.check_model_name(model_name or job_id)
-        download = self._download(job_id, checkpoint_step, export_format)
-        return download.save(path, format, model_name=model_name or job_id)
+        steps = calls.export_model(self, job_id, path, checkpoint_step, format, model_name)
+        return self._run(steps)
 
 
 __all__ = ["Client", "SSDRBMError"]

@@ -54,11 +54,3 @@ class Reconnect:
         delay = min(backoff, self.policy.max_backoff_s) if requested is None else max(requested, 0)
         self.failures += 1
         return min(delay, self.budget_s - (now - self.since))
-
-    def wait(self, requested: float | None = None) -> bool:
-        """Sleep before reconnecting; False when it is time to give up."""
-        delay = self.next_delay(requested)
-        if delay is None:
-            return False
-        time.sleep(delay)
-        return True

@@ -14,12 +14,11 @@ delay replaces the exponential backoff's, still within the same window.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -142,16 +141,3 @@ def call_with_retry(
             if delay is None:
                 raise
             sleep(delay)
-
-
-async def acall_with_retry(call: Callable[[], Awaitable[T]], policy: RetryPolicy) -> T:
-    """The asyncio flavour of :func:`call_with_retry`."""
-    backoff = Backoff(policy)
-    while True:
-        try:
-            return await call()
-        except grpc.RpcError as error:
-            delay = backoff.after(error)
-            if delay is None:
-                raise
-            await asyncio.sleep(delay)

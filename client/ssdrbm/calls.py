@@ -1,0 +1,497 @@
+"""Every call of the service, written once for the blocking and the asyncio clients.
+
+A call is written here as *steps*: a generator that builds the request, yields what it needs
+done on the network (an *effect*) and gets the answer back from the ``yield``::
+
+    def get_job(client, job_id):
+        response = yield from unary(client, "GetJob", rbm_pb2.GetJobRequest(job_id=job_id))
+        return Job.from_proto(response)
+
+The effects are few: :class:`Call` (start an RPC and wait for its response; its request is an
+iterable of messages for a client stream), :class:`Open` (start a server stream; the answer is
+the call) and :class:`Next` (the stream's next message, None at its end), :class:`Sleep`, and
+:class:`Emit` (hand an item to whoever iterates a listing or a stream). A failed RPC comes back
+as its ``grpc.RpcError``, raised at the ``yield``.
+
+So everything but the I/O is here, once: requests and conversions, the retry and reconnect
+decisions, the mapping of gRPC errors to :mod:`ssdrbm.errors`, pagination, splitting serving
+batches, the upload's chunks, the export's checks. :class:`ssdrbm.Client` (``client.py``)
+performs the effects on a blocking channel, :class:`ssdrbm.aio.AsyncClient` (``aio.py``) awaits
+them on a ``grpc.aio`` channel (each about twenty lines: ``_run``, ``_iterate``, ``_perform``,
+with :class:`Walk` feeding the answers back). Every public method of either client only runs
+its call's steps (``wait`` and ``upload_dataset`` are built on other methods), so a change made
+here holds for both clients.
+
+To add a call: write its steps here, then one method in each client that runs them
+(``self._run(steps)`` for a result, ``self._iterate(steps)`` for emitted items);
+``tests/test_client_calls.py`` checks that both clients keep the same methods.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import grpc
+import numpy as np
+
+from ssdrbm import export, reconnect, serving
+from ssdrbm.connection import TLS, Connection
+from ssdrbm.datasets import Dataset, UploadedDataset, load_array, upload_messages
+from ssdrbm.errors import ResourceExhausted, Unavailable, from_rpc_error, retry_delay
+from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
+from ssdrbm.model_file import ExportedModel
+from ssdrbm.retry import Backoff, RetryPolicy, is_retryable
+from ssdrbm.server_info import ServerInfo
+from ssdrbm.spec import TrainingDefaults, training_request
+from ssdrbm.sweeps import Sweep, sweep_request
+from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
+from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_PAGE_SIZE = 50
+
+# -- effects: what a call asks its client to do ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """Start RPC ``method`` of RBMService and answer with its response."""
+
+    method: str
+    request: Any  # a message, or an iterable of messages for a client stream
+    timeout: float | None  # seconds; None: no deadline
+    metadata: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Open(Call):
+    """Start a server-streaming RPC and answer with the call (read it with :class:`Next`)."""
+
+
+@dataclass(frozen=True)
+class Next:
+    """Answer with the stream's next message, or None once it has ended."""
+
+    call: Any
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Wait before the next attempt."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Emit:
+    """Hand ``item`` to the caller of a method that iterates (listings, streams)."""
+
+    item: Any
+
+
+Effect = Call | Next | Sleep | Emit
+Steps = Generator[Effect, Any, T]
+
+
+class Walk(Generic[T]):
+    """A client's handle on running steps: iterate it for the effects to perform, set ``reply``
+    (or ``error``, a failed RPC) before taking the next; ``result`` is the steps' return value
+    once the iteration ends. Leaving the iteration early closes the steps, which cancels any
+    stream they hold open."""
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self._steps = steps
+        self.reply: Any = None
+        self.error: grpc.RpcError | None = None
+        self.result: Any = None  # the steps' return value, once the iteration has ended
+
+    def __iter__(self) -> Iterator[Effect]:
+        with closing(self._steps):
+            while True:
+                try:
+                    effect = self._resume()
+                except StopIteration as done:
+                    self.result = done.value
+                    return
+                yield effect
+
+    def _resume(self) -> Effect:
+        """Hand the steps the last effect's answer; returns the next effect."""
+        reply, error = self.reply, self.error
+        self.reply, self.error = None, None
+        return self._steps.send(reply) if error is None else self._steps.throw(error)
+
+
+class ClientBase:
+    """What both clients hold: the resolved connection, the retry policy, the serving batch
+    limit, the streams' reconnect budget, and the stub on the channel the client opens."""
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        token: str | None = None,
+        tls: TLS | bool | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        reconnect_s: float = reconnect.DEFAULT_RECONNECT_S,
+    ) -> None:
+        self.connection = Connection.resolve(target, token=token, tls=tls, timeout=timeout)
+        self.retry = retry or RetryPolicy()
+        self.max_batch_bytes = max_batch_bytes
+        self.reconnect_s = reconnect_s
+        self._channel = self._open_channel()
+        self._stub = rbm_pb2_grpc.RBMServiceStub(self._channel)
+
+    def _open_channel(self) -> Any:
+        """The channel the client's calls go through: blocking or ``grpc.aio``."""
+        raise NotImplementedError
+
+    @property
+    def target(self) -> str:
+        """The address this client talks to."""
+        return self.connection.target
+
+
+# -- the plumbing of every call -------------------------------------------------------------------
+
+
+def _start(client: ClientBase, method: str, request: Any, timeout: float | None) -> Steps[Any]:
+    """One attempt of a call: its response, or its RpcError raised."""
+    return (yield Call(method, request, timeout, client.connection.metadata()))
+
+
+def _open(client: ClientBase, method: str, request: Any, timeout: float | None) -> Steps[Any]:
+    """Start a server stream: the call, to read with :class:`Next` and cancel when done."""
+    return (yield Open(method, request, timeout, client.connection.metadata()))
+
+
+def _retried(client: ClientBase, attempt: Callable[[], Steps[T]]) -> Steps[T]:
+    """Run ``attempt`` again after UNAVAILABLE as ``client.retry`` allows; any other error, or
+    the last one, is raised as an :class:`~ssdrbm.errors.SSDRBMError`."""
+    backoff = Backoff(client.retry)
+    while True:
+        try:
+            return (yield from attempt())
+        except grpc.RpcError as error:
+            delay = backoff.after(error)
+            if delay is None:
+                raise from_rpc_error(error, client.target) from None
+        yield Sleep(delay)
+
+
+def unary(client: ClientBase, method: str, request: Any) -> Steps[Any]:
+    """A unary call with the deadline, the token and retries on UNAVAILABLE.
+
+    Every unary call is idempotent: reads, cancels, deletes, and StartTraining and StartSweep
+    through their request_id.
+    """
+    timeout = client.connection.timeout
+    return (yield from _retried(client, lambda: _start(client, method, request, timeout)))
+
+
+def _pages(
+    client: ClientBase, method: str, request: Any, field: str, convert: Callable[[Any], Any]
+) -> Steps[None]:
+    """Emit every item (``field`` of each response, converted) of a paged List call, fetching
+    the next page with ``next_page_token`` as the iteration reaches it."""
+    while True:
+        response = yield from unary(client, method, request)
+        for message in getattr(response, field):
+            yield Emit(convert(message))
+        if not response.next_page_token:
+            return
+        request.page_token = response.next_page_token
+
+
+def _reconnect_delay(
+    client: ClientBase, backoff: reconnect.Reconnect, error: grpc.RpcError
+) -> float:
+    """The sleep before re-opening a stream that failed with ``error``; raises the error as an
+    SSDRBMError when it is not worth retrying or the reconnect budget is spent."""
+    delay = backoff.next_delay(retry_delay(error)) if is_retryable(error) else None
+    if delay is None:
+        raise from_rpc_error(error, client.target) from None
+    return delay
+
+
+# -- jobs -----------------------------------------------------------------------------------------
+
+
+def start_training(client: ClientBase, **kwargs: Any) -> Steps[Job]:
+    request = training_request(**kwargs)
+    # The request_id makes a repeat return the original job, so retrying cannot duplicate it.
+    return Job.from_proto((yield from unary(client, "StartTraining", request)).job)
+
+
+def training_defaults(client: ClientBase) -> Steps[TrainingDefaults]:
+    request = rbm_pb2.GetTrainingDefaultsRequest()
+    return TrainingDefaults.from_proto((yield from unary(client, "GetTrainingDefaults", request)))
+
+
+def server_info(client: ClientBase) -> Steps[ServerInfo]:
+    request = rbm_pb2.GetServerInfoRequest()
+    return ServerInfo.from_proto((yield from unary(client, "GetServerInfo", request)))
+
+
+def get_job(client: ClientBase, job_id: str) -> Steps[Job]:
+    request = rbm_pb2.GetJobRequest(job_id=job_id)
+    return Job.from_proto((yield from unary(client, "GetJob", request)))
+
+
+def list_jobs(client: ClientBase, state: JobState | str | None, page_size: int) -> Steps[None]:
+    state_number = JobState(state).to_proto() if state else 0
+    request = rbm_pb2.ListJobsRequest(page_size=page_size, state=state_number)
+    yield from _pages(client, "ListJobs", request, "jobs", Job.from_proto)
+
+
+def cancel(client: ClientBase, job_id: str) -> Steps[Job]:
+    request = rbm_pb2.CancelJobRequest(job_id=job_id)
+    return Job.from_proto((yield from unary(client, "CancelJob", request)))
+
+
+def delete_job(client: ClientBase, job_id: str, force: bool) -> Steps[None]:
+    yield from unary(client, "DeleteJob", rbm_pb2.DeleteJobRequest(job_id=job_id, force=force))
+
+
+# -- sweeps ---------------------------------------------------------------------------------------
+
+
+def start_sweep(client: ClientBase, **kwargs: Any) -> Steps[Sweep]:
+    return Sweep.from_proto((yield from unary(client, "StartSweep", sweep_request(**kwargs))))
+
+
+def get_sweep(client: ClientBase, sweep_id: str) -> Steps[Sweep]:
+    request = rbm_pb2.GetSweepRequest(sweep_id=sweep_id)
+    return Sweep.from_proto((yield from unary(client, "GetSweep", request)))
+
+
+def list_sweeps(client: ClientBase, page_size: int) -> Steps[None]:
+    request = rbm_pb2.ListSweepsRequest(page_size=page_size)
+    yield from _pages(client, "ListSweeps", request, "sweeps", Sweep.from_proto)
+
+
+def cancel_sweep(client: ClientBase, sweep_id: str) -> Steps[Sweep]:
+    request = rbm_pb2.CancelSweepRequest(sweep_id=sweep_id)
+    return Sweep.from_proto((yield from unary(client, "CancelSweep", request)))
+
+
+def delete_sweep(client: ClientBase, sweep_id: str, force: bool, keep_runs: bool) -> Steps[int]:
+    request = rbm_pb2.DeleteSweepRequest(sweep_id=sweep_id, force=force, keep_runs=keep_runs)
+    return (yield from unary(client, "DeleteSweep", request)).deleted_jobs
+
+
+def stream_sweep(client: ClientBase, sweep_id: str, timeout: float | None) -> Steps[None]:
+    """Emit the sweep on every change until it ends. Each update is whole, so a dropped
+    connection is simply opened again."""
+    deadline = reconnect.deadline_after(timeout)
+    backoff = reconnect.Reconnect(client.retry, client.reconnect_s)
+    request = rbm_pb2.StreamSweepRequest(sweep_id=sweep_id)
+    while True:
+        call = yield from _open(client, "StreamSweep", request, reconnect.remaining(deadline))
+        try:
+            while (message := (yield Next(call))) is not None:
+                backoff.reset()
+                sweep = Sweep.from_proto(message.sweep)
+                yield Emit(sweep)
+                if sweep.done:
+                    return
+            return
+        except grpc.RpcError as error:
+            yield Sleep(_reconnect_delay(client, backoff, error))
+        finally:
+            call.cancel()
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+
+def stream_metrics(
+    client: ClientBase, job_id: str, after: str | None, follow: bool, timeout: float | None
+) -> Steps[None]:
+    """Emit the job's events: history first, then live until the job ends. A dropped
+    connection is re-opened from the last event's resume token, so the events come exactly
+    once and in order."""
+    token = after or ""
+    deadline = reconnect.deadline_after(timeout)
+    backoff = reconnect.Reconnect(client.retry, client.reconnect_s)
+    while True:
+        request = rbm_pb2.StreamMetricsRequest(job_id=job_id, after=token, history_only=not follow)
+        call = yield from _open(client, "StreamMetrics", request, reconnect.remaining(deadline))
+        received = 0
+        try:
+            while (message := (yield Next(call))) is not None:
+                token = message.resume_token or token
+                received += 1
+                backoff.reset()
+                event: MetricEvent | None = event_from_proto(message)
+                if event is None:
+                    continue
+                yield Emit(event)
+                if isinstance(event, StateEvent) and event.state.terminal:
+                    return
+        except grpc.RpcError as error:
+            delay = _reconnect_delay(client, backoff, error)
+            logger.info("metric stream of %s dropped (%s); resuming", job_id, error.code())
+            yield Sleep(delay)
+            continue
+        finally:
+            call.cancel()
+        if not follow or (received == 0 and (yield from get_job(client, job_id)).done):
+            return
+        # The server closed the stream before the job ended (e.g. it is draining): resume.
+        delay = backoff.next_delay()
+        if delay is None:
+            raise Unavailable(reconnect.STREAM_KEEPS_CLOSING.format(job_id), target=client.target)
+        yield Sleep(delay)
+
+
+# -- serving --------------------------------------------------------------------------------------
+
+
+def _batched(
+    client: ClientBase,
+    x: np.ndarray,
+    method: str,
+    build: Callable[[np.ndarray, int], Any],
+    same: bool,
+) -> Steps[np.ndarray]:
+    """Send ``x`` in requests under ``client.max_batch_bytes`` (halved while the service
+    answers RESOURCE_EXHAUSTED) and join their outputs."""
+    plan = serving.BatchPlan.for_input(x, client.max_batch_bytes)
+    outputs: list[np.ndarray] = []
+    start = 0
+    while start < plan.batch.shape[0]:
+        rows = plan.next_slice(start)
+        try:
+            response = yield from unary(client, method, build(plan.batch[rows], start))
+        except ResourceExhausted:
+            if plan.shrink():
+                continue
+            raise
+        outputs.append(serving.output_array(response))
+        start = rows.stop
+    return plan.assemble(outputs, same_shape=same)
+
+
+def reconstruct(
+    client: ClientBase,
+    job_id: str,
+    x: np.ndarray,
+    k: int,
+    mean_field: bool,
+    seed: int,
+    checkpoint_step: int,
+) -> Steps[np.ndarray]:
+    def build(rows: np.ndarray, start: int) -> rbm_pb2.ReconstructRequest:
+        return serving.reconstruct_request(
+            job_id,
+            rows,
+            k=k,
+            mean_field=mean_field,
+            seed=serving.chunk_seed(seed, start),
+            checkpoint_step=checkpoint_step,
+        )
+
+    return (yield from _batched(client, x, "Reconstruct", build, same=True))
+
+
+def sample_hidden(
+    client: ClientBase, job_id: str, x: np.ndarray, mode: str, seed: int, checkpoint_step: int
+) -> Steps[np.ndarray]:
+    mode_number = serving.hidden_mode(mode)
+
+    def build(rows: np.ndarray, start: int) -> rbm_pb2.SampleHiddenRequest:
+        return serving.sample_hidden_request(
+            job_id,
+            rows,
+            mode=mode_number,
+            seed=serving.chunk_seed(seed, start),
+            checkpoint_step=checkpoint_step,
+        )
+
+    return (yield from _batched(client, x, "SampleHidden", build, same=False))
+
+
+# -- datasets and models --------------------------------------------------------------------------
+
+
+def upload_dataset(
+    client: ClientBase, data: np.ndarray | str | Path, name: str, chunk_bytes: int
+) -> Steps[UploadedDataset]:
+    array = load_array(data)
+    # Uploads are content-addressed, so sending the same bytes again is safe to retry.
+    timeout = client.connection.timeout + array.nbytes / 5e6
+
+    def attempt() -> Steps[Any]:
+        messages = upload_messages(array, name=name, chunk_bytes=chunk_bytes)
+        return _start(client, "UploadDataset", messages, timeout)
+
+    response = yield from _retried(client, attempt)
+    return UploadedDataset(
+        id=response.dataset_id,
+        shape=tuple(response.shape),
+        size_bytes=response.size_bytes,
+        created=response.created,
+    )
+
+
+def list_datasets(client: ClientBase, page_size: int) -> Steps[None]:
+    request = rbm_pb2.ListDatasetsRequest(page_size=page_size)
+    yield from _pages(client, "ListDatasets", request, "datasets", Dataset.from_proto)
+
+
+def delete_dataset(client: ClientBase, dataset_id: str) -> Steps[None]:
+    yield from unary(client, "DeleteDataset", rbm_pb2.DeleteDatasetRequest(dataset_id=dataset_id))
+
+
+def _download(
+    client: ClientBase,
+    job_id: str,
+    checkpoint_step: int,
+    export_format: int = rbm_pb2.EXPORT_FORMAT_SAFETENSORS,
+) -> Steps[export.ModelDownload]:
+    """The ExportModel stream gathered and checked, retried whole on UNAVAILABLE."""
+    request = rbm_pb2.ExportModelRequest(
+        job_id=job_id, checkpoint_step=checkpoint_step, format=export_format
+    )
+
+    def attempt() -> Steps[export.ModelDownload]:
+        call = yield from _open(client, "ExportModel", request, client.connection.timeout)
+        messages = []
+        try:
+            while (message := (yield Next(call))) is not None:
+                messages.append(message)
+        finally:
+            call.cancel()
+        return export.collect_export(messages, export_format)
+
+    return (yield from _retried(client, attempt))
+
+
+def fetch_model(client: ClientBase, job_id: str, checkpoint_step: int) -> Steps[ExportedModel]:
+    return (yield from _download(client, job_id, checkpoint_step)).model()
+
+
+def export_model(
+    client: ClientBase,
+    job_id: str,
+    path: str | Path,
+    checkpoint_step: int,
+    format: str,
+    model_name: str | None,
+) -> Steps[Path]:
+    export_format = export.wire_format(format)
+    if format == "triton":
+        export.check_model_name(model_name or job_id)
+    download = yield from _download(client, job_id, checkpoint_step, export_format)
+    return download.save(path, format, model_name=model_name or job_id)
