@@ -23,7 +23,7 @@ rank go through the helpers here:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -101,3 +101,34 @@ def per_matrix(function: Callable[..., Tensor], *tensors: Tensor, rank: int = 2)
     return torch.stack(
         [function(*parts) for parts in zip(*(t.unbind(0) for t in tensors), strict=True)]
     )
+
+
+def add_scaled_(target: Tensor, tensor: Tensor, scale: float | Tensor) -> Tensor:
+    """``target += scale·tensor``: ``scale`` a number (one run), or per-run values shaped to
+    broadcast over a stack (``(M, 1)``, ``(M, 1, 1)``), each rounded to the tensors' dtype as
+    the number is. The two forms give the same bits (``tests/test_pack.py``)."""
+    if isinstance(scale, Tensor):
+        return target.addcmul_(tensor, scale)
+    return target.add_(tensor, alpha=scale)
+
+
+def add_scaled_product_(
+    target: Tensor, left: Tensor, right: Tensor, scale: float | Tensor
+) -> Tensor:
+    """``target += scale·left·right`` (elementwise), ``scale`` as in :func:`add_scaled_`."""
+    if isinstance(scale, Tensor):
+        return target.addcmul_(left * scale, right)
+    return target.addcmul_(left, right, value=scale)
+
+
+def add_product_(
+    target: Tensor, left: Tensor, right: Tensor, alpha: float | Sequence[float]
+) -> Tensor:
+    """``target += alpha·left @ right``, ``alpha`` one number for a matrix or one per run of a
+    stack. BLAS applies ``alpha`` inside the product, which no batched call with per-run values
+    reproduces, so a stack's update runs as one ``addmm`` per run."""
+    if target.ndim == 2:
+        return target.addmm_(left, right, alpha=alpha)
+    for run, run_alpha in enumerate(alpha):
+        target[run].addmm_(left[run], right[run], alpha=run_alpha)
+    return target

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ssdcore.batched import add_scaled_
 from ssdcore.optim.projection import project_spectral_norm_
 
 
@@ -62,17 +63,35 @@ def euclidean_update_(
     ``grad + momentum * buf``.
     """
     if momentum == 0:
-        param.add_(grad, alpha=-lr)
+        add_scaled_(param, grad, -lr)
         return
     buffer = state.get("momentum_buffer")
     if buffer is None:
         buffer = state["momentum_buffer"] = grad.clone()
     else:
         buffer.mul_(momentum).add_(grad)
+    momentum_step_(
+        param, grad, buffer, neg_lr=-lr, neg_lr_momentum=-lr * momentum, nesterov=nesterov
+    )
+
+
+def momentum_step_(
+    param: Tensor,
+    grad: Tensor,
+    buffer: Tensor,
+    *,
+    neg_lr: float | Tensor,
+    neg_lr_momentum: float | Tensor,
+    nesterov: bool,
+) -> None:
+    """The step along an updated momentum buffer: ``p -= lr·buf``, Nesterov's
+    ``p -= lr·grad + lr·momentum·buf``. For one parameter (numbers) or a stack of M runs'
+    (per-run values shaped to broadcast, :func:`ssdcore.batched.add_scaled_`)."""
     if nesterov:
-        param.add_(grad, alpha=-lr).add_(buffer, alpha=-lr * momentum)
+        add_scaled_(param, grad, neg_lr)
+        add_scaled_(param, buffer, neg_lr_momentum)
     else:
-        param.add_(buffer, alpha=-lr)
+        add_scaled_(param, buffer, neg_lr)
 
 
 def finish_update_(param: Tensor, group: dict[str, Any]) -> None:

@@ -26,13 +26,14 @@ gradient.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ssdcore.batched import add_product_, add_scaled_product_
 from ssdcore.optim.polar import (
     FactoredPolar,
     Polar,
@@ -214,17 +215,17 @@ class SSD(Optimizer):
         lr, method, rule = group["lr"], group["method"], group["step_rule"]
         if method == "newton-schulz" and factors is not None and _only_factors(param, factors):
             polar = polar_newton_schulz_factors(*factors)
-            _apply_factored_(param, _with_rule(polar, rule, None, factors), lr)
+            apply_factored_(param, _with_rule(polar, rule, None, factors), lr)
             return
         if method == "lowrank":
             if factors is not None and not _factors_pay_off(param, factors):
                 # Both routes are exact; the dense Gram matrix is the smaller eigenproblem here.
                 grad = _dense(param, factors)
-                _apply_factored_(param, _with_rule(polar_gram_factors(grad), rule, grad), lr)
+                apply_factored_(param, _with_rule(polar_gram_factors(grad), rule, grad), lr)
                 return
             if factors is not None and _factors_describe(param, factors):
                 polar = polar_lowrank_factors(*factors)
-                _apply_factored_(param, _with_rule(polar, rule, param.grad, factors), lr)
+                apply_factored_(param, _with_rule(polar, rule, param.grad, factors), lr)
                 return
             if id(param) not in self._fallback_logged:
                 logger.info(
@@ -235,7 +236,7 @@ class SSD(Optimizer):
                 self._fallback_logged.add(id(param))
         grad = _dense(param, factors)
         polar = _with_rule(self._polar(grad, method, factors, state, group), rule, grad, factors)
-        param.addcmul_(polar.direction, polar.nuclear_norm, value=-lr)
+        apply_polar_(param, polar, -lr)
 
     def _polar(
         self,
@@ -271,8 +272,7 @@ class SSD(Optimizer):
         sign = self._sign_buffers.get(param)
         if sign is None or sign.shape != grad.shape:
             sign = self._sign_buffers[param] = torch.empty_like(grad)
-        torch.sign(grad, out=sign)
-        param.addcmul_(sign, linf_length(grad, rule), value=-lr)
+        linf_step_(param, grad, -lr, rule, sign=sign)
 
     def _preconditioned_step(
         self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
@@ -385,13 +385,31 @@ def _with_rule(
     return polar._replace(nuclear_norm=length)
 
 
-def _apply_factored_(param: Tensor, polar: FactoredPolar, lr: float) -> None:
-    """``W -= lr * ‖σ‖₁ * left @ right`` in one addmm, without an (m, n) temporary.
+def apply_factored_(param: Tensor, polar: FactoredPolar, lr: float | Sequence[float]) -> None:
+    """``W -= lr * ‖σ‖₁ * left @ right`` in one addmm, without an (m, n) temporary (for a stack
+    of M runs' matrices: ``lr`` per run, one addmm each, :func:`ssdcore.batched.add_product_`).
 
     The norm scales the small right factor on the device rather than passing through a Python
     float, which would wait for the GPU and keep the step out of a CUDA graph.
     """
-    param.addmm_(polar.left, polar.right * polar.nuclear_norm, alpha=-lr)
+    alpha = -lr if isinstance(lr, float | int) else [-run_lr for run_lr in lr]
+    add_product_(param, polar.left, polar.right * polar.nuclear_norm[..., None, None], alpha)
+
+
+def apply_polar_(param: Tensor, polar: Polar, neg_lr: float | Tensor) -> None:
+    """``W -= lr * ‖σ‖₁ * D`` for a dense polar factor D (for a stack of M runs' matrices,
+    ``neg_lr`` per run: :func:`ssdcore.batched.add_scaled_product_`)."""
+    add_scaled_product_(param, polar.direction, polar.nuclear_norm[..., None, None], neg_lr)
+
+
+def linf_step_(
+    param: Tensor, grad: Tensor, neg_lr: float | Tensor, rule: str, *, sign: Tensor | None = None
+) -> None:
+    """l∞ step ``x -= lr·length·sign(g)`` (length by the step rule), into the scratch ``sign``
+    when given; for a vector or a stack of M runs' (``neg_lr`` per run, shaped ``(M, 1)``).
+    ``(-lr)·sign`` is exact, so the two forms give the same bits."""
+    sign = torch.sign(grad) if sign is None else torch.sign(grad, out=sign)
+    add_scaled_product_(param, sign, linf_length(grad, rule), neg_lr)
 
 
 def _factors_describe(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:

@@ -36,12 +36,18 @@ a CUDA graph; ``‖G‖_F²`` costs one pass over the dense gradient, or ``O((m 
 factors (in float64). docs/RESULTS.md §6 has the measurement (``python -m experiments
 transfer``): on MNIST the paper rule's best step falls 10× from 32 to 512 hidden units, the
 normalized rule's stays at 0.1.
+
+Each length is written once for one parameter or a stack of M runs' (a leading run axis, as in
+:mod:`ssdcore.pack`): full reductions run matrix by matrix (:func:`ssdcore.batched.per_matrix`),
+so a run's length in a stack is its solo length bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ssdcore.batched import per_matrix
 
 STEP_RULES = ("paper", "normalized")
 DEFAULT_STEP_RULE = "paper"
@@ -54,21 +60,31 @@ def check_step_rule(step_rule: object) -> None:
 
 
 def frobenius_squared(grad: Tensor | None, factors: tuple[Tensor, Tensor] | None) -> Tensor:
-    """``‖G‖_F²`` of the dense gradient, or of ``left @ right`` without forming it."""
+    """``‖G‖_F²`` of the dense gradient, or of ``left @ right`` without forming it (per run
+    for a stack: ``(M,)``)."""
     if grad is not None:
-        return grad.square().sum()
+        return per_matrix(_squared_sum, grad)
     if factors is None:
         raise RuntimeError("parameter has neither a gradient nor gradient factors")
+    return per_matrix(_factors_squared_sum, *factors)
+
+
+def _squared_sum(grad: Tensor) -> Tensor:
+    return grad.square().sum()
+
+
+def _factors_squared_sum(left: Tensor, right: Tensor) -> Tensor:
     # In float64: the data and chain terms of a CD gradient's factors largely cancel late in
     # training, and float32 would lose the small difference (or make it negative).
-    left, right = factors[0].double(), factors[1].double()
-    return ((left.mT @ left) * (right @ right.mT)).sum().clamp_min(0).to(factors[0].dtype)
+    dtype, left, right = left.dtype, left.double(), right.double()
+    return ((left.mT @ left) * (right @ right.mT)).sum().clamp_min(0).to(dtype)
 
 
 def max_rank(shape: tuple[int, ...], factors: tuple[Tensor, Tensor] | None) -> int:
-    """k: the largest rank a gradient of ``shape`` (with these factors) can have."""
-    bound = min(shape)
-    return bound if factors is None else min(bound, factors[0].shape[1])
+    """k: the largest rank a gradient of ``shape`` (a matrix's, or a stack's of them, with these
+    factors) can have."""
+    bound = min(shape[-2:])
+    return bound if factors is None else min(bound, factors[0].shape[-1])
 
 
 def spectral_length(
@@ -86,8 +102,14 @@ def spectral_length(
 
 
 def linf_length(grad: Tensor, step_rule: str) -> Tensor:
-    """The factor on ``-lr·sign(g)``: ``‖g‖₁`` (paper) or ``‖g‖₂ / ‖sign(g)‖₂`` (normalized)."""
+    """The factor on ``-lr·sign(g)``: ``‖g‖₁`` (paper) or ``‖g‖₂ / ‖sign(g)‖₂`` (normalized);
+    over the last dimension, kept (``(1,)`` for a vector, ``(M, 1)`` for a stack of M), so that
+    it broadcasts against ``g``. A vector's reduction is far below the size at which torch
+    splits one across threads, so a stack's rows are each the solo result."""
+    dim = -1 if grad.ndim else None
     if step_rule == "paper":
-        return torch.linalg.vector_norm(grad, 1)
-    nonzero = torch.count_nonzero(grad).to(grad.dtype).clamp_min(1)
-    return torch.linalg.vector_norm(grad) / nonzero.sqrt()
+        length = torch.linalg.vector_norm(grad, 1, dim=dim)
+    else:
+        nonzero = torch.count_nonzero(grad, dim=dim).to(grad.dtype).clamp_min(1)
+        length = torch.linalg.vector_norm(grad, dim=dim) / nonzero.sqrt()
+    return length.unsqueeze(-1) if grad.ndim else length

@@ -9,14 +9,11 @@ scale, the solo Trainer's expression); the *rule* of each parameter (:class:`Par
 Euclidean with or without Nesterov, or spectral with its polar method and step rule) must be the
 same for every run in a pack — it decides which batched kernels run.
 
-Every update reproduces the solo optimizer's floating-point operations run by run (per-run
-scalars become (M, 1, 1) tensors in the same ``addcmul`` / ``mul`` / ``addmm`` forms), so on the
-CPU a packed run's parameters are its solo parameters bit for bit (``tests/test_pack.py``). The
-one exception is the step of a matrix whose polar factor is exact and fused into an ``addmm``
-with the run's step size as ``alpha``: BLAS applies ``alpha`` inside the product, which no
-batched call with per-run step sizes reproduces, so that update runs as one ``addmm`` per run.
-So does the ``‖G‖_F²`` of the normalized rule's step length for a matrix: a batched sum splits a
-large run's reduction across threads differently from the solo sum (:func:`_frobenius_squared`).
+Every update is the solo optimizer's own function (:mod:`ssdcore.optim.sgd`,
+:mod:`ssdcore.optim.ssd`, :mod:`ssdcore.optim.polar`, :mod:`ssdcore.optim.step_rules`) called on
+the stack, with per-run scalars as (M, 1) / (M, 1, 1) columns (:mod:`ssdcore.batched`), so on the
+CPU a packed run's parameters are its solo parameters bit for bit (``tests/test_pack.py``). What
+this module adds is the rule of each parameter and the per-run numbers.
 
 Not supported in a pack (ValueError naming the setting): ``ssd-preconditioned``, the
 ``randomized`` polar method, and ``max_spectral_norm`` — the solo trainer runs those.
@@ -30,17 +27,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ssdcore.batched import stacked_empty
+from ssdcore.batched import add_scaled_, stacked_empty
 from ssdcore.models.base import RBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer
 from ssdcore.optim.polar import (
+    FactoredPolar,
     polar_gram_factors,
     polar_newton_schulz,
     polar_newton_schulz_factors,
     polar_svd,
 )
-from ssdcore.optim.ssd import FACTORED_METHODS
-from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, frobenius_squared
+from ssdcore.optim.sgd import momentum_step_
+from ssdcore.optim.ssd import FACTORED_METHODS, apply_factored_, apply_polar_, linf_step_
+from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, spectral_length
 
 PACKED_POLAR_METHODS = ("lowrank", "svd", "newton-schulz")
 
@@ -226,18 +225,21 @@ class PackedOptimizer:
     def _euclidean_(self, name: str, parameter: Tensor, grad: Tensor, rule: ParameterRule) -> None:
         momenta = [run[name].momentum for run in self.settings]
         if not any(m != 0 for m in momenta):
-            parameter.addcmul_(grad, self._neg_lr[name])
+            add_scaled_(parameter, grad, self._neg_lr[name])
             return
         buffer = self.momentum_buffers[name]
         buffer.mul_(self._momentum[name]).add_(grad)
         self.has_buffer[name] = [
             has or m != 0 for has, m in zip(self.has_buffer[name], momenta, strict=True)
         ]
-        if rule.nesterov:
-            parameter.addcmul_(grad, self._neg_lr[name])
-            parameter.addcmul_(buffer, self._neg_lr_momentum[name])
-        else:
-            parameter.addcmul_(buffer, self._neg_lr[name])
+        momentum_step_(
+            parameter,
+            grad,
+            buffer,
+            neg_lr=self._neg_lr[name],
+            neg_lr_momentum=self._neg_lr_momentum[name],
+            nesterov=rule.nesterov,
+        )
 
     def _spectral_matrix_(
         self,
@@ -247,25 +249,21 @@ class PackedOptimizer:
         factors: tuple[Tensor, Tensor] | None,
         rule: ParameterRule,
     ) -> None:
-        if rule.method == "newton-schulz" and grad is None:
-            assert factors is not None
-            left, right, nuclear_norm = polar_newton_schulz_factors(*factors)
-            length = self._spectral_length(rule, nuclear_norm, grad, factors, parameter.shape)
-            self._apply_factored_(name, parameter, left, right, length)
-            return
-        assert grad is not None
-        if rule.method == "lowrank":
-            left, right, nuclear_norm = polar_gram_factors(grad)
-            length = self._spectral_length(rule, nuclear_norm, grad, factors, parameter.shape)
-            self._apply_factored_(name, parameter, left, right, length)
-            return
-        if rule.method == "svd":
-            direction, nuclear_norm = polar_svd(grad)
+        if grad is None:  # Newton–Schulz in factor space (needs_dense_weight_gradient)
+            assert factors is not None and rule.method == "newton-schulz"
+            polar = polar_newton_schulz_factors(*factors)
+        elif rule.method == "lowrank":
+            polar = polar_gram_factors(grad)
+        elif rule.method == "svd":
+            polar = polar_svd(grad)
         else:
-            direction, nuclear_norm = polar_newton_schulz(grad)
-        length = self._spectral_length(rule, nuclear_norm, grad, factors, parameter.shape)
-        # solo: p.addcmul_(direction, length, value=-lr) = p + ((-lr)·direction)·length
-        parameter.addcmul_(direction * self._neg_lr[name], length.view(-1, 1, 1))
+            polar = polar_newton_schulz(grad)
+        length = self._spectral_length(rule, polar.nuclear_norm, grad, factors, parameter.shape)
+        polar = polar._replace(nuclear_norm=length)
+        if isinstance(polar, FactoredPolar):
+            apply_factored_(parameter, polar, self._lrs[name])
+        else:
+            apply_polar_(parameter, polar, self._neg_lr[name])
 
     @staticmethod
     def _spectral_length(
@@ -275,39 +273,17 @@ class PackedOptimizer:
         factors: tuple[Tensor, Tensor] | None,
         stacked_shape: torch.Size,
     ) -> Tensor:
-        """(M,) factor on each run's ``-lr·D``: ``‖σ‖₁`` (paper) or ``‖G‖_F / √k``
-        (normalized), as :func:`ssdcore.optim.step_rules.spectral_length` computes it for the
-        solo step: k = min(m, n, r) with the factors' rank r (the solo SSD always has the CD
-        factors), ``‖G‖_F²`` from the factors where the solo step has nothing else."""
-        if rule.step_rule == "paper":
-            return nuclear_norm
+        """(M,) factor on each run's ``-lr·D`` by :func:`ssdcore.optim.step_rules.spectral_length`,
+        with what the solo step has: the solo SSD always has the CD factors, and takes
+        ``‖G‖_F²`` from them where it has no dense gradient."""
         shape = (stacked_shape[-2], stacked_shape[-1])
         rank = factors[0].shape[-1] if factors is not None else min(shape)
         use_factors = grad is None or solo_has_only_factors(rule, shape, rank)
-        squared = _frobenius_squared(None if use_factors else grad, factors, len(nuclear_norm))
-        return (squared.to(nuclear_norm.dtype) / min(*shape, rank)).sqrt()
-
-    def _apply_factored_(
-        self, name: str, parameter: Tensor, left: Tensor, right: Tensor, length: Tensor
-    ) -> None:
-        """``W_i -= lr_i length_i left_i right_i`` as the solo ``addmm`` with ``alpha = -lr_i``
-        (``length`` the step rule's: ``‖σ_i‖₁`` for the paper rule)."""
-        scaled = right * length.view(-1, 1, 1)
-        for run, lr in enumerate(self._lrs[name]):
-            parameter[run].addmm_(left[run], scaled[run], alpha=-lr)
+        dense = None if use_factors else grad
+        return spectral_length(nuclear_norm, rule.step_rule, dense, factors, stacked_shape)
 
     def _linf_(self, name: str, parameter: Tensor, grad: Tensor, step_rule: str) -> None:
-        """l∞ step ``x -= lr·length·sign(g)``; ``(-lr)·sign`` is exact, so this is the solo
-        ``addcmul_(sign, length, value=-lr)`` to the bit. The per-run reductions over a
-        vector are the solo ones: a row of a bias is far below the size at which torch splits
-        one reduction across threads."""
-        if step_rule == "paper":
-            length = torch.linalg.vector_norm(grad, 1, dim=-1, keepdim=True)
-        else:  # ssdcore.optim.step_rules.linf_length, per run
-            nonzero = torch.count_nonzero(grad, dim=-1).to(grad.dtype).clamp_min(1)
-            norm = torch.linalg.vector_norm(grad, dim=-1, keepdim=True)
-            length = norm / nonzero.sqrt().unsqueeze(-1)
-        parameter.addcmul_(torch.sign(grad).mul_(self._neg_lr[name]), length)
+        linf_step_(parameter, grad, self._neg_lr[name], step_rule)
 
     # --- state ----------------------------------------------------------------------------
 
@@ -331,17 +307,3 @@ class PackedOptimizer:
     def reset_run_buffers(self, run: int) -> None:
         """Zero run ``run``'s buffers (a diverged run's may hold NaN)."""
         self.load_run_buffers(run, {})
-
-
-def _frobenius_squared(
-    grad: Tensor | None, factors: tuple[Tensor, Tensor] | None, n_runs: int
-) -> Tensor:
-    """(M,) ``‖G_i‖_F²`` by the solo :func:`~ssdcore.optim.step_rules.frobenius_squared`, one
-    run at a time: torch splits a large full reduction across threads in its own way (a
-    batched ``sum(dim=(-2, -1))`` of a 784×64 gradient differs in the last bit on two threads),
-    and the factor route's float64 products are small."""
-    if grad is not None:
-        return torch.stack([frobenius_squared(grad[run], None) for run in range(n_runs)])
-    assert factors is not None
-    left, right = factors
-    return torch.stack([frobenius_squared(None, (left[run], right[run])) for run in range(n_runs)])
