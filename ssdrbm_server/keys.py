@@ -168,7 +168,7 @@ class Keys:
         return f"{self._tenant(tenant)}:dataset_bytes"
 
     # A sweep's keys share its tenant's slot: the ASHA decision script reads the sweep's
-    # settings and its rung in one step (ssdrbm_server/sweeps/rungs.py).
+    # settings and its rung in one step (ssdrbm_server/store/rungs.py).
     def tenant_sweeps(self, tenant: str) -> str:
         return f"{self._tenant(tenant)}:sweeps"
 

@@ -23,7 +23,8 @@ from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.connection import connect
 from ssdrbm_server.store.records import record_from_hash
-from ssdrbm_server.sweeps.rungs import RungGate, eval_every_for, resolve_rungs
+from ssdrbm_server.store.rungs import RungGate
+from ssdrbm_server.sweeps.rungs import eval_every_for, resolve_rungs
 from ssdrbm_server.sweeps.store import SweepStore
 from tests.fixtures.console import cli
 from tests.fixtures.jobs import float_tensor, rpc_error, tiny_request

@@ -35,17 +35,13 @@ from ssdrbm_server.errors import (
     ResourceExhaustedError,
     tenant_subject,
 )
+from ssdrbm_server.rank_metrics import metric_value, resolve_rank_metric, signed_value
 from ssdrbm_server.request_checks import check_text, enum_value
 from ssdrbm_server.store.datasets import DatasetInfo
 from ssdrbm_server.store.jobs import JobStore
 from ssdrbm_server.store.records import JobState
 from ssdrbm_server.sweeps import axes as sweep_axes
-from ssdrbm_server.sweeps.ranking import (
-    check_reported,
-    metric_value,
-    resolve_rank_metric,
-    signed_value,
-)
+from ssdrbm_server.sweeps.ranking import check_reported
 from ssdrbm_server.sweeps.rungs import eval_every_for, resolve_rungs
 from ssdrbm_server.sweeps.store import SweepRecord, SweepStore
 

@@ -134,7 +134,7 @@ class SweepStore:
             "run_count": len(points),
             "created_at": repr(time.time()),
             "rank_metric": rank_metric,
-            # read by the worker's RungGate (rungs.py)
+            # read by the worker's RungGate (store/rungs.py)
             "rungs": ",".join(str(step) for step in rungs),
             "eta": eta,
             "cancel_requested": 0,

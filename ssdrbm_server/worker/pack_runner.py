@@ -61,7 +61,7 @@ _CHILD_ENDS = frozenset({protocol.FINISHED, protocol.FAILED, protocol.STOPPED})
 
 class RunChannel:
     """What a pack member's JobRunner sees as its training process: a stop it sends (a sweep's
-    early stopping, ssdrbm_server/sweeps/rungs.py) stops its own run only."""
+    early stopping, ssdrbm_server/store/rungs.py) stops its own run only."""
 
     def __init__(self, child: ChildProcess, run: int) -> None:
         self.child, self.run = child, run

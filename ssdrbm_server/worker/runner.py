@@ -46,7 +46,7 @@ from ssdrbm_server.store.fencing import FencedJob, LeaseLostError
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.lifecycle import Retention
 from ssdrbm_server.store.records import NOT_PACKABLE, JobRecord, JobState
-from ssdrbm_server.sweeps.rungs import RungGate
+from ssdrbm_server.store.rungs import RungGate
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.metrics import WorkerMetrics, job_labels
 from ssdrbm_server.worker.process import ChildProcess, describe_exit
