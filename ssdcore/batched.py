@@ -73,22 +73,46 @@ def _product_out(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
     return stacked_empty(left.shape[0], shape, dtype=dtype, device=left.device)
 
 
-def matmul(left: Tensor, right: Tensor) -> Tensor:
-    """``left @ right``: ``mm`` for matrices, ``bmm`` into an aligned stack for stacks."""
+def matmul(left: Tensor, right: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """``left @ right``: ``mm`` for matrices, ``bmm`` for stacks, into ``out`` or a fresh
+    (aligned) result."""
     if left.ndim == 2:
-        return left @ right
-    out = _product_out(left, right, torch.promote_types(left.dtype, right.dtype))
+        return left @ right if out is None else torch.mm(left, right, out=out)
+    if out is None:
+        out = _product_out(left, right, torch.promote_types(left.dtype, right.dtype))
     return torch.bmm(left, right, out=out)
 
 
+def mv(matrix: Tensor, vector: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """``matrix @ vector`` (one vector for every matrix of a stack), into ``out`` or a fresh
+    (aligned) result. A stack's products run one ``mv`` per run: a batched product with a
+    vector takes another BLAS kernel (gemm, not gemv) whose last-bit rounding differs at some
+    sizes."""
+    if matrix.ndim == 2:
+        return torch.mv(matrix, vector, out=out)
+    if out is None:
+        shape = (matrix.shape[-2],)
+        out = stacked_empty(matrix.shape[0], shape, dtype=matrix.dtype, device=matrix.device)
+    for run, run_matrix in enumerate(matrix):
+        torch.mv(run_matrix, vector, out=out[run])
+    return out
+
+
 def addmm(
-    base: Tensor, left: Tensor, right: Tensor, *, beta: float = 1.0, alpha: float = 1.0
+    base: Tensor,
+    left: Tensor,
+    right: Tensor,
+    *,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """``beta·base + alpha·left @ right``: ``addmm`` for matrices, ``baddbmm`` into an aligned
-    stack for stacks."""
+    """``beta·base + alpha·left @ right``: ``addmm`` for matrices, ``baddbmm`` for stacks, into
+    ``out`` or a fresh (aligned) result."""
     if left.ndim == 2:
-        return torch.addmm(base, left, right, beta=beta, alpha=alpha)
-    out = _product_out(left, right, left.dtype)
+        return torch.addmm(base, left, right, beta=beta, alpha=alpha, out=out)
+    if out is None:
+        out = _product_out(left, right, left.dtype)
     return torch.baddbmm(base, left, right, beta=beta, alpha=alpha, out=out)
 
 

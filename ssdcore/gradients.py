@@ -24,10 +24,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
+from ssdcore.batched import matmul, mv, per_matrix
 from ssdcore.models.base import RBM, GibbsKernel, check_visible
 from ssdcore.models.gaussian import GaussianRBM
-from ssdcore.sampling import GibbsChain, RandomSource, seed_from
+from ssdcore.sampling import GibbsChain, RandomSource, hidden_probs_, seed_from
 from ssdcore.tempering import ParallelTempering, TemperingConfig
 
 logger = logging.getLogger(__name__)
@@ -138,8 +140,7 @@ class CDEstimator:
         visible_data = ws.visible[data_rows]
         visible_data.copy_(v_data)
         hidden_data = ws.hidden_probs[data_rows]
-        torch.addmm(kernel.hidden_bias, visible_data, kernel.hidden_weight, out=hidden_data)
-        hidden_data.sigmoid_()
+        hidden_probs_(kernel, visible_data, hidden_data)
 
         if resuming:
             start = self.chains
@@ -162,29 +163,28 @@ class CDEstimator:
 
     def _write_gradients(self, ws: _Workspace, kernel: GibbsKernel) -> None:
         model = self.model
-        right = torch.mul(ws.hidden_probs, ws.weights.unsqueeze(1), out=ws.right)
-        if isinstance(model, GaussianRBM) and model.variance != "identity":
+        if isinstance(model, GaussianRBM) and model.variance == "full":
             assert ws.visible_precision is not None
-            if model.variance == "full":
-                weighted_visible = torch.mm(
-                    ws.visible, model.precision.detach(), out=ws.visible_precision
-                )
-            else:
-                weighted_visible = torch.mul(ws.visible, kernel.precision, out=ws.visible_precision)
+            weighted_visible = torch.mm(
+                ws.visible, model.precision.detach(), out=ws.visible_precision
+            )
         else:
-            weighted_visible = ws.visible  # C = I
-        left = weighted_visible.t()  # (V, 2B)
-        model.W.grad_factors = (left, right)
+            weighted_visible = weighted_visible_(ws.visible, kernel.precision, ws.visible_precision)
         needs_variance = isinstance(model, GaussianRBM) and model.variance != "identity"
         # The full precision's gradient reads ∂L/∂W itself; the others need only its row sums
         # against W, which the factors give at the same cost as the dense product.
         dense = self.dense_weight_grad or (needs_variance and model.variance == "full")
-        if dense:
-            torch.mm(left, right, out=_grad_buffer(model.W))
-        else:
+        if not dense:
             model.W.grad = None
-        torch.sum(right, dim=0, out=_grad_buffer(model.a))
-        torch.mv(weighted_visible.t(), ws.weights, out=_grad_buffer(model.b))
+        model.W.grad_factors = write_weight_gradients_(
+            weighted_visible,
+            ws.hidden_probs,
+            ws.weights,
+            right=ws.right,
+            grad_W=_grad_buffer(model.W) if dense else None,
+            grad_a=_grad_buffer(model.a),
+            grad_b=_grad_buffer(model.b),
+        )
         if needs_variance:
             self._write_variance_gradient(model, ws, kernel)
 
@@ -192,9 +192,9 @@ class CDEstimator:
         self, model: GaussianRBM, ws: _Workspace, kernel: GibbsKernel
     ) -> None:
         assert ws.centered is not None
-        centered = torch.sub(ws.visible, model.b.detach(), out=ws.centered)  # (2B, V)
         weight = model.W.detach()
         if model.variance == "full":
+            centered = torch.sub(ws.visible, model.b.detach(), out=ws.centered)  # (2B, V)
             # M = Σ_n w_n v_n p_nᵀ = C·∂L/∂W, recomputed from the unscaled rows (V is small).
             moment = ws.visible.t() @ ws.right  # (V, H)
             quadratic = centered.t() @ (centered * ws.weights.unsqueeze(1))  # (V, V)
@@ -202,13 +202,16 @@ class CDEstimator:
             _grad_buffer(model.precision).copy_(0.5 * (grad + grad.t()))
             return
         assert ws.weight_product is not None and kernel.precision is not None
-        squared_moment = torch.mv(centered.square_().t(), ws.weights)  # Σ_n w_n (v_n - b)²
-        rowsum = _weighted_row_sums(weight, model.W.grad, model.W.grad_factors, ws)  # (V,)
-        grad = squared_moment.mul_(kernel.precision).mul_(0.5).sub_(rowsum)  # (V,)
+        factors = model.W.grad_factors
+        assert factors is not None
+        rowsum = weighted_row_sums(weight, model.W.grad, factors, ws.weight_product)  # (V,)
+        grad = variance_gradient(
+            ws.visible, model.b.detach(), ws.weights, kernel.precision, rowsum, ws.centered
+        )
         if model.variance == "diagonal":
             _grad_buffer(model.log_var).copy_(grad)
         else:
-            _grad_buffer(model.log_c).copy_(grad.sum().reshape(1))
+            _grad_buffer(model.log_c).copy_(unit_sums(grad))
 
     def _workspace(self, n_data: int, n_model: int) -> _Workspace:
         key = (n_data, n_model)
@@ -267,19 +270,77 @@ class CDEstimator:
         self.tempering.load_state_dict(saved)
 
 
-def _weighted_row_sums(
-    weight: torch.Tensor,
-    grad: torch.Tensor | None,
-    factors: tuple[torch.Tensor, torch.Tensor],
-    ws: _Workspace,
-) -> torch.Tensor:
-    """``rowsum(W ⊙ ∂L/∂W)`` (V,), from the dense gradient when there is one, else from its
-    factors: with ∂L/∂W = left @ right, ``Σ_j W_ij (left right)_ij = Σ_n left_in (W rightᵀ)_in``."""
+# --- the gradients' arithmetic, for one run's rows or a pack's (leading run axis) ---------------
+
+
+def weighted_visible_(visible: Tensor, precision: Tensor | None, out: Tensor | None) -> Tensor:
+    """The rows ``v C⁻¹`` for a diagonal precision (``(..., V)`` or ``(..., 1)``), into ``out``;
+    ``visible`` itself for C = I (``precision`` None)."""
+    if precision is None:
+        return visible
+    return torch.mul(visible, precision.unsqueeze(-2), out=out)
+
+
+def write_weight_gradients_(
+    weighted_visible: Tensor,
+    hidden_probs: Tensor,
+    weights: Tensor,
+    *,
+    right: Tensor,
+    grad_W: Tensor | None,
+    grad_a: Tensor,
+    grad_b: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """∂W = left @ right (into ``grad_W``, skipped when None), ∂a = Σ_n w_n p_n and
+    ∂b = Σ_n w_n (v C⁻¹)_n from the weighted rows ``v C⁻¹`` (2B, V), the hidden probabilities
+    p (2B, H) and the row weights w (2B,); returns ∂W's factors ``(left, right)`` with
+    ``left = (v C⁻¹)ᵀ`` and ``right = w ⊙ p`` (written into ``right``)."""
+    right = torch.mul(hidden_probs, weights.unsqueeze(-1), out=right)
+    left = weighted_visible.mT  # (V, 2B)
+    if grad_W is not None:
+        matmul(left, right, out=grad_W)
+    torch.sum(right, dim=-2, out=grad_a)
+    mv(left, weights, out=grad_b)
+    return left, right
+
+
+def weighted_row_sums(
+    weight: Tensor, grad: Tensor | None, factors: tuple[Tensor, Tensor], product: Tensor | None
+) -> Tensor:
+    """``rowsum(W ⊙ ∂L/∂W)`` (V,), from the dense gradient when there is one (``product`` its
+    scratch), else from its factors: with ∂L/∂W = left @ right,
+    ``Σ_j W_ij (left right)_ij = Σ_n left_in (W rightᵀ)_in``."""
     if grad is not None:
-        assert ws.weight_product is not None
-        return torch.mul(weight, grad, out=ws.weight_product).sum(dim=1)
-    left, right = factors
+        return torch.mul(weight, grad, out=product).sum(dim=-1)
+    return per_matrix(_row_sums_from_factors, weight, *factors)
+
+
+def _row_sums_from_factors(weight: Tensor, left: Tensor, right: Tensor) -> Tensor:
     return (weight @ right.t()).mul_(left).sum(dim=1)
+
+
+def variance_gradient(
+    visible: Tensor,
+    visible_bias: Tensor,
+    weights: Tensor,
+    precision: Tensor,
+    row_sums: Tensor,
+    centered: Tensor,
+) -> Tensor:
+    """The diagonal log-variance gradient ``½ C⁻¹ Σ_n w_n (v_n - b)² - rowsum(W ⊙ ∂L/∂W)``
+    (V,), with ``centered`` scratch for the rows ``(v_n - b)²``."""
+    torch.sub(visible, visible_bias.unsqueeze(-2), out=centered).square_()
+    squared_moment = mv(centered.mT, weights)  # Σ_n w_n (v_n - b)²
+    return squared_moment.mul_(precision).mul_(0.5).sub_(row_sums)
+
+
+def unit_sums(grad: Tensor) -> Tensor:
+    """The isotropic log_c gradient: the diagonal gradient summed over units, (1,)."""
+    return per_matrix(_unit_sum, grad, rank=1)
+
+
+def _unit_sum(grad: Tensor) -> Tensor:
+    return grad.sum().reshape(1)
 
 
 def _grad_buffer(parameter: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,12 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from ssdcore.batched import addmm
 from ssdcore.models.base import GibbsKernel
 
 logger = logging.getLogger(__name__)
@@ -183,6 +185,65 @@ def seed_from(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device).item())
 
 
+class Draws(Protocol):
+    """Where a sweep's random draws come from: a :class:`RandomSource`, or a pack's sources for
+    its runs' stacked rows (:meth:`ssdcore.pack.random.PackedRandom.for_runs`)."""
+
+    def bernoulli_(self, probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
+
+    def normal_(self, out: torch.Tensor) -> torch.Tensor: ...
+
+
+def hidden_probs_(kernel: GibbsKernel, visible: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out ← p(h = 1 | visible) = σ(v C⁻¹W + a), for one run's rows (B, ·) or a pack's
+    (M, B, ·) with a pack's kernel."""
+    return addmm(kernel.hidden_bias_row, visible, kernel.hidden_weight, out=out).sigmoid_()
+
+
+def sample_visible_(
+    kernel: GibbsKernel,
+    draws: Draws,
+    hidden: torch.Tensor,
+    out: torch.Tensor,
+    noise: torch.Tensor | None,
+) -> None:
+    """out ← a draw of v ~ p(v | hidden) (Gaussian visibles use the scratch ``noise``)."""
+    addmm(kernel.visible_bias_row, hidden, kernel.weight_t, out=out)
+    if not kernel.gaussian:
+        draws.bernoulli_(out.sigmoid_(), out=out)
+        return
+    assert noise is not None, "Gaussian visibles need the noise scratch"
+    noise = draws.normal_(noise)
+    if kernel.noise_transform is not None:
+        out.addmm_(noise, kernel.noise_transform)
+    elif kernel.noise_scale is not None:
+        out.addcmul_(noise, kernel.noise_scale.unsqueeze(-2))
+    else:
+        out.add_(noise)
+
+
+def gibbs_sweeps(
+    kernel: GibbsKernel,
+    draws: Draws,
+    hidden_start: torch.Tensor,
+    k: int,
+    visible_out: torch.Tensor,
+    hidden_probs_out: torch.Tensor,
+    hidden: torch.Tensor,
+    noise: torch.Tensor | None,
+) -> None:
+    """k plain sweeps h → v → h from the binary states ``hidden_start``, for one run's chains
+    or a pack's (a leading run axis on every tensor, kernel included). On return
+    ``visible_out`` holds v_k and ``hidden_probs_out`` p(h | v_k); ``hidden`` and ``noise``
+    are scratch for the intermediate hidden states and the Gaussian visibles' draws."""
+    state = hidden_start
+    for sweep in range(k):
+        sample_visible_(kernel, draws, state, visible_out, noise)
+        hidden_probs_(kernel, visible_out, hidden_probs_out)
+        if sweep < k - 1:
+            state = draws.bernoulli_(hidden_probs_out, out=hidden)
+
+
 @dataclass(frozen=True)
 class CollapsedSweep:
     """The Gaussian RBM's h → h transition with the visible layer integrated out.
@@ -247,17 +308,7 @@ class GibbsChain:
 
     def sample_visible_(self, kernel: GibbsKernel, hidden: torch.Tensor, out: torch.Tensor) -> None:
         """out ← a draw of v ~ p(v | hidden)."""
-        torch.addmm(kernel.visible_bias, hidden, kernel.weight_t, out=out)
-        if not kernel.gaussian:
-            self.source.bernoulli_(out.sigmoid_(), out=out)
-            return
-        noise = self.source.normal_(self.noise)
-        if kernel.noise_transform is not None:
-            out.addmm_(noise, kernel.noise_transform)
-        elif kernel.noise_scale is not None:
-            out.addcmul_(noise, kernel.noise_scale)
-        else:
-            out.add_(noise)
+        sample_visible_(kernel, self.source, hidden, out, self.noise)
 
     def run(
         self,
@@ -277,13 +328,9 @@ class GibbsChain:
         if collapsed is not None:
             hidden = self._run_collapsed(collapsed, hidden, k - 1, hidden_probs_out)
             k = 1
-        for sweep in range(k):
-            self.sample_visible_(kernel, hidden, visible_out)
-            torch.addmm(
-                kernel.hidden_bias, visible_out, kernel.hidden_weight, out=hidden_probs_out
-            ).sigmoid_()
-            if sweep < k - 1:
-                hidden = self.source.bernoulli_(hidden_probs_out, out=self.hidden)
+        gibbs_sweeps(
+            kernel, self.source, hidden, k, visible_out, hidden_probs_out, self.hidden, self.noise
+        )
 
     def _run_collapsed(
         self, collapsed: CollapsedSweep, hidden: torch.Tensor, sweeps: int, probs: torch.Tensor

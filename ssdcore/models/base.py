@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
@@ -16,7 +16,8 @@ class GibbsKernel:
     """Detached tensors that define one block-Gibbs sweep of a model, precomputed once per update.
 
     The fast sampler (`ssdcore.sampling`) only needs these, so the per-sweep work is a few fused
-    torch calls with no Python-side model logic.
+    torch calls with no Python-side model logic. A pack's kernel (`ssdcore.pack`) holds the same
+    tensors with a leading run axis, and the same sweeps run on it.
 
     hidden input:  x = v @ hidden_weight + a                   (B, H)
     visible input: m = h @ W.T + b                              (B, V)
@@ -36,7 +37,28 @@ class GibbsKernel:
     @cached_property
     def weight_t(self) -> torch.Tensor:
         """Wᵀ (H, V) as a view, made once per kernel rather than once per sweep."""
-        return self.weight.t()
+        return self.weight.mT
+
+    def of_run(self, run: int) -> GibbsKernel:
+        """Run ``run``'s kernel, from a pack's kernel (tensors with a leading run axis)."""
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        return GibbsKernel(
+            **{
+                name: value[run] if isinstance(value, torch.Tensor) else value
+                for name, value in values.items()
+            }
+        )
+
+    @cached_property
+    def hidden_bias_row(self) -> torch.Tensor:
+        """``hidden_bias`` as one row (1, H): it broadcasts over a batch's rows, and over each
+        run's rows for a pack's kernel (whose tensors have a leading run axis)."""
+        return self.hidden_bias.unsqueeze(-2)
+
+    @cached_property
+    def visible_bias_row(self) -> torch.Tensor:
+        """``visible_bias`` as one row (1, V), as :attr:`hidden_bias_row`."""
+        return self.visible_bias.unsqueeze(-2)
 
 
 def check_visible(v: torch.Tensor, n_visible: int, name: str = "v") -> None:

@@ -188,9 +188,9 @@ class GaussianRBM(RBM):
         elif self.variance == "identity":
             hidden_weight = weight
         else:
-            scale = torch.exp(0.5 * self.log_variance().detach())  # standard deviations
-            precision = scale.pow(-2)
-            hidden_weight = torch.mul(weight, precision.unsqueeze(1), out=self._kernel_buffer())
+            scale, precision, hidden_weight = diagonal_kernel_tensors(
+                weight, self.log_variance().detach(), hidden_weight_out=self._kernel_buffer()
+            )
         return GibbsKernel(
             hidden_weight=hidden_weight,
             hidden_bias=self.a.detach(),
@@ -263,3 +263,20 @@ class GaussianRBM(RBM):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, variance={self.variance!r}"
+
+
+def diagonal_kernel_tensors(
+    weight: torch.Tensor,
+    log_variance: torch.Tensor,
+    *,
+    hidden_weight_out: torch.Tensor,
+    scale_out: torch.Tensor | None = None,
+    precision_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gibbs kernel's tensors of a diagonal or isotropic variance: standard deviations
+    ``exp(½ log σ²)``, precisions ``σ⁻²`` and hidden weights ``C⁻¹W`` (into the ``_out``
+    tensors where given). For one model, or a pack's stacked runs (``ssdcore.pack``)."""
+    scale = torch.exp(0.5 * log_variance, out=scale_out)
+    precision = torch.pow(scale, -2, out=precision_out)
+    hidden_weight = torch.mul(weight, precision.unsqueeze(-1), out=hidden_weight_out)
+    return scale, precision, hidden_weight

@@ -8,36 +8,39 @@ weights ``C⁻¹W``), runs the sweeps, and writes every gradient of :mod:`ssdcor
     a: Σ_n w_n p_n          b: C⁻¹ Σ_n w_n v_n
     log_var: ½ C⁻¹ Σ_n w_n (v_n - b)² - rowsum(W ⊙ ∂L/∂W)      log_c: its sum over units
 
-Here the same operations run with a leading run dimension: elementwise ops on the stacks (the
-same float operation per element), ``baddbmm`` / ``bmm`` where the solo step has ``addmm`` /
-``mm`` (bit for bit on the CPU, as for the Bernoulli pack: :mod:`ssdcore.pack.gradients`).
-Pieces done run by run, each for a stated reason:
+Here the same functions run on tensors with a leading run dimension
+(:func:`ssdcore.models.gaussian.diagonal_kernel_tensors`, :func:`ssdcore.sampling.gibbs_sweeps`,
+:func:`ssdcore.gradients.write_weight_gradients_`, :func:`~ssdcore.gradients.variance_gradient`):
+elementwise ops on the stacks, ``baddbmm`` / ``bmm`` where the solo step has ``addmm`` / ``mm``
+(bit for bit on the CPU, as for the Bernoulli pack: :mod:`ssdcore.pack.gradients`). Pieces those
+functions run run by run, each for a stated reason:
 
 - the normal draws: each run's come from its own torch generator (the solo estimator's), and a
-  generator fills one tensor per call;
-- ``mv`` products with the row weights and the isotropic sum over units: as in the Bernoulli
-  pack, a batched product with a vector takes another BLAS kernel than ``mv``, and a full
-  reduction another summation order than a batched one;
-- the row sums from the gradient's factors (only where the solo step has no dense gradient);
-- on the CPU with k ≥ 2, each run's whole chain: the solo chain may integrate the visible
-  layer out of its intermediate sweeps (:class:`~ssdcore.sampling.CollapsedSweep`), which takes
-  a Cholesky factor per run and decides on the host whether it exists; the pack runs each
-  run's chain through the solo :class:`~ssdcore.sampling.GibbsChain` on its slices.
+  generator fills one tensor per call (:meth:`ssdcore.pack.random.PackedRandom.normal_`);
+- ``mv`` products with the row weights and the isotropic sum over units: a batched product with
+  a vector takes another BLAS kernel than ``mv``, and a full reduction another summation order
+  than a batched one (:mod:`ssdcore.batched`);
+- the row sums from the gradient's factors (only where the solo step has no dense gradient).
+
+On the CPU with k ≥ 2 each run's whole chain runs through the solo
+:class:`~ssdcore.sampling.GibbsChain` on its slices: the solo chain may integrate the visible
+layer out of its intermediate sweeps (:class:`~ssdcore.sampling.CollapsedSweep`), which takes a
+Cholesky factor per run and decides on the host whether it exists.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ssdcore.batched import stacked_empty
+from ssdcore.gradients import unit_sums, variance_gradient, weighted_row_sums
 from ssdcore.models.base import GibbsKernel
+from ssdcore.models.gaussian import diagonal_kernel_tensors
 from ssdcore.pack.gradients import PackedCD
 from ssdcore.pack.models import PACKABLE_VARIANCES
 from ssdcore.pack.random import PackedRandom
-from ssdcore.sampling import GibbsChain
+from ssdcore.sampling import GibbsChain, gibbs_sweeps, hidden_probs_
 
 
 class PackedGaussianCD(PackedCD):
@@ -100,7 +103,6 @@ class PackedGaussianCD(PackedCD):
         self.weight_product = stack(V, H) if scaled else None
         self.hidden_weight = stack(V, H) if scaled else None  # C⁻¹W (W itself for C = I)
         self.grad_variance = stack(width) if scaled else None
-        self.squared_moment = stack(V) if scaled else None
         # On the CPU the solo chain may collapse intermediate sweeps (see the module docstring).
         self.per_run_chains = torch.device(device).type == "cpu" and k > 1
         self._solo_chains: dict[int, GibbsChain] = {}
@@ -120,161 +122,93 @@ class PackedGaussianCD(PackedCD):
         n_runs = weight.shape[0]
         for first in range(0, n_runs, self.runs_per_chunk):
             runs = slice(first, min(n_runs, first + self.runs_per_chunk))
-            chunk = _Chunk(
-                runs,
-                weight[runs],
-                visible_bias[runs],
-                hidden_bias[runs],
-                self._kernel(runs, weight[runs], None if variance is None else variance[runs]),
+            run_variance = None if variance is None else variance[runs]
+            kernel = self._kernel(
+                runs, weight[runs], visible_bias[runs], hidden_bias[runs], run_variance
             )
-            self._sample(chunk, batch[runs])
-            self._write_gaussian_gradients(chunk)
+            self._sample(runs, kernel, batch[runs])
+            self._write_gaussian_gradients(runs, kernel)
         weighted = self.visible if self.visible_precision is None else self.visible_precision
         self.factors = (weighted.mT, self.right)
 
-    def _kernel(self, runs: slice, weight: Tensor, variance: Tensor | None) -> Tensor:
-        """The Gibbs kernel's tensors, as :meth:`GaussianRBM.gibbs_kernel` computes them;
-        returns the hidden weights C⁻¹W."""
+    def _kernel(
+        self,
+        runs: slice,
+        weight: Tensor,
+        visible_bias: Tensor,
+        hidden_bias: Tensor,
+        variance: Tensor | None,
+    ) -> GibbsKernel:
+        """The runs' Gibbs kernel, as :meth:`GaussianRBM.gibbs_kernel` computes it."""
         if self.variance == "identity":
-            return weight
+            return GibbsKernel(weight, hidden_bias, weight, visible_bias, gaussian=True)
         assert variance is not None and self.scale is not None and self.precision is not None
         assert self.hidden_weight is not None
-        scale = torch.exp(0.5 * variance, out=self.scale[runs])
-        precision = torch.pow(scale, -2, out=self.precision[runs])
-        return torch.mul(weight, precision.unsqueeze(-1), out=self.hidden_weight[runs])
+        scale, precision, hidden_weight = diagonal_kernel_tensors(
+            weight,
+            variance,
+            hidden_weight_out=self.hidden_weight[runs],
+            scale_out=self.scale[runs],
+            precision_out=self.precision[runs],
+        )
+        return GibbsKernel(
+            hidden_weight,
+            hidden_bias,
+            weight,
+            visible_bias,
+            gaussian=True,
+            noise_scale=scale,
+            precision=precision,
+        )
 
-    def _sample(self, chunk: _Chunk, batch: Tensor) -> None:
-        """The data rows' p(h | v) and the chains' k sweeps, into the chunk's rows."""
-        B, runs = self.batch_size, chunk.runs
+    def _sample(self, runs: slice, kernel: GibbsKernel, batch: Tensor) -> None:
+        """The data rows' p(h | v) and the chains' k sweeps, into the runs' rows."""
+        B = self.batch_size
         visible_rows, probs_rows = self.visible[runs], self.hidden_probs[runs]
-        hidden_bias_rows = chunk.hidden_bias.unsqueeze(1)  # (R, 1, H)
         visible_rows[:, :B].copy_(batch)
         hidden_data = probs_rows[:, :B]
-        torch.baddbmm(hidden_bias_rows, batch, chunk.hidden_weight, out=hidden_data).sigmoid_()
+        hidden_probs_(kernel, batch, hidden_data)
         start = self._chain_start(runs, hidden_data)
         visible, probs = visible_rows[:, B:], probs_rows[:, B:]
         if self.per_run_chains:
-            for offset in range(len(chunk.weight)):
-                run = runs.start + offset
-                self._solo_chain(run).run(
-                    self._run_kernel(chunk, offset),
-                    start[offset],
-                    self.k,
-                    visible[offset],
-                    probs[offset],
+            for offset in range(visible.shape[0]):
+                chain = self._solo_chain(runs.start + offset)
+                chain.run(
+                    kernel.of_run(offset), start[offset], self.k, visible[offset], probs[offset]
                 )
         else:
-            self._sweeps(chunk, start, visible, probs)
-        if self.persistent:
-            self.random.bernoulli_(probs, out=self.chains[runs], runs=runs)
-            self.has_chains[runs] = [True] * len(self.has_chains[runs])
-
-    def _sweeps(self, chunk: _Chunk, start: Tensor, visible: Tensor, probs: Tensor) -> None:
-        """k plain sweeps h → v → h for the chunk's runs (:meth:`GibbsChain.run` without
-        collapsing)."""
-        runs = chunk.runs
-        visible_bias_rows, weight_t = chunk.visible_bias.unsqueeze(1), chunk.weight.mT
-        hidden_bias_rows = chunk.hidden_bias.unsqueeze(1)
-        noise = self.noise[runs]
-        scale = None if self.scale is None else self.scale[runs].unsqueeze(1)
-        sources = self._sources()[runs]
-        hidden = start
-        for sweep in range(self.k):
-            torch.baddbmm(visible_bias_rows, hidden, weight_t, out=visible)
-            for offset, source in enumerate(sources):
-                source.normal_(noise[offset])
-            if scale is not None:
-                visible.addcmul_(noise, scale)
-            else:
-                visible.add_(noise)
-            torch.baddbmm(hidden_bias_rows, visible, chunk.hidden_weight, out=probs).sigmoid_()
-            if sweep < self.k - 1:
-                hidden = self.random.bernoulli_(probs, out=self.hidden[runs], runs=runs)
-
-    def _sources(self) -> list:
-        random = self.random
-        return [random.shared] * len(random.sources) if random.shared else random.sources
+            draws = self.random.for_runs(runs)
+            hidden, noise = self.hidden[runs], self.noise[runs]
+            gibbs_sweeps(kernel, draws, start, self.k, visible, probs, hidden, noise)
+        self._keep_chains(runs, probs)
 
     def _solo_chain(self, run: int) -> GibbsChain:
         chain = self._solo_chains.get(run)
         if chain is None:
             V, H = self.visible.shape[-1], self.hidden.shape[-1]
             device = self.visible.device
-            chain = GibbsChain(self.batch_size, V, H, device, self._sources()[run])
+            chain = GibbsChain(self.batch_size, V, H, device, self.random.source(run))
             self._solo_chains[run] = chain
         return chain
 
-    def _run_kernel(self, chunk: _Chunk, offset: int) -> GibbsKernel:
-        run = chunk.runs.start + offset
-        return GibbsKernel(
-            hidden_weight=chunk.hidden_weight[offset],
-            hidden_bias=chunk.hidden_bias[offset],
-            weight=chunk.weight[offset],
-            visible_bias=chunk.visible_bias[offset],
-            gaussian=True,
-            noise_scale=None if self.scale is None else self.scale[run],
-            precision=None if self.precision is None else self.precision[run],
-        )
-
-    def _write_gaussian_gradients(self, chunk: _Chunk) -> None:
-        runs = chunk.runs
-        right = torch.mul(self.hidden_probs[runs], self._weights_column, out=self.right[runs])
-        if self.precision is None:
-            weighted = self.visible[runs]  # C = I
-        else:
-            assert self.visible_precision is not None
-            weighted = torch.mul(
-                self.visible[runs],
-                self.precision[runs].unsqueeze(1),
-                out=self.visible_precision[runs],
-            )
-        left = weighted.mT  # (R, V, 2B)
-        if self.dense_weight_grad:
-            torch.bmm(left, right, out=self.grad_W[runs])
-        torch.sum(right, dim=1, out=self.grad_a[runs])
-        grad_b = self.grad_b[runs]
-        for offset in range(left.shape[0]):  # mv per run (see the module docstring)
-            torch.mv(left[offset], self.weights, out=grad_b[offset])
-        if self.precision is not None:
-            self._write_variance_gradient(chunk, left, right)
-
-    def _write_variance_gradient(self, chunk: _Chunk, left: Tensor, right: Tensor) -> None:
-        runs, weight = chunk.runs, chunk.weight
-        assert self.centered is not None and self.squared_moment is not None
-        assert self.grad_variance is not None and self.precision is not None
-        centered = torch.sub(
-            self.visible[runs], chunk.visible_bias.unsqueeze(1), out=self.centered[runs]
-        )
-        centered.square_()
-        squared_moment = self.squared_moment[runs]
-        for offset in range(centered.shape[0]):  # Σ_n w_n (v_n - b)², mv per run
-            torch.mv(centered[offset].t(), self.weights, out=squared_moment[offset])
+    def _write_gaussian_gradients(self, runs: slice, kernel: GibbsKernel) -> None:
+        weighted_out = None if self.visible_precision is None else self.visible_precision[runs]
+        factors = self._write_gradients(runs, kernel.precision, weighted_out)
+        if kernel.precision is None:
+            return
+        assert self.centered is not None and self.grad_variance is not None
         if self.dense_row_sums:
             assert self.weight_product is not None
-            product = torch.mul(weight, self.grad_W[runs], out=self.weight_product[runs])
-            rowsum = product.sum(dim=-1)
-        else:  # the solo route without a dense gradient: Σ_n left_in (W rightᵀ)_in
-            rowsum = torch.stack(
-                [
-                    (weight[offset] @ right[offset].t()).mul_(left[offset]).sum(dim=1)
-                    for offset in range(len(weight))
-                ]
-            )
-        grad = squared_moment.mul(self.precision[runs]).mul_(0.5).sub_(rowsum)
-        grad_variance = self.grad_variance[runs]
-        if self.variance == "diagonal":
-            grad_variance.copy_(grad)
-        else:  # isotropic: the solo full sum over units, run by run
-            for offset in range(grad.shape[0]):
-                grad_variance[offset].copy_(grad[offset].sum().reshape(1))
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """The runs ``runs`` of a pack: their parameters' slices and hidden weights C⁻¹W."""
-
-    runs: slice
-    weight: Tensor
-    visible_bias: Tensor
-    hidden_bias: Tensor
-    hidden_weight: Tensor
+            grad_W, product = self.grad_W[runs], self.weight_product[runs]
+        else:  # the solo route without a dense gradient: from the factors
+            grad_W = product = None
+        row_sums = weighted_row_sums(kernel.weight, grad_W, factors, product)
+        grad = variance_gradient(
+            self.visible[runs],
+            kernel.visible_bias,
+            self.weights,
+            kernel.precision,
+            row_sums,
+            self.centered[runs],
+        )
+        self.grad_variance[runs].copy_(grad if self.variance == "diagonal" else unit_sums(grad))

@@ -2,10 +2,12 @@
 
 The solo estimator (:class:`ssdcore.CDEstimator`) does, per run, ``addmm`` for each
 conditional and ``mm`` for the weight gradient over the 2B rows (B data rows weighted -1/B, B
-model rows weighted +1/B). Here the same products run as ``baddbmm`` / ``bmm`` over a leading
-run dimension: on the CPU those give the per-run results bit for bit (checked in
-``tests/test_pack.py``), and the draws come from each run's own source
-(:mod:`ssdcore.pack.random`), so each run's estimate is its solo estimate.
+model rows weighted +1/B). Here the same functions run (:func:`ssdcore.sampling.gibbs_sweeps`,
+:func:`ssdcore.gradients.write_weight_gradients_`) on a kernel and rows with a leading run
+dimension, where their products are ``baddbmm`` / ``bmm``: on the CPU those give the per-run
+results bit for bit (checked in ``tests/test_pack.py``), and the draws come from each run's own
+source (:mod:`ssdcore.pack.random`), so each run's estimate is its solo estimate. What this
+module adds is the buffers' layout: each run's rows at the solo buffers' offsets.
 
 Gradients (of the negative log-likelihood, as in :mod:`ssdcore.gradients`), per run:
 ``W: Σ_n w_n v_n p_nᵀ`` (V, H), ``a: Σ_n w_n p_n``, ``b: Σ_n w_n v_n``; the weight gradient
@@ -18,7 +20,10 @@ import torch
 from torch import Tensor
 
 from ssdcore.batched import ALIGNMENT_BYTES, stacked_empty
+from ssdcore.gradients import weighted_visible_, write_weight_gradients_
+from ssdcore.models.base import GibbsKernel
 from ssdcore.pack.random import PackedRandom
+from ssdcore.sampling import gibbs_sweeps, hidden_probs_
 
 # Floats in ALIGNMENT_BYTES: a row block of a multiple of this many floats ends aligned.
 _ALIGNED_FLOATS = ALIGNMENT_BYTES // 4
@@ -81,7 +86,6 @@ class PackedCD:
         # The solo estimator's weights, in float32 exactly as it builds them.
         weights = torch.cat([torch.full((B,), -1.0 / B), torch.full((B,), 1.0 / B)])
         self.weights = weights.to(device=device, dtype=torch.float32)
-        self._weights_column = self.weights.view(1, 2 * B, 1)
 
         # Contiguous stand-ins for the (B, ·) row blocks of those buffers, used when a block's
         # size keeps every run's block at the solo block's alignment (a multiple of 16
@@ -119,12 +123,12 @@ class PackedCD:
         self, runs: slice, weight: Tensor, visible_bias: Tensor, hidden_bias: Tensor, batch: Tensor
     ) -> None:
         B = self.batch_size
+        kernel = GibbsKernel(weight, hidden_bias, weight, visible_bias, gaussian=False)
         visible_rows, probs_rows = self.visible[runs], self.hidden_probs[runs]
-        hidden_bias_rows = hidden_bias.unsqueeze(1)  # (R, 1, H)
         visible_rows[:, :B].copy_(batch)
         fast_hidden = self._blocks["data_hidden"] is not None
         hidden_data = self._blocks["data_hidden"][runs] if fast_hidden else probs_rows[:, :B]
-        torch.baddbmm(hidden_bias_rows, batch, weight, out=hidden_data).sigmoid_()
+        hidden_probs_(kernel, batch, hidden_data)
         if fast_hidden:
             probs_rows[:, :B].copy_(hidden_data)
         start = self._chain_start(runs, hidden_data)
@@ -132,23 +136,20 @@ class PackedCD:
         fast_visible = self._blocks["model_visible"] is not None
         visible = self._blocks["model_visible"][runs] if fast_visible else visible_rows[:, B:]
         probs = self._blocks["model_hidden"][runs] if fast_hidden else probs_rows[:, B:]
-        visible_bias_rows = visible_bias.unsqueeze(1)  # (R, 1, V)
-        weight_t = weight.mT
-        hidden = start
-        for sweep in range(self.k):
-            torch.baddbmm(visible_bias_rows, hidden, weight_t, out=visible).sigmoid_()
-            self.random.bernoulli_(visible, out=visible, runs=runs)
-            torch.baddbmm(hidden_bias_rows, visible, weight, out=probs).sigmoid_()
-            if sweep < self.k - 1:
-                hidden = self.random.bernoulli_(probs, out=self.hidden[runs], runs=runs)
+        draws = self.random.for_runs(runs)
+        gibbs_sweeps(kernel, draws, start, self.k, visible, probs, self.hidden[runs], None)
         if fast_visible:
             visible_rows[:, B:].copy_(visible)
         if fast_hidden:
             probs_rows[:, B:].copy_(probs)
+        self._keep_chains(runs, probs)
+        self._write_gradients(runs)
+
+    def _keep_chains(self, runs: slice, probs: Tensor) -> None:
+        """PCD: draw the runs' persistent chains from the model rows' p(h | v_k)."""
         if self.persistent:
             self.random.bernoulli_(probs, out=self.chains[runs], runs=runs)
             self.has_chains[runs] = [True] * len(self.has_chains[runs])
-        self._write_gradients(runs)
 
     def _chain_start(self, runs: slice, hidden_data: Tensor) -> Tensor:
         """Binary hidden states the chains start from: drawn from the data's p(h | v), or the
@@ -167,18 +168,22 @@ class PackedCD:
                 self.random.bernoulli_run_(run, hidden_data[offset], out=start[offset])
         return start
 
-    def _write_gradients(self, runs: slice) -> None:
-        right = torch.mul(self.hidden_probs[runs], self._weights_column, out=self.right[runs])
-        left = self.visible[runs].mT  # (R, V, 2B)
-        if self.dense_weight_grad:
-            torch.bmm(left, right, out=self.grad_W[runs])
-        torch.sum(right, dim=1, out=self.grad_a[runs])
-        # One mv per run, as the solo estimator: a batched product with a vector takes another
-        # BLAS kernel (gemm, not gemv) whose last-bit rounding differs at some sizes, and the
-        # l∞ step's sign(∂b) turns such a difference into a different step.
-        grad_b = self.grad_b[runs]
-        for offset in range(left.shape[0]):
-            torch.mv(left[offset], self.weights, out=grad_b[offset])
+    def _write_gradients(
+        self, runs: slice, precision: Tensor | None = None, weighted_out: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The solo estimator's gradients of the chunk's runs (C⁻¹ = ``precision``, a diagonal
+        per run, for a Gaussian RBM); returns ∂W's factors. ∂b takes one mv per run, as the
+        solo estimator (:func:`ssdcore.batched.mv`): the l∞ step's sign(∂b) would turn a
+        last-bit difference into a different step."""
+        return write_weight_gradients_(
+            weighted_visible_(self.visible[runs], precision, weighted_out),
+            self.hidden_probs[runs],
+            self.weights,
+            right=self.right[runs],
+            grad_W=self.grad_W[runs] if self.dense_weight_grad else None,
+            grad_a=self.grad_a[runs],
+            grad_b=self.grad_b[runs],
+        )
 
     def reset_chains(self, run: int) -> None:
         """Forget run ``run``'s persistent chains; its next estimate restarts them from data."""

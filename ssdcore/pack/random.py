@@ -85,8 +85,24 @@ class PackedRandom:
 
     def bernoulli_run_(self, run: int, probs: Tensor, out: Tensor) -> Tensor:
         """Draws for one run only (``probs`` and ``out`` are its rows), from its own source."""
-        source = self.shared if self.shared is not None else self.sources[run]
-        return source.bernoulli_(probs, out=out)
+        return self.source(run).bernoulli_(probs, out=out)
+
+    def source(self, run: int) -> RandomSource:
+        """The source run ``run``'s draws come from (the shared one for a shared stream)."""
+        return self.shared if self.shared is not None else self.sources[run]
+
+    def normal_(self, out: Tensor, runs: slice | None = None) -> Tensor:
+        """Standard normal draws into ``out`` (R, ...), row i from run ``runs.start + i``'s
+        source: a torch generator fills one tensor per call, so one call per run."""
+        first = 0 if runs is None else runs.start
+        for offset, rows in enumerate(out):
+            self.source(first + offset).normal_(rows)
+        return out
+
+    def for_runs(self, runs: slice) -> RunDraws:
+        """The draws of runs ``runs`` as one source: what a sweep written for one run
+        (:func:`ssdcore.sampling.gibbs_sweeps`) calls on their stacked rows."""
+        return RunDraws(self, runs)
 
     def _bits_buffer(self, shape: torch.Size) -> np.ndarray:
         """A reused int16 buffer for one draw's bits: a fresh multi-MiB array per draw costs
@@ -105,3 +121,18 @@ class PackedRandom:
             scratch = (torch.empty(shape, **f32), torch.empty(shape, **f32))
             self._scratch[shape] = scratch
         return scratch
+
+
+class RunDraws:
+    """:class:`PackedRandom`'s draws for a slice of its runs, with :class:`RandomSource`'s
+    ``bernoulli_`` / ``normal_`` signature."""
+
+    def __init__(self, random: PackedRandom, runs: slice) -> None:
+        self.random = random
+        self.runs = runs
+
+    def bernoulli_(self, probs: Tensor, out: Tensor) -> Tensor:
+        return self.random.bernoulli_(probs, out=out, runs=self.runs)
+
+    def normal_(self, out: Tensor) -> Tensor:
+        return self.random.normal_(out, runs=self.runs)
