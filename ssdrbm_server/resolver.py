@@ -1,14 +1,14 @@
 """The one place a StartTrainingRequest becomes a job's spec: every field resolved and checked.
 
 ``resolve`` is called once, in StartTraining (a sweep calls ``resolve_known`` per point). What
-it returns is stored with the job and used
-verbatim by the worker, which has no defaults of its own. Fields left unset take the server's
-defaults from their owners: step sizes from ssdcore's table (ssdcore/step_sizes.py), blow-up
-recovery from ssdcore/blowup.py, the server-tunable counts from ``Settings``, dataset options
-from the catalog. The one choice that depends on the worker's device, the SSD polar method,
-is stored as AUTO; the worker resolves it once and records what ran in the job's runtime.
-Fields that do not apply to the job (a Bernoulli model's variance, a non-SSD job's polar method)
-stay unset.
+it returns is stamped with ``job_spec.SPEC_VERSION``, stored with the job and used verbatim by
+the worker, which has no defaults of its own and runs only specs of its version. Fields left
+unset take the server's defaults from their owners: step sizes from ssdcore's table
+(ssdcore/step_sizes.py), blow-up recovery from ssdcore/blowup.py, the server-tunable counts
+from ``Settings``, dataset options from the catalog. The one choice that depends on the
+worker's device, the SSD polar method, is stored as AUTO; the worker resolves it once and
+records what ran in the job's runtime. Fields that do not apply to the job (a Bernoulli model's
+variance, a non-SSD job's polar method) stay unset.
 
 Each problem is an INVALID_ARGUMENT naming the field (``optimizer.lr``, ``training.cd_k``, ...)
 and the fix. Sizes and costs are request_bounds.py's: counts against the API's limits before a
@@ -52,7 +52,7 @@ from ssdrbm_server import catalog
 from ssdrbm_server.catalog import DatasetShape
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import InvalidArgumentError
-from ssdrbm_server.job_spec import schedule_config
+from ssdrbm_server.job_spec import SPEC_VERSION, schedule_config
 from ssdrbm_server.request_bounds import (
     MAX_AIS_BETAS,
     MAX_AIS_CHAINS,
@@ -153,6 +153,7 @@ def _resolved_fields(
     spec = pb.StartTrainingRequest()
     spec.CopyFrom(request)
     spec.validate_only = False  # how this call was made, not part of the job
+    spec.spec_version = SPEC_VERSION  # what the worker checks before it reads the spec
     check_text(spec.request_id, "request_id", MAX_REQUEST_ID_LENGTH)
     check_text(spec.name, "name", settings.max_string_length)
     _resolve_model(spec.model)

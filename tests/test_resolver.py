@@ -7,6 +7,7 @@ import asyncio
 import math
 
 import pytest
+from google.protobuf.message import Message
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
@@ -20,6 +21,7 @@ from ssdrbm_server.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from ssdrbm_server.job_spec import SPEC_VERSION
 from ssdrbm_server.request_bounds import model_bytes, step_flops
 from ssdrbm_server.resolver import (
     MAX_SEED,
@@ -441,3 +443,91 @@ def test_huge_ais_settings_are_refused_only_when_ais_runs() -> None:
     assert "AIS evaluation cost" in message and "SSDRBM_MAX_EVAL_FLOPS" in message
     huge.ais = False
     assert validate(request(eval=huge)).spec.eval.ais_chains == 100_000
+
+
+# What the resolver fills when a request leaves it unset, per spec version (the fields the
+# worker then reads unchecked). A change here means stored specs of the old version would be
+# read wrongly: raise job_spec.SPEC_VERSION and add the new version's entry.
+FILLED_AT_SPEC_VERSION = {
+    1: {
+        "dataset.builtin.name",
+        "dataset.builtin.options",
+        "dataset.preprocess",
+        "eval.ais_betas",
+        "eval.ais_chains",
+        "eval.every",
+        "eval.validation_fraction",
+        "model.kind",
+        "model.min_variance",
+        "model.variance",
+        "optimizer.kind",
+        "optimizer.lr",
+        "optimizer.method",
+        "optimizer.momentum",
+        "optimizer.per_parameter_lr",
+        "optimizer.preconditioner",
+        "optimizer.schedule.decay_rate",
+        "optimizer.schedule.decay_steps",
+        "optimizer.schedule.floor",
+        "optimizer.schedule.horizon",
+        "optimizer.schedule.kind",
+        "optimizer.step_rule",
+        "spec_version",
+        "training.backoff_factor",
+        "training.batch_size",
+        "training.cd_k",
+        "training.centering.sliding_factor",
+        "training.checkpoint_every",
+        "training.max_backoffs",
+        "training.parallel_tempering.min_beta",
+        "training.parallel_tempering.temperatures",
+        "training.steps",
+    }
+}
+
+
+def _set_fields(message: Message, prefix: str = "") -> set[str]:
+    """Dotted paths of the fields set in ``message`` (sub-messages by their set fields)."""
+    paths: set[str] = set()
+    for field, value in message.ListFields():
+        name = f"{prefix}{field.name}"
+        nested = field.message_type is not None and not field.is_repeated
+        if nested and not field.message_type.GetOptions().map_entry:
+            paths |= _set_fields(value, f"{name}.") or {name}
+        else:
+            paths.add(name)
+    return paths
+
+
+def test_the_resolver_stamps_its_spec_version_and_fills_what_that_version_says() -> None:
+    """Every spec the resolver produces carries job_spec.SPEC_VERSION (a value a client sends is
+    replaced), and the fields it fills are the ones recorded for that version: filling another
+    field without a new version would let a worker read specs of the old one wrongly."""
+    sent = request()
+    sent.spec_version = SPEC_VERSION + 7
+    assert validate(sent).spec.spec_version == SPEC_VERSION
+    requests = [
+        pb.StartTrainingRequest(model=pb.ModelSpec(n_hidden=8)),
+        pb.StartTrainingRequest(
+            model=pb.ModelSpec(n_hidden=8, kind=pb.MODEL_KIND_GAUSSIAN),
+            optimizer=pb.OptimizerSpec(
+                kind=pb.OPTIMIZER_KIND_SSD_PRECONDITIONED,
+                per_parameter={"b": pb.OPTIMIZER_KIND_SGD},
+                schedule=pb.StepSizeSchedule(kind=pb.SCHEDULE_KIND_COSINE),
+            ),
+            training=pb.TrainingSpec(
+                persistent=True,
+                parallel_tempering=pb.ParallelTempering(),
+                centering=pb.Centering(),
+            ),
+        ),
+    ]
+    filled: set[str] = set()
+    for req in requests:
+        filled |= _set_fields(validate(req).spec) - _set_fields(req)
+    recorded = FILLED_AT_SPEC_VERSION.get(SPEC_VERSION)
+    assert filled == recorded, (
+        f"the resolver now fills {sorted(filled - (recorded or set()))} and no longer fills "
+        f"{sorted((recorded or set()) - filled)}: raise job_spec.SPEC_VERSION and record what "
+        "the new version fills"
+    )

@@ -29,7 +29,7 @@ from ssdrbm.v1 import rbm_pb2
 from ssdcore.checkpoint import model_from_bytes
 from ssdcore.optim import OptimizerConfig
 from ssdrbm_server.config import Settings
-from ssdrbm_server.job_spec import model_config, optimizer_config
+from ssdrbm_server.job_spec import SPEC_VERSION, model_config, optimizer_config
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.resolver import resolve
 from ssdrbm_server.store import (
@@ -318,7 +318,8 @@ def test_a_blow_up_fails_the_job_when_backoff_is_off(redis_url: str) -> None:
         await h.redis.delete(Keys().dataset(lost.id))  # its record lost; the submit sees the entry
         missing.dataset.dataset_id = lost.id
         unknown.dataset.builtin.name = "imagenet"
-        unresolved.optimizer.ClearField("lr")
+        unresolved.spec_version = SPEC_VERSION - 1  # stored by the previous version's resolver
+        unresolved.optimizer.ClearField("lr")  # which filled differently: never guessed at
         reasons = []
         for request in (missing, unknown, unresolved):
             failed_id = await h.submit_resolved(request.SerializeToString(), 10)
@@ -327,7 +328,7 @@ def test_a_blow_up_fails_the_job_when_backoff_is_off(redis_url: str) -> None:
             reasons.append(failed.error)
         assert "dataset" in reasons[0] and "not found" in reasons[0]
         assert "imagenet" in reasons[1]
-        assert "optimizer.lr" in reasons[2] and "submit the job again" in reasons[2]
+        assert "spec_version" in reasons[2] and "submit the job again" in reasons[2]
         garbage, _ = await h.jobs.submit(
             TENANT, b"\xff\xff not a spec", name="bad", total_steps=1, request_id=None
         )

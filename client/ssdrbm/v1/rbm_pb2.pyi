@@ -342,7 +342,7 @@ class DatasetRef(_message.Message):
     def __init__(self, builtin: _Optional[_Union[BuiltinDataset, _Mapping]] = ..., dataset_id: _Optional[str] = ..., preprocess: _Optional[_Union[Preprocess, str]] = ...) -> None: ...
 
 class StartTrainingRequest(_message.Message):
-    __slots__ = ("model", "optimizer", "training", "eval", "dataset", "request_id", "name", "validate_only")
+    __slots__ = ("model", "optimizer", "training", "eval", "dataset", "request_id", "name", "validate_only", "spec_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class StartTrainingRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: ModelSpec
     optimizer: OptimizerSpec
     training: TrainingSpec
@@ -359,7 +360,8 @@ class StartTrainingRequest(_message.Message):
     request_id: str
     name: str
     validate_only: bool
-    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., eval: _Optional[_Union[EvalSpec, _Mapping]] = ..., dataset: _Optional[_Union[DatasetRef, _Mapping]] = ..., request_id: _Optional[str] = ..., name: _Optional[str] = ..., validate_only: bool = ...) -> None: ...
+    spec_version: int
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., eval: _Optional[_Union[EvalSpec, _Mapping]] = ..., dataset: _Optional[_Union[DatasetRef, _Mapping]] = ..., request_id: _Optional[str] = ..., name: _Optional[str] = ..., validate_only: bool = ..., spec_version: _Optional[int] = ...) -> None: ...
 
 class StartTrainingResponse(_message.Message):
     __slots__ = ("job", "created")
