@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from ssdrbm.datasets import upload_dtype, upload_dtype_code
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from ssdrbm_server import convert, model_export, resolver, tracing
@@ -54,19 +55,6 @@ DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
 MAX_ID_LENGTH = 128
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-# Upload dtypes: the wire enum → (numpy little-endian dtype, name the dataset store keeps).
-DTYPES = {
-    pb.DTYPE_UNSPECIFIED: np.dtype("<f4"),
-    pb.DTYPE_FLOAT32: np.dtype("<f4"),
-    pb.DTYPE_FLOAT64: np.dtype("<f8"),
-    pb.DTYPE_UINT8: np.dtype("u1"),
-}
-DTYPE_NAMES = {number: dtype.name for number, dtype in DTYPES.items()}
-DTYPE_NUMBERS = {
-    "float32": pb.DTYPE_FLOAT32,
-    "float64": pb.DTYPE_FLOAT64,
-    "uint8": pb.DTYPE_UINT8,
-}
 
 
 @dataclass
@@ -397,7 +385,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                     upload = self.stores.datasets.begin(
                         tenant,
                         shape=tuple(part.header.shape),
-                        dtype=DTYPE_NAMES[part.header.dtype],
+                        dtype=upload_dtype(part.header.dtype).name,
                         name=part.header.name,
                         on_chunk=content.update,
                     )
@@ -453,7 +441,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     def _check_dataset_header(self, header: pb.DatasetHeader) -> int:
         """Byte size the header describes, after checking its fields."""
         enum_value(pb.DType, header.dtype, "header.dtype")
-        size = check_dataset_shape(header.shape, DTYPES[header.dtype].itemsize, self.settings)
+        size = check_dataset_shape(header.shape, upload_dtype(header.dtype).itemsize, self.settings)
         if len(header.name) > self.settings.max_string_length:
             raise InvalidArgumentError(
                 "header.name", f"at most {self.settings.max_string_length} characters"
@@ -609,7 +597,7 @@ class UploadContent:
 
     def __init__(self, header: pb.DatasetHeader) -> None:
         self.header = header
-        self.dtype = DTYPES[header.dtype]
+        self.dtype = upload_dtype(header.dtype)
         self._digest = hashlib.sha256()
         self._low = math.inf
         self._high = -math.inf
@@ -640,7 +628,7 @@ def _dataset_to_proto(info: DatasetInfo) -> pb.Dataset:
         dataset_id=info.id,
         name=info.name,
         shape=list(info.shape),
-        dtype=DTYPE_NUMBERS[info.dtype],
+        dtype=upload_dtype_code(info.dtype),
         size_bytes=info.size_bytes,
     )
     if info.created_at:

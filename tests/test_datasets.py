@@ -15,6 +15,7 @@ import pytest
 import redis
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from ssdrbm.datasets import UPLOAD_DTYPES, UPLOAD_DTYPES_BY_NAME, upload_dtype, upload_dtype_code
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
@@ -291,3 +292,14 @@ def test_live_streams_leave_redis_connections_for_ordinary_calls(service_factory
     assert all(f.error is None for f in followers)
     for follower in followers:
         follower.cancel()
+
+
+def test_every_wire_dtype_has_one_entry_in_the_upload_table() -> None:
+    """The one dtype table (ssdrbm.datasets, read by the client, the servicer, the dataset store
+    and the worker) covers every DType the protocol names, round trip by name, little-endian."""
+    named = {value.number for value in pb.DType.DESCRIPTOR.values} - {pb.DTYPE_UNSPECIFIED}
+    assert set(UPLOAD_DTYPES) == named
+    assert upload_dtype(pb.DTYPE_UNSPECIFIED) == np.dtype("<f4")
+    for code, dtype in UPLOAD_DTYPES.items():
+        assert dtype == dtype.newbyteorder("<") and upload_dtype_code(dtype.name) == code
+        assert UPLOAD_DTYPES_BY_NAME[dtype.name] is dtype

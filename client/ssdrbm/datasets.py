@@ -15,12 +15,28 @@ from ssdrbm.v1 import rbm_pb2
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 
-# dtypes the service stores as they are; anything else numeric travels as float32.
-_WIRE_DTYPES = {
-    np.dtype("float32"): rbm_pb2.DTYPE_FLOAT32,
-    np.dtype("float64"): rbm_pb2.DTYPE_FLOAT64,
-    np.dtype("uint8"): rbm_pb2.DTYPE_UINT8,
+# The upload formats, the one table (the service reads it too): the wire dtype → the numpy dtype
+# its bytes hold, little-endian. DTYPE_UNSPECIFIED means float32.
+UPLOAD_DTYPES = {
+    rbm_pb2.DTYPE_FLOAT32: np.dtype("<f4"),
+    rbm_pb2.DTYPE_FLOAT64: np.dtype("<f8"),
+    rbm_pb2.DTYPE_UINT8: np.dtype("u1"),
 }
+# The same formats by the name a dataset's record keeps ("float32", "float64", "uint8").
+UPLOAD_DTYPES_BY_NAME = {dtype.name: dtype for dtype in UPLOAD_DTYPES.values()}
+_CODES_BY_NAME = {dtype.name: code for code, dtype in UPLOAD_DTYPES.items()}
+# dtypes the service stores as they are; anything else numeric travels as float32.
+_WIRE_DTYPES = {dtype.newbyteorder("="): code for code, dtype in UPLOAD_DTYPES.items()}
+
+
+def upload_dtype(code: int) -> np.dtype:
+    """The numpy dtype of a wire dtype (unset: float32); KeyError for one not in the table."""
+    return UPLOAD_DTYPES[code or rbm_pb2.DTYPE_FLOAT32]
+
+
+def upload_dtype_code(name: str) -> int:
+    """The wire dtype of a format's name (``"float32"``, ...); KeyError for an unknown name."""
+    return _CODES_BY_NAME[name]
 
 
 @dataclass(frozen=True)
@@ -31,14 +47,6 @@ class UploadedDataset:
     shape: tuple[int, ...]
     size_bytes: int
     created: bool  # False when the same content was already stored
-
-
-_DTYPE_NAMES = {
-    rbm_pb2.DTYPE_UNSPECIFIED: "float32",
-    rbm_pb2.DTYPE_FLOAT32: "float32",
-    rbm_pb2.DTYPE_FLOAT64: "float64",
-    rbm_pb2.DTYPE_UINT8: "uint8",
-}
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ class Dataset:
             id=message.dataset_id,
             name=message.name,
             shape=tuple(message.shape),
-            dtype=_DTYPE_NAMES.get(message.dtype, "float32"),
+            dtype=upload_dtype(message.dtype if message.dtype in UPLOAD_DTYPES else 0).name,
             size_bytes=message.size_bytes,
             created_at=created,
         )

@@ -50,6 +50,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ssdrbm.datasets import UPLOAD_DTYPES_BY_NAME
+
 from ssdrbm_server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -63,8 +65,6 @@ from ssdrbm_server.store.connection import RedisClient
 
 logger = logging.getLogger(__name__)
 
-# Element size in bytes of each accepted dtype (numpy names; all little-endian).
-ITEM_SIZES = {"float32": 4, "float64": 8, "uint8": 1}
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_IDLE_SECONDS = 600.0
 DEFAULT_TENANT_QUOTA = 2 * 1024 * 1024 * 1024
@@ -187,8 +187,10 @@ def _content_digest(shape: Sequence[int], dtype: str) -> hashlib._Hash:
 
 def check_array(shape: Sequence[int], dtype: str, size_bytes: int | None) -> tuple[int, ...]:
     """Validate dtype and shape (and, when given, the byte count); returns the shape."""
-    if dtype not in ITEM_SIZES:
-        raise InvalidArgumentError("dtype", f"must be one of {sorted(ITEM_SIZES)}, not {dtype!r}")
+    if dtype not in UPLOAD_DTYPES_BY_NAME:
+        raise InvalidArgumentError(
+            "dtype", f"must be one of {sorted(UPLOAD_DTYPES_BY_NAME)}, not {dtype!r}"
+        )
     dims = tuple(int(n) for n in shape)
     if len(dims) not in (2, 3) or any(n < 1 for n in dims):
         raise InvalidArgumentError(
@@ -196,7 +198,7 @@ def check_array(shape: Sequence[int], dtype: str, size_bytes: int | None) -> tup
             f"must be (n_examples, n_features) or (n_examples, height, width) with every "
             f"dimension >= 1, not {list(dims)}",
         )
-    expected = math.prod(dims) * ITEM_SIZES[dtype]
+    expected = math.prod(dims) * UPLOAD_DTYPES_BY_NAME[dtype].itemsize
     if size_bytes is not None and expected != size_bytes:
         raise InvalidArgumentError(
             "data",
@@ -240,7 +242,7 @@ class DatasetStore:
     ) -> Upload:
         """An upload to feed with `write` and finish with `commit` (or `abort`)."""
         dims = check_array(shape, dtype, None)
-        size = math.prod(dims) * ITEM_SIZES[dtype]
+        size = math.prod(dims) * UPLOAD_DTYPES_BY_NAME[dtype].itemsize
         if size > self.tenant_quota:
             raise _over_quota(tenant, size, 0, self.tenant_quota)
         return Upload(self, tenant, dims, dtype, name, on_chunk)
@@ -400,7 +402,7 @@ class Upload:
         self.shape = shape
         self.dtype = dtype
         self.name = name
-        self.size_bytes = math.prod(shape) * ITEM_SIZES[dtype]
+        self.size_bytes = math.prod(shape) * UPLOAD_DTYPES_BY_NAME[dtype].itemsize
         self.upload_id = uuid.uuid4().hex
         self.received = 0
         self._on_chunk = on_chunk

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from ssdrbm.datasets import UPLOAD_DTYPES_BY_NAME
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore import data as ssdata
@@ -21,9 +22,6 @@ from ssdrbm_server.config import Settings
 from ssdrbm_server.vocabulary import PREPROCESS_NAMES
 
 logger = logging.getLogger(__name__)
-
-# numpy dtypes of the upload formats, explicitly little-endian.
-UPLOAD_DTYPES = {"float32": "<f4", "float64": "<f8", "uint8": "u1"}
 
 
 class DatasetError(ValueError):
@@ -68,9 +66,9 @@ def load_builtin(builtin: rbm_pb2.BuiltinDataset, settings: Settings) -> torch.T
 
 def load_uploaded(uploaded: Uploaded) -> torch.Tensor:
     """Examples (N, V) of an uploaded array; images (N, H, W) are flattened."""
-    if uploaded.dtype not in UPLOAD_DTYPES:
+    if uploaded.dtype not in UPLOAD_DTYPES_BY_NAME:
         raise DatasetError(f"uploaded dataset has unsupported dtype {uploaded.dtype!r}")
-    array = np.frombuffer(uploaded.data, dtype=UPLOAD_DTYPES[uploaded.dtype])
+    array = np.frombuffer(uploaded.data, dtype=UPLOAD_DTYPES_BY_NAME[uploaded.dtype])
     array = array.reshape(uploaded.shape[0], -1).astype(np.float32)
     return torch.from_numpy(array)
 
