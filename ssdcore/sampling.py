@@ -35,6 +35,25 @@ _RAW_WORDS_PER_SFC64_STATE = 4
 _MAX_SCRATCH_BUFFERS = 16
 
 
+def bits_offset(device: torch.device) -> torch.Tensor:
+    """The constant :func:`bits_below_` takes: -32768 as a float32 tensor on ``device``."""
+    return torch.tensor(-_TWO_POW_16 / 2, device=device, dtype=torch.float32)
+
+
+def bits_below_(
+    bits: torch.Tensor,
+    probs: torch.Tensor,
+    offset: torch.Tensor,
+    threshold: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """0/1 draws from 16-bit integers k in [-32768, 32767] (as floats, ``bits``): 1 where
+    ``k < 65536·p - 32768`` ⇔ ``(k + 32768) / 65536 < p``, a 16-bit uniform on [0, 1) below
+    p; ``threshold`` is scratch of ``probs``' shape, ``offset`` from :func:`bits_offset`."""
+    torch.add(offset, probs, alpha=_TWO_POW_16, out=threshold)
+    return torch.lt(bits, threshold, out=out)
+
+
 @dataclass(frozen=True)
 class _Scratch:
     """Buffers for Bernoulli draws of one shape: uniforms (flat and shaped) and thresholds."""
@@ -54,7 +73,7 @@ class RandomSource:
     def __init__(self, device: torch.device | str, seed: int):
         self.device = torch.device(device)
         self._scratch: dict[tuple[torch.Size, torch.dtype], _Scratch] = {}
-        self._offset = torch.tensor(-_TWO_POW_16 / 2, device=self.device, dtype=torch.float32)
+        self._offset = bits_offset(self.device)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self._bits = np.random.SFC64(seed) if self.device.type == "cpu" else None
@@ -74,9 +93,7 @@ class RandomSource:
             return torch.lt(scratch.uniform, probs, out=out)
         # integers k in [-32768, 32767], converted to float without a temporary
         scratch.flat.copy_(torch.from_numpy(self.bits16(scratch.flat.numel())))
-        # k < 65536·p - 32768  ⇔  (k + 32768) / 65536 < p, a 16-bit uniform on [0, 1) below p
-        torch.add(self._offset, probs, alpha=_TWO_POW_16, out=scratch.threshold)
-        return torch.lt(scratch.uniform, scratch.threshold, out=out)
+        return bits_below_(scratch.uniform, probs, self._offset, scratch.threshold, out)
 
     @property
     def uses_bits(self) -> bool:

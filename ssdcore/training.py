@@ -62,6 +62,7 @@ from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer, resolve_for
+from ssdcore.order import RunOrder
 from ssdcore.sampling import restore_generator
 from ssdcore.tempering import TemperingConfig
 
@@ -194,13 +195,9 @@ class Trainer:
             tempering=tempering,
         )
         self.centering = None if centering is None else Centering(model, centering, self.train_data)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        self.order = RunOrder(self.train_data.shape[0], batch_size, seed, self.device)
         self.step_count = 0
-        self.epoch = 0
         self.wall_time_s = 0.0
-        self._permutation = self._new_permutation()
-        self._position = 0
         self._batch = torch.empty(batch_size, model.n_visible, device=self.device)
         self._named_parameters = list(model.named_parameters())
         self._last_good = [p.detach().clone() for _, p in self._named_parameters]
@@ -210,18 +207,19 @@ class Trainer:
 
     # --- data order -----------------------------------------------------------------------
 
-    def _new_permutation(self) -> Tensor:
-        n = self.train_data.shape[0]
-        return torch.randperm(n, generator=self.generator, device=self.device)
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the training data (the data order's epoch)."""
+        return self.order.epoch
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The seeded generator that shuffles the training data."""
+        return self.order.generator
 
     def _next_batch(self) -> Tensor:
         """The next minibatch, gathered into a reused buffer; reshuffles at each epoch's end."""
-        if self._position + self.batch_size > self._permutation.shape[0]:
-            self._permutation = self._new_permutation()
-            self._position = 0
-            self.epoch += 1
-        index = self._permutation[self._position : self._position + self.batch_size]
-        self._position += self.batch_size
+        index = self.order.next_indices()
         return torch.index_select(self.train_data, 0, index, out=self._batch)
 
     # --- CUDA graphs ------------------------------------------------------------------------
@@ -456,11 +454,11 @@ class Trainer:
         """Everything but the model and the data needed to continue exactly where this stopped."""
         state = {
             "step": self.step_count,
-            "epoch": self.epoch,
-            "position": self._position,
+            "epoch": self.order.epoch,
+            "position": self.order.position,
             "wall_time_s": self.wall_time_s,
-            "permutation": self._permutation.detach().cpu().clone(),
-            "generator": self.generator.get_state().clone(),
+            "permutation": self.order.permutation.detach().cpu().clone(),
+            "generator": self.order.generator.get_state().clone(),
             "estimator": self.estimator.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scale": self.lr_scale,
@@ -485,11 +483,11 @@ class Trainer:
                 f"has {self.train_data.shape[0]}; resume with the same data"
             )
         self.step_count = int(state["step"])
-        self.epoch = int(state["epoch"])
-        self._position = int(state["position"])
+        self.order.epoch = int(state["epoch"])
+        self.order.position = int(state["position"])
         self.wall_time_s = float(state["wall_time_s"])
-        self._permutation = permutation.to(self.device, torch.int64)
-        if not restore_generator(self.generator, state["generator"]):
+        self.order.permutation = permutation.to(self.device, torch.int64)
+        if not restore_generator(self.order.generator, state["generator"]):
             logger.warning(
                 "data-order generator saved on another kind of device than %s: the order "
                 "continues from a seed derived from it",

@@ -47,6 +47,7 @@ from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.factory import model_from_config
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.config import OptimizerConfig, resolve_for
+from ssdcore.order import RunOrder, gather_batches
 from ssdcore.pack.gaussian import PackedGaussianCD
 from ssdcore.pack.gradients import PackedCD
 from ssdcore.pack.models import (
@@ -65,7 +66,6 @@ from ssdcore.pack.optim import (
     rule_and_settings,
     solo_has_only_factors,
 )
-from ssdcore.pack.order import RunOrder, gather_batches
 from ssdcore.pack.random import PackedRandom
 from ssdcore.pack.state import RunState
 from ssdcore.sampling import RandomSource, restore_generator

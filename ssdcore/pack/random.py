@@ -18,9 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ssdcore.sampling import RandomSource
+from ssdcore.sampling import RandomSource, bits_below_, bits_offset
 
-_TWO_POW_16 = 65536.0
 # Scratch shapes kept before starting afresh (a pack uses two or three).
 _MAX_SCRATCH = 8
 # Draws per run from which each run's bits are copied into its rows one run at a time (no
@@ -49,7 +48,7 @@ class PackedRandom:
         self.device = device
         self.independent = independent
         self.shared = None if independent else RandomSource(device, shared_seed)
-        self._offset = torch.tensor(-_TWO_POW_16 / 2, device=device, dtype=torch.float32)
+        self._offset = bits_offset(device)
         self._scratch: dict[torch.Size, tuple[Tensor, Tensor]] = {}
         self._bits = np.empty(0, dtype=np.int16)
 
@@ -79,9 +78,7 @@ class PackedRandom:
             bits = self._bits_buffer(probs.shape)
             np.concatenate([source.bits16(per_run) for source in sources], out=bits)
             uniform.view(-1).copy_(torch.from_numpy(bits))
-        # k < 65536·p - 32768  ⇔  (k + 32768) / 65536 < p, as RandomSource.bernoulli_ compares
-        torch.add(self._offset, probs, alpha=_TWO_POW_16, out=threshold)
-        return torch.lt(uniform, threshold, out=out)
+        return bits_below_(uniform, probs, self._offset, threshold, out)
 
     def bernoulli_run_(self, run: int, probs: Tensor, out: Tensor) -> Tensor:
         """Draws for one run only (``probs`` and ``out`` are its rows), from its own source."""

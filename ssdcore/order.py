@@ -1,8 +1,9 @@
-"""Each run's minibatch order: its own seeded generator, permutation and position.
+"""A run's minibatch order: its own seeded generator, permutation and position.
 
-The same scheme as the solo :class:`~ssdcore.Trainer` (a fresh ``randperm`` of the training
-rows from a generator seeded with the run's seed at every epoch, the last partial batch
-dropped), kept per run so a run's batches do not depend on the others in its pack.
+A fresh ``randperm`` of the training rows from a generator seeded with the run's seed at every
+epoch, the last partial batch dropped. The solo :class:`~ssdcore.Trainer` keeps one; a pack
+(:mod:`ssdcore.pack`) keeps one per run, so a run's batches do not depend on the others in its
+pack and are its solo batches.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import Tensor
 
 
 class RunOrder:
-    """One run's data order; the fields are what a solo checkpoint stores."""
+    """One run's data order; the fields are what a checkpoint stores."""
 
     def __init__(self, n_rows: int, batch_size: int, seed: int, device: torch.device) -> None:
         self.n_rows = n_rows
