@@ -19,6 +19,7 @@ import uuid
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ssdrbm.tensors import from_tensor, to_tensor
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
@@ -99,25 +100,16 @@ def follow(stub: rbm_pb2_grpc.RBMServiceStub, job_id: str) -> list[pb.Metrics]:
     return metrics
 
 
-def tensor(array: np.ndarray) -> pb.Tensor:
-    data = np.ascontiguousarray(array, dtype="<f4")
-    return pb.Tensor(shape=list(data.shape), data=data.tobytes())
-
-
-def array(message: pb.Tensor) -> np.ndarray:
-    return np.frombuffer(message.data, dtype="<f4").reshape(tuple(message.shape))
-
-
 def use_model(stub: rbm_pb2_grpc.RBMServiceStub, job: pb.Job) -> dict[str, object]:
     """Features, denoising and export against the trained model."""
     rng = np.random.default_rng(0)
     clean = (rng.random((8, job.n_visible)) < 0.2).astype(np.float32)
     features = stub.SampleHidden(
-        pb.SampleHiddenRequest(job_id=job.id, input=tensor(clean)), timeout=30
+        pb.SampleHiddenRequest(job_id=job.id, input=to_tensor(clean)), timeout=30
     )
     noisy = np.where(rng.random(clean.shape) < 0.1, 1.0 - clean, clean).astype(np.float32)
     rebuilt = stub.Reconstruct(
-        pb.ReconstructRequest(job_id=job.id, input=tensor(noisy), k=1, mean_field=True),
+        pb.ReconstructRequest(job_id=job.id, input=to_tensor(noisy), k=1, mean_field=True),
         timeout=30,
     )
     header, chunks = None, []
@@ -129,8 +121,8 @@ def use_model(stub: rbm_pb2_grpc.RBMServiceStub, job: pb.Job) -> dict[str, objec
     blob = b"".join(chunks)
     assert header is not None
     return {
-        "features": array(features.output).shape,
-        "reconstruction": array(rebuilt.output).shape,
+        "features": from_tensor(features.output).shape,
+        "reconstruction": from_tensor(rebuilt.output).shape,
         "checkpoint": rebuilt.checkpoint_step,
         "export_bytes": len(blob),
         "export_ok": hashlib.sha256(blob).hexdigest() == header.sha256,

@@ -10,11 +10,10 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from ssdrbm.tensors import WIRE_DTYPE, to_tensor  # the one wire format: the client's
 from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError
-
-FLOAT32_LE = np.dtype("<f4")
 
 
 def tensor_to_array(tensor: rbm_pb2.Tensor, *, field: str, max_elements: int) -> np.ndarray:
@@ -25,14 +24,14 @@ def tensor_to_array(tensor: rbm_pb2.Tensor, *, field: str, max_elements: int) ->
     """
     shape = check_batch_shape(tensor.shape, field=field, max_elements=max_elements)
     elements = math.prod(shape)
-    expected_bytes = elements * FLOAT32_LE.itemsize
+    expected_bytes = elements * WIRE_DTYPE.itemsize
     if len(tensor.data) != expected_bytes:
         raise InvalidArgumentError(
             f"{field}.data",
             f"shape {list(shape)} needs {expected_bytes} bytes of float32, "
             f"got {len(tensor.data)} bytes",
         )
-    array = np.frombuffer(tensor.data, dtype=FLOAT32_LE).reshape(shape)
+    array = np.frombuffer(tensor.data, dtype=WIRE_DTYPE).reshape(shape)
     if not np.isfinite(array).all():
         raise InvalidArgumentError(f"{field}.data", "contains NaN or Inf; send finite values")
     # frombuffer views the immutable request bytes; torch wants a writable, native-order array.
@@ -65,6 +64,5 @@ def check_batch_shape(shape: Sequence[int], *, field: str, max_elements: int) ->
 
 
 def array_to_tensor(array: np.ndarray) -> rbm_pb2.Tensor:
-    """The wire tensor for a numpy array (converted to little-endian float32, row-major)."""
-    data = np.ascontiguousarray(array, dtype=FLOAT32_LE)
-    return rbm_pb2.Tensor(shape=list(data.shape), data=data.tobytes())
+    """The wire tensor for a numpy array: the client's encoding (ssdrbm.tensors.to_tensor)."""
+    return to_tensor(array)
