@@ -135,6 +135,13 @@ class Schedule:
         return cls(**data)
 
 
+def step_size(base: float, factor: float, lr_scale: float) -> float:
+    """A configured step size ``base`` at a step: × the schedule's ``factor`` there × the
+    backoff ``lr_scale``, multiplied in this order (a pack's run repeats its solo run's float
+    operations)."""
+    return base * (factor * lr_scale)
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 

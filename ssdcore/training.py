@@ -29,7 +29,7 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer, resolve_for
 from ssdcore.order import RunOrder
 from ssdcore.sampling import restore_generator
+from ssdcore.schedules import step_size
 from ssdcore.tempering import TemperingConfig
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,30 @@ def check_data(data: Tensor, n_visible: int, name: str) -> None:
         raise ValueError(
             f"{name} contains NaN or Inf (first at row {row}); clean or drop those rows"
         )
+
+
+@torch.no_grad()
+def run_metrics(
+    model: RBM, train: Tensor, valid: Tensor, step: int, wall_time_s: float
+) -> dict[str, Any]:
+    """The metrics every evaluation has (and the blow-up detector reads), of a run's model on
+    its training and validation rows: a solo :meth:`Trainer.evaluate`'s, and a pack's run's
+    (:func:`ssdcore.pack.evaluate_run`)."""
+    return {
+        "step": step,
+        "reconstruction_error": float(reconstruction_error(model, valid)),
+        "train_reconstruction_error": float(reconstruction_error(model, train)),
+        "spectral_norm": float(spectral_norm(model.W)),
+        "saturated_hidden_fraction": saturated_hidden_fraction(model, valid),
+        "wall_time_s": wall_time_s,
+    }
+
+
+def non_finite_what(named_parameters: Iterable[tuple[str, Tensor]]) -> str:
+    """What a failed finiteness check found: the parameters holding NaN or Inf (or none, when
+    only their sum overflowed)."""
+    bad = [name for name, p in named_parameters if not bool(torch.isfinite(p).all())]
+    return f"parameters {bad or '(overflowing sum)'} became NaN or Inf"
 
 
 def steps_per_epoch(n_train: int, batch_size: int) -> int:
@@ -286,15 +311,15 @@ class Trainer:
 
         (Per-parameter step sizes of a hybrid are scaled alike; the groups hold them.)
         """
-        return float(self.optimizer_config.lr) * self._step_factor()
+        return self._step_size(float(self.optimizer_config.lr))
 
-    def _step_factor(self) -> float:
-        """What multiplies every configured step size now: schedule × backoff scale."""
-        return self.schedule.factor(self.step_count) * self.lr_scale
+    def _step_size(self, base: float) -> float:
+        """A configured step size now: × the schedule's factor × the backoff scale."""
+        return step_size(base, self.schedule.factor(self.step_count), self.lr_scale)
 
     def _apply_step_sizes(self) -> None:
         for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
-            group["lr"] = base * self._step_factor()
+            group["lr"] = self._step_size(base)
 
     def set_lr_scale(self, scale: float) -> None:
         """Set every parameter group's step size to its configured value × ``scale`` (× the
@@ -347,9 +372,7 @@ class Trainer:
                 good.copy_(parameter)
             self._last_good_step = self.step_count
             return
-        bad = [name for name, p in self._named_parameters if not bool(torch.isfinite(p).all())]
-        what = f"parameters {bad or '(overflowing sum)'} became NaN or Inf"
-        self._diverged(what, self.step_count)
+        self._diverged(non_finite_what(self._named_parameters), self.step_count)
 
     def _pseudo_log_likelihood(self, valid: Tensor) -> float:
         """Exact PLL for small models; above EXACT_PLL_MAX_VISIBLE the exact sum costs V times
@@ -416,12 +439,7 @@ class Trainer:
         train = self.train_data[:max_examples]
         valid = train if self.valid_data is None else self.valid_data[:max_examples]
         metrics: dict[str, Any] = {
-            "step": self.step_count,
-            "reconstruction_error": float(reconstruction_error(model, valid)),
-            "train_reconstruction_error": float(reconstruction_error(model, train)),
-            "spectral_norm": float(spectral_norm(model.W)),
-            "saturated_hidden_fraction": saturated_hidden_fraction(model, valid),
-            "wall_time_s": self.wall_time_s,
+            **run_metrics(model, train, valid, self.step_count, self.wall_time_s),
             "samples_per_second": (
                 self.step_count * self.batch_size / self.wall_time_s if self.wall_time_s else 0.0
             ),

@@ -27,10 +27,9 @@ from ssdcore.blowup import (
     BlowUpError,
     Recovery,
 )
-from ssdcore.evaluation import reconstruction_error, saturated_hidden_fraction, spectral_norm
 from ssdcore.pack.pack import RunDivergence, TrainingPack
 from ssdcore.pack.state import RunState
-from ssdcore.training import DEFAULT_EVAL_EXAMPLES
+from ssdcore.training import DEFAULT_EVAL_EXAMPLES, run_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +45,9 @@ def evaluate_run(
     """The metrics the blow-up detector reads, keyed and computed as :meth:`Trainer.evaluate`'s
     (validation metrics on ``valid_data`` when given, else on the training data). For the full
     set, evaluate :func:`~ssdcore.pack.run_to_trainer`'s Trainer."""
-    model = pack.model(run)
     train = pack.train_data[:max_examples]
     valid = train if valid_data is None else valid_data.to(pack.device)[:max_examples]
-    return {
-        "step": pack.step_counts[run],
-        "reconstruction_error": float(reconstruction_error(model, valid)),
-        "train_reconstruction_error": float(reconstruction_error(model, train)),
-        "spectral_norm": float(spectral_norm(model.W)),
-        "saturated_hidden_fraction": saturated_hidden_fraction(model, valid),
-        "wall_time_s": pack.wall_times[run],
-    }
+    return run_metrics(pack.model(run), train, valid, pack.step_counts[run], pack.wall_times[run])
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from ssdcore.optim.polar import (
 from ssdcore.optim.sgd import momentum_step_
 from ssdcore.optim.ssd import FACTORED_METHODS, apply_factored_, apply_polar_, linf_step_
 from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, spectral_length
+from ssdcore.schedules import step_size
 
 PACKED_POLAR_METHODS = ("lowrank", "svd", "newton-schulz")
 
@@ -148,8 +149,10 @@ class PackedOptimizer:
 
     def lr(self, run: int, name: str) -> float:
         """Run ``run``'s current step size for parameter ``name``: base × (schedule factor ×
-        backoff scale), the solo Trainer's float operations in its order (``_step_factor``)."""
-        return self.settings[run][name].lr * (self.schedule_factors[run] * self.lr_scales[run])
+        backoff scale), by the solo Trainer's :func:`~ssdcore.schedules.step_size`."""
+        return step_size(
+            self.settings[run][name].lr, self.schedule_factors[run], self.lr_scales[run]
+        )
 
     def set_lr_scale(self, run: int, scale: float) -> None:
         self.lr_scales[run] = float(scale)

@@ -69,11 +69,13 @@ from ssdcore.pack.optim import (
 from ssdcore.pack.random import PackedRandom
 from ssdcore.pack.state import RunState
 from ssdcore.sampling import RandomSource, restore_generator
+from ssdcore.schedules import step_size
 from ssdcore.training import (
     _ESTIMATOR_SEED_OFFSET,
     DEFAULT_BATCH_SIZE,
     DEFAULT_CD_K,
     check_data,
+    non_finite_what,
 )
 
 logger = logging.getLogger(__name__)
@@ -415,8 +417,7 @@ class TrainingPack:
         return found
 
     def _non_finite_names(self, run: int) -> str:
-        bad = [n for n, t in self.parameters.items() if not bool(torch.isfinite(t[run]).all())]
-        return f"parameters {bad or '(overflowing sum)'} became NaN or Inf"
+        return non_finite_what((name, t[run]) for name, t in self.parameters.items())
 
     def _freeze(self, run: int, what: str) -> RunDivergence:
         failed = self.step_counts[run]
@@ -459,7 +460,7 @@ class TrainingPack:
         """Run ``run``'s step size now: its configuration's ``lr`` × its schedule's factor at its
         step × its ``lr_scale`` (:attr:`Trainer.lr`'s expression)."""
         factor = self.schedules[run].factor(self.step_counts[run])
-        return float(self.configs[run].lr) * (factor * self.optimizer.lr_scales[run])
+        return step_size(float(self.configs[run].lr), factor, self.optimizer.lr_scales[run])
 
     def _apply_schedules(self) -> None:
         """Every run's schedule factor at its own step, for the step about to be taken."""
