@@ -37,6 +37,7 @@ from ssdrbm_server.request_checks import enum_value
 from ssdrbm_server.server_info import server_info
 from ssdrbm_server.serving import Caller, ModelServer
 from ssdrbm_server.store.checkpoints import CheckpointStore
+from ssdrbm_server.store.connection import cancellable
 from ssdrbm_server.store.datasets import DatasetInfo, DatasetInUseError, DatasetStore, Upload
 from ssdrbm_server.store.events import EventStore
 from ssdrbm_server.store.jobs import JobStore
@@ -290,8 +291,8 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         return [], False
 
     async def _read(self, job_id: str, after: str, *, block_ms: int | None) -> list[pb.MetricEvent]:
-        entries = await self.stores.events.read(
-            job_id, after=after, count=REPLAY_BATCH, block_ms=block_ms
+        entries = await cancellable(
+            self.stores.events.read(job_id, after=after, count=REPLAY_BATCH, block_ms=block_ms)
         )
         return [
             convert.event_to_proto(job_id, token, kind, data, convert.token_time(token))
@@ -299,7 +300,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         ]
 
     async def _has_ended(self, job: JobRecord) -> bool:
-        current = await self.stores.jobs.get(job.tenant, job.id)
+        current = await cancellable(self.stores.jobs.get(job.tenant, job.id))
         return current.state.is_terminal
 
     # --- serving ----------------------------------------------------------------------------

@@ -9,6 +9,10 @@ client splits by node.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
@@ -22,6 +26,27 @@ CONNECT_TIMEOUT_S = 2.0
 
 # The stores accept either client; both speak the same commands.
 RedisClient = aioredis.Redis | RedisCluster
+
+T = TypeVar("T")
+
+
+async def cancellable(call: Awaitable[T]) -> T:
+    """Await a Redis call so that cancelling the caller always raises CancelledError here.
+
+    redis-py's asyncio client can lose a cancel that lands inside a command: the command
+    completes and the caller carries on as if never cancelled. A long-lived call (a metric
+    stream whose client went away) then never ends and keeps its slot. The command runs in a
+    task of its own instead, to its end (at most its block time), and the caller's cancel
+    lands on the shield.
+    """
+    task = asyncio.ensure_future(call)
+    task.add_done_callback(_retrieve)  # an error after the caller left is not worth a warning
+    return await asyncio.shield(task)
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def connect(url: str, *, cluster: bool = False, **options: object) -> RedisClient:

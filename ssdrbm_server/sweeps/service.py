@@ -37,6 +37,7 @@ from ssdrbm_server.errors import (
 )
 from ssdrbm_server.rank_metrics import metric_value, resolve_rank_metric, signed_value
 from ssdrbm_server.request_checks import check_text, enum_value
+from ssdrbm_server.store.connection import cancellable
 from ssdrbm_server.store.datasets import DatasetInfo
 from ssdrbm_server.store.jobs import JobStore
 from ssdrbm_server.store.records import JobState
@@ -323,7 +324,7 @@ class SweepService:
         last: bytes | None = None
         sent_at = 0.0
         while True:
-            sweep = await self.get(tenant, sweep_id)
+            sweep = await cancellable(self.get(tenant, sweep_id))  # a gone client ends it
             snapshot = sweep.SerializeToString()
             now = time.monotonic()
             ended = sweep.state != pb.SWEEP_STATE_RUNNING
