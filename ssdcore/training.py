@@ -115,6 +115,18 @@ def run_metrics(
     }
 
 
+def check_loop_settings(n_rows: int, batch_size: object, check_every: object) -> None:
+    """ValueError naming ``batch_size`` or ``check_every`` when out of range, for a training
+    loop over ``n_rows`` examples (a Trainer's, or a pack's for every run)."""
+    if not (isinstance(batch_size, int) and 1 <= batch_size <= n_rows):
+        raise ValueError(
+            f"batch_size must be an integer in [1, {n_rows}] (the number of training "
+            f"examples), got {batch_size!r}"
+        )
+    if not (isinstance(check_every, int) and check_every >= 1):
+        raise ValueError(f"check_every must be an integer >= 1, got {check_every!r}")
+
+
 def non_finite_what(named_parameters: Iterable[tuple[str, Tensor]]) -> str:
     """What a failed finiteness check found: the parameters holding NaN or Inf (or none, when
     only their sum overflowed)."""
@@ -181,13 +193,7 @@ class Trainer:
         check_data(train_data, model.n_visible, "train_data")
         if valid_data is not None:
             check_data(valid_data, model.n_visible, "valid_data")
-        if not (isinstance(batch_size, int) and 1 <= batch_size <= train_data.shape[0]):
-            raise ValueError(
-                f"batch_size must be an integer in [1, {train_data.shape[0]}] (the number of "
-                f"training examples), got {batch_size!r}"
-            )
-        if not (isinstance(check_every, int) and check_every >= 1):
-            raise ValueError(f"check_every must be an integer >= 1, got {check_every!r}")
+        check_loop_settings(train_data.shape[0], batch_size, check_every)
         self.model = model
         self.device = model.W.device
         self.train_data = train_data.to(self.device, torch.float32)

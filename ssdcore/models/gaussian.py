@@ -212,7 +212,7 @@ class GaussianRBM(RBM):
         [1/max_variance, 1/min_variance], clips the spectrum (the nearest such matrix in the
         Frobenius norm).
         """
-        low, high = math.log(self.min_variance), math.log(self.max_variance)
+        low, high = log_variance_bounds(self.min_variance, self.max_variance)
         if self.variance == "diagonal":
             self.log_var.clamp_(low, high)
         elif self.variance == "isotropic":
@@ -263,6 +263,12 @@ class GaussianRBM(RBM):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, variance={self.variance!r}"
+
+
+def log_variance_bounds(min_variance: float, max_variance: float) -> tuple[float, float]:
+    """The interval :meth:`GaussianRBM.constrain_` clamps log variances to (a pack clamps each
+    run's slice to its run's)."""
+    return math.log(min_variance), math.log(max_variance)
 
 
 def diagonal_kernel_tensors(

@@ -45,7 +45,7 @@ from ssdcore.cuda_graph import GraphedStep
 from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.factory import model_from_config
-from ssdcore.models.gaussian import GaussianRBM
+from ssdcore.models.gaussian import GaussianRBM, log_variance_bounds
 from ssdcore.optim.config import OptimizerConfig, resolve_for
 from ssdcore.order import RunOrder, gather_batches
 from ssdcore.pack.gaussian import PackedGaussianCD
@@ -75,6 +75,7 @@ from ssdcore.training import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_CD_K,
     check_data,
+    check_loop_settings,
     non_finite_what,
 )
 
@@ -190,14 +191,9 @@ class TrainingPack:
             if run.model.W.device != first.W.device:
                 raise ValueError(f"runs[{index}].model is on another device than runs[0].model")
         check_data(train_data, first.n_visible, "train_data")
-        if not (isinstance(batch_size, int) and 1 <= batch_size <= train_data.shape[0]):
-            raise ValueError(
-                f"batch_size must be an integer in [1, {train_data.shape[0]}], got {batch_size!r}"
-            )
+        check_loop_settings(train_data.shape[0], batch_size, check_every)
         if not (isinstance(cd_k, int) and cd_k >= 1):
             raise ValueError(f"cd_k must be an integer >= 1, got {cd_k!r}")
-        if not (isinstance(check_every, int) and check_every >= 1):
-            raise ValueError(f"check_every must be an integer >= 1, got {check_every!r}")
         self.device = first.W.device
         self.n_visible, self.n_hidden = first.n_visible, first.n_hidden
         self.n_runs = len(runs)
@@ -278,8 +274,11 @@ class TrainingPack:
         :meth:`GaussianRBM.constrain_` clamps them (its Python bounds become float32)."""
         if self.variance_name is None:
             return None
-        low = [math.log(config["min_variance"]) for config in self.model_configs]
-        high = [math.log(config["max_variance"]) for config in self.model_configs]
+        bounds = [
+            log_variance_bounds(config["min_variance"], config["max_variance"])
+            for config in self.model_configs
+        ]
+        low, high = zip(*bounds, strict=True)
         f32 = {"dtype": torch.float32, "device": self.device}
         return torch.tensor(low, **f32).view(-1, 1), torch.tensor(high, **f32).view(-1, 1)
 
