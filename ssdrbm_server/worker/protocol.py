@@ -28,7 +28,7 @@ Worker -> child:
                                             + spec, dataset, resume
     stop                                                  checkpoint now, end with "stopped"
 
-Packed training (worker/pack_child.py, worker/pack_runner.py): the worker sends one
+Packed training (worker/pack_child.py, worker/runner.py): the worker sends one
     start_pack   settings, upload info,
                  jobs: [{backoffs, total_steps, n_visible, log_context, recovery_state}]
                                             + spec.<i>, resume.<i> (run i), dataset (shared)

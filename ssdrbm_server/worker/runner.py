@@ -1,105 +1,93 @@
-"""Runs one claimed job in a training process and turns its reports into fenced writes.
+"""Runs leased jobs in one training process: a job alone, or a pack of compatible jobs.
 
-While the child trains, the runner renews the lease and reads the cancel flag every
-`heartbeat_s` (so a cancel takes effect within about that long), and writes what the child
-sends: metric events, checkpoints, the final state. Redis outages are ridden out by retrying
-(the child keeps training meanwhile); a lost lease (another worker took over) stops the child
-at once without writing anything more.
+A claimed job trains alone (a solo Trainer) or, with compatible jobs claimed beside it
+(worker/pack_claim.py), as one pack (ssdcore.pack): one batched computation in one process.
+Either way each job keeps its own :class:`~ssdrbm_server.worker.leased_job.LeasedJob` (its
+lease, fencing token and writes), and the runner hands it each message the process sends about
+it, so its metric events, Backoff events, checkpoints and final state are written the same way
+alone or packed. A job alone is a set of one: its messages name no run, a pack's carry the
+job's index (``run``). What the runner does for the set:
 
-A training process that dies (a signal such as the OOM killer's SIGKILL, or any exit without
-reporting the job's end) or goes silent past SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS (it is
-killed first) is a retry, not the job's failure: the runner counts it in the job's
-`child_failures` (a fenced update) and releases the job to the queue with the fenced `release`
-write, exactly as a graceful stop does. The next claim, by any worker, raises the attempt and
-resumes from the last checkpoint with a fresh training process, so the existing guarantees
-carry over unchanged: the dead process's attempt can write nothing more (fencing), and the
-steps it had already published are dropped when recomputed (each step once in the stream).
-Restarting in place under the same attempt would have needed its own resume path; going
-through the queue also lets a job that ran out of memory here land on a roomier worker. The
-job ends FAILED at SSDRBM_MAX_TRAINING_PROCESS_FAILURES, with the cause and, for SIGKILL, the
-memory the model needs.
+- *Heartbeat.* Every ``heartbeat_s`` each job's lease is renewed and its cancel flag read (a
+  cancel takes effect within about that long). A cancelled job ends CANCELLED; a job whose lease
+  was lost (another worker took it over) writes nothing more. Either way its run leaves the
+  process: dropped from a pack whose other runs go on (``drop``), or, when it was the last run
+  (a job alone), with the process, killed at once.
+- *A run's end.* Finished, failed (blow-up with its backoffs spent, bad spec) or stopped (a
+  sweep's early stopping, ``stop_run``: the job ends STOPPED): the process reports it for that
+  run; the others go on.
+- *Stop.* Graceful: the process checkpoints every run and each job is released to the queue.
+  Immediate (or past SSDRBM_STOP_TIMEOUT_SECONDS): the process is killed and each job released
+  to resume from its last checkpoint. Redis outages are ridden out by retrying meanwhile.
+- *The process dies or hangs.* A training process that dies (a signal such as the OOM killer's
+  SIGKILL, or any exit without reporting the jobs' ends) or goes silent past
+  SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS (it is killed first) is a retry, not a failure. A job
+  alone counts it in its ``child_failures`` (a fenced update) and is released to the queue with
+  the fenced ``release`` write, exactly as on a graceful stop; the next claim, by any worker,
+  raises the attempt and resumes from the last checkpoint in a fresh process, so the dead
+  process's attempt can write nothing more (fencing) and the steps it had already published
+  are dropped when recomputed (each step once in the stream). Going through the queue also lets
+  a job that ran out of memory here land on a roomier worker. The job ends FAILED at
+  SSDRBM_MAX_TRAINING_PROCESS_FAILURES, with the cause and, for SIGKILL, the memory the model
+  needs. In a pack, which run caused it cannot be told (one run's data or spec, or the pack's
+  size), so the failure counts against no job: each is released and trains alone from then on
+  (its pack key cleared, ``LeasedJob.train_alone``), where a failure is its own. A job that
+  crashes its process thus fails alone after its retries, and its pack-mates finish.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
+import functools
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
 
 import redis.asyncio as aioredis
-import redis.exceptions
-from google.protobuf.message import DecodeError
 from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server import logs, tracing
 from ssdrbm_server.config import Settings
-from ssdrbm_server.errors import FailedPreconditionError, NotFoundError
+from ssdrbm_server.errors import NotFoundError
 from ssdrbm_server.keys import Keys
-from ssdrbm_server.store.checkpoints import CheckpointStore
-from ssdrbm_server.store.datasets import DatasetStore
-from ssdrbm_server.store.fencing import FencedJob, LeaseLostError
-from ssdrbm_server.store.leases import Lease, LeaseStore
-from ssdrbm_server.store.lifecycle import Retention
-from ssdrbm_server.store.records import NOT_PACKABLE, JobRecord, JobState
-from ssdrbm_server.store.rungs import RungGate
+from ssdrbm_server.store.fencing import LeaseLostError
+from ssdrbm_server.store.leases import Lease
+from ssdrbm_server.store.records import JobRecord, JobState
 from ssdrbm_server.worker import protocol
-from ssdrbm_server.worker.metrics import WorkerMetrics, job_labels
+from ssdrbm_server.worker.leased_job import (
+    LOST,
+    REDIS_DOWN,
+    RELEASED,
+    STOPPED_RELEASE,
+    LeasedJob,
+    StopRequest,
+)
+from ssdrbm_server.worker.metrics import WorkerMetrics
 from ssdrbm_server.worker.process import ChildProcess, describe_exit
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-REDIS_DOWN = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-    redis.exceptions.OutOfMemoryError,  # Redis full: writes succeed again once space is freed
-)
-RETRY_DELAY_S = 0.5
-# How a job left a runner other than by ending (JobRunner.run returns these or a JobState value).
-RELEASED = "released"  # back in the queue, to resume from its last checkpoint
-LOST = "lost"  # another worker took it over; nothing more was written
-STOPPED_RELEASE = "worker stopped; resumes from the last checkpoint"  # its state event's message
 # Rough memory of a training process (training_memory_mb): the interpreter with torch loaded,
 # and the parameter-sized arrays alive at once: the model, its gradient, up to two optimizer
 # buffers, the polar step's work space, and the trainer states a checkpoint serialises.
 PROCESS_BASE_MB = 400
 PARAMETER_COPIES = 8
+HUNG_ADVICE = (
+    "if one evaluation legitimately takes longer, raise "
+    "SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS or lower eval.ais_betas"
+)
 
 
-@dataclass
-class StopRequest:
-    """Set by the worker when it is asked to stop; read by the runner."""
-
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    graceful: bool = True
-    since: float = 0.0  # monotonic time of the first request
-
-    def request(self, graceful: bool) -> None:
-        """Ask the running job to stop (again: ``graceful=False`` hurries a graceful stop)."""
-        if not self.event.is_set():
-            self.since = time.monotonic()
-        self.graceful = graceful
-        self.event.set()
-
-    def overdue(self, timeout_s: float) -> bool:
-        """A stop was requested more than ``timeout_s`` ago."""
-        return self.event.is_set() and time.monotonic() - self.since > timeout_s
-
-
-class JobRunner:
-    """Runs one leased job to its end, its release, or the loss of its lease."""
+class Runner:
+    """Runs leased jobs in one training process until each has ended, been released or lost
+    its lease; one job trains alone, more train as one pack."""
 
     def __init__(
         self,
         redis: aioredis.Redis,
-        lease: Lease,
+        leases: list[Lease],
         settings: Settings,
         stop: StopRequest,
         *,
@@ -107,61 +95,72 @@ class JobRunner:
         child: ChildProcess | None = None,
         metrics: WorkerMetrics | None = None,
     ) -> None:
-        self.redis = redis
-        self.keys = keys or Keys()
-        self.lease = lease
         self.settings = settings
         self.stop = stop
-        retention = Retention.from_settings(settings)  # applied when the job ends
-        self.job = FencedJob(redis, lease, keys=self.keys, retention=retention)
-        self.record: JobRecord = lease.record
-        self.step = max(lease.record.checkpoint_step, 0)
-        self.child = child  # a ready training process, or None to start one
-        # The child may take another job: it never got this one, or it reported the job's end.
-        self._child_idle = True
-        self.idle_child: ChildProcess | None = None  # after run(): the child, if reusable
-        self._given_at = 0.0  # monotonic time the child got this job; its silence counts from it
         self.metrics = metrics if metrics is not None else WorkerMetrics()
-        try:
-            spec = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
-        except DecodeError:  # run() fails the job with the reason; its metrics go unlabelled
-            spec = rbm_pb2.StartTrainingRequest()
-        self._labels = job_labels(spec)
-        self._batch_size = spec.training.batch_size
-        self.rungs = RungGate(redis, self.keys, self.record)  # its sweep's early stopping
+        self.jobs = [
+            LeasedJob(redis, lease, settings, stop, keys=keys, metrics=self.metrics)
+            for lease in leases
+        ]
+        self.packed = len(leases) > 1  # trained as one pack; its messages name their run
+        self.outcomes: list[str | None] = [None] * len(leases)
+        self.runs: list[int] = []  # the job of each run of the start message (its index)
+        self.child = child  # a ready training process, or None to start one
+        self.idle_child: ChildProcess | None = None  # after run(): the child, if reusable
+        self._given_at = 0.0  # monotonic time the child got the jobs; its silence counts from it
+        # The child may take other jobs: it never got these, or it reported the end of each.
+        self._child_idle = True
 
-    async def run(self) -> str:
-        """Run the job; returns how it ended (a JobState value, RELEASED or LOST).
+    @property
+    def name(self) -> str:
+        """How the log names the set: "job <id>" or "pack [<ids>]"."""
+        ids = [job.lease.job_id for job in self.jobs]
+        return f"pack {ids}" if self.packed else f"job {ids[0]}"
 
-        Its logs carry the job id and tenant, and its span (the training attempt) is a child
-        of the StartTraining call that submitted it."""
+    def _open(self) -> list[int]:
+        """The jobs still running here (no outcome yet)."""
+        return [i for i, outcome in enumerate(self.outcomes) if outcome is None]
+
+    async def run(self) -> list[str]:
+        """Run the jobs; how each ended (a JobState value, RELEASED or LOST), in lease order."""
+        with self._context():
+            try:
+                await self._run()
+            except REDIS_DOWN:
+                raise  # retried where they happen; an outage is never the jobs' failure
+            except Exception as exc:
+                # e.g. a bug: the open jobs fail with the reason, the worker goes on.
+                logger.exception("%s: unexpected error", self.name)
+                reason = f"internal error: {type(exc).__name__}: {exc}"[:500]
+                for i in self._open():
+                    await self._fail(i, reason)
+            finally:
+                await self._settle_child()
+        return [outcome or LOST for outcome in self.outcomes]
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        """A job alone: its logs carry its id and tenant throughout, and its span (the training
+        attempt) is a child of the StartTraining call that submitted it. A pack's log lines
+        name their job where its messages are handled."""
+        if self.packed:
+            yield
+            return
+        job = self.jobs[0]
         attempt = tracing.span(
             "ssdrbm.worker.attempt",
-            parent=tracing.context_from_traceparent(self.record.traceparent),
-            attributes={"ssdrbm.job_id": self.lease.job_id, "ssdrbm.attempt": self.lease.attempt},
+            parent=tracing.context_from_traceparent(job.record.traceparent),
+            attributes={"ssdrbm.job_id": job.lease.job_id, "ssdrbm.attempt": job.lease.attempt},
         )
-        with logs.log_context(job_id=self.lease.job_id, tenant=self.record.tenant), attempt:
-            return await self._run_logged()
+        with self._job_context(0), attempt:
+            yield
 
-    async def _run_logged(self) -> str:
-        try:
-            return await self._run()
-        except LeaseLostError as exc:
-            logger.warning("%s; stopping work on it", exc)
-            return LOST
-        except REDIS_DOWN:
-            raise  # retried where they happen; an outage is never the job's failure
-        except Exception as exc:
-            # e.g. a spec that cannot be parsed: the job fails, the worker goes on.
-            logger.exception("job %s: unexpected error", self.lease.job_id)
-            reason = f"internal error: {type(exc).__name__}: {exc}"[:500]
-            await self.finish(JobState.FAILED, error=reason)
-            return JobState.FAILED.value
-        finally:
-            await self._settle_child()
+    def _job_context(self, i: int) -> contextlib.AbstractContextManager[None]:
+        job = self.jobs[i]
+        return logs.log_context(job_id=job.lease.job_id, tenant=job.record.tenant)
 
     async def _settle_child(self) -> None:
-        """Keep an idle child for the next job; kill one that may still be training."""
+        """Keep an idle child for the next jobs; kill one that may still be training."""
         if self.child is None:
             return
         if self._child_idle and self.child.process.is_alive():
@@ -170,109 +169,204 @@ class JobRunner:
             await self.child.kill()
             self.child.close()
 
-    async def _run(self) -> str:
-        if self.record.cancel_requested:
-            await self.finish(JobState.CANCELLED, message="cancelled before it resumed")
-            return JobState.CANCELLED.value
-        logger.info(
-            "job %s: attempt %d on %s", self.lease.job_id, self.lease.attempt, self.lease.worker_id
-        )
+    async def _end(
+        self, i: int, outcome: str, write: Callable[[LeasedJob], Awaitable[None]]
+    ) -> None:
+        """Job i ends as ``outcome`` with one fenced write; LOST instead when its lease was
+        lost (nothing more is written for it)."""
         try:
-            start = await self.start_message()
-        except NotFoundError as exc:
-            await self.finish(JobState.FAILED, error=exc.message)
-            return JobState.FAILED.value
+            await write(self.jobs[i])
+        except LeaseLostError as exc:
+            logger.warning("%s; stopping work on it", exc)
+            outcome = LOST
+        self.outcomes[i] = outcome
+
+    async def _cancel(self, i: int, message: str) -> None:
+        await self._end(
+            i, JobState.CANCELLED.value, lambda j: j.finish(JobState.CANCELLED, message=message)
+        )
+
+    async def _fail(self, i: int, reason: str) -> None:
+        await self._end(i, JobState.FAILED.value, lambda j: j.finish(JobState.FAILED, error=reason))
+
+    # --- start ----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        for i, job in enumerate(self.jobs):
+            if job.record.cancel_requested:
+                await self._cancel(i, "cancelled before it resumed")
+        for i in self._open():
+            job = self.jobs[i]
+            with self._job_context(i):
+                logger.info(
+                    "job %s: attempt %d on %s",
+                    job.lease.job_id,
+                    job.lease.attempt,
+                    job.lease.worker_id,
+                )
+        start = await self._start_message()
+        if start is None:
+            return
+        if self.packed:
+            logger.info("pack of %d: jobs %s", len(self.runs), self.name)
         if self.child is None or not self.child.process.is_alive():
             self.child = ChildProcess.for_settings(self.settings)
         self._child_idle = False
         self._given_at = time.monotonic()
+        for run, i in enumerate(self.runs):
+            self.jobs[i].stop_run = functools.partial(self._stop_run, run)
         self.child.send(start)
-        return await self._supervise(self.child)
+        await self._supervise(self.child)
 
-    async def heartbeat(self) -> bool:
-        """Renew the job's lease (retried while Redis is down); True when a cancel was asked.
-        LeaseLostError once another worker took the job over."""
-        return await self._retry(self.job.heartbeat)
-
-    async def start_message(self, *, with_dataset: bool = True) -> protocol.Message:
-        """The job's start message; ``with_dataset=False`` leaves an uploaded dataset out (a
-        pack sends its shared data once)."""
-        request = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
-        fields: dict[str, Any] = {
-            "settings": dataclasses.asdict(self.settings),
-            "backoffs": self.record.backoffs,
-            "total_steps": self.record.total_steps,
-            "n_visible": self.record.n_visible,
-            "log_context": {"job_id": self.lease.job_id, "tenant": self.record.tenant},
-        }
-        blobs = {"spec": self.record.spec}
-        if with_dataset and request.dataset.WhichOneof("source") == "dataset_id":
-            info, data = await self._retry(
-                lambda: DatasetStore(self.redis, keys=self.keys).load(
-                    self.record.tenant, request.dataset.dataset_id
-                )
-            )
-            fields.update(dataset_dtype=info.dtype, dataset_shape=list(info.shape))
-            blobs["dataset"] = data
-        if self.record.checkpoint_step >= 0:
-            checkpoints = CheckpointStore(self.redis, keys=self.keys)
+    async def _start_message(self) -> protocol.Message | None:
+        """The start message of the open jobs that can start (one that cannot, its data gone
+        or its spec unreadable, ends FAILED alone); None when none can."""
+        starts: list[protocol.Message] = []
+        for i in self._open():
             try:
-                checkpoint = await self._retry(
-                    lambda: checkpoints.latest(self.lease.job_id, with_trainer_state=True)
-                )
-                blobs["resume"] = checkpoint.trainer_state
-                fields["recovery_state"] = checkpoint.recovery_state
-                self.step = checkpoint.step
-                logger.info("job %s resumes from step %d", self.lease.job_id, checkpoint.step)
-            except FailedPreconditionError as exc:
-                logger.error("job %s: %s; training starts over", self.lease.job_id, exc.message)
-                self.step = 0
-        return protocol.Message(protocol.START, fields, blobs)
+                starts.append(await self.jobs[i].start_message(with_dataset=not starts))
+            except REDIS_DOWN:
+                raise
+            except Exception as exc:
+                if isinstance(exc, NotFoundError):
+                    reason = exc.message
+                else:
+                    logger.exception("job %s cannot start", self.jobs[i].lease.job_id)
+                    reason = f"internal error: {type(exc).__name__}: {exc}"[:500]
+                await self._fail(i, reason)
+                continue
+            self.runs.append(i)
+        if not starts:
+            return None
+        return pack_start(starts) if self.packed else starts[0]
 
-    async def _supervise(self, child: ChildProcess) -> str:
+    # --- supervision ----------------------------------------------------------------------
+
+    async def _supervise(self, child: ChildProcess) -> None:
         next_beat = 0.0
         stop_deadline: float | None = None
-        while True:
+        while self._open():
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + self.settings.heartbeat_seconds
-                if await self.heartbeat():
-                    await child.kill()
-                    await self.finish(JobState.CANCELLED, message="cancelled on request")
-                    return JobState.CANCELLED.value
+                await self._heartbeats()
+                if not self._open():
+                    return
             if self.stop.event.is_set():
                 if not self.stop.graceful or (stop_deadline and now > stop_deadline):
                     await child.kill()
-                    return await self.release_for_stop()
+                    await self._release_open(STOPPED_RELEASE)
+                    return
                 if stop_deadline is None:
                     child.send(protocol.Message(protocol.STOP))
                     stop_deadline = now + self.settings.stop_timeout_seconds
             silence = child.silent_for(self._given_at)
             if silence > child.allowed_silence(self.settings.child_heartbeat_timeout_seconds):
-                return await self._child_hung(child, silence)
+                await self._child_hung(child, silence)
+                return
             try:
                 timeout = max(0.01, next_beat - time.monotonic())
                 message = await asyncio.wait_for(child.inbox.get(), timeout)
             except TimeoutError:
                 continue
             if message is None:
-                return await self._child_exited(child)
-            outcome = await self.handle(message)
-            if outcome is not None:
-                return outcome
+                await self._child_exited(child)
+                return
+            await self._handle(message)
+        # The process reported the end of every run: it is idle once it left its training loop,
+        # which it does after the drops already sent (the pipe keeps their order before a new
+        # start).
+        self._child_idle = True
 
-    async def _child_exited(self, child: ChildProcess) -> str:
-        """The pipe closed before the job's end was reported: the process died."""
+    async def _heartbeats(self) -> None:
+        """Renew each open job's lease and read its cancel flag."""
+        for i in self._open():
+            try:
+                cancelled = await self.jobs[i].heartbeat()
+            except LeaseLostError as exc:
+                logger.warning("%s; stopping work on it", exc)
+                await self._leave(i)
+                self.outcomes[i] = LOST
+                continue
+            if cancelled:
+                await self._leave(i)
+                await self._cancel(i, "cancelled on request")
+
+    async def _leave(self, i: int) -> None:
+        """Job i's run stops because the worker ended the job (cancelled, lease lost): it is
+        dropped from the pack while other runs train there; the last run, or a job alone,
+        takes the process with it (nothing left in it is worth keeping; a kill stops at once)."""
+        assert self.child is not None
+        if any(j != i for j in self._open()):
+            self.child.send(protocol.Message(protocol.DROP, {"run": self.runs.index(i)}))
+        else:
+            await self.child.kill()
+
+    def _stop_run(self, run: int) -> None:
+        """A sweep's early stopping: the process checkpoints this run and stops it."""
+        assert self.child is not None
+        if self.packed:
+            self.child.send(protocol.Message(protocol.STOP_RUN, {"run": run}))
+        else:
+            self.child.send(protocol.Message(protocol.STOP))
+
+    def _job_of(self, message: protocol.Message) -> int | None:
+        """The job a message is about: a pack's name their run, a job alone's are its own."""
+        if not self.packed:
+            return self.runs[0]
+        run = message.fields.get("run")
+        if run is None or not 0 <= int(run) < len(self.runs):
+            logger.error("message %r from the training process names no run", message.kind)
+            return None
+        return self.runs[int(run)]
+
+    async def _handle(self, message: protocol.Message) -> None:
+        if message.kind == protocol.PROGRESS:  # steps of every run: each job counts its own
+            for i in self._open():
+                await self.jobs[i].handle(message)
+            return
+        i = self._job_of(message)
+        if i is None or self.outcomes[i] is not None:
+            return  # the job left (cancelled, lease lost): nothing more is written for it
+        try:
+            with self._job_context(i):
+                outcome = await self.jobs[i].handle(message)
+        except LeaseLostError as exc:
+            logger.warning("%s; stopping work on it", exc)
+            await self._leave(i)
+            self.outcomes[i] = LOST
+            return
+        if outcome is not None:  # the process reported the run's end: it left there already
+            self.outcomes[i] = outcome
+
+    async def _release_open(self, message: str) -> None:
+        for i in self._open():
+            await self._end(i, RELEASED, lambda j: j.release(message))
+
+    # --- the process died or hung ----------------------------------------------------------
+
+    async def _child_exited(self, child: ChildProcess) -> None:
+        """The pipe closed before the end of every run was reported: the process died."""
         code = await child.join()
-        if code is None:  # closed its pipe but lives on: not to be trusted with the job
+        if code is None:  # closed its pipe but lives on: not to be trusted with the jobs
             await child.kill()
-        hint = self.memory_hint() if code == -signal.SIGKILL else ""
-        return await self.child_failed(describe_exit(code), hint=hint)
 
-    async def _child_hung(self, child: ChildProcess, silence: float) -> str:
+        def hint(job: LeasedJob) -> str:
+            if code != -signal.SIGKILL:
+                return ""
+            needed = memory_hint(job.record)
+            return (
+                f"{needed} (it trained in a pack of {len(self.jobs)} runs)"
+                if self.packed
+                else needed
+            )
+
+        await self._child_failed(describe_exit(code), hint)
+
+    async def _child_hung(self, child: ChildProcess, silence: float) -> None:
         logger.error(
-            "job %s: the training process %s sent nothing for %.1f s; killing it",
-            self.lease.job_id,
+            "%s: the training process %s sent nothing for %.1f s; killing it",
+            self.name,
             child.process.pid,
             silence,
         )
@@ -281,196 +375,64 @@ class JobRunner:
             f"sent nothing for {silence:.0f} s (SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS "
             f"{self.settings.child_heartbeat_timeout_seconds:g}) and was killed as hung"
         )
-        hint = (
-            "if one evaluation legitimately takes longer, raise "
-            "SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS or lower eval.ais_betas"
-        )
-        return await self.child_failed(cause, hint=hint)
+        await self._child_failed(cause, lambda job: HUNG_ADVICE)
 
-    async def child_failed(self, cause: str, *, hint: str) -> str:
-        """Count a dead or hung training process against the job: release it to resume from
-        its last checkpoint, or end it FAILED once the failures reach the limit (the reason
-        ends with ``hint``, what to change)."""
-        if self.stop.event.is_set():  # the worker is stopping: not the job's fault
-            return await self.release_for_stop()
-        failures = self.record.child_failures + 1
-        limit = self.settings.max_training_process_failures
-        await self._retry(lambda: self.job.update(child_failures=failures))
-        self.metrics.process_failures.inc()
-        logger.warning(
-            "job %s: the training process %s (failure %d of %d)",
-            self.lease.job_id,
-            cause,
-            failures,
-            limit,
-        )
-        if failures >= limit:
-            reason = (
-                f"the training process failed {failures} times "
-                f"(SSDRBM_MAX_TRAINING_PROCESS_FAILURES), the last time it {cause}"
+    async def _child_failed(self, cause: str, hint: Callable[[LeasedJob], str]) -> None:
+        """A job left alone in the process counts the failure; several open jobs of a pack are
+        each released to train alone (see the module docstring)."""
+        open_jobs = self._open()
+        shared = len(open_jobs) > 1
+        if shared:
+            self.metrics.process_failures.inc()
+            logger.warning(
+                "%s: the training process %s; its %d jobs will train alone",
+                self.name,
+                cause,
+                len(open_jobs),
             )
-            await self.finish(JobState.FAILED, error=f"{reason}; {hint}" if hint else reason)
-            return JobState.FAILED.value
-        await self.release(
-            f"the training process {cause} (failure {failures} of {limit}); "
-            "resumes from the last checkpoint"
-        )
-        return RELEASED
-
-    async def train_alone(self, cause: str) -> str:
-        """The pack this job trained in lost its training process: release the job to resume
-        from its last checkpoint, trained alone from now on (its pack key cleared), without
-        counting the failure against it — any run of the pack, or the pack's size, may have
-        caused it; alone, a failure is the job's own and counts as above."""
-        if self.stop.event.is_set():  # the worker is stopping: not the job's fault
-            return await self.release_for_stop()
-        await self._retry(lambda: self.job.update(pack_key=NOT_PACKABLE))
-        await self.release(
-            f"the training process of its pack {cause}; not counted against this job, which "
-            "trains alone from here on (a failure is then its own) and resumes from the last "
-            "checkpoint"
-        )
-        return RELEASED
-
-    def memory_hint(self) -> str:
-        """What a SIGKILL most likely means (the OOM killer), with the memory the job needs."""
-        request = rbm_pb2.StartTrainingRequest.FromString(self.record.spec)
-        needed = training_memory_mb(request, self.record.n_visible)
-        return (
-            f"likely out of memory: the model needs about {needed} MB to train (plus its "
-            "dataset); give the worker more memory or lower model.n_hidden or training.batch_size"
-        )
-
-    async def handle(self, message: protocol.Message) -> str | None:
-        fields, kind = message.fields, message.kind
-        if kind == protocol.STARTED:
-            self.step = int(fields["start_step"])
-            await self._retry(lambda: self.job.update(runtime=fields["runtime"]))
-            logger.info(
-                "job %s training from step %d of %d (%s)",
-                self.lease.job_id,
-                self.step,
-                self.record.total_steps,
-                fields["runtime"],
-            )
-            if await self._retry(lambda: self.rungs.stopped_at_or_before(self.step)):
-                self._stop_early()
-        elif kind == protocol.PROGRESS:
-            self.metrics.trained(self._labels, fields["runs"], self._batch_size)
-        elif kind == protocol.METRICS:
-            self.step = int(fields["step"])
-            await self._retry(lambda: self.job.publish_metrics(self.step, message.blobs["metrics"]))
-            if await self._retry(lambda: self.rungs.check(self.step, message.blobs["metrics"])):
-                self._stop_early()
-        elif kind == protocol.BACKOFF:
-            self.step = int(fields["rollback_step"])
-            self.metrics.backoffs.inc()
-            await self._retry(
-                lambda: self.job.backoff(
-                    rollback_step=self.step, event_data=message.blobs["backoff"]
-                )
-            )
-        elif kind == protocol.CHECKPOINT:
-            await self._checkpoint(message)
-        elif kind == protocol.FINISHED:
-            self._child_idle = True
-            self.step = int(fields["step"])
-            await self.finish(JobState.SUCCEEDED, message="finished")
-            return JobState.SUCCEEDED.value
-        elif kind == protocol.STOPPED:
-            self.step = int(fields["step"])
-            if self.rungs.stop_reason:  # early stopping: the run ends, its checkpoint kept
-                self._child_idle = True
-                await self.finish(JobState.STOPPED, message=self.rungs.stop_reason)
-                return JobState.STOPPED.value
-            return await self.release_for_stop()
-        elif kind == protocol.FAILED:
-            self._child_idle = True
-            self.step = max(self.step, int(fields["step"]))
-            await self.finish(JobState.FAILED, error=fields["reason"])
-            return JobState.FAILED.value
-        else:
-            logger.error("unexpected message %r from the training process", kind)
-        return None
-
-    def _stop_early(self) -> None:
-        """The sweep's early stopping ends this run: the child checkpoints and stops."""
-        assert self.child is not None
-        self.child.send(protocol.Message(protocol.STOP))
-
-    async def _checkpoint(self, message: protocol.Message) -> None:
-        step = int(message.fields["step"])
-        started = time.perf_counter()
-        with tracing.span("ssdrbm.worker.checkpoint", attributes={"ssdrbm.step": step}):
-            await self._retry(
-                lambda: self.job.put_checkpoint(
-                    step,
-                    data=message.blobs["model"],
-                    config_json=message.fields["config_json"],
-                    trainer_state=message.blobs["trainer"],
-                    recovery_state=message.fields.get("recovery_state", ""),
-                    keep=self.settings.checkpoint_keep,
-                )
-            )
-        self.metrics.checkpoint_write.observe(time.perf_counter() - started)
-
-    async def finish(self, state: JobState, *, error: str = "", message: str = "") -> None:
-        """End the job in ``state`` (fenced; a lost reply retried as done)."""
-
-        async def write() -> None:
-            await self.job.finish(state, step=self.step, error=error, message=message)
-
-        await self._idempotent(write, state)
-        self.metrics.jobs_finished.labels(state=state.value).inc()
-
-    async def release(self, message: str) -> None:
-        """Give the job back to the queue to resume from its last checkpoint (fenced)."""
-
-        async def write() -> None:
-            await self.job.release(step=self.step, message=message)
-
-        await self._idempotent(write, JobState.QUEUED)
-
-    async def release_for_stop(self) -> str:
-        """Release the job because the worker is stopping (not the job's doing); RELEASED."""
-        await self.release(STOPPED_RELEASE)
-        return RELEASED
-
-    async def _idempotent(self, write: Callable[[], Awaitable[None]], state: JobState) -> None:
-        """A state change whose reply may have been lost: a retry that finds the change
-        already made under this attempt counts as done."""
-        retried = False
-        while True:
+        for i in open_jobs:
+            job = self.jobs[i]
             try:
-                await write()
-                return
+                if shared:
+                    outcome = await job.train_alone(cause)
+                else:
+                    outcome = await job.child_failed(cause, hint=hint(job))
             except LeaseLostError:
-                if retried:
-                    current = await LeaseStore(self.redis, keys=self.keys).load(self.lease.job_id)
-                    if current and current.attempt == self.lease.attempt and current.state == state:
-                        return
-                raise
-            except REDIS_DOWN as exc:
-                retried = True
-                await self._wait_for_redis(exc)
+                outcome = LOST
+            self.outcomes[i] = outcome
 
-    async def _retry(self, operation: Callable[[], Awaitable[T]]) -> T:
-        """Run a Redis operation, retrying while Redis is unreachable."""
-        while True:
-            try:
-                return await operation()
-            except REDIS_DOWN as exc:
-                await self._wait_for_redis(exc)
 
-    async def _wait_for_redis(self, exc: Exception) -> None:
-        stopping_now = self.stop.event.is_set() and not self.stop.graceful
-        if stopping_now or self.stop.overdue(self.settings.stop_timeout_seconds):
-            # Stopping now, or a graceful stop that has waited its SSDRBM_STOP_TIMEOUT_SECONDS:
-            # give the job up. It stays leased in Redis, the lease lapses and another worker
-            # resumes it from its last checkpoint.
-            raise LeaseLostError(f"job {self.lease.job_id}: Redis unreachable while stopping")
-        logger.warning("job %s: Redis unreachable (%s); retrying", self.lease.job_id, exc)
-        await asyncio.sleep(RETRY_DELAY_S)
+def pack_start(starts: list[protocol.Message]) -> protocol.Message:
+    """One start_pack message from the jobs' start messages: the settings and the upload's
+    dtype and shape once, each job's fields, spec and checkpoint under its run's index, and the
+    data once (every job of a pack trains on the same)."""
+    fields: dict[str, object] = {}
+    blobs: dict[str, bytes] = {}
+    jobs: list[dict[str, object]] = []
+    for run, start in enumerate(starts):
+        job_fields = dict(start.fields)
+        fields["settings"] = job_fields.pop("settings")
+        for upload in ("dataset_dtype", "dataset_shape"):
+            if upload in job_fields:
+                fields[upload] = job_fields.pop(upload)
+        jobs.append(job_fields)
+        blobs[f"spec.{run}"] = start.blobs["spec"]
+        if "resume" in start.blobs:
+            blobs[f"resume.{run}"] = start.blobs["resume"]
+        if "dataset" in start.blobs:
+            blobs["dataset"] = start.blobs["dataset"]
+    fields["jobs"] = jobs
+    return protocol.Message(protocol.START_PACK, fields, blobs)
+
+
+def memory_hint(record: JobRecord) -> str:
+    """What a SIGKILL most likely means (the OOM killer), with the memory the job needs."""
+    request = rbm_pb2.StartTrainingRequest.FromString(record.spec)
+    needed = training_memory_mb(request, record.n_visible)
+    return (
+        f"likely out of memory: the model needs about {needed} MB to train (plus its "
+        "dataset); give the worker more memory or lower model.n_hidden or training.batch_size"
+    )
 
 
 def training_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) -> int:

@@ -9,7 +9,7 @@ Where the next job comes from, in order:
 4. the oldest job of the least recently served tenant with queued jobs (tenants in rotation,
    store/queue.py), waiting briefly for one so that `stop()` is noticed quickly.
 Then, with SSDRBM_MAX_PACK_SIZE > 1, up to that many more jobs with the same pack key join it
-(worker/pack_claim.py) and the jobs train as one pack in one process (worker/pack_runner.py).
+(worker/pack_claim.py) and the jobs train as one pack in one process (worker/runner.py).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from ssdrbm_server.store.connection import connect
 from ssdrbm_server.store.leases import Lease, LeaseStore
 from ssdrbm_server.store.pack_claims import PackClaims
 from ssdrbm_server.store.queue import JobQueue
+from ssdrbm_server.worker.leased_job import REDIS_DOWN, StopRequest
 from ssdrbm_server.worker.metrics import WorkerMetrics
 from ssdrbm_server.worker.pack_claim import claim_riders
-from ssdrbm_server.worker.pack_runner import PackRunner
 from ssdrbm_server.worker.process import ChildProcess
-from ssdrbm_server.worker.runner import REDIS_DOWN, JobRunner, StopRequest
+from ssdrbm_server.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +105,7 @@ class Worker:
                     check_pending = False
                     if lease is not None:
                         riders = await self._riders(client, lease, queue, leases)
-                        if riders:
-                            await self._run_pack(client, [lease, *riders])
-                        else:
-                            await self._run_job(client, lease)
+                        await self._run_jobs(client, [lease, *riders])
                 except REDIS_DOWN as exc:
                     logger.warning("worker %s: Redis unreachable (%s)", self.worker_id, exc)
                     await self._pause(REDIS_RETRY_S)
@@ -178,11 +175,12 @@ class Worker:
             claim=claim,
         )
 
-    async def _run_pack(self, client: aioredis.Redis, pack: list[Lease]) -> None:
+    async def _run_jobs(self, client: aioredis.Redis, leases: list[Lease]) -> None:
+        """Train the jobs in one process: one alone, more as a pack."""
         child, self._spare = self._spare, None
-        runner = PackRunner(
+        runner = Runner(
             client,
-            pack,
+            leases,
             self.settings,
             self._stop,
             keys=self.keys,
@@ -190,22 +188,7 @@ class Worker:
             metrics=self.metrics,
         )
         outcomes = await runner.run()
-        self.jobs_run += [(lease.job_id, o) for lease, o in zip(pack, outcomes, strict=True)]
-        await self._keep_child(runner.idle_child)
-
-    async def _run_job(self, client: aioredis.Redis, lease: Lease) -> None:
-        child, self._spare = self._spare, None
-        runner = JobRunner(
-            client,
-            lease,
-            self.settings,
-            self._stop,
-            keys=self.keys,
-            child=child,
-            metrics=self.metrics,
-        )
-        outcome = await runner.run()
-        self.jobs_run.append((lease.job_id, outcome))
+        self.jobs_run += [(lease.job_id, o) for lease, o in zip(leases, outcomes, strict=True)]
         await self._keep_child(runner.idle_child)
 
     async def _keep_child(self, idle_child: ChildProcess | None) -> None:
