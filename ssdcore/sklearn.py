@@ -1,36 +1,57 @@
-"""scikit-learn estimators around ssdcore: drop-ins for ``sklearn.neural_network.BernoulliRBM``.
+"""scikit-learn estimators around ssdcore: ``from ssdcore.sklearn import BernoulliRBM`` replaces
+``from sklearn.neural_network import BernoulliRBM`` with no other edit.
 
-:class:`SSDBernoulliRBM` takes scikit-learn's parameter names where they mean the same thing
-(``n_components``, ``learning_rate``, ``batch_size``, ``n_iter`` in epochs, ``verbose``,
-``random_state``) and trains through :class:`ssdcore.Trainer`, so it gets ssdcore's optimizers
-(Stochastic Spectral Descent by default), CD-k / PCD-k and divergence checks.
-:class:`SSDGaussianRBM` is the same for real-valued features (standardize them first).
+:class:`BernoulliRBM` takes scikit-learn's constructor parameters with its defaults (read from the
+installed scikit-learn's signature: ``n_components``, ``learning_rate``, ``batch_size``, ``n_iter``
+in epochs, ``verbose``, ``random_state``), its methods (``fit``, ``partial_fit``, ``transform``,
+``fit_transform``, ``gibbs``, ``score_samples``, ``get_feature_names_out``), its fitted attributes
+with its dtypes (``components_``, ``intercept_hidden_``, ``intercept_visible_``, ``h_samples_``,
+``n_features_in_``, ``feature_names_in_``) and the inputs it takes (dense or CSR/CSC sparse, any
+numeric dtype). It trains through :class:`ssdcore.Trainer`, so it gets ssdcore's optimizers
+(Stochastic Spectral Descent by default), CD-k / PCD-k and divergence checks, chosen by extra
+keyword parameters (``optimizer``, ``method``, ``cd_k``, ``persistent``, ``max_spectral_norm``,
+``device``). :class:`GaussianRBM` is the same for real-valued features (standardize them first).
+``SSDBernoulliRBM`` and ``SSDGaussianRBM`` are the earlier names of the same two classes.
 
-Defaults: ``n_components`` and ``n_iter`` are scikit-learn's (read from its BernoulliRBM), the
-batch size, ``cd_k`` and the optimizer ssdcore's (:class:`ssdcore.Trainer`,
-:class:`ssdcore.optim.OptimizerConfig`).
+``learning_rate`` is in scikit-learn's units. The step taken is the step-size table's value for
+the model and optimizer (:mod:`ssdcore.step_sizes`) times ``learning_rate / 0.1``, 0.1 being
+scikit-learn's default: that default gives the table's tuned step for whichever optimizer runs
+(3e-3 for SSD on the Bernoulli model, where 0.1 itself would be about 30 times too long), and a
+value tuned for scikit-learn scales it in proportion (its digits example's 0.06 gives 0.6 times
+the table's step). For the Bernoulli model with ``optimizer="sgd"`` the table's value is
+scikit-learn's 0.1, so the step is ``learning_rate`` itself: scikit-learn's semantics.
+``learning_rate_`` holds the step taken.
 
-Differences from scikit-learn's estimator, on purpose:
+Where it differs from scikit-learn's estimator, on purpose:
 
-- ``learning_rate="auto"`` (the default) takes the step size of ssdcore's step-size table
-  (:mod:`ssdcore.step_sizes`) for the model and optimizer; scikit-learn's 0.1 is tuned for
-  its plain SGD and is far too long for an SSD step.
-- ``persistent=False`` (CD-k) as in ssdcore and the service; scikit-learn always runs PCD-1.
-- An epoch's last partial batch is dropped (ssdcore's rule, :func:`ssdcore.steps_per_epoch`),
-  and a batch larger than the data is cut to the data.
-- :meth:`~_SSDRBM.score_samples` of the Bernoulli model is the exact pseudo-log-likelihood
-  (every unit flipped in turn): deterministic, and the expectation of scikit-learn's one-bit
-  estimate. The Gaussian model has no pseudo-likelihood; it scores ``-F(v)``, the
-  log-likelihood up to the constant ``log Z``.
-- :meth:`~_SSDRBM.gibbs` returns float32 samples (0.0/1.0 for binary units), not booleans.
-- Computation is float32 (``transform`` returns float32 whatever the input dtype).
+- CD-k (``persistent=False``) by default, as in ssdcore and the service; scikit-learn always runs
+  PCD-1 (``persistent=True, cd_k=1``).
+- An epoch's last partial batch is dropped (ssdcore's rule, :func:`ssdcore.steps_per_epoch`), and
+  a batch larger than the data is cut to the data. ``partial_fit`` is one epoch over its rows
+  (scikit-learn's is one step on all of them: the same when they fit in one batch), and returns
+  the estimator (scikit-learn's returns None).
+- :meth:`~_RBMEstimator.score_samples` of the Bernoulli model is the exact pseudo-log-likelihood
+  Σᵢ log p(vᵢ | v₋ᵢ) (every unit flipped in turn): deterministic, and the expectation of
+  scikit-learn's estimate, which flips one random unit and multiplies by the number of units. The
+  Gaussian model has no pseudo-likelihood; it scores ``-F(v)``, the log-likelihood up to the
+  constant ``log Z``.
+- The model computes in float32 (ssdcore's models and Trainer); results and fitted attributes
+  come back in scikit-learn's dtypes (float64 in gives float64 out, float32 gives float32), so a
+  float64 input is rounded to float32 on the way in. Sparse input is made dense for the model.
+- ``h_samples_`` holds the persistent chains' hidden states under PCD, as scikit-learn's does; CD-k
+  keeps no chains, so it then holds the hidden states of ``cd_k`` Gibbs sweeps started from the
+  first batch of the training rows.
+- Binary visible units given values outside [0, 1] (which scikit-learn takes silently) raise a
+  :class:`UnitIntervalWarning` and are used as given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import numbers
 import time
+import warnings
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,29 +64,37 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 # The per-example terms that ssdcore.pseudo_log_likelihood averages.
 from ssdcore.evaluation.metrics import _pll_exact
-from ssdcore.models import RBM, BernoulliRBM, GaussianRBM
+from ssdcore.models import RBM
+from ssdcore.models import BernoulliRBM as BernoulliModel
+from ssdcore.models import GaussianRBM as GaussianModel
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE, DEFAULT_VARIANCE, VARIANCE_KINDS
 from ssdcore.optim import OptimizerConfig
-from ssdcore.optim.config import CONFIG_METHODS, OPTIMIZER_NAMES
-from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, Trainer, steps_per_epoch
+from ssdcore.optim.config import CONFIG_METHODS, OPTIMIZER_NAMES, resolve_for
+from ssdcore.training import DEFAULT_CD_K, Trainer, steps_per_epoch
 
 
 def _sklearn_default(parameter: str) -> Any:
-    """scikit-learn's BernoulliRBM default for a parameter that ssdcore has no default for."""
+    """scikit-learn's BernoulliRBM default for ``parameter``."""
     return inspect.signature(SklearnBernoulliRBM).parameters[parameter].default
 
 
 SKLEARN_N_COMPONENTS: int = _sklearn_default("n_components")
+SKLEARN_LEARNING_RATE: float = _sklearn_default("learning_rate")
+SKLEARN_BATCH_SIZE: int = _sklearn_default("batch_size")
 SKLEARN_N_ITER: int = _sklearn_default("n_iter")
-# learning_rate values that mean "the step-size table's value".
-AUTO_LEARNING_RATE = ("auto", None)
+# The dtypes fit and transform keep, as scikit-learn's estimator: the first is what others become.
+KEPT_DTYPES = (np.float64, np.float32)
 # Seeds drawn from a RandomState (or numpy's global one, for random_state=None) lie below this.
 _SEED_BOUND = 2**31 - 1
 # Rows per chunk when scoring, so the exact pseudo-likelihood never holds a huge (B, V, H) block.
 _SCORE_ROWS = 256
 
 
-class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
+class UnitIntervalWarning(UserWarning):
+    """Binary visible units were given values outside [0, 1]; they are used as given."""
+
+
+class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     """What the Bernoulli and the Gaussian estimator share; see the module docstring."""
 
     # What verbose output calls the mean of score_samples.
@@ -73,29 +102,30 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
     # --- fitting ----------------------------------------------------------------------------
 
-    def fit(self, X: Any, y: Any = None) -> _SSDRBM:
+    def fit(self, X: Any, y: Any = None) -> _RBMEstimator:
         """Train a fresh model for ``n_iter`` epochs over ``X`` (n_samples, n_features)."""
         self._check_training_parameters()
-        data = self._validated(X, reset=True)
-        seed = self._start(data.shape[1])
+        data, dtype = self._input(X, reset=True, dtype=KEPT_DTYPES)
+        seed = self._start(data.shape[1], dtype)
         trainer = self._trainer(data, seed)
         per_epoch = steps_per_epoch(data.shape[0], trainer.batch_size)
         for epoch in range(1, self.n_iter + 1):
             started = time.perf_counter()
             trainer.train_steps(per_epoch)
             self._report(epoch, data, time.perf_counter() - started)
-        self._keep_training_state(trainer, seed, calls=0)
+        self._keep_training_state(trainer, data, seed, calls=0)
         return self
 
-    def partial_fit(self, X: Any, y: Any = None) -> _SSDRBM:
+    def partial_fit(self, X: Any, y: Any = None) -> _RBMEstimator:
         """One epoch over ``X``, continuing the model (and the optimizer's state and PCD chains)
         of earlier calls; the first call starts a fresh model. With no more rows than
-        ``batch_size`` that is one step on all of ``X``, as scikit-learn's ``partial_fit``."""
+        ``batch_size`` that is one step on all of ``X``, as scikit-learn's ``partial_fit``. The
+        fitted attributes are float64, as scikit-learn's ``partial_fit`` keeps them."""
         self._check_training_parameters()
         first = not hasattr(self, "model_")
-        data = self._validated(X, reset=first)
+        data, _ = self._input(X, reset=first, dtype=np.float64)
         if first:
-            seed, calls = self._start(data.shape[1]), 0
+            seed, calls = self._start(data.shape[1], np.dtype(np.float64)), 0
         else:
             seed, calls = self._training_state_["seed"], self._training_state_["calls"] + 1
         # Each call shuffles with its own seed; the CD estimator's random stream and the
@@ -105,15 +135,17 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             trainer.estimator.load_state_dict(self._training_state_["estimator"])
             trainer.optimizer.load_state_dict(self._training_state_["optimizer"])
         trainer.train_steps(steps_per_epoch(data.shape[0], trainer.batch_size))
-        self._keep_training_state(trainer, seed, calls)
+        self._keep_training_state(trainer, data, seed, calls)
         return self
 
-    def _start(self, n_features: int) -> int:
+    def _start(self, n_features: int, dtype: np.dtype) -> int:
         """A fresh model for ``n_features`` inputs; returns the seed it was drawn with."""
         seed = self._new_seed()
         self.model_ = self._new_model(n_features, seed)
         # What gibbs() draws from, as scikit-learn's estimator keeps it.
         self.random_state_ = check_random_state(seed)
+        # The dtype of the fitted attributes and (with the input's) of the results.
+        self._fitted_dtype = np.dtype(dtype)
         return seed
 
     def _trainer(self, data: torch.Tensor, seed: int) -> Trainer:
@@ -127,7 +159,9 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             seed=seed,
         )
 
-    def _keep_training_state(self, trainer: Trainer, seed: int, calls: int) -> None:
+    def _keep_training_state(
+        self, trainer: Trainer, data: torch.Tensor, seed: int, calls: int
+    ) -> None:
         """What a following ``partial_fit`` continues from (tensors only: picklable)."""
         self._training_state_ = {
             "seed": seed,
@@ -137,13 +171,37 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         }
         self.learning_rate_ = trainer.lr
         self._n_features_out = self.model_.n_hidden
+        chains = trainer.estimator.chains
+        if chains is None:  # CD-k keeps none: its negative phase from the first batch
+            chains = self._negative_phase(data[: trainer.batch_size], seed)
+        self.h_samples_ = chains.cpu().numpy().astype(self._fitted_dtype)
+
+    def _negative_phase(self, rows: torch.Tensor, seed: int) -> torch.Tensor:
+        """Hidden states after ``cd_k`` Gibbs sweeps from ``rows``, drawn with ``seed``."""
+        generator = torch.Generator(device=rows.device).manual_seed(seed)
+        with torch.no_grad():
+            hidden = self.model_.sample_hidden(rows, generator)
+            for _ in range(self.cd_k):
+                visible = self.model_.sample_visible(hidden, generator)
+                hidden = self.model_.sample_hidden(visible, generator)
+        return hidden
 
     def _optimizer_config(self) -> OptimizerConfig:
-        return OptimizerConfig(
-            name=self.optimizer,
-            lr=None if self.learning_rate in AUTO_LEARNING_RATE else self.learning_rate,
-            method=self.method,
-            max_spectral_norm=self.max_spectral_norm,
+        """The optimizer at the step-size table's steps times learning_rate / scikit-learn's
+        default (see the module docstring)."""
+        config = resolve_for(
+            self.model_,
+            OptimizerConfig(
+                name=self.optimizer, method=self.method, max_spectral_norm=self.max_spectral_norm
+            ),
+        )
+        # The ratio first, so that scikit-learn's default gives the table's value exactly.
+        scale = float(self.learning_rate) / SKLEARN_LEARNING_RATE
+        assert config.lr is not None  # resolved
+        return dataclasses.replace(
+            config,
+            lr=config.lr * scale,
+            per_parameter_lr={name: lr * scale for name, lr in config.per_parameter_lr.items()},
         )
 
     def _check_training_parameters(self) -> None:
@@ -171,19 +229,15 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             raise ValueError(
                 f"{name}: method {self.method!r} is unknown; choose one of {CONFIG_METHODS}"
             )
-        auto = isinstance(self.learning_rate, str | type(None))
-        if auto and self.learning_rate not in AUTO_LEARNING_RATE:
-            raise ValueError(
-                f"{name}: learning_rate must be a number > 0 or 'auto' (the step-size table's "
-                f"value), got {self.learning_rate!r}"
-            )
-        if not auto and not (
+        if not (
             isinstance(self.learning_rate, numbers.Real)
+            and not isinstance(self.learning_rate, bool)
             and np.isfinite(self.learning_rate)
             and self.learning_rate > 0
         ):
             raise ValueError(
-                f"{name}: learning_rate must be a finite number > 0 or 'auto', "
+                f"{name}: learning_rate must be a finite number > 0 (scikit-learn's units; "
+                f"{SKLEARN_LEARNING_RATE:g}, its default, takes the step-size table's step), "
                 f"got {self.learning_rate!r}"
             )
 
@@ -199,23 +253,25 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     # --- using the model --------------------------------------------------------------------
 
     def transform(self, X: Any) -> np.ndarray:
-        """Hidden-unit probabilities p(h = 1 | v), (n_samples, n_components) float32."""
+        """Hidden-unit probabilities p(h = 1 | v), (n_samples, n_components), in scikit-learn's
+        dtype (float32 for float32 input to a float32 fit, else float64)."""
         check_is_fitted(self)
-        data = self._validated(X, reset=False)
+        data, dtype = self._input(X, reset=False, dtype=KEPT_DTYPES)
         with torch.no_grad():
-            return self.model_.hidden_probs(data).cpu().numpy()
+            return self._output(self.model_.hidden_probs(data), dtype)
 
     def score_samples(self, X: Any) -> np.ndarray:
-        """Per-sample score, higher for likelier samples (float64, as scikit-learn returns).
+        """Per-sample score, higher for likelier samples, in scikit-learn's dtype.
 
         Bernoulli: the exact pseudo-log-likelihood Σᵢ log p(vᵢ | v₋ᵢ). Gaussian: -F(v), the
         log-likelihood up to the model's constant log Z.
         """
         check_is_fitted(self)
-        data = self._validated(X, reset=False)
+        data, dtype = self._input(X, reset=False, dtype="numeric")
         with torch.no_grad():
-            scores = [self._score_rows(rows) for rows in data.split(_SCORE_ROWS)]
-        return torch.cat(scores).cpu().numpy().astype(np.float64)
+            scores = torch.cat([self._score_rows(rows) for rows in data.split(_SCORE_ROWS)])
+        # scikit-learn's sparse path computes in float64 whatever the dtype.
+        return self._output(scores, np.dtype(np.float64) if sp.issparse(X) else dtype)
 
     def score(self, X: Any, y: Any = None) -> float:
         """Mean of :meth:`score_samples`, so a search can rank models on unlabelled data."""
@@ -225,15 +281,18 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         raise NotImplementedError
 
     def gibbs(self, v: Any) -> np.ndarray:
-        """One Gibbs sweep v → h → v from the visible rows ``v``: the sampled visible rows,
-        float32 (0.0/1.0 for binary units). Draws from ``random_state_``."""
+        """One Gibbs sweep v → h → v from the visible rows ``v``: the sampled visible rows
+        (booleans for binary units, as scikit-learn's). Draws from ``random_state_``."""
         check_is_fitted(self)
-        data = self._validated(v, reset=False)
+        data, dtype = self._input(v, reset=False, dtype=KEPT_DTYPES)
         generator = torch.Generator(device=data.device)
         generator.manual_seed(int(self.random_state_.randint(_SEED_BOUND)))
         with torch.no_grad():
             hidden = self.model_.sample_hidden(data, generator)
-            return self.model_.sample_visible(hidden, generator).cpu().numpy()
+            return self._visible_output(self.model_.sample_visible(hidden, generator), dtype)
+
+    def _visible_output(self, visible: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+        return self._output(visible, dtype)
 
     # --- parameters as scikit-learn names them ----------------------------------------------
 
@@ -241,36 +300,45 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     def components_(self) -> np.ndarray:
         """Weights (n_components, n_features): ssdcore's W transposed, as scikit-learn holds it."""
         check_is_fitted(self)
-        return self.model_.W.detach().t().cpu().numpy()
+        return self._parameter(self.model_.W.t())
 
     @property
     def intercept_hidden_(self) -> np.ndarray:
         """Hidden biases (n_components,): ssdcore's ``a``."""
         check_is_fitted(self)
-        return self.model_.a.detach().cpu().numpy()
+        return self._parameter(self.model_.a)
 
     @property
     def intercept_visible_(self) -> np.ndarray:
         """Visible biases (n_features,): ssdcore's ``b``."""
         check_is_fitted(self)
-        return self.model_.b.detach().cpu().numpy()
+        return self._parameter(self.model_.b)
 
-    # --- input ------------------------------------------------------------------------------
+    def _parameter(self, tensor: torch.Tensor) -> np.ndarray:
+        return tensor.detach().cpu().numpy().astype(self._fitted_dtype)
 
-    def _validated(self, X: Any, *, reset: bool) -> torch.Tensor:
+    # --- input and output -------------------------------------------------------------------
+
+    def _input(self, X: Any, *, reset: bool, dtype: Any) -> tuple[torch.Tensor, np.dtype]:
         """X checked by scikit-learn's rules (shape, finiteness, n_features_in_,
-        feature_names_in_), then as a float32 tensor on the model's device."""
-        array = validate_data(
-            self, X, accept_sparse="csr", dtype=(np.float32, np.float64), reset=reset
-        )
+        feature_names_in_) and converted to ``dtype`` as scikit-learn's estimator does; returns
+        it as a float32 tensor on the model's device, and the dtype it was converted to."""
+        array = validate_data(self, X, accept_sparse=["csr", "csc"], dtype=dtype, reset=reset)
         if sp.issparse(array):
             array = array.toarray()
         self._check_values(array)
         device = self.model_.W.device if hasattr(self, "model_") else torch.device(self.device)
-        return torch.as_tensor(np.asarray(array, dtype=np.float32), device=device)
+        tensor = torch.as_tensor(np.asarray(array, dtype=np.float32), device=device)
+        return tensor, array.dtype
+
+    def _output(self, values: torch.Tensor, input_dtype: np.dtype) -> np.ndarray:
+        """``values`` as numpy in the dtype scikit-learn's arithmetic gives: the input's and the
+        fitted attributes' dtypes promoted together."""
+        dtype = np.result_type(input_dtype, self._fitted_dtype)
+        return values.cpu().numpy().astype(dtype, copy=False)
 
     def _check_values(self, array: np.ndarray) -> None:
-        """Raise ValueError for values the model's visible units cannot take."""
+        """Warn about values the model's visible units cannot take."""
 
     def _report(self, epoch: int, data: torch.Tensor, seconds: float) -> None:
         if not self.verbose:
@@ -286,20 +354,22 @@ class _SSDRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     def __sklearn_tags__(self):  # type: ignore[no-untyped-def]
         tags = super().__sklearn_tags__()
         tags.input_tags.sparse = True
-        # float32 throughout: float32 in gives float32 out, float64 in gives float32 out too.
-        tags.transformer_tags.preserves_dtype = ["float32"]
+        tags.transformer_tags.preserves_dtype = ["float64", "float32"]
         return tags
 
 
-class SSDBernoulliRBM(_SSDRBM):
+class BernoulliRBM(_RBMEstimator):
     """Bernoulli RBM (binary visible and hidden units) trained by ssdcore.
 
-    A drop-in for ``sklearn.neural_network.BernoulliRBM``; see the module docstring for the
-    differences. Features must lie in [0, 1] (ValueError otherwise): scale them first.
+    ``sklearn.neural_network.BernoulliRBM`` with the same parameters, methods and fitted
+    attributes, trained by :class:`ssdcore.Trainer`; see the module docstring for what differs.
+    Features belong in [0, 1] (values outside it raise a :class:`UnitIntervalWarning`).
 
     Parameters:
         n_components: hidden units.
-        learning_rate: step size, or "auto" for the step-size table's value for ``optimizer``.
+        learning_rate: step size in scikit-learn's units: the step-size table's step for the
+            optimizer times ``learning_rate / 0.1`` (scikit-learn's default 0.1 is the table's
+            step; with ``optimizer="sgd"`` it is the SGD step itself, as in scikit-learn).
         batch_size: examples per step (cut to the number of samples when larger).
         n_iter: epochs (passes over the training data).
         verbose: print the mean pseudo-log-likelihood and the time of each epoch.
@@ -313,10 +383,11 @@ class SSDBernoulliRBM(_SSDRBM):
         max_spectral_norm: keep ‖W‖₂ at most this (None: unbounded).
         device: torch device to train and compute on ("cpu", "cuda").
 
-    Attributes: ``components_`` (n_components, n_features), ``intercept_hidden_``,
-    ``intercept_visible_``, ``n_features_in_``, ``feature_names_in_`` (for named columns),
-    ``model_`` (the ssdcore model), ``learning_rate_`` (the step size used),
-    ``random_state_`` (the RandomState that :meth:`gibbs` draws from).
+    Attributes: scikit-learn's ``components_`` (n_components, n_features),
+    ``intercept_hidden_``, ``intercept_visible_``, ``h_samples_`` (chains, n_components),
+    ``n_features_in_``, ``feature_names_in_`` (for named columns), in the dtypes scikit-learn's
+    estimator gives them; and ``model_`` (the ssdcore model), ``learning_rate_`` (the step size
+    taken), ``random_state_`` (the RandomState that :meth:`gibbs` draws from).
     """
 
     _score_name = "pseudo-likelihood"
@@ -325,8 +396,8 @@ class SSDBernoulliRBM(_SSDRBM):
         self,
         n_components: int = SKLEARN_N_COMPONENTS,
         *,
-        learning_rate: float | str | None = "auto",
-        batch_size: int = DEFAULT_BATCH_SIZE,
+        learning_rate: float = SKLEARN_LEARNING_RATE,
+        batch_size: int = SKLEARN_BATCH_SIZE,
         n_iter: int = SKLEARN_N_ITER,
         verbose: int = 0,
         random_state: int | np.random.RandomState | None = None,
@@ -352,31 +423,40 @@ class SSDBernoulliRBM(_SSDRBM):
 
     def _new_model(self, n_features: int, seed: int) -> RBM:
         generator = torch.Generator().manual_seed(seed)
-        return BernoulliRBM(n_features, self.n_components, generator=generator).to(self.device)
+        return BernoulliModel(n_features, self.n_components, generator=generator).to(self.device)
 
     def _check_values(self, array: np.ndarray) -> None:
         if array.size == 0:
             return
         low, high = float(array.min()), float(array.max())
         if low < 0 or high > 1:
-            raise ValueError(
+            warnings.warn(
                 f"{type(self).__name__}: X holds values from {low:g} to {high:g}, but binary "
-                "visible units take probabilities in [0, 1]; scale the features into [0, 1] "
-                "(e.g. MinMaxScaler) or use SSDGaussianRBM for real-valued features"
+                "visible units take probabilities in [0, 1]; they are used as given. Scale the "
+                "features into [0, 1] (e.g. MinMaxScaler) or use GaussianRBM for real-valued "
+                "features",
+                UnitIntervalWarning,
+                stacklevel=4,
             )
 
     def _score_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return _pll_exact(self.model_, rows)
 
+    def _visible_output(self, visible: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+        return visible.cpu().numpy().astype(bool)  # binary units, as scikit-learn's booleans
 
-class SSDGaussianRBM(_SSDRBM):
+
+class GaussianRBM(_RBMEstimator):
     """Gaussian RBM (real-valued visible units, binary hidden units) trained by ssdcore.
 
-    The same parameters as :class:`SSDBernoulliRBM`, plus ``variance`` (the covariance form:
+    The same parameters as :class:`BernoulliRBM`, plus ``variance`` (the covariance form:
     "identity", "isotropic", "diagonal", "full") and ``min_variance`` (the floor of the learned
     variances). Parameters start as ssdcore's (zero biases, unit variances), so standardize the
     features first (e.g. ``StandardScaler`` in a Pipeline), as the service does by default.
-    ``score_samples`` is -F(v): the log-likelihood up to the constant log Z.
+    ``learning_rate`` is relative to scikit-learn's default as for :class:`BernoulliRBM`: 0.1
+    takes the step-size table's step for the Gaussian model and the optimizer.
+    ``score_samples`` is -F(v): the log-likelihood up to the constant log Z; ``gibbs`` returns
+    real-valued samples.
     """
 
     _score_name = "-free energy"
@@ -385,8 +465,8 @@ class SSDGaussianRBM(_SSDRBM):
         self,
         n_components: int = SKLEARN_N_COMPONENTS,
         *,
-        learning_rate: float | str | None = "auto",
-        batch_size: int = DEFAULT_BATCH_SIZE,
+        learning_rate: float = SKLEARN_LEARNING_RATE,
+        batch_size: int = SKLEARN_BATCH_SIZE,
         n_iter: int = SKLEARN_N_ITER,
         verbose: int = 0,
         random_state: int | np.random.RandomState | None = None,
@@ -421,7 +501,7 @@ class SSDGaussianRBM(_SSDRBM):
                 f"{VARIANCE_KINDS}"
             )
         generator = torch.Generator().manual_seed(seed)
-        model = GaussianRBM(
+        model = GaussianModel(
             n_features,
             self.n_components,
             self.variance,
@@ -438,4 +518,14 @@ def _is_int(value: object, *, minimum: int) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
 
 
-__all__ = ["SSDBernoulliRBM", "SSDGaussianRBM"]
+# The names the two estimators had before they took scikit-learn's.
+SSDBernoulliRBM = BernoulliRBM
+SSDGaussianRBM = GaussianRBM
+
+__all__ = [
+    "BernoulliRBM",
+    "GaussianRBM",
+    "SSDBernoulliRBM",
+    "SSDGaussianRBM",
+    "UnitIntervalWarning",
+]
