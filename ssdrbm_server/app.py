@@ -29,8 +29,9 @@ from ssdrbm_server.auth import AuthInterceptor
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import ErrorMappingInterceptor
 from ssdrbm_server.exposure import check_exposure, keep_warning
+from ssdrbm_server.http_front import HttpFront, RequestGate
 from ssdrbm_server.inference import add_inference_service
-from ssdrbm_server.inference.rest import InferenceHttpServer, start_inference_http
+from ssdrbm_server.inference.rest import inference_routes
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.metrics import LatencyInterceptor, ServiceMetrics, refresh_job_gauges
 from ssdrbm_server.readiness import LIVENESS, READINESS, follow_redis
@@ -106,7 +107,7 @@ class Service:
             metrics=self.metrics,
         )
         self.health = health.aio.HealthServicer()
-        self.auth = AuthInterceptor(settings)  # also the inference REST endpoint's
+        self.auth = AuthInterceptor(settings)  # also the HTTP front's
         # Checked at start and every SSDRBM_REDIS_CHECK_INTERVAL_S (redis_checks.py); an
         # in-process worker shares it.
         self.redis_watch = RedisWatch(
@@ -137,7 +138,11 @@ class Service:
         self.inference = add_inference_service(
             self.server, settings, self.stores, self.models, self.servicer.recent_jobs, self.redis
         )
-        self.inference_http: InferenceHttpServer | None = None  # REST form, when configured
+        # The HTTP front (health, the protocol's REST form), on the same loop; None when off.
+        self.http: HttpFront | None = None
+        if settings.http_port:
+            routes = inference_routes(settings, self.inference, RequestGate(settings, self.auth))
+            self.http = HttpFront(settings, routes, ready=self.ready)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
@@ -148,6 +153,12 @@ class Service:
         self._redis_checks: asyncio.Task[None] | None = None
         self._sweepers: list[asyncio.Task[None]] = []
         self._worker_task: asyncio.Task[None] | None = None  # an in-process worker, if any
+
+    async def ready(self) -> bool:
+        """True while the ``readiness`` health entry is SERVING (readiness.py), as a probe sees."""
+        check = health_pb2.HealthCheckRequest(service=READINESS)
+        answer = await self.health.Check(check, None)
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
 
     def watch_worker(self, task: asyncio.Task[None]) -> None:
         """Readiness also requires this in-process worker to be running (readiness.py)."""
@@ -179,9 +190,10 @@ class Service:
         serving."""
         await self.redis_watch.check_at_start()
         await self.server.start()
-        self.inference_http = start_inference_http(self.settings, self.inference, self.auth)
         for name in ("", LIVENESS, SERVICE_NAME, READINESS):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.http is not None:
+            await self.http.start()  # after the health entries its /v2/health/ready reads
         self._refresh = asyncio.create_task(
             refresh_job_gauges(self.metrics, self.stores.jobs.count_by_state)
         )
@@ -214,9 +226,8 @@ class Service:
         await stop_background_tasks(
             [self._refresh, self._readiness, self._redis_checks, *self._sweepers]
         )
-        if self.inference_http is not None:
-            await asyncio.to_thread(self.inference_http.stop)
-        await self.server.stop(grace)
+        stopping_http = self.http.stop() if self.http is not None else asyncio.sleep(0)
+        await asyncio.gather(stopping_http, self.server.stop(grace))
         self.models.close()
         if self._owns_redis:
             await self.redis.aclose()

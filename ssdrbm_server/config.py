@@ -31,10 +31,10 @@ class Settings:
     listen_address: str = "127.0.0.1:50051"
     metrics_port: int = 9108  # Prometheus /metrics over HTTP; 0 disables the endpoint
     metrics_address: str = "127.0.0.1"
-    # The Open Inference Protocol's REST/JSON form (ssdrbm_server/inference/rest.py) on its own
-    # port; 0 (the default) leaves it off. Its gRPC form is always on, at listen_address.
-    inference_http_port: int = 0
-    inference_http_address: str = "127.0.0.1"
+    # The HTTP front (ssdrbm_server/http_front.py): the Open Inference Protocol's REST form and
+    # health, on its own port; 0 turns it off. Loopback unless told otherwise, as listen_address
+    http_port: int = 8080
+    http_address: str = "127.0.0.1"
     # /metrics of a worker-only process (python -m ssdrbm_server.worker), on metrics_address; 0
     # disables it. A worker inside the server process reports on metrics_port instead.
     worker_metrics_port: int = 9109
@@ -107,6 +107,23 @@ class Settings:
     max_serving_calls_per_tenant: int = 4  # concurrent Reconstruct/SampleHidden of one tenant
     serving_wait_seconds: float = 1.0  # a call over that cap waits this long for a slot
     max_streams_per_tenant: int = 100  # concurrent StreamMetrics calls of one tenant
+    # The HTTP front (http_front.py), against slow and hostile clients. A connection must send
+    # its request line and headers within http_header_timeout_s of opening (or of its previous
+    # answer), and then its whole body within http_body_timeout_s, or it is closed.
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 60.0  # 16 MiB at about 300 KB/s
+    # One request body, refused (413) from Content-Length before it is read, or as soon as a
+    # chunked body passes it. JSON costs ~10x raw bytes per number and its parse is larger
+    # still, so this sits below max_message_bytes: bigger batches go over gRPC, raw contents
+    http_max_body_bytes: int = 16 * 1024 * 1024
+    # Open connections; a request over it is answered 503 and a connection over it is closed
+    # at once (idle ones are closed by the header timeout)
+    http_max_connections: int = 512
+    # Requests being handled at once, counted after authentication, so unauthenticated clients
+    # never take a tenant's slot: for the server (bounds the bodies held and parsed together) and
+    # for one tenant (its share); over either, 429 at once
+    http_max_requests: int = 64
+    http_max_requests_per_tenant: int = 16
 
     # Serving
     serving_threads: int = 4  # thread pool for Reconstruct / SampleHidden (torch frees the GIL)
@@ -221,11 +238,14 @@ class Settings:
         """Raise ConfigError for values that would only fail later and less clearly."""
         if self.auth_mode not in ("none", "token"):
             raise ConfigError(f"SSDRBM_AUTH_MODE must be 'none' or 'token', not {self.auth_mode!r}")
-        if not 0 <= self.inference_http_port <= 65535:
+        if not 0 <= self.http_port <= 65535:
             raise ConfigError(
-                "SSDRBM_INFERENCE_HTTP_PORT must be a TCP port (0 turns the endpoint off), not "
-                f"{self.inference_http_port}"
+                "SSDRBM_HTTP_PORT must be a TCP port (0 turns the HTTP front off), not "
+                f"{self.http_port}"
             )
+        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"SSDRBM_{name.upper()} must be above 0 (seconds)")
         if self.log_format not in ("text", "json"):
             raise ConfigError(
                 f"SSDRBM_LOG_FORMAT must be 'text' or 'json', not {self.log_format!r}"
@@ -252,6 +272,10 @@ class Settings:
             "max_sweep_points",
             "max_streams",
             "max_streams_per_tenant",
+            "http_max_body_bytes",
+            "http_max_connections",
+            "http_max_requests",
+            "http_max_requests_per_tenant",
             "max_visibles",
             "max_model_bytes",
             "max_value_bytes",

@@ -5,9 +5,9 @@ anyone who can reach the host submit jobs and read every job; bearer tokens over
 the network can be read by anyone on the path. Both are refused when a server is built, unless
 an explicit setting says the network in front of it is trusted:
 
-- ``SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE=1``: no auth on a non-loopback gRPC or metrics address
-  (e.g. a container whose ports are published on the host's loopback only). Logged as a WARNING
-  at start and every minute while the server runs, so it is not forgotten.
+- ``SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE=1``: no auth on a non-loopback gRPC, HTTP or metrics
+  address (e.g. a container whose ports are published on the host's loopback only). Logged as a
+  WARNING at start and every minute while the server runs, so it is not forgotten.
 - ``SSDRBM_ALLOW_PLAINTEXT_TOKENS=1``: token mode without TLS on a non-loopback address (e.g. TLS
   terminated by a proxy in front). Logged as a WARNING at start.
 
@@ -53,21 +53,21 @@ def is_loopback_listen_address(address: str) -> bool:
 
 def _exposed_addresses(settings: Settings) -> list[str]:
     """The settings naming a non-loopback address, as ``VARIABLE=value``."""
-    exposed = []
-    if not is_loopback_listen_address(settings.listen_address):
-        exposed.append(f"SSDRBM_LISTEN_ADDRESS={settings.listen_address}")
+    exposed = _remote_token_listeners(settings)
     if settings.metrics_port and not is_loopback_host(settings.metrics_address):
         exposed.append(f"SSDRBM_METRICS_ADDRESS={settings.metrics_address}")
-    if _remote_inference_http(settings):
-        exposed.append(f"SSDRBM_INFERENCE_HTTP_ADDRESS={settings.inference_http_address}")
     return exposed
 
 
-def _remote_inference_http(settings: Settings) -> bool:
-    """The REST inference endpoint (on only with a port) listens beyond loopback."""
-    return bool(settings.inference_http_port) and not is_loopback_host(
-        settings.inference_http_address
-    )
+def _remote_token_listeners(settings: Settings) -> list[str]:
+    """The listeners that take bearer tokens, gRPC and the HTTP front (on unless its port is 0,
+    with the same TLS settings: http_front.py), beyond loopback, as ``VARIABLE=value``."""
+    remote = []
+    if not is_loopback_listen_address(settings.listen_address):
+        remote.append(f"SSDRBM_LISTEN_ADDRESS={settings.listen_address}")
+    if settings.http_port and not is_loopback_host(settings.http_address):
+        remote.append(f"SSDRBM_HTTP_ADDRESS={settings.http_address}")
+    return remote
 
 
 def check_exposure(settings: Settings) -> None:
@@ -85,7 +85,7 @@ def check_exposure(settings: Settings) -> None:
             )
     elif _plaintext_tokens(settings) and not settings.allow_plaintext_tokens:
         raise ConfigError(
-            f"SSDRBM_LISTEN_ADDRESS={settings.listen_address} is not a loopback address and TLS "
+            f"{' and '.join(_remote_token_listeners(settings))} is not a loopback address and TLS "
             "is off: bearer tokens would cross the network in plaintext. Set "
             "SSDRBM_TLS_CERT_FILE and SSDRBM_TLS_KEY_FILE, or, when a proxy in front terminates "
             "TLS, set SSDRBM_ALLOW_PLAINTEXT_TOKENS=1"
@@ -96,10 +96,7 @@ def _plaintext_tokens(settings: Settings) -> bool:
     return (
         settings.auth_mode == "token"
         and not settings.tls_cert_file
-        and (
-            not is_loopback_listen_address(settings.listen_address)
-            or _remote_inference_http(settings)  # the same TLS settings serve it (rest.py)
-        )
+        and bool(_remote_token_listeners(settings))
     )
 
 
@@ -122,7 +119,7 @@ async def keep_warning(settings: Settings, interval_s: float = WARNING_INTERVAL_
         logger.warning(
             "bearer tokens are accepted in PLAINTEXT on %s (SSDRBM_ALLOW_PLAINTEXT_TOKENS=1): "
             "only safe behind a proxy that terminates TLS",
-            settings.listen_address,
+            " and ".join(_remote_token_listeners(settings)),
         )
     message = unauthenticated_remote_warning(settings)
     if message is not None:

@@ -1,5 +1,11 @@
 """Shared test configuration: fixtures live in tests/fixtures/, one module per concern."""
 
+import os
+
+# Servers that tests start as child processes leave the HTTP front off unless the test gives it a
+# port: its default port (8080) is one for the whole host, and tests run side by side.
+os.environ.setdefault("SSDRBM_HTTP_PORT", "0")
+
 pytest_plugins = [
     "tests.fixtures.redis",
     "tests.fixtures.service",

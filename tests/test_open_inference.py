@@ -103,7 +103,7 @@ def secured(service_factory: Callable[..., RunningService]) -> RunningService:
         auth_mode="token",
         auth_tokens=f"{ALPHA}=alpha,{BETA}=beta",
         max_serving_output_elements=OUTPUT_BUDGET,
-        inference_http_port=free_port(),
+        http_port=free_port(),
     )
 
 
@@ -388,7 +388,7 @@ def rest(
     running: RunningService, path: str, body: Any = None, token: str | None = ALPHA
 ) -> tuple[int, Any]:
     """(HTTP status, JSON answer) of a GET, or a POST when ``body`` is given."""
-    url = f"http://127.0.0.1:{running.settings.inference_http_port}{path}"
+    url = f"http://127.0.0.1:{running.settings.http_port}{path}"
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers=bearer(token) if token else {})
     try:
@@ -477,14 +477,16 @@ def test_rest_errors_tenancy_and_authentication(secured: RunningService) -> None
     assert rest(secured, f"/v2/models/{job_id}", token=BETA)[0] == 404
     assert rest(secured, infer_path, json_request(x), token=BETA)[0] == 404
     for token in (None, "not-a-token"):
-        status, answer = rest(secured, "/v2/health/live", token=token)
+        status, answer = rest(secured, "/v2", token=token)
         assert status == 401 and "token" in answer["error"]
+        # Health is open, as probes need (and as gRPC health is).
+        assert rest(secured, "/v2/health/live", token=token) == (200, {"live": True})
 
 
 def test_a_rest_endpoint_beyond_loopback_needs_auth_and_tls() -> None:
-    remote = {"inference_http_port": 8000, "inference_http_address": "0.0.0.0"}
-    with pytest.raises(ConfigError, match="SSDRBM_INFERENCE_HTTP_ADDRESS"):
+    remote = {"http_port": 8000, "http_address": "0.0.0.0"}
+    with pytest.raises(ConfigError, match="SSDRBM_HTTP_ADDRESS"):
         check_exposure(Settings(auth_mode="none", **remote))
     with pytest.raises(ConfigError, match="plaintext"):
         check_exposure(Settings(auth_mode="token", auth_tokens=f"{ALPHA}=alpha", **remote))
-    check_exposure(Settings(auth_mode="none", inference_http_port=8000))  # loopback: fine
+    check_exposure(Settings(auth_mode="none", http_port=8000))  # loopback: fine
