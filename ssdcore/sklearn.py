@@ -324,12 +324,16 @@ class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstim
         feature_names_in_) and converted to ``dtype`` as scikit-learn's estimator does; returns
         it as a float32 tensor on the model's device, and the dtype it was converted to."""
         array = validate_data(self, X, accept_sparse=["csr", "csc"], dtype=dtype, reset=reset)
+        converted_to = array.dtype
+        # float32 before densifying a sparse matrix, so no float64 dense copy is ever made.
+        array = array.astype(np.float32, copy=False)
         if sp.issparse(array):
             array = array.toarray()
+        if not array.flags.writeable:  # torch wraps only writable arrays (a read-only memmap)
+            array = array.copy()
         self._check_values(array)
         device = self.model_.W.device if hasattr(self, "model_") else torch.device(self.device)
-        tensor = torch.as_tensor(np.asarray(array, dtype=np.float32), device=device)
-        return tensor, array.dtype
+        return torch.as_tensor(array, device=device), converted_to
 
     def _output(self, values: torch.Tensor, input_dtype: np.dtype) -> np.ndarray:
         """``values`` as numpy in the dtype scikit-learn's arithmetic gives: the input's and the

@@ -294,6 +294,17 @@ def test_sparse_input_trains_and_transforms_as_the_dense_input() -> None:
     np.testing.assert_array_equal(sparse.transform(sp.csr_matrix(x)), dense.transform(x))
 
 
+def test_inputs_scikit_learn_takes_are_taken_without_a_warning() -> None:
+    x = binary_data()
+    read_only = x.copy()
+    read_only.setflags(write=False)
+    inputs = [read_only, x.tolist(), np.asfortranarray(x), x.astype(np.int64), sp.csc_matrix(x)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for data in inputs:
+            BernoulliRBM(**FAST).fit(data).transform(data)
+
+
 def test_h_samples_are_the_persistent_chains_under_pcd() -> None:
     x = binary_data()
     estimator = BernoulliRBM(**FAST, batch_size=20, persistent=True).fit(x)
