@@ -30,6 +30,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SSDRBM_LISTEN_ADDRESS=0.0.0.0:50051 \
     SSDRBM_METRICS_ADDRESS=0.0.0.0 \
     SSDRBM_METRICS_PORT=9108 \
+    SSDRBM_HTTP_ADDRESS=0.0.0.0 \
+    SSDRBM_HTTP_PORT=8080 \
     SSDRBM_DATA_DIR=/data \
     SSDRBM_WORKER_HEARTBEAT_FILE=/tmp/ssdrbm-worker.alive
 
@@ -57,7 +59,7 @@ RUN python -m pip install -q .
 RUN useradd --create-home --uid 10001 ssdrbm && mkdir -p /data && chown ssdrbm /data
 USER ssdrbm
 
-EXPOSE 50051 9108
+EXPOSE 50051 9108 8080
 # Readiness (Redis answers, the worker runs) on SSDRBM_LISTEN_ADDRESS's port, over TLS when
 # SSDRBM_TLS_CERT_FILE is set (SSDRBM_TLS_CA_FILE names its CA). A worker-only container
 # (`python -m ssdrbm_server.worker`) is checked with `python -m ssdrbm_server.healthcheck --worker`.

@@ -256,7 +256,11 @@ def test_compose_ports_and_grace_periods_follow_the_settings() -> None:
     services = compose()["services"]
     api = compose_settings("ssdrbm")
     published = {port.rsplit(":", 1)[1] for port in services["ssdrbm"]["ports"]}
-    assert published == {api.listen_address.rsplit(":", 1)[1], str(api.metrics_port)}
+    assert published == {
+        api.listen_address.rsplit(":", 1)[1],
+        str(api.metrics_port),
+        str(api.http_port),
+    }
     for name in ("ssdrbm", "worker", "worker-gpu"):
         grace_s = int(services[name]["stop_grace_period"].removesuffix("s"))
         assert grace_s > compose_settings(name).stop_timeout_seconds, name
@@ -409,6 +413,7 @@ def test_kubernetes_settings_pass_the_start_checks_and_match_ports_and_mounts() 
             assert ports == {
                 "grpc": int(settings.listen_address.rsplit(":", 1)[1]),
                 "metrics": settings.metrics_port,
+                "http": settings.http_port,
             }
             assert not settings.run_worker
             for path in files:
