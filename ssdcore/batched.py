@@ -63,9 +63,16 @@ def stacked_copy(tensor: Tensor) -> Tensor:
     return stacked_like(tensor).copy_(tensor)
 
 
-def aligned(tensor: Tensor) -> Tensor:
-    """``tensor`` itself for a matrix (fresh tensors are aligned), an aligned copy of a stack."""
-    return tensor if tensor.ndim < 3 else stacked_copy(tensor)
+def over_rows(values: Tensor) -> Tensor:
+    """Per-column values (a vector, or a stack's (M, n)) shaped to broadcast over the rows of a
+    matrix (a stack's as (M, 1, n)); a vector broadcasts as it is."""
+    return values if values.ndim < 2 else values.unsqueeze(-2)
+
+
+def per_matrix_scalar(values: Tensor) -> Tensor:
+    """One number per matrix (``()``, or a stack's ``(M,)``) shaped to broadcast over the
+    matrices (a stack's as (M, 1, 1)); a single number broadcasts as it is."""
+    return values if values.ndim == 0 else values[:, None, None]
 
 
 def _product_out(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:

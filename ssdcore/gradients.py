@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ssdcore.batched import matmul, mv, per_matrix
+from ssdcore.batched import matmul, mv, over_rows, per_matrix
 from ssdcore.models.base import RBM, GibbsKernel, check_visible
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.sampling import GibbsChain, RandomSource, hidden_probs_, seed_from
@@ -278,7 +278,7 @@ def weighted_visible_(visible: Tensor, precision: Tensor | None, out: Tensor | N
     ``visible`` itself for C = I (``precision`` None)."""
     if precision is None:
         return visible
-    return torch.mul(visible, precision.unsqueeze(-2), out=out)
+    return torch.mul(visible, over_rows(precision), out=out)
 
 
 def write_weight_gradients_(
@@ -329,7 +329,7 @@ def variance_gradient(
 ) -> Tensor:
     """The diagonal log-variance gradient ``½ C⁻¹ Σ_n w_n (v_n - b)² - rowsum(W ⊙ ∂L/∂W)``
     (V,), with ``centered`` scratch for the rows ``(v_n - b)²``."""
-    torch.sub(visible, visible_bias.unsqueeze(-2), out=centered).square_()
+    torch.sub(visible, over_rows(visible_bias), out=centered).square_()
     squared_moment = mv(centered.mT, weights)  # Σ_n w_n (v_n - b)²
     return squared_moment.mul_(precision).mul_(0.5).sub_(row_sums)
 

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ssdcore.batched import addmm
+from ssdcore.batched import addmm, over_rows
 from ssdcore.models.base import GibbsKernel
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class Draws(Protocol):
 def hidden_probs_(kernel: GibbsKernel, visible: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out ← p(h = 1 | visible) = σ(v C⁻¹W + a), for one run's rows (B, ·) or a pack's
     (M, B, ·) with a pack's kernel."""
-    return addmm(kernel.hidden_bias_row, visible, kernel.hidden_weight, out=out).sigmoid_()
+    return addmm(over_rows(kernel.hidden_bias), visible, kernel.hidden_weight, out=out).sigmoid_()
 
 
 def sample_visible_(
@@ -225,7 +225,7 @@ def sample_visible_(
     noise: torch.Tensor | None,
 ) -> None:
     """out ← a draw of v ~ p(v | hidden) (Gaussian visibles use the scratch ``noise``)."""
-    addmm(kernel.visible_bias_row, hidden, kernel.weight_t, out=out)
+    addmm(over_rows(kernel.visible_bias), hidden, kernel.weight_t, out=out)
     if not kernel.gaussian:
         draws.bernoulli_(out.sigmoid_(), out=out)
         return
@@ -234,7 +234,7 @@ def sample_visible_(
     if kernel.noise_transform is not None:
         out.addmm_(noise, kernel.noise_transform)
     elif kernel.noise_scale is not None:
-        out.addcmul_(noise, kernel.noise_scale.unsqueeze(-2))
+        out.addcmul_(noise, over_rows(kernel.noise_scale))
     else:
         out.add_(noise)
 

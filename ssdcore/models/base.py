@@ -49,17 +49,6 @@ class GibbsKernel:
             }
         )
 
-    @cached_property
-    def hidden_bias_row(self) -> torch.Tensor:
-        """``hidden_bias`` as one row (1, H): it broadcasts over a batch's rows, and over each
-        run's rows for a pack's kernel (whose tensors have a leading run axis)."""
-        return self.hidden_bias.unsqueeze(-2)
-
-    @cached_property
-    def visible_bias_row(self) -> torch.Tensor:
-        """``visible_bias`` as one row (1, V), as :attr:`hidden_bias_row`."""
-        return self.visible_bias.unsqueeze(-2)
-
 
 def check_visible(v: torch.Tensor, n_visible: int, name: str = "v") -> None:
     """Raise ValueError unless `v` is a (B, n_visible) floating tensor."""

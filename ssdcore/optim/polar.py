@@ -17,8 +17,8 @@ randomized).
 Stacks: :func:`polar_svd`, :func:`polar_gram_factors`, :func:`polar_newton_schulz` and
 :func:`polar_newton_schulz_factors` also take a stack of M gradients (M, m, n), one per run of a
 pack (:mod:`ssdcore.pack`), and give each run's result bit for bit as for its matrix alone (on the
-CPU; see :mod:`ssdcore.batched`). There a run whose gradient is not finite gets a NaN nuclear
-norm, and so a non-finite step, instead of failing the batched ``eigh`` for every run.
+CPU; see :mod:`ssdcore.batched`). In a stack, a run whose gradient is not finite gets a NaN
+nuclear norm, and so a non-finite step, instead of failing the batched ``eigh`` for every run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ssdcore.batched import addmm, aligned, matmul, per_matrix, stacked_empty
+from ssdcore.batched import (
+    addmm,
+    matmul,
+    per_matrix,
+    per_matrix_scalar,
+    stacked_copy,
+    stacked_empty,
+)
 from ssdcore.optim.threads import one_cpu_thread
 
 # Muon's tuned quintic coefficients (Keller Jordan, "Muon" optimizer): they push every singular
@@ -101,15 +108,20 @@ def _inverse_square_root(
     polar factor over its numerical range. ``‖σ‖₁ = Σ sqrt(λ)`` sums, like :func:`polar_svd`,
     every singular value, dropped ones included, down to the float64 rounding noise of the Gram
     matrix (``max(m, n) · eps64 · λ_max``), below which sqrt(λ) would be noise, not a σ.
-    A non-finite Gram matrix is decomposed as the identity and gets a NaN ``‖σ‖₁``: one run of
-    a stack fails alone, not the batched ``eigh`` (LAPACK decomposes each matrix on its own
-    copy, so a batched call gives each run's solo result).
+    In a stack, a run's non-finite Gram matrix is decomposed as the identity and gets a NaN
+    ``‖σ‖₁``, so that it fails alone, not the batched ``eigh`` for every run (LAPACK decomposes
+    each matrix on its own copy, so a batched call gives each run's solo result); a single
+    matrix's failure is its caller's (the Trainer reports it as a divergence).
     """
-    finite = torch.isfinite(gram).flatten(-2).all(dim=-1)  # () or (M,)
-    identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    eigenvalues, vectors = torch.linalg.eigh(torch.where(finite[..., None, None], gram, identity))
+    finite = torch.isfinite(gram).flatten(-2).all(dim=-1) if gram.ndim > 2 else None
+    if finite is not None:
+        identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+        gram = torch.where(finite[..., None, None], gram, identity)
+    eigenvalues, vectors = torch.linalg.eigh(gram)
     kept = _kept_squares(eigenvalues, shape, dtype)
-    nuclear_norm = torch.where(finite, _nuclear_norm(eigenvalues, shape), torch.nan)
+    nuclear_norm = _nuclear_norm(eigenvalues, shape)
+    if finite is not None:
+        nuclear_norm = torch.where(finite, nuclear_norm, torch.nan)
     safe = torch.where(kept, eigenvalues, 1.0)
     inverse_root = torch.where(kept, safe.rsqrt(), 0.0)
     return matmul(vectors * inverse_root.unsqueeze(-2), vectors.mT), nuclear_norm
@@ -149,7 +161,9 @@ def polar_gram_factors(grad: Tensor) -> FactoredPolar:
     gram = matmul(g64, g64.mT) if wide else matmul(g64.mT, g64)  # (min, min)
     with one_cpu_thread(grad.device):
         inverse_root, nuclear_norm = _inverse_square_root(gram, grad.shape, grad.dtype)
-    inverse_root = aligned(inverse_root.to(grad.dtype))
+    inverse_root = inverse_root.to(grad.dtype)
+    if inverse_root.ndim > 2:
+        inverse_root = stacked_copy(inverse_root)
     if wide:
         return FactoredPolar(inverse_root, grad, nuclear_norm.to(grad.dtype))
     return FactoredPolar(grad, inverse_root, nuclear_norm.to(grad.dtype))
@@ -425,7 +439,7 @@ def polar_newton_schulz_factors(
     p = matmul(right, right.mT)  # (r, r)
     frobenius = per_matrix(_inner_product, q, p).sqrt().clamp_min(torch.finfo(left.dtype).tiny)
     eye = torch.eye(q.shape[-1], dtype=left.dtype, device=left.device)
-    y = eye / frobenius[..., None, None]
+    y = eye / per_matrix_scalar(frobenius)
     for a, b, c in _newton_schulz_coefficients(fast_steps, polish_steps):
         z = matmul(matmul(matmul(y, p), y.mT), q)
         y = addmm(y, addmm(z, z, z, beta=b, alpha=c), y, beta=a)
@@ -447,7 +461,7 @@ def polar_newton_schulz(grad: Tensor, *, fast_steps: int = 5, polish_steps: int 
     transposed = grad.shape[-2] > grad.shape[-1]
     x = grad.mT if transposed else grad  # (small, large): the Gram matrix A is small
     norm = per_matrix(torch.linalg.vector_norm, x)
-    x = x / norm.clamp_min(torch.finfo(grad.dtype).tiny)[..., None, None]
+    x = x / per_matrix_scalar(norm.clamp_min(torch.finfo(grad.dtype).tiny))
     for a, b, c in _newton_schulz_coefficients(fast_steps, polish_steps):
         gram = matmul(x, x.mT)
         x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ssdcore.batched import add_product_, add_scaled_product_
+from ssdcore.batched import add_product_, add_scaled_product_, per_matrix_scalar
 from ssdcore.optim.polar import (
     FactoredPolar,
     Polar,
@@ -393,13 +393,13 @@ def apply_factored_(param: Tensor, polar: FactoredPolar, lr: float | Sequence[fl
     float, which would wait for the GPU and keep the step out of a CUDA graph.
     """
     alpha = -lr if isinstance(lr, float | int) else [-run_lr for run_lr in lr]
-    add_product_(param, polar.left, polar.right * polar.nuclear_norm[..., None, None], alpha)
+    add_product_(param, polar.left, polar.right * per_matrix_scalar(polar.nuclear_norm), alpha)
 
 
 def apply_polar_(param: Tensor, polar: Polar, neg_lr: float | Tensor) -> None:
     """``W -= lr * ‖σ‖₁ * D`` for a dense polar factor D (for a stack of M runs' matrices,
     ``neg_lr`` per run: :func:`ssdcore.batched.add_scaled_product_`)."""
-    add_scaled_product_(param, polar.direction, polar.nuclear_norm[..., None, None], neg_lr)
+    add_scaled_product_(param, polar.direction, per_matrix_scalar(polar.nuclear_norm), neg_lr)
 
 
 def linf_step_(

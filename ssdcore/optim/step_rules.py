@@ -103,8 +103,8 @@ def spectral_length(
 
 def linf_length(grad: Tensor, step_rule: str) -> Tensor:
     """The factor on ``-lr·sign(g)``: ``‖g‖₁`` (paper) or ``‖g‖₂ / ‖sign(g)‖₂`` (normalized);
-    over the last dimension, kept (``(1,)`` for a vector, ``(M, 1)`` for a stack of M), so that
-    it broadcasts against ``g``. A vector's reduction is far below the size at which torch
+    over the last dimension (``()`` for a vector, ``(M, 1)`` for a stack of M, to broadcast
+    against ``g``). A vector's reduction is far below the size at which torch
     splits one across threads, so a stack's rows are each the solo result."""
     dim = -1 if grad.ndim else None
     if step_rule == "paper":
@@ -112,4 +112,4 @@ def linf_length(grad: Tensor, step_rule: str) -> Tensor:
     else:
         nonzero = torch.count_nonzero(grad, dim=dim).to(grad.dtype).clamp_min(1)
         length = torch.linalg.vector_norm(grad, dim=dim) / nonzero.sqrt()
-    return length.unsqueeze(-1) if grad.ndim else length
+    return length.unsqueeze(-1) if grad.ndim > 1 else length
