@@ -109,6 +109,8 @@ def describe(error: BaseException, context: Context) -> Failure:
 def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Failure:
     target = error.target or context.target
     details = error.details
+    if isinstance(error, errors.Unavailable) and error.reason:
+        return _describe_service_unavailable(error, target)
     if isinstance(error, errors.Unavailable):
         return Failure(
             f"cannot reach the ssdrbm service at {target} ({_connection_problem(details)})",
@@ -158,6 +160,28 @@ def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Fail
         f"the service at {target} failed: {details}",
         "try again; if it persists, check the server's log",
         ExitCode.ERROR,
+    )
+
+
+# The service's reason when it answers but its job store (Redis) does not.
+JOB_STORE_UNAVAILABLE = "JOB_STORE_UNAVAILABLE"
+
+
+def _describe_service_unavailable(error: errors.Unavailable, target: str) -> Failure:
+    """UNAVAILABLE sent by the service itself (it carries a reason, which gRPC's own connection
+    failures do not): the service is up, so say what it lacks rather than how to start it."""
+    what, fix = _what_and_fix(error.details)
+    if error.reason == JOB_STORE_UNAVAILABLE:
+        return Failure(
+            f"the ssdrbm service at {target} is up, but {what}",
+            "start Redis (redis-server), or point the service's SSDRBM_REDIS_URL at a running "
+            "one; the service carries on once Redis answers",
+            ExitCode.UNAVAILABLE,
+        )
+    return Failure(
+        f"the ssdrbm service at {target} is unavailable: {what}",
+        fix or "try again shortly",
+        ExitCode.UNAVAILABLE,
     )
 
 

@@ -1,0 +1,100 @@
+"""The ``ssdrbm`` command as a new user meets it: real processes against the real service.
+
+- With the service up and Redis down, a command says Redis is unreachable (not "start the
+  service"), and ``ssdrbm serve`` waits for Redis, saying so, then serves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from ssdrbm.cli.exit_codes import ExitCode
+from ssdrbm.cli.servers import printable_url
+
+from ssdrbm_server.redis_process import RedisServer
+from tests.fixtures.console import SSDRBM, cli
+from tests.fixtures.redis import free_port
+
+ANSWERED_S = 30.0  # a refusal comes back well within this, even on a loaded 2-core machine
+
+
+def _closed_redis_url() -> str:
+    return f"redis://127.0.0.1:{free_port()}/0"
+
+
+# --- Redis down ---------------------------------------------------------------------------------
+
+
+def test_a_service_without_redis_is_reported_as_such(service_factory) -> None:
+    service = service_factory(_closed_redis_url(), run_worker=False)
+    for command in (["jobs"], ["datasets"], ["train", "--hidden", "4"]):
+        started = time.monotonic()
+        result = cli(service, *command)
+        assert time.monotonic() - started < ANSWERED_S
+        assert result.returncode == ExitCode.UNAVAILABLE, result.stderr
+        line = result.stderr.strip()
+        assert line.count("\n") == 0, result.stderr
+        assert f"the ssdrbm service at {service.target} is up" in line
+        assert "(Redis) is unreachable" in line and "SSDRBM_REDIS_URL" in line
+        assert "ssdrbm serve" not in line  # it is running: starting it is no fix
+
+
+def _read_until(stream, needle: str, deadline: float) -> str:
+    seen = ""
+    while needle not in seen:
+        assert time.monotonic() < deadline, f"{needle!r} not said; got {seen!r}"
+        line = stream.readline()
+        assert line, f"the process ended before saying {needle!r}; got {seen!r}"
+        seen += line
+    return seen
+
+
+def test_serve_waits_for_redis_saying_so(tmp_path: Path) -> None:
+    redis_port, port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+        "SSDRBM_METRICS_PORT": "0",
+        "SSDRBM_LOG_LEVEL": "WARNING",
+        "SSDRBM_ALLOW_NO_PERSISTENCE": "1",
+    }
+    process = subprocess.Popen(
+        [SSDRBM, "serve", "--no-worker", "--listen", f"127.0.0.1:{port}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    redis = RedisServer(tmp_path / "redis", port=redis_port, appendonly=False)
+    try:
+        deadline = time.monotonic() + ANSWERED_S
+        said = _read_until(process.stderr, "waiting for Redis", deadline)
+        assert f"redis://127.0.0.1:{redis_port}/0" in said
+        assert "redis-server" in said and "SSDRBM_REDIS_URL" in said
+        assert process.poll() is None  # still waiting, not exited
+
+        redis.start()
+        _read_until(process.stderr, "Redis answers", deadline + ANSWERED_S)
+        result = subprocess.run(
+            [SSDRBM, "--wait", "60", "jobs", "--json", "--target", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == ExitCode.OK, result.stderr
+        assert result.stdout.strip() == "[]"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+        redis.stop()
+    assert process.returncode == 0
+
+
+def test_a_redis_password_is_not_printed() -> None:
+    assert printable_url("redis://:hunter2@db:6379/0") == "redis://:***@db:6379/0"
+    assert printable_url("rediss://me:hunter2@db:6380/1") == "rediss://me:***@db:6380/1"
+    assert printable_url("redis://db:6379/0") == "redis://db:6379/0"
