@@ -120,10 +120,11 @@ class Settings:
     # at once (idle ones are closed by the header timeout)
     http_max_connections: int = 512
     # Requests being handled at once, counted after authentication, so unauthenticated clients
-    # never take a tenant's slot: for the server (bounds the bodies held and parsed together) and
-    # for one tenant (its share); over either, 429 at once
-    http_max_requests: int = 64
-    http_max_requests_per_tenant: int = 16
+    # never take a tenant's slot: for the server (bounds the bodies held and parsed together: at
+    # most 32 x 16 MiB, and a 16 MiB body's parse peaks near 50 MiB) and for one tenant (its
+    # share, so one tenant's slow uploads leave the others room); over either, 429 at once
+    http_max_requests: int = 32
+    http_max_requests_per_tenant: int = 8
 
     # Serving
     serving_threads: int = 4  # thread pool for Reconstruct / SampleHidden (torch frees the GIL)

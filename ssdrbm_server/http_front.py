@@ -197,11 +197,6 @@ class RequestGate:
             [] if authorization is None else [("authorization", authorization)]
         )
 
-    @contextlib.contextmanager
-    def slot(self, tenant: str) -> Iterator[None]:
-        with self.slots.hold(tenant):
-            yield
-
     async def body(self, request: Request) -> bytes:
         """The request's body, refused (413) once it would pass ``http_max_body_bytes``: from
         Content-Length before reading, and while reading a chunked one."""
@@ -231,7 +226,7 @@ class RequestGate:
         async def endpoint(request: Request) -> Response:
             try:
                 tenant = self.tenant(request)
-                with self.slot(tenant):
+                with self.slots.hold(tenant):
                     return await handler(request, tenant)
             except Exception as exc:  # every failure becomes an HTTP answer
                 return error_response(request, exc)

@@ -10,14 +10,21 @@ import http.client
 import json
 import select
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.fixtures.redis import free_port
 from tests.fixtures.server_process import python_m_server, wait_until
+from tests.fixtures.service import RunningService
+from tests.test_tls import new_key_and_request, self_signed, sign
 
 ALPHA, BETA = "alpha-secret-1", "beta-secret-2"
 HEADER_TIMEOUT_S = 2.0
@@ -301,3 +308,33 @@ def test_idle_connections_cost_no_threads_are_capped_and_time_out(redis_url: str
         assert len(refused) == 50
         assert all(answer == b"" for answer in answers if answer not in refused)
         assert api.request("GET", "/v2")[0] == 200
+
+
+def test_the_front_speaks_https_with_the_grpc_certificates_and_client_ca(
+    tmp_path: Path, service_factory: Callable[..., RunningService]
+) -> None:
+    self_signed(tmp_path, "ca", "/CN=ssdrbm test CA")
+    for name, extensions in [
+        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ]:
+        new_key_and_request(tmp_path, name, f"/CN={name}")
+        sign(tmp_path, name, "ca", extensions)
+    port = free_port()
+    service_factory(
+        run_worker=False,
+        http_port=port,
+        tls_cert_file=str(tmp_path / "server.crt"),
+        tls_key_file=str(tmp_path / "server.key"),
+        tls_client_ca_file=str(tmp_path / "ca.crt"),
+    )
+    url = f"https://127.0.0.1:{port}/v2/health/live"
+    context = ssl.create_default_context(cafile=tmp_path / "ca.crt")
+    refused = (urllib.error.URLError, ssl.SSLError, ConnectionError)
+    with pytest.raises(refused):  # no client certificate
+        urllib.request.urlopen(url, context=context, timeout=ANSWER_WITHIN_S)
+    with pytest.raises(refused):  # plaintext
+        urllib.request.urlopen(url.replace("https", "http"), timeout=ANSWER_WITHIN_S)
+    context.load_cert_chain(tmp_path / "client.crt", tmp_path / "client.key")
+    with urllib.request.urlopen(url, context=context, timeout=ANSWER_WITHIN_S) as response:
+        assert (response.status, json.load(response)) == (200, {"live": True})
