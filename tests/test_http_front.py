@@ -1,7 +1,9 @@
 """The HTTP front (ssdrbm_server/http_front.py) attacked with real sockets: `python -m
 ssdrbm_server` in a child process (its memory and threads are read from /proc), clients that
 trickle their headers or body, hold idle connections, send oversized or malformed bodies, while
-valid requests of another tenant are still answered."""
+valid requests of another tenant are still answered. Then, on the in-process service: HTTPS and
+mTLS with the gRPC listener's certificates, health following the service's readiness, and the
+dashboard's mount point."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from starlette.responses import PlainTextResponse
 
-from tests.fixtures.redis import free_port
+from ssdrbm_server.http_front import DASHBOARD_PATH
+from tests.fixtures.redis import RedisServer, free_port
 from tests.fixtures.server_process import python_m_server, wait_until
 from tests.fixtures.service import RunningService
 from tests.test_tls import new_key_and_request, self_signed, sign
@@ -338,3 +342,31 @@ def test_the_front_speaks_https_with_the_grpc_certificates_and_client_ca(
     context.load_cert_chain(tmp_path / "client.crt", tmp_path / "client.key")
     with urllib.request.urlopen(url, context=context, timeout=ANSWER_WITHIN_S) as response:
         assert (response.status, json.load(response)) == (200, {"live": True})
+
+
+def http_get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, error.read()
+
+
+def test_health_follows_the_service_readiness_and_the_dashboard_mount_point(
+    redis_factory: Callable[..., RedisServer], service_factory: Callable[..., RunningService]
+) -> None:
+    store = redis_factory(appendonly=False)
+    port = free_port()
+    running = service_factory(store.url, run_worker=False, http_port=port)
+    assert http_get(port, "/v2/health/ready") == (200, b'{"ready":true}')
+    store.stop()
+    wait_for(lambda: http_get(port, "/v2/health/ready")[0] == 503, "not ready without Redis")
+    assert http_get(port, "/v2/health/live") == (200, b'{"live":true}')
+    store.start()
+    wait_for(lambda: http_get(port, "/v2/health/ready")[0] == 200, "ready once Redis is back")
+
+    assert http_get(port, f"{DASHBOARD_PATH}/")[0] == 404  # nothing mounted yet
+    assert running.service is not None and running.service.http is not None
+    running.service.http.mount_dashboard(PlainTextResponse("dashboard"))
+    assert http_get(port, f"{DASHBOARD_PATH}/") == (200, b"dashboard")
