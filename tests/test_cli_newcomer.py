@@ -2,6 +2,8 @@
 
 - With the service up and Redis down, a command says Redis is unreachable (not "start the
   service"), and ``ssdrbm serve`` waits for Redis, saying so, then serves.
+- A mistyped command, option or choice gets a "did you mean".
+- An empty listing says what it looked for.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+from ssdrbm.cli import main
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.servers import printable_url
 
@@ -98,3 +102,41 @@ def test_a_redis_password_is_not_printed() -> None:
     assert printable_url("redis://:hunter2@db:6379/0") == "redis://:***@db:6379/0"
     assert printable_url("rediss://me:hunter2@db:6380/1") == "rediss://me:***@db:6380/1"
     assert printable_url("redis://db:6379/0") == "redis://db:6379/0"
+
+
+# --- did you mean -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "suggestion"),
+    [
+        (["trian", "--hidden", "4"], "did you mean 'train'?"),
+        (["jbos"], "did you mean 'jobs'?"),
+        (["sweep-shwo", "s-1"], "did you mean 'sweep-show'?"),
+        (["train", "--hiden", "4"], "did you mean '--hidden'?"),
+        (["train", "--hidden=4", "--stpes=5"], "did you mean '--steps'?"),
+        (["jobs", "--json", "--limt", "3"], "did you mean '--limit'?"),
+        (["train", "--model", "bernouli"], "did you mean 'bernoulli'?"),
+        (["jobs", "--state", "runing"], "did you mean 'running'?"),
+    ],
+)
+def test_a_mistyped_word_gets_a_suggestion(capsys, command, suggestion) -> None:
+    assert main(command) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert suggestion in err.splitlines()[-1], err
+
+
+def test_no_suggestion_for_a_word_close_to_nothing(capsys) -> None:
+    assert main(["xyzzy"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "invalid choice: 'xyzzy'" in err and "did you mean" not in err
+
+
+# --- empty listings -----------------------------------------------------------------------------
+
+
+def test_an_empty_filtered_listing_names_its_filter(service) -> None:
+    result = cli(service, "jobs", "--state", "running")
+    assert result.returncode == ExitCode.OK, result.stderr
+    assert result.stdout.startswith("no running jobs") and "yet" not in result.stdout
+    assert cli(service, "jobs").stdout.startswith("no jobs yet")

@@ -353,6 +353,8 @@ def run_jobs(args: argparse.Namespace) -> ExitCode:
         print_json(jobs)
     elif jobs:
         print(jobs_table(jobs))
+    elif args.state:
+        print(f"no {args.state} jobs — 'ssdrbm jobs' lists them all")
     else:
         print("no jobs yet — start one with 'ssdrbm train'")
     return ExitCode.OK

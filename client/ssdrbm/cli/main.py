@@ -10,9 +10,11 @@ exit code 141, as coreutils do when SIGPIPE stops them.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ssdrbm.cli import completion, data, jobs, models, servers, sweeps
 from ssdrbm.cli.context import add_connection_options, connection_from_args, option
@@ -37,9 +39,52 @@ shell completion: source <(ssdrbm completion bash)   (also zsh, fish)
 """
 
 
+def did_you_mean(typed: str, known: Iterable[Any]) -> str:
+    """`` — did you mean 'X'?`` for the known word closest to ``typed``; "" when none is close."""
+    close = difflib.get_close_matches(typed, [str(word) for word in known], n=1)
+    return f" — did you mean {close[0]!r}?" if close else ""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, which also suggests the closest command, choice or option to a
+    mistyped one (Python 3.14's ``suggest_on_error``, which 3.11 lacks)."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # The one place where argparse refuses a value outside ``choices``: commands included.
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as error:
+            hint = did_you_mean(str(value), action.choices or ())
+            raise argparse.ArgumentError(action, error.message + hint) from None
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            message = f"unrecognized arguments: {' '.join(extras)}"
+            self.error(message + self._option_hint(extras, parsed))
+        return parsed
+
+    def _option_hint(self, extras: list[str], parsed: argparse.Namespace) -> str:
+        """The suggestion for the first unknown option, among the options of the command."""
+        command = self._commands().get(getattr(parsed, "command", None) or "", self)
+        known = [flag for action in command._actions for flag in action.option_strings]
+        for extra in extras:
+            if extra.startswith("-"):
+                hint = did_you_mean(extra.partition("=")[0], known)
+                if hint:
+                    return hint
+        return ""
+
+    def _commands(self) -> dict[str, argparse.ArgumentParser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ssdrbm`` command."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ssdrbm",
         description="Train Restricted Boltzmann Machines with Stochastic Spectral Descent.",
         epilog=EPILOG,
