@@ -67,7 +67,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ssdrbm_server.auth import AuthInterceptor
 from ssdrbm_server.call_slots import CallSlots, SlotCap
-from ssdrbm_server.config import Settings
+from ssdrbm_server.config import ConfigError, Settings
 from ssdrbm_server.errors import InvalidArgumentError, ServiceError, status_for
 
 logger = logging.getLogger(__name__)
@@ -304,6 +304,21 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return error_response(request, HttpError(HTTPStatus(exc.status_code), message))
 
 
+def _listen(address: str, port: int) -> socket.socket:
+    """The front's listening socket, bound now, as the gRPC port is: a taken address stops the
+    service before it starts (ConfigError: ``python -m ssdrbm_server`` exits 2 with the fix)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        listener = socket.create_server((address, port), family=family, backlog=BACKLOG)
+    except OSError as exc:
+        raise ConfigError(
+            f"the HTTP front cannot listen on {address}:{port} ({exc.strerror or exc}): set "
+            "SSDRBM_HTTP_PORT to a free port, or 0 to turn the HTTP front off"
+        ) from exc
+    listener.setblocking(False)
+    return listener
+
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn inside the service: signals belong to the service (app.serve), which stops it."""
 
@@ -332,13 +347,7 @@ class HttpFront:
             ],
             exception_handlers={HTTPException: _http_exception},
         )
-        # Bound now, as the gRPC port is, so a taken address stops the service before it starts.
-        self._listener = socket.create_server(
-            (settings.http_address, settings.http_port),
-            family=socket.AF_INET6 if ":" in settings.http_address else socket.AF_INET,
-            backlog=BACKLOG,
-        )
-        self._listener.setblocking(False)
+        self._listener = _listen(settings.http_address, settings.http_port)
         self.port: int = self._listener.getsockname()[1]
         self._server: _EmbeddedServer | None = None
         self._serving: asyncio.Task[None] | None = None

@@ -370,3 +370,12 @@ def test_health_follows_the_service_readiness_and_the_dashboard_mount_point(
     assert running.service is not None and running.service.http is not None
     running.service.http.mount_dashboard(PlainTextResponse("dashboard"))
     assert http_get(port, f"{DASHBOARD_PATH}/") == (200, b"dashboard")
+
+
+def test_a_taken_http_port_stops_the_service_with_the_fix(redis_url: str) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        http_port = taken.getsockname()[1]
+        with python_m_server(redis_url, free_port(), http_port=str(http_port)) as process:
+            output, _ = process.communicate(timeout=60)
+    assert process.returncode == 2, output
+    assert f"cannot listen on 127.0.0.1:{http_port}" in output and "SSDRBM_HTTP_PORT" in output
