@@ -4,16 +4,19 @@
   service"), and ``ssdrbm serve`` waits for Redis, saying so, then serves.
 - A mistyped command, option or choice gets a "did you mean".
 - An empty listing says what it looked for.
+- Wherever a job id is taken, the name of one of the caller's jobs is taken too.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from ssdrbm.cli import main
 from ssdrbm.cli.exit_codes import ExitCode
@@ -140,3 +143,43 @@ def test_an_empty_filtered_listing_names_its_filter(service) -> None:
     assert result.returncode == ExitCode.OK, result.stderr
     assert result.stdout.startswith("no running jobs") and "yet" not in result.stdout
     assert cli(service, "jobs").stdout.startswith("no jobs yet")
+
+
+# --- jobs by name -------------------------------------------------------------------------------
+
+
+def test_every_job_command_takes_a_unique_job_name(service, tmp_path: Path) -> None:
+    x = (np.random.default_rng(0).random((60, 9)) < 0.3).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    train = ["train", "--hidden", "4", "--steps", "20", "--batch-size", "20", "--data"]
+    result = cli(service, *train, str(tmp_path / "x.npy"), "--name", "digits-small")
+    assert result.returncode == ExitCode.OK, result.stderr
+    job = result.stdout.strip()
+
+    watched = cli(service, "watch", "digits-small")
+    assert watched.returncode == ExitCode.OK, watched.stderr
+    assert f"job {job} succeeded" in watched.stderr
+    got = cli(service, "get", "digits-small", "--json")
+    assert json.loads(got.stdout)["id"] == job
+    for command in ("features", "reconstruct"):
+        out = tmp_path / f"{command}.npy"
+        used = cli(service, command, "digits-small", "-i", str(tmp_path / "x.npy"), "-o", str(out))
+        assert used.returncode == ExitCode.OK, used.stderr
+    exported = cli(service, "export", "digits-small", "-o", str(tmp_path / "model"), "--json")
+    assert json.loads(exported.stdout)["job_id"] == job
+    assert cli(service, "cancel", "digits-small").stdout.split() == [job, "succeeded"]
+
+    # A name two jobs share is refused, naming both; an unknown one is not found.
+    again = cli(service, "train", "--hidden", "4", "--steps", "20", "--name", "digits-small")
+    assert again.returncode == ExitCode.OK, again.stderr
+    shared = cli(service, "get", "digits-small")
+    assert shared.returncode == ExitCode.USAGE
+    assert "names more than one of your jobs" in shared.stderr
+    assert job in shared.stderr and again.stdout.strip() in shared.stderr
+    missing = cli(service, "get", "no-such-name")
+    assert missing.returncode == ExitCode.NOT_FOUND and "no-such-name" in missing.stderr
+
+    deleted = cli(service, "delete", again.stdout.strip(), "--force")
+    assert deleted.returncode == ExitCode.OK, deleted.stderr
+    deleted = cli(service, "delete", "digits-small")  # unique again
+    assert deleted.stdout.strip() == f"{job} deleted"

@@ -9,6 +9,7 @@ from ssdrbm import spec
 from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
+from ssdrbm.cli.names import find_job, job_id
 from ssdrbm.cli.output import print_json
 from ssdrbm.cli.progress import ProgressDisplay
 from ssdrbm.cli.tables import defaults_table, job_details, jobs_table
@@ -21,6 +22,9 @@ FINAL_EXIT_CODES = {
     JobState.CANCELLED: ExitCode.JOB_CANCELLED,
     JobState.STOPPED: ExitCode.OK,  # ended by its sweep's early stopping: an expected outcome
 }
+
+
+JOB_HELP = "a job id, or the name of one of your jobs"
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
@@ -45,7 +49,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     defaults.set_defaults(run=run_defaults)
 
     watch = commands.add_parser("watch", parents=parents, help="follow a job's progress live")
-    watch.add_argument("job", metavar="JOB")
+    watch.add_argument("job", metavar="JOB", help=JOB_HELP)
     watch.add_argument("--after", metavar="TOKEN", help="start after this resume token")
     watch.add_argument("--json", action="store_true", help="print events as JSON lines")
     watch.set_defaults(run=run_watch)
@@ -57,19 +61,19 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     jobs.set_defaults(run=run_jobs)
 
     get = commands.add_parser("get", parents=parents, help="show one job")
-    get.add_argument("job", metavar="JOB")
+    get.add_argument("job", metavar="JOB", help=JOB_HELP)
     get.add_argument("--json", action="store_true", help="print the job as JSON")
     get.set_defaults(run=run_get)
 
     cancel = commands.add_parser("cancel", parents=parents, help="stop a job")
-    cancel.add_argument("job", metavar="JOB")
+    cancel.add_argument("job", metavar="JOB", help=JOB_HELP)
     cancel.add_argument("--json", action="store_true", help="print the job as JSON")
     cancel.set_defaults(run=run_cancel)
 
     delete = commands.add_parser(
         "delete", parents=parents, help="delete a finished job, its metrics and checkpoints"
     )
-    delete.add_argument("job", metavar="JOB")
+    delete.add_argument("job", metavar="JOB", help=JOB_HELP)
     delete.add_argument("--force", action="store_true", help="cancel a queued or running job first")
     delete.set_defaults(run=run_delete)
 
@@ -335,6 +339,7 @@ def run_defaults(args: argparse.Namespace) -> ExitCode:
 def run_watch(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm watch JOB``."""
     with client_from_args(args) as client:
+        args.job = job_id(client, args.job)
         return follow(client, args.job, as_json=args.json, after=args.after)
 
 
@@ -363,7 +368,7 @@ def run_jobs(args: argparse.Namespace) -> ExitCode:
 def run_get(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm get JOB``."""
     with client_from_args(args) as client:
-        job = client.get_job(args.job)
+        job = find_job(client, args.job)
     if args.json:
         print_json(job)
     else:
@@ -374,6 +379,7 @@ def run_get(args: argparse.Namespace) -> ExitCode:
 def run_delete(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm delete JOB [--force]``: removes the job; prints its id."""
     with client_from_args(args) as client:
+        args.job = job_id(client, args.job)
         client.delete_job(args.job, force=args.force)
     print(f"{args.job} deleted")
     return ExitCode.OK
@@ -382,6 +388,7 @@ def run_delete(args: argparse.Namespace) -> ExitCode:
 def run_cancel(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm cancel JOB``: the job's state after the request."""
     with client_from_args(args) as client:
+        args.job = job_id(client, args.job)
         job = client.cancel(args.job)
     if args.json:
         print_json(job)

@@ -11,6 +11,8 @@ from ssdrbm.cli import sweeps
 from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
+from ssdrbm.cli.jobs import JOB_HELP
+from ssdrbm.cli.names import job_id
 from ssdrbm.cli.output import print_json
 from ssdrbm.events import MetricsEvent
 from ssdrbm.export import FORMATS
@@ -38,7 +40,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
         parents=parents,
         help="write model.safetensors and config.json, an ONNX file or a Triton model folder",
     )
-    export.add_argument("job", metavar="JOB")
+    export.add_argument("job", metavar="JOB", help=JOB_HELP)
     export.add_argument(
         "--output", "-o", required=True, metavar="PATH", help="a folder; a file for --format onnx"
     )
@@ -56,7 +58,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     plot = commands.add_parser(
         "plot", parents=parents, help="PNG figures of a job and its model, or of a sweep's runs"
     )
-    plot.add_argument("job", metavar="JOB|SWEEP")
+    plot.add_argument("job", metavar="JOB|SWEEP", help=f"{JOB_HELP}, or a sweep id")
     plot.add_argument("--output", "-o", required=True, metavar="DIR")
     plot.add_argument("--input", "-i", metavar="X.npy", help="inputs shown beside reconstructions")
     plot.add_argument("--image-shape", metavar="HxW", help="e.g. 28x28 (guessed when missing)")
@@ -65,7 +67,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
 
 
 def _add_io(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("job", metavar="JOB")
+    parser.add_argument("job", metavar="JOB", help=JOB_HELP)
     parser.add_argument("--input", "-i", required=True, metavar="X.npy", help="(N, n_visible)")
     parser.add_argument("--output", "-o", required=True, metavar="Y.npy", help=f"where {what} go")
     parser.add_argument("--seed", type=int, default=0, help="0 = random")
@@ -95,6 +97,7 @@ def run_reconstruct(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm reconstruct JOB --input x.npy --output y.npy``."""
     x = load_input(args.input)
     with client_from_args(args) as client:
+        args.job = job_id(client, args.job)
         y = client.reconstruct(
             args.job,
             x,
@@ -110,6 +113,7 @@ def run_features(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm features JOB --input x.npy --output h.npy [--sample]``."""
     x = load_input(args.input)
     with client_from_args(args) as client:
+        args.job = job_id(client, args.job)
         h = client.sample_hidden(
             args.job,
             x,
@@ -123,6 +127,7 @@ def run_features(args: argparse.Namespace) -> ExitCode:
 def run_export(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm export JOB --output PATH [--format safetensors|onnx|triton]``."""
     with client_from_args(args) as client:
+        args.job = job_id(client, args.job)
         written = client.export_model(
             args.job,
             args.output,
@@ -166,7 +171,7 @@ def run_plot(args: argparse.Namespace) -> ExitCode:
         if sweep is not None:
             written = sweeps.plot_sweep(client, sweep, Path(args.output))
             return _print_written(args, {"sweep_id": sweep.id}, written)
-    with client_from_args(args) as client:
+        args.job = job_id(client, args.job)
         history = [
             event.metrics
             for event in client.stream_metrics(args.job, follow=False)
