@@ -226,8 +226,10 @@ class Service:
         await stop_background_tasks(
             [self._refresh, self._readiness, self._redis_checks, *self._sweepers]
         )
-        stopping_http = self.http.stop() if self.http is not None else asyncio.sleep(0)
-        await asyncio.gather(stopping_http, self.server.stop(grace))
+        stopping = [self.server.stop(grace)]
+        if self.http is not None:
+            stopping.append(self.http.stop())  # its requests in flight get the same grace
+        await asyncio.gather(*stopping)
         self.models.close()
         if self._owns_redis:
             await self.redis.aclose()

@@ -116,8 +116,8 @@ class Settings:
     # chunked body passes it. JSON costs ~10x raw bytes per number and its parse is larger
     # still, so this sits below max_message_bytes: bigger batches go over gRPC, raw contents
     http_max_body_bytes: int = 16 * 1024 * 1024
-    # Open connections; a request over it is answered 503 and a connection over it is closed
-    # at once (idle ones are closed by the header timeout)
+    # Open connections; one more is answered 503 and closed as it opens (idle ones are closed
+    # by the header timeout)
     http_max_connections: int = 512
     # Requests being handled at once, counted after authentication, so unauthenticated clients
     # never take a tenant's slot: for the server (bounds the bodies held and parsed together: at
