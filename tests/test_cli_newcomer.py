@@ -183,3 +183,37 @@ def test_every_job_command_takes_a_unique_job_name(service, tmp_path: Path) -> N
     assert deleted.returncode == ExitCode.OK, deleted.stderr
     deleted = cli(service, "delete", "digits-small")  # unique again
     assert deleted.stdout.strip() == f"{job} deleted"
+
+
+# --- uploads made for a submit ------------------------------------------------------------------
+
+
+def _dataset_ids(service) -> list[str]:
+    listed = cli(service, "datasets", "--json")
+    assert listed.returncode == ExitCode.OK, listed.stderr
+    return [dataset["id"] for dataset in json.loads(listed.stdout)]
+
+
+def test_a_dry_run_or_refused_submit_leaves_no_uploaded_dataset(service, tmp_path: Path) -> None:
+    data = tmp_path / "x.npy"
+    np.save(data, (np.random.default_rng(1).random((40, 6)) < 0.5).astype(np.float32))
+    train = ["train", "--hidden", "3", "--steps", "10", "--batch-size", "10", "--data", str(data)]
+
+    dry = cli(service, *train, "--dry-run", "--json")
+    assert dry.returncode == ExitCode.OK, dry.stderr
+    assert json.loads(dry.stdout)["n_visible"] == 6  # the upload was used, then deleted
+    refused = cli(service, *train, "--lr", "-1")
+    assert refused.returncode == ExitCode.USAGE and "lr" in refused.stderr
+    sweep = cli(service, "sweep", *train[1:], "--lr", "0.01,0.02", "--dry-run", "--json")
+    assert sweep.returncode == ExitCode.OK, sweep.stderr
+    assert _dataset_ids(service) == []
+
+    # A dataset the caller had already is left alone; a submit that happens keeps its upload.
+    uploaded = cli(service, "upload", str(data)).stdout.strip()
+    assert cli(service, *train, "--lr", "-1").returncode == ExitCode.USAGE
+    assert cli(service, *train, "--dry-run").returncode == ExitCode.OK
+    assert _dataset_ids(service) == [uploaded]
+    assert cli(service, "delete-dataset", uploaded).returncode == ExitCode.OK
+    submitted = cli(service, *train)
+    assert submitted.returncode == ExitCode.OK, submitted.stderr
+    assert _dataset_ids(service) == [uploaded]

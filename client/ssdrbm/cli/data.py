@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.output import print_json
 from ssdrbm.cli.tables import render_table
+from ssdrbm.client import Client
 from ssdrbm.datasets import Dataset
+from ssdrbm.errors import SSDRBMError
+
+T = TypeVar("T")
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
@@ -78,3 +85,34 @@ def run_delete_dataset(args: argparse.Namespace) -> ExitCode:
         client.delete_dataset(args.dataset)
     print(f"{args.dataset} deleted")
     return ExitCode.OK
+
+
+def submit_with_data(
+    client: Client,
+    data: str | None,
+    submit: Callable[..., T],
+    kwargs: dict[str, Any],
+    *,
+    dry_run: bool,
+) -> T:
+    """``submit(validate_only=dry_run, **kwargs)``, training on the ``.npy`` file ``data`` (its
+    upload's id as ``dataset_id``) when one is given (``train --data``, ``sweep --data``).
+
+    A dataset this upload created is deleted again when the submit is a dry run or is refused,
+    so that neither leaves a dataset behind; one the caller had already is left alone.
+    """
+    if data is None:
+        return submit(validate_only=dry_run, **kwargs)
+    uploaded = client.upload_dataset_details(data)
+    submitted = False
+    try:
+        result = submit(validate_only=dry_run, **{**kwargs, "dataset_id": uploaded.id})
+        submitted = not dry_run
+        return result
+    finally:
+        if uploaded.created and not submitted:
+            # Best effort: the submit's own error (or the dry run's result) is what to report.
+            # A submit that did create a job despite its error keeps the dataset: the service
+            # refuses to delete one that a queued job trains on.
+            with contextlib.suppress(SSDRBMError):
+                client.delete_dataset(uploaded.id)

@@ -7,6 +7,7 @@ from typing import Any
 
 from ssdrbm import spec
 from ssdrbm.cli.context import client_from_args
+from ssdrbm.cli.data import submit_with_data
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.names import find_job, job_id
@@ -280,16 +281,15 @@ def run_train(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm train``: print the new job's id (or JSON); ``--watch`` then follows it."""
     kwargs = training_kwargs(args)
     with client_from_args(args) as client:
-        if args.data:
-            kwargs["dataset_id"] = client.upload_dataset(args.data)
+        job = submit_with_data(
+            client, args.data, client.start_training, kwargs, dry_run=args.dry_run
+        )
         if args.dry_run:
-            job = client.start_training(validate_only=True, **kwargs)
             if args.json:
                 print_json(job)
             else:
                 print(job_details(job))
             return ExitCode.OK
-        job = client.start_training(**kwargs)
         args.job = job.id  # lets an error or Ctrl-C name the job
         if args.json:
             print_json(job, lines=args.watch)

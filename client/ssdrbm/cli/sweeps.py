@@ -16,6 +16,7 @@ from typing import Any
 
 from ssdrbm import spec
 from ssdrbm.cli.context import client_from_args
+from ssdrbm.cli.data import submit_with_data
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.jobs import _add_training_options, _pairs, training_kwargs
@@ -170,13 +171,12 @@ def run_sweep(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm sweep``: print the sweep's id (or JSON); ``--watch`` shows its leaderboard."""
     kwargs = sweep_kwargs(args)
     with client_from_args(args) as client:
-        if args.data:
-            kwargs["dataset_id"] = client.upload_dataset(args.data)
+        sweep = submit_with_data(
+            client, args.data, client.start_sweep, kwargs, dry_run=args.dry_run
+        )
         if args.dry_run:
-            sweep = client.start_sweep(validate_only=True, **kwargs)
             print_json(sweep) if args.json else print(leaderboard(sweep))
             return ExitCode.OK
-        sweep = client.start_sweep(**kwargs)
         if args.json:
             print_json(sweep, lines=args.watch)
         else:
