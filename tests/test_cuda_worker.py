@@ -23,7 +23,7 @@ from ssdcore.checkpoint import model_from_bytes
 from ssdrbm_server.config import Settings
 from ssdrbm_server.resolver import resolve
 from ssdrbm_server.worker import protocol
-from ssdrbm_server.worker.child import train_one
+from ssdrbm_server.worker.child import train
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -51,9 +51,7 @@ def start_message(tmp_path, optimizer: rbm_pb2.OptimizerSpec) -> protocol.Messag
 
 def run_job(tmp_path, optimizer: rbm_pb2.OptimizerSpec) -> list[protocol.Message]:
     worker_end, child_end = multiprocessing.Pipe()
-    thread = threading.Thread(
-        target=train_one, args=(child_end, start_message(tmp_path, optimizer))
-    )
+    thread = threading.Thread(target=train, args=(child_end, start_message(tmp_path, optimizer)))
     thread.start()
     messages = []
     while not messages or messages[-1].kind not in (protocol.FINISHED, protocol.FAILED):

@@ -18,7 +18,7 @@ from ssdcore import BernoulliRBM, GaussianRBM, OptimizerConfig, Trainer
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.pack import PackRun, TrainingPack, insert_bytes, pack_key, run_to_bytes
 from ssdrbm_server.packing import NOT_PACKABLE
-from ssdrbm_server.worker.pack_child import packed_summary
+from ssdrbm_server.worker.child import packed_summary
 from ssdrbm_server.worker.runner import run_memory_mb
 from tests.fixtures.pack_threads import one_thread_where_loaded  # noqa: F401 (autouse)
 from tests.test_packed_worker import key_of, packed_and_solo

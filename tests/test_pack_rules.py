@@ -38,7 +38,7 @@ from ssdcore.pack.optim import PackedOptimizer, ParameterRule
 from ssdcore.schedules import Schedule
 from ssdrbm_server.packing import NOT_PACKABLE
 from ssdrbm_server.resolver import resolve
-from ssdrbm_server.worker.pack_child import packed_summary
+from ssdrbm_server.worker.child import packed_summary
 from tests.fixtures.pack_threads import one_thread_where_loaded  # noqa: F401 (autouse)
 from tests.test_packed_worker import packed_and_solo
 from tests.test_worker import SETTINGS, spec

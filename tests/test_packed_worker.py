@@ -28,7 +28,7 @@ from ssdrbm_server.resolver import resolve
 from ssdrbm_server.store import JobQueue, JobRecord, JobState, JobStore, LeaseStore
 from ssdrbm_server.store.pack_claims import PackClaims
 from ssdrbm_server.worker import Worker
-from ssdrbm_server.worker.pack_child import packed_summary
+from ssdrbm_server.worker.child import packed_summary
 from ssdrbm_server.worker.pack_claim import claim_riders, pack_room
 from tests.test_store import run
 from tests.test_worker import (

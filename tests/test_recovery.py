@@ -32,8 +32,8 @@ from ssdrbm_server.config import Settings
 from ssdrbm_server.job_spec import EXACT_LL_MAX_HIDDEN, model_config, optimizer_config
 from ssdrbm_server.store import JobState
 from ssdrbm_server.worker import Worker
+from ssdrbm_server.worker.child import packed_summary
 from ssdrbm_server.worker.datasets import prepare
-from ssdrbm_server.worker.pack_child import packed_summary
 from tests.fixtures.service import RunningService
 from tests.test_packed_worker import PackHarness, run_queued, summary
 from tests.test_service import events, export, states

@@ -320,15 +320,16 @@ def test_cancel_sweep_cancels_queued_and_running_runs(service: RunningService) -
     assert all(run.step < 5000 for run in final.runs)
 
 
+@pytest.mark.parametrize("max_pack_size", [3, 1], ids=["packed", "alone"])
 def test_asha_stops_the_worst_runs_at_a_rung_and_the_best_completes(
-    idle: RunningService, service_factory: Callable[..., RunningService]
+    idle: RunningService, service_factory: Callable[..., RunningService], max_pack_size: int
 ) -> None:
     stub = idle.stub()
     # SGD at 0.1 learns within 10 steps; at 1e-6 and 1e-7 the models barely move, so their
     # reconstruction errors rank below it at the first rung. ASHA decides in arrival order, so
     # the order is fixed: the runs are all queued before the one worker starts, it takes them in
-    # point order as one pack, whose runs report each step in pack order. The good run reaches
-    # the rung first (alone: promoted); the others meet its value and stop.
+    # point order, as one pack whose runs report each step in pack order, or one by one. The
+    # good run reaches the rung first (alone: promoted); the others meet its value and stop.
     request = sweep_request(
         lr_axis(0.1, 1e-6, 1e-7),
         steps=40,
@@ -337,7 +338,7 @@ def test_asha_stops_the_worst_runs_at_a_rung_and_the_best_completes(
     request.base.optimizer.kind = pb.OPTIMIZER_KIND_SGD
     sweep = stub.StartSweep(request)
     assert list(sweep.request.early_stopping.rungs) == [10, 30]
-    service_factory(max_pack_size=3)  # the worker, on the same Redis
+    service_factory(max_pack_size=max_pack_size)  # the worker, on the same Redis
     final = follow(stub, sweep.id)[-1].sweep
     assert final.state == pb.SWEEP_STATE_SUCCEEDED
     by_lr = {run.point["optimizer.lr"]: run for run in final.runs}

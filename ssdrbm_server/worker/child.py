@@ -1,8 +1,20 @@
-"""The training child process: trains jobs with ssdcore, one at a time, reporting over its pipe.
+"""The training child process: trains the jobs it is sent, one start message at a time,
+reporting over its pipe.
 
 Started with the spawn method (never fork after CUDA, gRPC or Redis are initialised). It has no
 Redis connection: everything it produces (metrics, checkpoints, the outcome) goes to its worker,
 which writes it with fencing. It exits by itself when its worker dies.
+
+A start message holds one job, trained alone on its solo Trainer, or a pack of compatible jobs
+trained as one ssdcore TrainingPack (worker/run_sets.py); one loop (:class:`Training`) trains
+either. Each job is built (or resumed from its checkpoint) exactly as it would be alone, and
+keeps its own rules: its evaluation and checkpoint steps, its blow-up recovery (ssdcore.blowup:
+detector, backoff budget, rollback point at its last healthy evaluation) and its end. A pack's
+messages carry the job's index (``run``) so that the worker writes each with that job's fencing
+token; a run that ends, or that the worker drops (cancelled, lease lost), is held in its slot
+while the others go on. A packed run's evaluations and checkpoints go through its solo Trainer
+(ssdcore.pack.run_to_trainer), so its metric events and checkpoints are a solo job's, to the
+byte layout.
 
 Liveness: the child sends an `alive` heartbeat once warm and then from the training loop itself
 (between step chunks, and before and after each evaluation and checkpoint), never from a thread:
@@ -19,6 +31,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,15 +40,14 @@ from google.protobuf import json_format
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore import checkpoint as ssdcheckpoint
-from ssdcore.blowup import BlowUp, BlowUpError, blowup_from_error
-from ssdcore.errors import DivergenceError
+from ssdcore.blowup import BlowUp, BlowUpError, Recovery
 from ssdcore.models import model_from_config
 from ssdcore.training import Trainer
 from ssdrbm_server import logs
 from ssdrbm_server.config import Settings
 from ssdrbm_server.job_spec import check_resolved
 from ssdrbm_server.worker import protocol
-from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
+from ssdrbm_server.worker.datasets import DatasetError, SplitData, Uploaded, prepare
 from ssdrbm_server.worker.job_training import (
     ALIVE_MAX_INTERVAL_S,
     MAX_STEPS_BETWEEN_POLLS,
@@ -51,12 +63,14 @@ from ssdrbm_server.worker.job_training import (
     rollback_needs_checkpoint,
     runtime,
 )
-from ssdrbm_server.worker.pack_child import train_pack
+from ssdrbm_server.worker.run_sets import PackRuns, RunSet, SoloRun
 
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 0.25  # how often the child looks whether its worker is still alive
 EXIT_PARENT_GONE = 70
+# A job's failure reported as it reads: its data or spec cannot be used (no traceback needed).
+USER_ERRORS = (DatasetError, ValueError)
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -74,8 +88,8 @@ def watch_parent(parent_pid: int) -> None:
 def child_main(
     conn: Connection, parent_pid: int, log_level: str = "INFO", log_format: str = "text"
 ) -> None:
-    """Entry point of the spawned process: warm up, then train each job it is sent, in turn,
-    until the worker closes the pipe (or dies)."""
+    """Entry point of the spawned process: warm up, then train each job (or pack) it is sent,
+    in turn, until the worker closes the pipe (or dies)."""
     logs.configure(log_level, log_format, text_format="%(asctime)s %(name)s[child] %(message)s")
     # Ctrl-C or a SIGTERM sent to the whole process group is for the worker: it decides when
     # this process checkpoints and stops. Parent death is caught by watch_parent.
@@ -87,32 +101,13 @@ def child_main(
         protocol.send(conn, protocol.Message(protocol.ALIVE))  # warm: ready for a job
         while True:
             message = protocol.receive(conn)
-            if message.kind == protocol.START:  # a stop that arrives after its job is ignored
-                train_one(conn, message)
-            elif message.kind == protocol.START_PACK:  # a drop after its pack is ignored too
-                train_pack(conn, message)
+            # A stop or drop that arrives after its jobs have ended is ignored.
+            if message.kind in (protocol.START, protocol.START_PACK):
+                train(conn, message)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(EXIT_PARENT_GONE)  # the worker went away or is done with us
     finally:
         conn.close()
-
-
-def train_one(conn: Connection, start: protocol.Message) -> None:
-    """Train one job; every failure is reported to the worker, never raised."""
-    with logs.log_context(**start.fields.get("log_context", {})):
-        _train(conn, start)
-
-
-def _train(conn: Connection, start: protocol.Message) -> None:
-    try:
-        Training(conn, start).run()
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        raise
-    except (DatasetError, ValueError) as exc:
-        _report_failure(conn, str(exc), step=0)
-    except Exception as exc:  # report anything else too, rather than dying silently
-        logger.exception("training failed")
-        _report_failure(conn, f"{type(exc).__name__}: {exc}", step=0)
 
 
 def warm_up() -> None:
@@ -134,26 +129,93 @@ def warm_up() -> None:
         logger.exception("warm-up failed")
 
 
-def _report_failure(conn: Connection, reason: str, *, step: int, diverged: bool = False) -> None:
-    message = protocol.Message(
-        protocol.FAILED, {"reason": reason, "step": step, "diverged": diverged}
+def train(conn: Connection, start: protocol.Message) -> None:
+    """Train the jobs of one start message; every failure is reported to the worker for each
+    job it concerns, never raised. A job alone logs under its id and tenant."""
+    alone = start.kind == protocol.START
+    with logs.log_context(**(start.fields.get("log_context", {}) if alone else {})):
+        try:
+            training = Training(conn, start)
+        except Exception as exc:  # a start message this process cannot read: every job fails
+            logger.exception("training could not start")
+            _fail_every_job(conn, start, _reason(exc))
+            return
+        try:
+            training.run()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as exc:  # report it for every job still training, rather than dying
+            if not isinstance(exc, USER_ERRORS):
+                logger.exception("training failed")
+            training.fail_open(_reason(exc))
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, USER_ERRORS) else f"{type(exc).__name__}: {exc}"
+
+
+def _fail_every_job(conn: Connection, start: protocol.Message, reason: str) -> None:
+    alone = start.kind == protocol.START
+    runs: list[dict[str, int]] = (
+        [{}] if alone else [{"run": i} for i in range(len(start.fields.get("jobs", [])))]
     )
-    with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
-        protocol.send(conn, message)
+    for run in runs:
+        fields = {"reason": reason, "step": 0, "diverged": False, **run}
+        with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
+            protocol.send(conn, protocol.Message(protocol.FAILED, fields))
+
+
+@dataclass
+class Job:
+    """One job of a start message, and what the loop keeps for it."""
+
+    index: int  # its place in the start message: the ``run`` a pack's messages name
+    spec: rbm_pb2.StartTrainingRequest
+    fields: dict[str, Any]  # its start fields: total_steps, n_visible, recovery_state, ...
+    resume: bytes  # the checkpoint it resumes from (trainer state), or empty
+    recovery: Recovery  # its blow-up rule, with the backoffs it took before
+    last_checkpoint: int = -1
+    slot: int = -1  # its run in the run set, once it joined
+    open: bool = True
+
+    @property
+    def total(self) -> int:
+        return int(self.fields["total_steps"])
+
+
+def jobs_of(start: protocol.Message) -> list[Job]:
+    """The jobs of a start message: one (start), or a pack's (start_pack, ``.<i>`` parts)."""
+    packed = start.kind == protocol.START_PACK
+    if not packed and start.kind != protocol.START:
+        raise ValueError(f"expected a start message, got {start.kind!r}")
+    job_fields = start.fields["jobs"] if packed else [start.fields]
+    jobs = []
+    for i, fields in enumerate(job_fields):
+        suffix = f".{i}" if packed else ""
+        spec = rbm_pb2.StartTrainingRequest.FromString(start.blobs[f"spec{suffix}"])
+        label = f"packed run {i}" if packed else ""
+        jobs.append(
+            Job(
+                index=i,
+                spec=spec,
+                fields=fields,
+                resume=start.blobs.get(f"resume{suffix}", b""),
+                recovery=job_recovery(spec, int(fields.get("backoffs", 0)), label=label),
+            )
+        )
+    return jobs
 
 
 class Training:
-    """One job's training loop in the child: its spec, data, trainer and blow-up recovery."""
+    """The training loop of one start message: its jobs' data and trainers, trained as a run
+    set (a job alone or a pack), each job under its own rules."""
 
     def __init__(self, conn: Connection, start: protocol.Message) -> None:
-        if start.kind != protocol.START:
-            raise ValueError(f"expected a start message, got {start.kind!r}")
         self.conn = conn
+        self.packed = start.kind == protocol.START_PACK
+        self.jobs = jobs_of(start)
         fields: dict[str, Any] = start.fields
-        self.spec = rbm_pb2.StartTrainingRequest.FromString(start.blobs["spec"])
-        check_resolved(self.spec)
         self.settings = Settings(**fields["settings"])
-        self.recovery = job_recovery(self.spec, int(fields.get("backoffs", 0)))
         self.uploaded = (
             Uploaded(
                 fields["dataset_dtype"], tuple(fields["dataset_shape"]), start.blobs["dataset"]
@@ -161,183 +223,297 @@ class Training:
             if "dataset" in start.blobs
             else None
         )
-        self.resume = start.blobs.get("resume", b"")
-        self.recovery_state: str = fields.get("recovery_state", "")  # kept with the checkpoint
         if self.settings.torch_threads:
             torch.set_num_threads(self.settings.torch_threads)
-        self.total = int(fields["total_steps"])
-        self.n_visible = int(fields.get("n_visible", 0))  # as resolved when the job was accepted
-        self.last_checkpoint = -1
         self.alive_interval = min(
             ALIVE_MAX_INTERVAL_S, self.settings.child_heartbeat_timeout_seconds / 4
         )
         self.last_sent = time.monotonic()
-        self.runs: list[tuple[int, float]] = []  # (steps, seconds) not yet sent to the worker
+        self.progress: list[tuple[int, float]] = []  # (steps, seconds) not yet sent
         self.progress_sent = self.last_sent
+        self.runs: RunSet | None = None
+
+    # --- start ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        spec = self.spec
-        torch.manual_seed(spec.training.seed)
         device = pick_device()
         self._beat(force=True)  # loading the data (a built-in set from disk) may take a while
-        data = prepare(spec, self.settings, self.uploaded)
+        # One data tensor serves every job: equal pack keys mean the same dataset,
+        # preprocessing and split (ssdrbm_server/packing.py), and the same seed. torch is
+        # seeded before the data loads, and each job's model starts from the generator state
+        # that follows, as it would alone.
+        torch.manual_seed(self.jobs[0].spec.training.seed)
+        data = prepare(self.jobs[0].spec, self.settings, self.uploaded)
+        seeded = _generator_states(device)
         self._beat(force=True)
-        if self.n_visible and data.n_visible != self.n_visible:
+        trainers: list[Trainer] = []
+        for job in self.jobs:
+            try:
+                _set_generator_states(device, seeded)  # the model's initial weights
+                trainers.append(self._trainer(job, data, device))
+                job.slot = len(trainers) - 1
+            except USER_ERRORS as exc:
+                self._fail(job, str(exc), step=0)
+            self._beat()
+        if not trainers:
+            return
+        if self.packed:
+            valid = None if data.valid is None else data.valid.to(device)
+            self.runs = PackRuns(trainers, valid)
+        else:
+            self.runs = SoloRun(trainers[0])
+        for job in self._open():
+            self._start(job, trainers[job.slot], device, len(trainers))
+        self._loop()
+
+    def _trainer(self, job: Job, data: SplitData, device: torch.device) -> Trainer:
+        """The job's Trainer, built (or resumed) as it would be alone."""
+        check_resolved(job.spec)
+        n_visible = int(job.fields.get("n_visible", 0))  # as resolved when it was accepted
+        if n_visible and data.n_visible != n_visible:
             raise DatasetError(
                 f"the dataset now has {data.n_visible} visible units, but the job was accepted "
-                f"for {self.n_visible}; its data changed on this server since — submit it again"
+                f"for {n_visible}; its data changed on this server since — submit it again"
             )
-        self.trainer = build_trainer(spec, data, device)
-        self.model = self.trainer.model
-        if self.resume:
-            ssdcheckpoint.load_trainer_state(self.trainer, self.resume)
-            self.last_checkpoint = self.trainer.step_count
-        self.trainer.set_lr_scale(self.recovery.lr_scale)
-        # The evaluation before training: the detector's baseline (or, resumed, the references
-        # its checkpoint kept) and the first rollback point.
-        blowup = check_start(
-            self.recovery,
-            self._evaluate(with_ais=False),
-            self.trainer,
-            resumed=bool(self.resume),
-            recovery_state=self.recovery_state,
-        )
-        self._send(
-            protocol.STARTED,
-            start_step=self.trainer.step_count,
-            runtime=json.dumps(self._runtime(device)),
-        )
-        if blowup is None or self._recover(blowup):
-            self._loop()
+        trainer = build_trainer(job.spec, data, device)
+        if job.resume:
+            ssdcheckpoint.load_trainer_state(trainer, job.resume)
+            job.last_checkpoint = trainer.step_count
+        trainer.set_lr_scale(job.recovery.lr_scale)
+        return trainer
 
-    def _runtime(self, device: torch.device) -> dict[str, Any]:
-        weight_group = next(g for g in self.trainer.optimizer.param_groups if g["name"] == "W")
+    def _start(self, job: Job, built: Trainer, device: torch.device, size: int) -> None:
+        """The evaluation before training: the detector's baseline (or, resumed, the references
+        its checkpoint kept) and the first rollback point; then the job's STARTED."""
+        assert self.runs is not None
+        values = self._evaluate(job, self.runs.trainer(job.slot), with_ais=False)
+        blowup = check_start(
+            job.recovery,
+            values,
+            self.runs.recoverable(job.slot),
+            resumed=bool(job.resume),
+            recovery_state=job.fields.get("recovery_state", ""),
+        )
+        described = self._runtime(job, built, device, size)
+        self._send(job, protocol.STARTED, start_step=self._step(job), runtime=described)
+        if blowup is not None:
+            self._recover(job, blowup)
+
+    def _runtime(self, job: Job, trainer: Trainer, device: torch.device, size: int) -> str:
+        """The job's Runtime as JSON; a packed run's summary adds "packed with N runs"."""
+        assert self.runs is not None
+        weight_group = next(g for g in trainer.optimizer.param_groups if g["name"] == "W")
         spectral = weight_group.get("geometry") == "spectral"
         described = runtime(
-            self.spec.optimizer,
+            job.spec.optimizer,
             device=str(device),
             weight_method=weight_group["method"] if spectral else None,
-            cuda_graph=bool(self.trainer.cuda_graph),
+            cuda_graph=self.runs.cuda_graph,
         )
-        return json_format.MessageToDict(described, preserving_proto_field_name=True)
+        if self.packed:
+            described.summary += f", {packed_summary(size)}"
+        return json.dumps(json_format.MessageToDict(described, preserving_proto_field_name=True))
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def _step(self, job: Job) -> int:
+        assert self.runs is not None
+        return self.runs.step(job.slot)
+
+    def _open(self) -> list[Job]:
+        return [job for job in self.jobs if job.open]
 
     def _loop(self) -> None:
-        every = self.spec.eval.every
-        checkpoint_every = self.spec.training.checkpoint_every
-        while self.trainer.step_count < self.total:
-            if self._stop_requested():
-                self._checkpoint()
-                self._send(protocol.STOPPED, step=self.trainer.step_count)
+        assert self.runs is not None
+        for job in self._open():
+            if self._step(job) >= job.total:  # resumed from its last checkpoint: done
+                self._end(job, protocol.FINISHED, step=self._step(job))
+        while self._open():
+            if self._requests():
                 return
-            step = self.trainer.step_count
-            boundary = min(
-                _next_multiple(step, every), _next_multiple(step, checkpoint_every), self.total
+            running = self._open()
+            if not running:
+                return
+            chunk = min(
+                min(_boundary(job, self._step(job)) - self._step(job) for job in running),
+                MAX_STEPS_BETWEEN_POLLS,
             )
             self._beat()
             started = time.perf_counter()
-            try:
-                self.trainer.train_steps(min(boundary - step, MAX_STEPS_BETWEEN_POLLS))
-                self._trained(self.trainer.step_count - step, time.perf_counter() - started)
-            except DivergenceError as exc:
-                if not self._recover(blowup_from_error(exc, self.trainer.step_count)):
-                    return
-                continue
-            step = self.trainer.step_count
-            at_checkpoint = step % checkpoint_every == 0 or step == self.total
-            # A checkpoint is taken only of a model that passed the blow-up check, so every
-            # checkpoint step is also an evaluation step.
-            if step % every == 0 or at_checkpoint:
-                values = self._evaluate(with_ais=at_checkpoint and self.spec.eval.ais)
-                blowup = self.recovery.check(values, self.trainer)
-                if blowup is not None:
-                    if not self._recover(blowup):
-                        return
+            blowups = self.runs.train_steps(chunk)
+            self._trained(chunk, time.perf_counter() - started)
+            for job in running:
+                if not job.open:
                     continue
-                self._publish(values)
-            if at_checkpoint:
-                self._checkpoint()
-        self._send(protocol.FINISHED, step=self.trainer.step_count)
+                blowup = blowups.get(job.slot)
+                if blowup is not None:
+                    self._recover(job, blowup)
+                else:
+                    self._after_steps(job)
 
-    def _recover(self, blowup: BlowUp) -> bool:
-        """Roll back to the last healthy evaluation and continue with smaller steps (True), or
-        fail the job once its backoffs are spent (False): ssdcore.blowup's rule."""
+    def _after_steps(self, job: Job) -> None:
+        """A job's work after a chunk: evaluate, publish, checkpoint, end."""
+        assert self.runs is not None
+        step, spec = self._step(job), job.spec
+        at_checkpoint = step % spec.training.checkpoint_every == 0 or step == job.total
+        # A checkpoint is taken only of a model that passed the blow-up check, so every
+        # checkpoint step is also an evaluation step.
+        if step % spec.eval.every == 0 or at_checkpoint:
+            trainer = self.runs.trainer(job.slot)
+            values = self._evaluate(job, trainer, with_ais=at_checkpoint and spec.eval.ais)
+            blowup = job.recovery.check(values, self.runs.recoverable(job.slot))
+            if blowup is not None:
+                self._recover(job, blowup)
+                return
+            # wall_time_s and samples_per_second come from the trainer: its training time is
+            # part of its state, so they continue across a resume.
+            metrics = metrics_message(values, step=step, total=job.total)
+            self._send(
+                job, protocol.METRICS, blobs={"metrics": metrics.SerializeToString()}, step=step
+            )
+            if at_checkpoint:
+                self._checkpoint(job, trainer)
+        if step >= job.total:
+            self._end(job, protocol.FINISHED, step=step)
+
+    def _evaluate(self, job: Job, trainer: Trainer, *, with_ais: bool) -> dict[str, Any]:
+        # An AIS estimate may run for minutes without a chance to beat: it starts with the
+        # whole deadline, which SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS is sized for.
+        self._beat(force=with_ais)
+        values = evaluate_job(trainer, job.spec, with_ais=with_ais)
+        self._beat()
+        return values
+
+    def _recover(self, job: Job, blowup: BlowUp) -> None:
+        """Roll the job back to its last healthy evaluation and go on with smaller steps, or
+        fail it once its backoffs are spent: ssdcore.blowup's rule, for this run alone."""
+        assert self.runs is not None
         try:
-            event = self.recovery.recover(blowup, self.trainer)
+            event = job.recovery.recover(blowup, self.runs.recoverable(job.slot))
         except BlowUpError as error:
-            if self.runs:
-                self._send_progress()
-            reason = failure_reason(error, self.last_checkpoint)
-            _report_failure(self.conn, reason, step=blowup.step, diverged=True)
-            return False
-        if rollback_needs_checkpoint(event, self.last_checkpoint):
-            self._checkpoint()
+            reason = failure_reason(error, job.last_checkpoint)
+            self._fail(job, reason, step=blowup.step, diverged=True)
+            return
+        if rollback_needs_checkpoint(event, job.last_checkpoint):
+            self._checkpoint(job)
         self._send(
+            job,
             protocol.BACKOFF,
             blobs={"backoff": backoff_message(event).SerializeToString()},
             rollback_step=event.rolled_back_to,
         )
-        return True
 
-    def _stop_requested(self) -> bool:
-        if not self.conn.poll():
-            return False
-        message = protocol.receive(self.conn)
-        return message.kind == protocol.STOP
-
-    def _evaluate(self, *, with_ais: bool) -> dict[str, Any]:
-        # An AIS estimate may run for minutes without a chance to beat: it starts with the
-        # whole deadline, which SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS is sized for.
-        self._beat(force=with_ais)
-        values = self._evaluate_now(with_ais=with_ais)
-        self._beat()
-        return values
-
-    def _evaluate_now(self, *, with_ais: bool) -> dict[str, Any]:
-        return evaluate_job(self.trainer, self.spec, with_ais=with_ais)
-
-    def _publish(self, values: dict[str, Any]) -> None:
-        # wall_time_s and samples_per_second come from the trainer: its training time is part
-        # of its state, so they continue across a resume.
-        metrics = metrics_message(values, step=self.trainer.step_count, total=self.total)
-        self._send(
-            protocol.METRICS,
-            blobs={"metrics": metrics.SerializeToString()},
-            step=self.trainer.step_count,
-        )
-
-    def _checkpoint(self) -> None:
-        step = self.trainer.step_count
-        if step == self.last_checkpoint:
+    def _checkpoint(self, job: Job, trainer: Trainer | None = None) -> None:
+        assert self.runs is not None
+        step = self._step(job)
+        if step == job.last_checkpoint:
             return
         self._beat()
-        blobs, fields = checkpoint_parts(self.trainer, self.recovery)
-        self._send(protocol.CHECKPOINT, blobs=blobs, step=step, **fields)
-        self.last_checkpoint = step
+        blobs, fields = checkpoint_parts(trainer or self.runs.trainer(job.slot), job.recovery)
+        self._send(job, protocol.CHECKPOINT, blobs=blobs, step=step, **fields)
+        job.last_checkpoint = step
+
+    def _requests(self) -> bool:
+        """Read what the worker sent: a stop (every job checkpoints and stops: True), or a
+        stop or drop of one run. Nothing is read once every run has left: what follows in the
+        pipe (the worker's next start, sent as soon as the jobs ended on its side) is the main
+        loop's."""
+        while self._open() and self.conn.poll():
+            message = protocol.receive(self.conn)
+            if message.kind == protocol.STOP:
+                for job in self._open():
+                    self._stop(job)
+                return True
+            if message.kind not in (protocol.STOP_RUN, protocol.DROP):
+                continue
+            job = self.jobs[int(message.fields["run"])]
+            if job.open and message.kind == protocol.STOP_RUN:
+                self._stop(job)
+            elif job.open:
+                logger.info("packed run %d leaves the pack", job.index)
+                self._close(job)
+        return False
+
+    # --- ends -----------------------------------------------------------------------------
+
+    def _stop(self, job: Job) -> None:
+        self._checkpoint(job)
+        self._end(job, protocol.STOPPED, step=self._step(job))
+
+    def _close(self, job: Job) -> None:
+        job.open = False
+        if self.runs is not None and job.slot >= 0:
+            self.runs.hold(job.slot)  # it stands still from now on; the others go on
+
+    def _end(self, job: Job, kind: str, **fields: Any) -> None:
+        self._send(job, kind, **fields)
+        self._close(job)
+
+    def _fail(self, job: Job, reason: str, *, step: int, diverged: bool = False) -> None:
+        self._end(job, protocol.FAILED, reason=reason, step=step, diverged=diverged)
+
+    def fail_open(self, reason: str) -> None:
+        """Report every job still training as failed (its training cannot go on)."""
+        for job in self._open():
+            with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
+                step = self._step(job) if job.slot >= 0 and self.runs is not None else 0
+                self._fail(job, reason, step=step)
+
+    # --- messages -------------------------------------------------------------------------
 
     def _trained(self, steps: int, seconds: float) -> None:
         """Note a run of steps for the worker's metrics; sent with the next message, or on
         its own once PROGRESS_INTERVAL_S has passed."""
-        self.runs.append((steps, seconds))
+        self.progress.append((steps, seconds))
         if time.monotonic() - self.progress_sent >= protocol.PROGRESS_INTERVAL_S:
             self._send_progress()
 
     def _send_progress(self) -> None:
-        runs, self.runs = self.runs, []
+        runs, self.progress = self.progress, []
         self.progress_sent = time.monotonic()
         protocol.send(self.conn, protocol.Message(protocol.PROGRESS, {"runs": runs}))
         self.last_sent = self.progress_sent
 
-    def _send(self, kind: str, *, blobs: dict[str, bytes] | None = None, **fields: Any) -> None:
-        if self.runs:  # the worker counts the steps before it hears of what followed them
+    def _send(
+        self, job: Job | None, kind: str, *, blobs: dict[str, bytes] | None = None, **fields: Any
+    ) -> None:
+        """Send a message about ``job`` (a pack's name its run), or the process's (None)."""
+        if self.progress:  # the worker counts the steps before it hears of what followed them
             self._send_progress()
+        if job is not None and self.packed:
+            fields["run"] = job.index
         protocol.send(self.conn, protocol.Message(kind, fields, blobs or {}))
         self.last_sent = time.monotonic()  # any message tells the worker this process lives
 
     def _beat(self, *, force: bool = False) -> None:
         """Send a heartbeat when nothing was sent for a while (or now, before a long phase)."""
         if force or time.monotonic() - self.last_sent >= self.alive_interval:
-            self._send(protocol.ALIVE)
+            self._send(None, protocol.ALIVE)
 
 
-def _next_multiple(step: int, every: int) -> int:
-    return (step // every + 1) * every
+def _generator_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch's default generators for the CPU and ``device`` (where a model is initialised)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_generator_states(
+    device: torch.device, states: tuple[torch.Tensor, torch.Tensor | None]
+) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def packed_summary(size: int) -> str:
+    """How a packed job's Runtime summary says it ran packed."""
+    return f"packed with {size} runs"
+
+
+def _boundary(job: Job, step: int) -> int:
+    """The job's next evaluation, checkpoint or last step after ``step``."""
+    every, checkpoint_every = job.spec.eval.every, job.spec.training.checkpoint_every
+    return min(
+        (step // every + 1) * every, (step // checkpoint_every + 1) * checkpoint_every, job.total
+    )

@@ -6,8 +6,7 @@ evaluation behind each metric event and its Metrics message, the job's blow-up r
 a resume takes it back), its Backoff message and the reason given when training blew up for
 good, the contents of a checkpoint, the device and what ran on it (``runtime``), and the pacing
 of polls and heartbeats.
-``child.py`` (one job) and ``pack_child.py`` (a pack) both ask here, so the two cannot drift
-apart.
+``child.py``'s one training loop asks here for a job alone and a packed run alike.
 """
 
 from __future__ import annotations

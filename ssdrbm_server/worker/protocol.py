@@ -27,15 +27,16 @@ Worker -> child:
                  recovery_state (kept with the resume checkpoint)
                                             + spec, dataset, resume
     stop                                                  checkpoint now, end with "stopped"
+    stop_run     run                                      checkpoint run ``run`` now (a job
+                                                          alone: 0), end it with "stopped"
+                                                          (a sweep's early stopping)
 
-Packed training (worker/pack_child.py, worker/runner.py): the worker sends one
+Packed training (worker/child.py, worker/run_sets.py, worker/runner.py): the worker sends one
     start_pack   settings, upload info,
                  jobs: [{backoffs, total_steps, n_visible, log_context, recovery_state}]
                                             + spec.<i>, resume.<i> (run i), dataset (shared)
     drop         run                                      run i leaves the pack, nothing more
                                                           is sent for it (cancel, lost lease)
-    stop_run     run                                      checkpoint run i now, end it with
-                                                          "stopped" (a sweep's early stopping)
 and every child message above about one job carries ``run`` (the job's index in jobs);
 progress counts the pack's steps (every run trained them), alive and stop are the pack's.
 """

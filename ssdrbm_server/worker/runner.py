@@ -305,10 +305,7 @@ class Runner:
     def _stop_run(self, run: int) -> None:
         """A sweep's early stopping: the process checkpoints this run and stops it."""
         assert self.child is not None
-        if self.packed:
-            self.child.send(protocol.Message(protocol.STOP_RUN, {"run": run}))
-        else:
-            self.child.send(protocol.Message(protocol.STOP))
+        self.child.send(protocol.Message(protocol.STOP_RUN, {"run": run}))
 
     def _job_of(self, message: protocol.Message) -> int | None:
         """The job a message is about: a pack's name their run, a job alone's are its own."""
