@@ -39,7 +39,7 @@ from ssdrbm.v1 import rbm_pb2
 
 from tests.fixtures.redis import free_port
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SDK_DOC = Path(__file__).resolve().parent.parent / "docs" / "SDK.md"
 
 # --- tensor codec -------------------------------------------------------------------------------
 
@@ -539,10 +539,10 @@ def test_a_bad_retry_window_names_the_variable(monkeypatch) -> None:
     assert list(RetryPolicy().delays()) == []  # 0: a single attempt
 
 
-def test_readme_sdk_example_runs_as_written(service, monkeypatch, tmp_path: Path) -> None:
-    text = README.read_text()
+def test_the_sdk_guides_example_runs_as_written(service, monkeypatch, tmp_path: Path) -> None:
+    text = SDK_DOC.read_text()
     section = text.split("## Python SDK", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     monkeypatch.setenv("SSDRBM_TARGET", service.target)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, str(SDK_DOC), "exec"), {"__name__": "__sdk_doc__"})

@@ -1,7 +1,8 @@
-"""The README's table of default step sizes is the table the server uses (ssdcore/step_sizes.py).
+"""docs/TRAINING.md's table of default step sizes is the table the server uses
+(ssdcore/step_sizes.py).
 
-The README shows it for readers; this test keeps that copy honest. On a mismatch it prints the
-block to paste between the README's ``step-sizes`` markers.
+The guide shows it for readers; this test keeps that copy honest. On a mismatch it prints the
+block to paste between the guide's ``step-sizes`` markers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from ssdcore.step_sizes import step_size_table
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TRAINING_DOC = Path(__file__).resolve().parents[1] / "docs" / "TRAINING.md"
 BLOCK = re.compile(r"<!-- step-sizes:begin -->\n(.*?)<!-- step-sizes:end -->", re.DOTALL)
 
 
@@ -32,8 +33,8 @@ def rendered_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_readme_step_size_table_is_the_servers() -> None:
-    match = BLOCK.search(README.read_text())
-    assert match, "README.md lost its <!-- step-sizes:begin/end --> markers"
+def test_the_documented_step_size_table_is_the_servers() -> None:
+    match = BLOCK.search(TRAINING_DOC.read_text())
+    assert match, "docs/TRAINING.md lost its <!-- step-sizes:begin/end --> markers"
     expected = rendered_table()
-    assert match.group(1) == expected, f"update README.md's step-size table to:\n{expected}"
+    assert match.group(1) == expected, f"update docs/TRAINING.md's step-size table to:\n{expected}"
