@@ -8,8 +8,14 @@ pack and are its solo batches.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
+
+from ssdcore.sampling import restore_generator
+
+logger = logging.getLogger(__name__)
 
 
 class RunOrder:
@@ -36,6 +42,29 @@ class RunOrder:
         index = self.permutation[self.position : self.position + self.batch_size]
         self.position += self.batch_size
         return index
+
+    def check_permutation(self, permutation: Tensor) -> None:
+        """ValueError unless a saved permutation covers this order's rows (the same data)."""
+        if permutation.shape != (self.n_rows,):
+            raise ValueError(
+                f"saved data order covers {permutation.shape[0]} examples but the training data "
+                f"has {self.n_rows}; resume with the same data"
+            )
+
+    def restore(
+        self, epoch: int, position: int, permutation: Tensor, generator_state: Tensor
+    ) -> None:
+        """Continue a saved order (a checkpoint's fields). A generator state saved on another
+        kind of device continues from a seed derived from it (logged)."""
+        self.check_permutation(permutation)
+        self.epoch, self.position = int(epoch), int(position)
+        self.permutation = permutation.to(self.generator.device, torch.int64).clone()
+        if not restore_generator(self.generator, generator_state):
+            logger.warning(
+                "data-order generator saved on another kind of device than %s: the order "
+                "continues from a seed derived from it",
+                self.generator.device,
+            )
 
 
 def gather_batches(orders: list[RunOrder], data: Tensor, out: Tensor) -> Tensor:

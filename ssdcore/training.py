@@ -63,7 +63,6 @@ from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.config import OptimizerConfig, build_optimizer, resolve_for
 from ssdcore.order import RunOrder
-from ssdcore.sampling import restore_generator
 from ssdcore.schedules import step_size
 from ssdcore.tempering import TemperingConfig
 
@@ -500,23 +499,11 @@ class Trainer:
                 f"saved state ran the step-size schedule {saved_schedule} but this trainer has "
                 f"{self.schedule.to_dict()}; resume with the same optimizer.schedule"
             )
-        permutation = state["permutation"]
-        if permutation.shape != (self.train_data.shape[0],):
-            raise ValueError(
-                f"saved data order covers {permutation.shape[0]} examples but the training data "
-                f"has {self.train_data.shape[0]}; resume with the same data"
-            )
+        self.order.restore(
+            state["epoch"], state["position"], state["permutation"], state["generator"]
+        )
         self.step_count = int(state["step"])
-        self.order.epoch = int(state["epoch"])
-        self.order.position = int(state["position"])
         self.wall_time_s = float(state["wall_time_s"])
-        self.order.permutation = permutation.to(self.device, torch.int64)
-        if not restore_generator(self.order.generator, state["generator"]):
-            logger.warning(
-                "data-order generator saved on another kind of device than %s: the order "
-                "continues from a seed derived from it",
-                self.device,
-            )
         self.estimator.load_state_dict(state["estimator"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.centering is not None:

@@ -68,7 +68,7 @@ from ssdcore.pack.optim import (
 )
 from ssdcore.pack.random import PackedRandom
 from ssdcore.pack.state import RunState
-from ssdcore.sampling import RandomSource, restore_generator
+from ssdcore.sampling import RandomSource
 from ssdcore.schedules import step_size
 from ssdcore.training import (
     _ESTIMATOR_SEED_OFFSET,
@@ -539,11 +539,7 @@ class TrainingPack:
                 f"{self.rules}; put it in a pack with its pack_key"
             )
         state.optimizer.schedule.require_horizon(f"runs[{run}].optimizer.schedule")
-        if state.permutation.shape != (self.train_data.shape[0],):
-            raise ValueError(
-                f"the run's data order covers {state.permutation.shape[0]} examples but the "
-                f"pack's training data has {self.train_data.shape[0]}; use the same data"
-            )
+        self.orders[run].check_permutation(state.permutation)
         with torch.no_grad():
             for name, parameter in self.parameters.items():
                 parameter[run].copy_(state.parameters[name])
@@ -556,11 +552,9 @@ class TrainingPack:
         self.optimizer.load_run_buffers(
             run, {n: t.to(self.device) for n, t in state.momentum.items()}
         )
-        order = self.orders[run]
-        order.epoch, order.position = int(state.epoch), int(state.position)
-        order.permutation = state.permutation.to(self.device, torch.int64).clone()
-        if not restore_generator(order.generator, state.order_generator):
-            logger.warning("run %d: data-order generator from another kind of device", run)
+        self.orders[run].restore(
+            state.epoch, state.position, state.permutation, state.order_generator
+        )
         self.sources[run].load_state_dict(state.random)
         if self.persistent:
             if state.chains is None:
