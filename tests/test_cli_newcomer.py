@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -217,3 +218,30 @@ def test_a_dry_run_or_refused_submit_leaves_no_uploaded_dataset(service, tmp_pat
     submitted = cli(service, *train)
     assert submitted.returncode == ExitCode.OK, submitted.stderr
     assert _dataset_ids(service) == [uploaded]
+
+
+# --- one rendering of enum values and numbers ---------------------------------------------------
+
+PROTO_ENUM_NAME = re.compile(r"\b[A-Z]+(?:_[A-Z]+)+\b")  # MODEL_KIND_BERNOULLI, STEP_RULE_PAPER
+
+
+def test_enum_values_read_as_the_options_take_them_and_numbers_are_numbers(service) -> None:
+    train = ["train", "--hidden", "4", "--steps", "300", "--seed", "7", "--dry-run"]
+    train += ["--step-rule", "paper", "--schedule", "cosine", "--method", "newton-schulz"]
+    shown = cli(service, *train)
+    assert shown.returncode == ExitCode.OK, shown.stderr
+    lines = dict(line.split(":", 1) for line in shown.stdout.splitlines())
+    assert lines["spec.model.kind"].strip() == "bernoulli"
+    assert lines["spec.optimizer.kind"].strip() == "ssd"
+    assert lines["spec.optimizer.step_rule"].strip() == "paper"
+    assert lines["spec.optimizer.schedule.kind"].strip() == "cosine"
+    assert lines["spec.optimizer.method"].strip() == "newton-schulz"
+    assert not PROTO_ENUM_NAME.search(shown.stdout), shown.stdout
+
+    spec = json.loads(cli(service, *train, "--json").stdout)["spec"]
+    assert (spec["model"]["kind"], spec["optimizer"]["step_rule"]) == ("bernoulli", "paper")
+    assert spec["training"]["steps"] == 300 and spec["training"]["seed"] == 7  # 64-bit: numbers
+    assert spec["optimizer"]["schedule"]["horizon"] == 300
+    defaults = cli(service, "defaults", "--json").stdout
+    assert not PROTO_ENUM_NAME.search(defaults), defaults
+    assert json.loads(defaults)["example"]["model"]["kind"] == "bernoulli"

@@ -46,7 +46,7 @@ def test_fit_trains_a_job_transform_is_sample_hidden_and_it_fits_a_pipeline(
     # Parameters given are in the spec; those left unset were filled in by the service.
     assert job.spec["model"]["n_hidden"] == 8
     assert job.spec["training"]["epochs"] == 2 and job.spec["training"]["batch_size"] == 20
-    assert job.spec["training"]["seed"] == "5"  # int64 fields are strings in proto JSON
+    assert job.spec["training"]["seed"] == 5  # a number, not proto JSON's string for 64 bits
     assert job.spec["dataset"]["dataset_id"] == estimator.dataset_id_
     assert job.spec["optimizer"]["kind"] and job.spec["optimizer"]["lr"] > 0
     # The service held out its default validation share: 180 of 200 rows, 9 steps an epoch.

@@ -234,8 +234,8 @@ def test_a_job_with_a_schedule_trains_and_reports_its_step_size(service) -> None
             schedule="exponential,0.5,20",
         )
         optimizer = job.spec["optimizer"]
-        assert optimizer["step_rule"] == "STEP_RULE_NORMALIZED"
-        assert optimizer["schedule"]["kind"] == "SCHEDULE_KIND_EXPONENTIAL"
+        assert optimizer["step_rule"] == "normalized"
+        assert optimizer["schedule"]["kind"] == "exponential"
         assert optimizer["schedule"]["decay_rate"] == 0.5
         done = client.wait(job.id, timeout=120)
         assert done.state is JobState.SUCCEEDED, done.error
@@ -261,8 +261,8 @@ def test_the_service_fills_and_checks_the_schedule(service) -> None:
         assert int(schedule["horizon"]) == 40  # the job's steps after the warmup
         assert schedule["floor"] == pytest.approx(Schedule().floor)
         plain = client.start_training(n_hidden=8, steps=50, validate_only=True)
-        assert plain.spec["optimizer"]["schedule"]["kind"] == "SCHEDULE_KIND_CONSTANT"
-        assert plain.spec["optimizer"]["step_rule"] == "STEP_RULE_PAPER"
+        assert plain.spec["optimizer"]["schedule"]["kind"] == "constant"
+        assert plain.spec["optimizer"]["step_rule"] == "paper"
         with pytest.raises(InvalidArgument) as bad_floor:
             client.start_training(n_hidden=8, schedule={"kind": "cosine", "floor": 2.0})
         assert "optimizer.schedule.floor" in str(bad_floor.value)
@@ -282,10 +282,10 @@ def test_the_cli_sends_the_step_rule_and_the_schedule(service, capsys) -> None:
     options = ["--step-rule", "normalized", "--schedule", "cosine,0.05", "--warmup-steps", "100"]
     assert main([*target, *args, *options]) == ExitCode.OK
     optimizer = json.loads(capsys.readouterr().out)["spec"]["optimizer"]
-    assert optimizer["step_rule"] == "STEP_RULE_NORMALIZED"
+    assert optimizer["step_rule"] == "normalized"
     # the normalized rule's own default for a Bernoulli RBM
     assert optimizer["lr"] == default_lr("bernoulli", "ssd", None, "normalized")
     schedule = optimizer["schedule"]
-    assert schedule["kind"] == "SCHEDULE_KIND_COSINE" and schedule["floor"] == 0.05
+    assert schedule["kind"] == "cosine" and schedule["floor"] == 0.05
     assert int(schedule["warmup_steps"]) == 100 and int(schedule["horizon"]) == 200
     assert main([*target, *args, "--schedule", "cosine,1,2,3"]) == ExitCode.USAGE

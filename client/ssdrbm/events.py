@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from ssdrbm.spec import message_dict
 from ssdrbm.v1 import rbm_pb2
 
 
@@ -241,7 +241,7 @@ class Job:
                 if message.HasField("latest_metrics")
                 else None
             ),
-            spec=json_format.MessageToDict(message.spec, preserving_proto_field_name=True),
+            spec=message_dict(message.spec),
             backoffs=message.backoffs,
             training_process_failures=message.training_process_failures,
             runtime=message.runtime.summary,

@@ -10,24 +10,35 @@ is sent. Numeric ranges are checked by the service, which names the field in its
 
 from __future__ import annotations
 
+import base64
+import math
+import struct
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from ssdrbm.errors import InvalidArgument
 from ssdrbm.v1 import rbm_pb2
+
+
+def short_name(name: str, prefix: str) -> str:
+    """An enum value's name as options take it and outputs show it: without the enum's prefix,
+    lower-case, dash-separated (``STEP_RULE_PAPER`` → ``paper``, ``POLAR_METHOD_NEWTON_SCHULZ``
+    → ``newton-schulz``). The one rendering of enum values in the SDK and the CLI."""
+    return name.removeprefix(prefix).lower().replace("_", "-")
 
 
 def enum_choices(enum_type: Any, prefix: str) -> dict[str, int]:
     """Lower-case, dash-separated names of a proto enum's values (UNSPECIFIED left out)."""
     choices = {}
     for name, number in enum_type.items():
-        short = name.removeprefix(prefix)
-        if short != "UNSPECIFIED":
-            choices[short.lower().replace("_", "-")] = number
+        if name.removeprefix(prefix) != "UNSPECIFIED":
+            choices[short_name(name, prefix)] = number
     return choices
 
 
@@ -62,8 +73,55 @@ def choose(field: str, value: str | None, choices: Mapping[str, int]) -> int:
 
 def enum_name(enum_type: Any, prefix: str, number: int) -> str | None:
     """The lower-case, dash-separated name of an enum value; None for UNSPECIFIED."""
-    short = enum_type.Name(number).removeprefix(prefix)
-    return None if short == "UNSPECIFIED" else short.lower().replace("_", "-")
+    name = enum_type.Name(number)
+    return None if name.removeprefix(prefix) == "UNSPECIFIED" else short_name(name, prefix)
+
+
+def message_dict(message: Message) -> dict[str, Any]:
+    """A message's set fields as plain values, as people read them and the options take them:
+    field names as in the proto, enum values by :func:`short_name` (``bernoulli``, ``paper``),
+    64-bit integers as numbers (proto JSON makes them strings), float32 values at their
+    shortest (``0.1``, not ``0.10000000149011612``). Job specs and the service's defaults are
+    shown through it, so the SDK, the CLI's tables and its ``--json`` agree."""
+    return {field.name: _field_value(field, value) for field, value in message.ListFields()}
+
+
+def _field_value(field: FieldDescriptor, value: Any) -> Any:
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        value_field = field.message_type.fields_by_name["value"]
+        return {key: _single_value(value_field, item) for key, item in value.items()}
+    if field.is_repeated:
+        return [_single_value(field, item) for item in value]
+    return _single_value(field, value)
+
+
+def _single_value(field: FieldDescriptor, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        known = field.enum_type.values_by_number.get(value)
+        if known is None:  # a value newer than this client: its number
+            return value
+        prefix = field.enum_type.values_by_number[0].name.removesuffix("UNSPECIFIED")
+        return short_name(known.name, prefix)
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        if field.message_type.file.package == "google.protobuf":  # Timestamp, Struct, ...
+            return json_format.MessageToDict(value)
+        return message_dict(value)
+    if field.type == FieldDescriptor.TYPE_FLOAT:
+        return _shortest_float32(value)
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return base64.b64encode(value).decode("ascii")  # as proto JSON writes bytes
+    return value
+
+
+def _shortest_float32(value: float) -> float:
+    """The shortest decimal that is the same float32 (proto JSON's rendering of a float)."""
+    if not math.isfinite(value):
+        return value
+    for digits in range(6, 10):
+        short = float(f"{value:.{digits}g}")
+        if struct.pack("<f", short) == struct.pack("<f", value):
+            return short
+    return value
 
 
 @dataclass(frozen=True)
@@ -100,7 +158,7 @@ class TrainingDefaults:
                 )
                 for entry in message.step_sizes
             ],
-            example=json_format.MessageToDict(message.example, preserving_proto_field_name=True),
+            example=message_dict(message.example),
         )
 
     def lr(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,23 +46,16 @@ def jobs_table(jobs: Sequence[Job]) -> str:
 
 
 def flatten_spec(spec: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
-    """A job's resolved spec as (dotted field, value) pairs, enum names without their prefix."""
+    """A job's resolved spec as (dotted field, value) pairs; its values are rendered already
+    (enum names as the options take them: ssdrbm.spec.message_dict)."""
     pairs: list[tuple[str, str]] = []
     for key, value in spec.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and key not in ("options", "per_parameter", "per_parameter_lr"):
             pairs += flatten_spec(value, f"{name}.")
-        elif isinstance(value, str) and _ENUM_PREFIX.match(value):
-            pairs.append((name, _ENUM_PREFIX.sub("", value).lower().replace("_", "-")))
         else:
             pairs.append((name, str(value)))
     return pairs
-
-
-# MODEL_KIND_, POLAR_METHOD_, ...: the enum's own name before the value's
-_ENUM_PREFIX = re.compile(
-    r"^(MODEL_KIND|VARIANCE_KIND|OPTIMIZER_KIND|POLAR_METHOD|PRECONDITIONER|PREPROCESS)_"
-)
 
 
 def job_details(job: Job) -> str:
