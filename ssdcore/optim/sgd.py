@@ -13,6 +13,9 @@ from torch.optim import Optimizer
 from ssdcore.batched import add_scaled_
 from ssdcore.optim.projection import project_spectral_norm_
 
+# The optimizer state's key of a parameter's momentum buffer (torch.optim.SGD's name).
+MOMENTUM_BUFFER = "momentum_buffer"
+
 
 def check_hyperparameters(
     lr: float,
@@ -65,9 +68,9 @@ def euclidean_update_(
     if momentum == 0:
         add_scaled_(param, grad, -lr)
         return
-    buffer = state.get("momentum_buffer")
+    buffer = state.get(MOMENTUM_BUFFER)
     if buffer is None:
-        buffer = state["momentum_buffer"] = grad.clone()
+        buffer = state[MOMENTUM_BUFFER] = grad.clone()
     else:
         buffer.mul_(momentum).add_(grad)
     momentum_step_(

@@ -22,6 +22,7 @@ from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.factory import model_from_config
 from ssdcore.models.gaussian import GaussianRBM
+from ssdcore.optim.sgd import MOMENTUM_BUFFER
 from ssdcore.pack.models import parameter_names
 from ssdcore.pack.state import RunState
 from ssdcore.training import Trainer
@@ -53,7 +54,7 @@ def run_to_trainer(pack: TrainingPack, run: int, *, valid_data: Tensor | None = 
     for group in trainer.optimizer.param_groups:
         buffer = state.momentum.get(group["name"])
         if buffer is not None:
-            trainer.optimizer.state[group["params"][0]]["momentum_buffer"] = buffer.to(
+            trainer.optimizer.state[group["params"][0]][MOMENTUM_BUFFER] = buffer.to(
                 pack.device
             ).clone()
     estimator = {f"rng.{name}": tensor for name, tensor in state.random.items()}
@@ -87,7 +88,7 @@ def trainer_to_run_state(trainer: Trainer) -> RunState:
     estimator = saved["estimator"]
     momentum = {}
     for group in trainer.optimizer.param_groups:
-        buffer = trainer.optimizer.state.get(group["params"][0], {}).get("momentum_buffer")
+        buffer = trainer.optimizer.state.get(group["params"][0], {}).get(MOMENTUM_BUFFER)
         if buffer is not None:
             momentum[group["name"]] = buffer.detach().cpu().clone()
     chains = estimator.get("chains")
