@@ -9,10 +9,14 @@ rank go through the helpers here:
 - :func:`matmul` / :func:`addmm`: ``mm`` / ``addmm`` for a matrix, ``bmm`` / ``baddbmm`` into an
   aligned stack for a stack. On the CPU the batched kernels give each run's product bit for bit
   as the solo kernel gives it (``tests/test_pack.py``).
-- :func:`per_matrix`: an operation run matrix by matrix where a batched call would not repeat
-  the solo result: full reductions (torch splits a large one across threads in its own way, so
-  a batched ``sum(dim=(-2, -1))`` of a 784×64 matrix differs in the last bit on two threads)
-  and ``mv`` (a batched product with a vector takes another BLAS kernel).
+- :func:`per_matrix` and :func:`mv`: an operation run matrix by matrix where a batched call
+  would not repeat the solo result: full reductions (torch splits a large one across threads
+  in its own way, so a batched ``sum(dim=(-2, -1))`` of a 784×64 matrix differs in the last bit
+  on two threads) and ``mv`` (a batched product with a vector takes another BLAS kernel).
+- :func:`add_scaled_`, :func:`add_scaled_product_`, :func:`add_product_`: an update scaled by a
+  step size that is a number for a run and per-run values for a stack.
+- :func:`over_rows`, :func:`per_matrix_scalar`: per-column and per-matrix values shaped to
+  broadcast; a run's vector or number broadcasts as it is, so the solo path gains no tensor op.
 - :func:`stacked_empty`: stacks whose run slices start on 64-byte boundaries. BLAS kernels
   (MKL's gemv and gemm on the CPU) take different code paths for output buffers of different
   alignment, which changes the last bit of some results; a solo run writes into freshly
