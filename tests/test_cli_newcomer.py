@@ -17,11 +17,16 @@ import subprocess
 import time
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
+import PIL.Image
 import pytest
+from matplotlib.colors import to_hex
 from ssdrbm.cli import main
 from ssdrbm.cli.exit_codes import ExitCode
+from ssdrbm.cli.plot import SweepCurve, sweep_figure, write_sweep_figure
 from ssdrbm.cli.servers import printable_url
+from ssdrbm.events import Metrics
 
 from ssdrbm_server.redis_process import RedisServer
 from tests.fixtures.console import SSDRBM, cli
@@ -245,3 +250,40 @@ def test_enum_values_read_as_the_options_take_them_and_numbers_are_numbers(servi
     defaults = cli(service, "defaults", "--json").stdout
     assert not PROTO_ENUM_NAME.search(defaults), defaults
     assert json.loads(defaults)["example"]["model"]["kind"] == "bernoulli"
+
+
+# --- the sweep's figure -------------------------------------------------------------------------
+
+
+def _history(scale: float) -> list[Metrics]:
+    return [
+        Metrics(
+            step=step,
+            total_steps=40,
+            reconstruction_error=scale / step,
+            spectral_norm=1.0,
+            wall_time_s=float(step),
+            samples_per_second=100.0,
+        )
+        for step in (10, 20, 40)
+    ]
+
+
+def test_the_sweep_figure_keeps_its_legend_off_the_curves_in_distinct_colours(
+    tmp_path: Path,
+) -> None:
+    curves = [SweepCurve(f"lr={i}", _history(1.0 + i), best=i == 3) for i in range(30)]
+    figure = sweep_figure(curves, "reconstruction_error")
+    axis = figure.axes[0]
+    renderer = figure.canvas.get_renderer()
+    legend = axis.get_legend().get_window_extent(renderer)
+    assert legend.x0 >= axis.get_window_extent(renderer).x1  # to the right of the axes
+    colours = [line.get_color() for line in axis.get_lines()]
+    assert len({to_hex(colour) for colour in colours}) == len(curves)
+    assert to_hex(colours[-1]) == "#000000"  # the best, drawn last (on top), in black
+    plt.close(figure)
+
+    path = write_sweep_figure(tmp_path, curves, "reconstruction_error")
+    with PIL.Image.open(path) as image:
+        width, _ = image.size
+    assert width >= legend.x1 - 1  # the image holds the whole legend: widened, not cut off

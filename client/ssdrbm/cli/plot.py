@@ -212,26 +212,60 @@ class SweepCurve:
     best: bool = False
 
 
-def write_sweep_figure(directory: Path, curves: Sequence[SweepCurve], metric: str) -> Path:
-    """``sweep.png``: the metric over steps, one curve per run, the best run drawn on top in
-    a thick line; returns its path."""
+# Runs per legend column; more runs add columns to the right of the axes.
+LEGEND_ROWS = 24
+# Part of the colormap the runs are drawn from: its very ends are too pale or too dark beside
+# the best run's black.
+RUN_COLOURS = ("turbo", 0.05, 0.95)
+
+
+def run_colours(count: int) -> list[tuple[float, float, float, float]]:
+    """``count`` distinct colours, one per run, sampled evenly along a colormap."""
+    import matplotlib
+
+    name, low, high = RUN_COLOURS
+    colormap = matplotlib.colormaps[name]
+    return [colormap(value) for value in np.linspace(low, high, count)] if count else []
+
+
+def sweep_figure(curves: Sequence[SweepCurve], metric: str) -> Any:
+    """The sweep's figure: the metric over steps, one curve per run in its own colour, the best
+    run on top in a thick black line, and the legend outside the axes (right) so that it
+    covers no curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    directory.mkdir(parents=True, exist_ok=True)
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for curve in sorted(curves, key=lambda curve: curve.best):  # the best last, on top
+    others = [curve for curve in curves if not curve.best]
+    best = [curve for curve in curves if curve.best]
+    for curve, colour in zip(others, run_colours(len(others)), strict=True):
         steps, values = _metric_series(curve.history, metric)
-        style = {"linewidth": 2.8, "color": "black", "zorder": 3} if curve.best else {"alpha": 0.6}
-        label = f"{curve.label} (best)" if curve.best else curve.label
-        axis.plot(steps, values, label=label, **style)
+        axis.plot(steps, values, label=curve.label, color=colour, alpha=0.85)
+    for curve in best:  # last, on top
+        steps, values = _metric_series(curve.history, metric)
+        axis.plot(steps, values, label=f"{curve.label} (best)", color="black", linewidth=2.8)
     axis.set_title(f"sweep: {metric.replace('_', ' ')} per run")
     axis.set_xlabel("step")
-    axis.legend(fontsize="x-small")
+    axis.legend(
+        fontsize="x-small",
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0.0,
+        ncols=max(1, math.ceil(len(curves) / LEGEND_ROWS)),
+    )
     figure.tight_layout()
+    return figure
+
+
+def write_sweep_figure(directory: Path, curves: Sequence[SweepCurve], metric: str) -> Path:
+    """``sweep.png`` (:func:`sweep_figure`); returns its path."""
+    figure = sweep_figure(curves, metric)  # selects the Agg backend before pyplot is used
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / "sweep.png"
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=100, bbox_inches="tight")  # widened to hold the legend
     plt.close(figure)
     return path
