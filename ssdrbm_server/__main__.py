@@ -4,6 +4,7 @@ SSDRBM_* settings.
 Options on the command line override the environment:
   --no-worker     serve the API only (workers run elsewhere: ``python -m ssdrbm_server.worker``)
   --listen ADDR   host:port to listen on (SSDRBM_LISTEN_ADDRESS)
+  --wait-for-redis  start once Redis answers, saying so meanwhile (``ssdrbm serve`` passes it)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ssdrbm_server.app import serve
 from ssdrbm_server.config import ConfigError, Settings
 from ssdrbm_server.cpus import pin_this_process
 from ssdrbm_server.exposure import check_exposure
+from ssdrbm_server.redis_wait import wait_for_redis
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-worker", action="store_true", help="do not run a worker here")
     parser.add_argument("--listen", help="host:port to listen on")
+    parser.add_argument(
+        "--wait-for-redis",
+        action="store_true",
+        help="start once Redis answers, saying so on stderr (without it: start at once, and "
+        "answer UNAVAILABLE until Redis is up)",
+    )
     args = parser.parse_args(argv)
     overrides: dict[str, object] = {}
     if args.no_worker:
@@ -45,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ssdrbm server: configuration error: {exc}", file=sys.stderr)
         return 2
+    if args.wait_for_redis:
+        try:
+            wait_for_redis(settings, "ssdrbm server")
+        except KeyboardInterrupt:
+            return 130  # 128 + SIGINT, as shells expect
     pin_this_process(settings.serving_cpu_set, "serving")  # before gRPC starts its threads
     try:
         asyncio.run(serve(settings))

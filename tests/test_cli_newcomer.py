@@ -25,10 +25,10 @@ from matplotlib.colors import to_hex
 from ssdrbm.cli import main
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.plot import SweepCurve, sweep_figure, write_sweep_figure
-from ssdrbm.cli.servers import printable_url
 from ssdrbm.events import Metrics
 
 from ssdrbm_server.redis_process import RedisServer
+from ssdrbm_server.redis_wait import printable_url
 from tests.fixtures.console import SSDRBM, cli
 from tests.fixtures.redis import free_port
 
