@@ -27,6 +27,7 @@ from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 from ssdrbm_server.allocator import keep_freed_memory
 from ssdrbm_server.auth import AuthInterceptor
 from ssdrbm_server.config import Settings
+from ssdrbm_server.dashboard import dashboard_app
 from ssdrbm_server.errors import ErrorMappingInterceptor
 from ssdrbm_server.exposure import check_exposure, keep_warning
 from ssdrbm_server.http_front import HttpFront, RequestGate
@@ -141,8 +142,10 @@ class Service:
         # The HTTP front (health, the protocol's REST form), on the same loop; None when off.
         self.http: HttpFront | None = None
         if settings.http_port:
-            routes = inference_routes(settings, self.inference, RequestGate(settings, self.auth))
+            gate = RequestGate(settings, self.auth)
+            routes = inference_routes(settings, self.inference, gate)
             self.http = HttpFront(settings, routes, ready=self.ready)
+            self.http.mount_dashboard(dashboard_app(self.servicer, gate))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server

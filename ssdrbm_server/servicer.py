@@ -12,7 +12,7 @@ import logging
 import math
 import re
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -217,11 +217,21 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self, request: pb.StreamMetricsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MetricEvent]:
         job = await self._job(request.job_id)
+        async with self.metric_events(job, request.after, request.history_only) as events:
+            async for event in events:
+                yield event
+
+    @asynccontextmanager
+    async def metric_events(
+        self, job: JobRecord, after: str, history_only: bool = False
+    ) -> AsyncIterator[AsyncIterator[pb.MetricEvent]]:
+        """A metric stream of ``job`` (StreamMetrics, the dashboard's server-sent events): its
+        events after ``after``, in one of its tenant's stream slots, live ones through the job's
+        shared follower (event_fanout.py)."""
         with self.streams.hold(job.tenant, poll="GetJob"):
             # aclosing: a cancelled call leaves its job's follower at once, not at collection.
-            async with aclosing(self._events(job, request.after, request.history_only)) as events:
-                async for event in events:
-                    yield event
+            async with aclosing(self._events(job, after, history_only)) as events:
+                yield events
 
     def begin_shutdown(self) -> None:
         """End live metric streams now (UNAVAILABLE, resumable elsewhere), so a graceful
@@ -545,8 +555,12 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self.models.forget(job_id)
 
     async def _job(self, job_id: str) -> JobRecord:
+        return await self.tenant_job(current_tenant(), job_id)
+
+    async def tenant_job(self, tenant: str, job_id: str) -> JobRecord:
+        """The tenant's job; another tenant's is NOT_FOUND, worded like a missing one."""
         _check_id(job_id, "job_id")
-        return await self.stores.jobs.get(current_tenant(), job_id)
+        return await cancellable(self.stores.jobs.get(tenant, job_id))
 
 
 def _caller(context: grpc.aio.ServicerContext) -> Caller:

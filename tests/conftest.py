@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("SSDRBM_HTTP_PORT", "0")
 
 pytest_plugins = [
+    "tests.fixtures.browser",
     "tests.fixtures.redis",
     "tests.fixtures.service",
     "tests.fixtures.threads",

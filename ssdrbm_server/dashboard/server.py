@@ -1,0 +1,215 @@
+"""The dashboard's routes, mounted by the HTTP front under ``DASHBOARD_PATH`` (http_front.py).
+
+Pages (no data in them, so open): ``/`` the jobs list, ``/jobs/{id}`` a job's live curves; both
+are ``static/index.html``, whose script (``static/dashboard.js``) draws what the JSON routes
+answer. The JSON routes pass the front's ``RequestGate`` (bearer token, request slot):
+
+- ``GET /api/jobs``: the tenant's newest ``LIST_LIMIT`` jobs.
+- ``GET /api/jobs/{id}``: one job; another tenant's is 404, worded like a missing one.
+- ``POST /api/jobs/{id}/ticket``: a stream ticket (tickets.py) for the job's event stream.
+
+``GET /api/jobs/{id}/events?ticket=...&after=...`` is the job's metric events as server-sent
+events (``id:`` the resume token, ``event:`` metrics, state or backoff, ``data:`` JSON), then
+``event: end`` once the job has ended, or ``event: failed`` with the error's message (e.g. at
+shutdown; the page reconnects from its last id). It is the servicer's own metric stream
+(``RBMServicer.metric_events``: the replay, then the job's shared follower, in one of the
+tenant's stream slots), so a browser counts against ``SSDRBM_MAX_STREAMS_PER_TENANT`` as a
+StreamMetrics call does, and a refusal is answered before the stream starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+from typing import Any
+
+from ssdrbm.v1 import rbm_pb2
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from ssdrbm_server import convert
+from ssdrbm_server.dashboard.tickets import StreamTickets
+from ssdrbm_server.errors import ServiceError
+from ssdrbm_server.http_front import RequestGate, error_response
+from ssdrbm_server.servicer import RBMServicer
+from ssdrbm_server.store.records import JobRecord
+
+LIST_LIMIT = 100  # jobs the list shows, newest first
+BASE_MARK = "__BASE__"  # where index.html names the mount path
+STATIC = {  # file → media type: everything the pages load, all from the package
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+}
+# The pages load only their own script and style, and talk only to their own origin.
+PAGE_HEADERS = {
+    "content-security-policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "cache-control": "no-cache",
+    "x-content-type-options": "nosniff",
+}
+
+
+def _static(name: str) -> str:
+    return resources.files(__package__).joinpath("static", name).read_text(encoding="utf-8")
+
+
+def dashboard_app(servicer: RBMServicer, gate: RequestGate) -> Starlette:
+    """The dashboard as an ASGI app, for ``HttpFront.mount_dashboard``."""
+    dashboard = Dashboard(servicer, gate)
+    return Starlette(
+        routes=[
+            Route("/", dashboard.page, methods=["GET"]),
+            Route("/jobs/{job_id}", dashboard.page, methods=["GET"]),
+            Route("/static/{name}", dashboard.static, methods=["GET"]),
+            Route("/api/jobs", gate.route(dashboard.jobs), methods=["GET"]),
+            Route("/api/jobs/{job_id}", gate.route(dashboard.job), methods=["GET"]),
+            Route("/api/jobs/{job_id}/ticket", gate.route(dashboard.ticket), methods=["POST"]),
+            Route("/api/jobs/{job_id}/events", dashboard.events, methods=["GET"]),
+        ]
+    )
+
+
+class Dashboard:
+    """The routes' handlers over the servicer's stores and metric streams."""
+
+    def __init__(self, servicer: RBMServicer, gate: RequestGate) -> None:
+        self.servicer = servicer
+        self.gate = gate
+        self.tickets = StreamTickets()
+        self._index = _static("index.html")
+        self._files = {name: _static(name) for name in STATIC}
+
+    async def page(self, request: Request) -> Response:
+        base = request.scope.get("root_path", "")
+        return HTMLResponse(self._index.replace(BASE_MARK, base), headers=PAGE_HEADERS)
+
+    async def static(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in STATIC:
+            return JSONResponse({"error": f"no dashboard file {name!r}"}, status_code=404)
+        return Response(self._files[name], media_type=STATIC[name], headers=PAGE_HEADERS)
+
+    async def jobs(self, request: Request, tenant: str) -> Response:
+        records, more = await self.servicer.stores.jobs.list(
+            tenant, page_size=LIST_LIMIT, page_token="", state=None
+        )
+        return JSONResponse({"jobs": [job_json(record) for record in records], "more": bool(more)})
+
+    async def job(self, request: Request, tenant: str) -> Response:
+        record = await self.servicer.tenant_job(tenant, request.path_params["job_id"])
+        return JSONResponse(job_json(record))
+
+    async def ticket(self, request: Request, tenant: str) -> Response:
+        record = await self.servicer.tenant_job(tenant, request.path_params["job_id"])
+        return JSONResponse({"ticket": self.tickets.issue(tenant, record.id)})
+
+    async def events(self, request: Request) -> Response:
+        """The job's events as server-sent events, in one of the tenant's stream slots."""
+        job_id = request.path_params["job_id"]
+        streaming = contextlib.AsyncExitStack()
+        try:
+            tenant = self.tickets.redeem(request.query_params.get("ticket", ""), job_id)
+            record = await self.servicer.tenant_job(tenant, job_id)
+            after = request.query_params.get("after", "")
+            events = await streaming.enter_async_context(self.servicer.metric_events(record, after))
+        except Exception as exc:  # refused before the stream starts: a JSON error
+            await streaming.aclose()
+            return error_response(request, exc)
+        return EventStream(_server_sent(events), on_close=streaming.aclose)
+
+
+class EventStream(StreamingResponse):
+    """A ``text/event-stream`` answer that runs ``on_close`` however it ends (the job ended,
+    the client went away, shutdown): that releases the stream's slot and follower."""
+
+    def __init__(
+        self, content: AsyncIterator[str], *, on_close: Callable[[], Awaitable[Any]]
+    ) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+async def _server_sent(events: AsyncIterator[rbm_pb2.MetricEvent]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            kind = event.WhichOneof("event")
+            yield sse(kind, event_json(event), event.resume_token)
+    except ServiceError as exc:  # e.g. shutting down: the page reconnects from its last id
+        yield sse("failed", {"error": str(exc)})
+        return
+    yield sse("end", {})
+
+
+def sse(kind: str, data: dict[str, Any], event_id: str = "") -> str:
+    """One server-sent event (JSON never holds a raw newline, so ``data`` is one line)."""
+    head = f"id: {event_id}\n" if event_id else ""
+    return f"{head}event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def job_json(record: JobRecord) -> dict[str, Any]:
+    """What the pages show of a job."""
+    job = convert.job_to_proto(record)
+    latest = job.latest_metrics if job.HasField("latest_metrics") else None
+    return {
+        "id": record.id,
+        "name": record.name,
+        "state": record.state.value,
+        "step": record.step,
+        "total_steps": record.total_steps,
+        "reconstruction_error": None if latest is None else _finite(latest.reconstruction_error),
+        "backoffs": record.backoffs,
+        "error": record.error,
+    }
+
+
+def event_json(event: rbm_pb2.MetricEvent) -> dict[str, Any]:
+    """What the curves need of a metric event: the numbers a chart plots, by event kind."""
+    kind = event.WhichOneof("event")
+    if kind == "metrics":
+        metrics = event.metrics
+        return {
+            "step": metrics.step,
+            "total_steps": metrics.total_steps,
+            "reconstruction_error": _finite(metrics.reconstruction_error),
+            "log_likelihood": _optional(metrics, "log_likelihood"),
+            "lr": _optional(metrics, "lr"),
+        }
+    if kind == "backoff":
+        backoff = event.backoff
+        return {
+            "step": backoff.step,
+            "rollback_step": backoff.rollback_step,
+            "reason": backoff.reason,
+            "old_lr": backoff.old_lr,
+            "new_lr": backoff.new_lr,
+        }
+    state = convert.state_from_proto(event.state.state)
+    return {
+        "state": state.value if state is not None else "",
+        "message": event.state.message,
+        "step": event.state.step,
+    }
+
+
+def _optional(message: Any, field: str) -> float | None:
+    return _finite(getattr(message, field)) if message.HasField(field) else None
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no NaN or infinity (a blown-up run reports them): null, a gap in the curve."""
+    return value if math.isfinite(value) else None

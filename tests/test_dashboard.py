@@ -1,0 +1,224 @@
+"""The dashboard (ssdrbm_server/dashboard/) in a real headless Chromium, against the real service
+(gRPC API, in-process worker, Redis) with token authentication on for two tenants: signing in
+with a token, the jobs list showing a running job, its curve growing as it trains, another
+tenant's job invisible; then its event stream over plain HTTP: tickets, stream slots shared
+with StreamMetrics, and the job's one shared follower. Screenshots go to test-artifacts/."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Callable
+
+import pytest
+from ssdrbm.v1 import rbm_pb2 as pb
+
+from ssdrbm_server.http_front import DASHBOARD_PATH
+from tests.fixtures.browser import Browser
+from tests.fixtures.jobs import Follower, tiny_request
+from tests.fixtures.redis import free_port
+from tests.fixtures.service import RunningService
+from tests.test_http_front import wait_for
+
+ALPHA, BETA = "alpha-dashboard-token", "beta-dashboard-token"
+WAIT_S = 90.0  # a bound for a loaded 2-core machine, not a speed check
+# Long enough to be watched while it trains; each test cancels it when done.
+LONG_JOB = {"steps": 200_000, "eval": pb.EvalSpec(every=25, validation_fraction=0.2)}
+POINTS = "Number(document.getElementById('chart-reconstruction_error').dataset.points)"
+
+
+@pytest.fixture
+def dashboard(service_factory: Callable[..., RunningService]) -> RunningService:
+    """The service with token auth for tenants alpha and beta, its HTTP front on a free port."""
+    return service_factory(
+        auth_mode="token",
+        auth_tokens=f"{ALPHA}=alpha,{BETA}=beta",
+        http_port=free_port(),
+        max_streams_per_tenant=2,
+    )
+
+
+def url(running: RunningService, path: str = "/") -> str:
+    return f"http://127.0.0.1:{running.settings.http_port}{DASHBOARD_PATH}{path}"
+
+
+def start_running_job(running: RunningService) -> str:
+    """A long job of alpha's, once a worker runs it."""
+    stub = running.stub(token=ALPHA)
+    job_id = stub.StartTraining(tiny_request(**LONG_JOB), timeout=30).job.id
+    deadline = time.monotonic() + WAIT_S
+    while stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=30).state != pb.JOB_STATE_RUNNING:
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.2)
+    return job_id
+
+
+def cancel(running: RunningService, job_id: str) -> None:
+    running.stub(token=ALPHA).CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=30)
+
+
+def sign_in(browser: Browser, running: RunningService, token: str) -> None:
+    """Open the jobs page, which asks for a token, and sign in with ``token``."""
+    browser.navigate(url(running))
+    browser.wait_for("!document.getElementById('login').hidden", what="the sign-in form")
+    browser.evaluate(
+        f"document.getElementById('token').value = {json.dumps(token)};"
+        "document.getElementById('login').requestSubmit()"
+    )
+    browser.wait_for("!document.getElementById('jobs-view').hidden", what="the jobs list")
+
+
+def test_the_jobs_page_lists_a_running_job_whose_curve_grows(
+    dashboard: RunningService, browser: Browser
+) -> None:
+    job_id = start_running_job(dashboard)
+    try:
+        sign_in(browser, dashboard, ALPHA)
+        row = f"document.querySelector('tr[data-job-id=\"{job_id}\"]')"
+        browser.wait_for(f"{row} && {row}.innerText.includes('RUNNING')", what="the job's row")
+        assert browser.evaluate("sessionStorage.getItem('ssdrbm-token')") == ALPHA
+        browser.screenshot("dashboard-jobs")
+
+        browser.evaluate(f"{row}.querySelector('a').click()")  # to the job's page
+        first = browser.wait_for(f"{POINTS} >= 2 && {POINTS}", what="points on the curve")
+        later = browser.wait_for(
+            f"{POINTS} > {first} && {POINTS}", what=f"more than {first} points"
+        )
+        assert later > first
+        assert browser.evaluate("Number(document.getElementById('chart-lr').dataset.points)") > 0
+        assert browser.evaluate("location.pathname") == f"{DASHBOARD_PATH}/jobs/{job_id}"
+        browser.screenshot("dashboard-job")
+    finally:
+        cancel(dashboard, job_id)
+    browser.wait_for(
+        "document.getElementById('status').innerText.includes('ended')", what="the stream's end"
+    )
+
+
+def test_another_tenants_job_is_not_visible(dashboard: RunningService, browser: Browser) -> None:
+    job_id = start_running_job(dashboard)
+    try:
+        sign_in(browser, dashboard, BETA)
+        browser.wait_for(
+            "!document.getElementById('jobs-empty').hidden", what="beta's empty jobs list"
+        )
+        assert browser.evaluate("document.querySelectorAll('#jobs tbody tr').length") == 0
+        browser.screenshot("dashboard-other-tenant")
+
+        # Alpha's job and a job that does not exist read alike to beta.
+        status = "document.getElementById('status').innerText"
+        browser.navigate(url(dashboard, f"/jobs/{job_id}"))
+        theirs = browser.wait_for(f"{status}.includes('not found') && {status}", what="404")
+        browser.navigate(url(dashboard, "/jobs/no-such-job"))
+        missing = browser.wait_for(f"{status}.includes('not found') && {status}", what="404")
+        assert theirs.replace(job_id, "ID") == missing.replace("no-such-job", "ID")
+        assert browser.evaluate(f"{POINTS}") == 0
+        for path in (f"/api/jobs/{job_id}", f"/api/jobs/{job_id}/ticket"):
+            method = "POST" if path.endswith("ticket") else "GET"
+            status_code, answer = request(dashboard, method, path, BETA)
+            assert status_code == 404 and job_id in answer["error"], answer
+    finally:
+        cancel(dashboard, job_id)
+
+
+# --- the event stream over plain HTTP --------------------------------------------------------
+
+
+def request(running: RunningService, method: str, path: str, token: str | None) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", running.settings.http_port, timeout=30)
+    try:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        connection.request(method, f"{DASHBOARD_PATH}{path}", headers=headers)
+        answer = connection.getresponse()
+        return answer.status, json.loads(answer.read())
+    finally:
+        connection.close()
+
+
+class EventStream:
+    """One request for a job's event stream on its own connection, its headers read."""
+
+    def __init__(self, running: RunningService, job_id: str, ticket: str) -> None:
+        port = running.settings.http_port
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        path = f"{DASHBOARD_PATH}/api/jobs/{job_id}/events?ticket={ticket}"
+        self.connection.request("GET", path)
+        self.answer = self.connection.getresponse()
+        self.status = self.answer.status
+
+    def next_event(self) -> tuple[str, str, dict]:
+        """(id, kind, data) of the next server-sent event."""
+        fields: dict[str, str] = {}
+        while (line := self.answer.readline().decode()) != "\n":
+            name, _, value = line.rstrip("\n").partition(": ")
+            fields[name] = value
+        return fields.get("id", ""), fields["event"], json.loads(fields["data"])
+
+    def error(self) -> str:
+        return json.loads(self.answer.read())["error"]
+
+    def close(self) -> None:
+        self.answer.close()
+        self.connection.close()
+
+
+def ticket(running: RunningService, job_id: str) -> str:
+    status, answer = request(running, "POST", f"/api/jobs/{job_id}/ticket", ALPHA)
+    assert status == 200, answer
+    return answer["ticket"]
+
+
+def wait_for_subscribers(running: RunningService, job_id: str, count: int) -> None:
+    """Until ``count`` streams follow the job live through its one shared follower."""
+    assert running.service is not None
+    fanout = running.service.servicer.fanout
+
+    def subscribers() -> int:
+        follower = fanout.follower(job_id)
+        return 0 if follower is None else follower.subscribers
+
+    wait_for(lambda: subscribers() == count, f"{count} streams on the follower", within_s=WAIT_S)
+
+
+def test_event_streams_take_tickets_and_the_tenants_stream_slots_beside_stream_metrics(
+    dashboard: RunningService,
+) -> None:
+    """Two slots for alpha (max_streams_per_tenant=2): a StreamMetrics call and one event
+    stream share the job's one follower and fill them; a second event stream is refused (429)
+    until the first closes. A ticket opens one stream only, and only for its own job."""
+    job_id = start_running_job(dashboard)
+    grpc_follower = Follower(dashboard.stub(token=ALPHA), job_id)
+    try:
+        first_ticket = ticket(dashboard, job_id)
+        stream = EventStream(dashboard, job_id, first_ticket)
+        assert stream.status == 200
+        assert stream.answer.getheader("content-type", "").startswith("text/event-stream")
+        kinds = []
+        while not kinds or kinds[-1][0] != "metrics":
+            token, kind, data = stream.next_event()
+            assert token, "every event carries its resume token as its id"
+            kinds.append((kind, data))
+        assert kinds[0][0] == "state" and kinds[0][1]["state"] == "QUEUED", kinds
+        assert kinds[-1][1]["step"] > 0 and kinds[-1][1]["lr"] > 0, kinds
+
+        wait_for_subscribers(dashboard, job_id, 2)  # the gRPC stream and the event stream
+
+        refused = EventStream(dashboard, job_id, ticket(dashboard, job_id))
+        assert refused.status == 429
+        assert "SSDRBM_MAX_STREAMS_PER_TENANT=2" in refused.error()
+
+        spent = EventStream(dashboard, job_id, first_ticket)
+        assert spent.status == 401 and "ticket" in spent.error()
+        assert EventStream(dashboard, job_id, "").status == 401
+        other_job = dashboard.stub(token=ALPHA).StartTraining(tiny_request(), timeout=30).job.id
+        assert EventStream(dashboard, job_id, ticket(dashboard, other_job)).status == 401
+
+        stream.close()  # the slot comes back once the server sees it gone
+        wait_for_subscribers(dashboard, job_id, 1)
+        reopened = EventStream(dashboard, job_id, ticket(dashboard, job_id))
+        assert reopened.status == 200
+        reopened.close()
+    finally:
+        grpc_follower.cancel()
+        cancel(dashboard, job_id)
