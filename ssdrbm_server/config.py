@@ -165,6 +165,11 @@ class Settings:
     # unexpected exit) or hangs this many times ends FAILED; fewer are retried from the last
     # checkpoint. 3: a one-off crash is retried, a job that kills its process every time is not
     max_training_process_failures: int = 3
+    # Time sharing: a job (or pack) holds its worker this long at most while other work waits
+    # (another tenant's job, or its own tenant's plain job behind a sweep run); then it is
+    # checkpointed, put back at the front of its tenant's queue and resumes later on any
+    # worker. Nothing waiting: no preemption, the slice starts over (worker/runner.py)
+    slice_seconds: float = 60.0
     # Packed training (ssdrbm_server/worker/pack_claim.py): a free worker claims one job as
     # always, then up to max_pack_size - 1 more queued jobs with the same pack key (same model
     # shape and kind, batch size, CD-k, persistence, update rule, data and its split) and
@@ -323,6 +328,11 @@ class Settings:
             raise ConfigError(
                 "SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS must be above 0, not "
                 f"{self.child_heartbeat_timeout_seconds}"
+            )
+        if self.slice_seconds <= 0:
+            raise ConfigError(
+                "SSDRBM_SLICE_SECONDS must be above 0 (seconds a job holds its worker while "
+                f"other work waits), not {self.slice_seconds}"
             )
         if self.max_training_process_failures < 1:
             raise ConfigError(

@@ -290,8 +290,9 @@ class FencedJob:
             "job %s %s at step %d (attempt %d)", self.job_id, state.value, step, self.attempt
         )
 
-    async def release(self, *, step: int, message: str) -> None:
-        """Give the job back to the queue (QUEUED) for any worker to resume."""
+    async def release(self, *, step: int, message: str, front: bool = False) -> None:
+        """Give the job back to the queue (QUEUED) for any worker to resume; `front` puts it
+        first in its tenant's list (a preempted job keeps its place)."""
         event = state_event_fields(
             JobState.QUEUED, attempt=self.attempt, step=step, message=message
         )
@@ -301,6 +302,6 @@ class FencedJob:
         # A death before this step leaves the lease entry, which lapses and leads a worker to
         # claim the job: the same outcome as the queue entry this step adds.
         await self.index.follow(
-            self.job_id, self.tenant, JobState.QUEUED, self.attempt, enqueue=True
+            self.job_id, self.tenant, JobState.QUEUED, self.attempt, enqueue=True, front=front
         )
         logger.info("job %s released at step %d (attempt %d)", self.job_id, step, self.attempt)

@@ -72,7 +72,8 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 # KEYS: versions, leases, one state set per JobState (in enum order), then, to enqueue, the
 # queue keys (`_queue_keys`: rotation, served, ready, the tenant's list).
 # ARGV: job id, version, target (1-based position of the state set, 0 = none), lease deadline
-# ('' = no lease), enqueue ('1'/'0'), tenant.
+# ('' = no lease), enqueue ('0': no, '1': at the back of the tenant's list, '2': at its front),
+# tenant.
 # Returns 1 when applied, 0 when the indexes already show a newer version.
 # Enqueueing appends the job to its tenant's list; a tenant new to the rotation enters it at its
 # last turn (0: never served), so it is served before every tenant served since (queue.py).
@@ -81,7 +82,7 @@ local stored = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
 local version = tonumber(ARGV[2])
 if version < stored then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-local enqueue = ARGV[5] == '1'
+local enqueue = ARGV[5] ~= '0'
 local last_state = #KEYS
 if enqueue then last_state = #KEYS - 4 end
 local target = tonumber(ARGV[3])
@@ -100,7 +101,11 @@ end
 if enqueue and version > stored then
   local rotation, served = KEYS[#KEYS - 3], KEYS[#KEYS - 2]
   local ready, list = KEYS[#KEYS - 1], KEYS[#KEYS]
-  redis.call('RPUSH', list, ARGV[1])
+  if ARGV[5] == '2' then
+    redis.call('LPUSH', list, ARGV[1])
+  else
+    redis.call('RPUSH', list, ARGV[1])
+  end
   if not redis.call('ZSCORE', rotation, ARGV[6]) then
     redis.call('ZADD', rotation, redis.call('ZSCORE', served, ARGV[6]) or 0, ARGV[6])
   end
@@ -191,8 +196,10 @@ class JobIndex:
         target: int,
         lease_deadline: int | None,
         enqueue_for: str | None,
+        front: bool = False,
     ) -> None:
-        """One `_SYNC`; `enqueue_for` names the tenant whose queue gets the job (None: none)."""
+        """One `_SYNC`; `enqueue_for` names the tenant whose queue gets the job (None: none),
+        at the back of its list or, `front`, at its front."""
         queue_keys = [] if enqueue_for is None else self._queue_keys(enqueue_for)
         await self._sync(
             keys=[*self._global_keys(), *queue_keys],
@@ -201,7 +208,7 @@ class JobIndex:
                 version,
                 target,
                 "" if lease_deadline is None else lease_deadline,
-                "0" if enqueue_for is None else "1",
+                "0" if enqueue_for is None else "2" if front else "1",
                 enqueue_for or "",
             ],
         )
@@ -215,11 +222,13 @@ class JobIndex:
         *,
         lease_deadline: int | None = None,
         enqueue: bool = False,
+        front: bool = False,
     ) -> None:
         """Index the job as `state` at `attempt`, which its hash shows (or showed) already.
 
         RUNNING takes the lease deadline the hash holds; `enqueue` adds a queue entry when this
-        state is new to the indexes (a submitted or released job). Safe to repeat.
+        state is new to the indexes (a submitted or released job), at the front of its tenant's
+        list with `front` (a preempted job keeps its place). Safe to repeat.
         """
         if state.is_terminal:
             # Before the lease entry goes: while it exists, a claimer comes back here.
@@ -227,7 +236,8 @@ class JobIndex:
         target = list(JobState).index(state) + 1
         lease = lease_deadline if state is JobState.RUNNING else None
         queue_for = tenant if enqueue else None
-        await self._apply(job_id, index_version(state, attempt), target, lease, queue_for)
+        version = index_version(state, attempt)
+        await self._apply(job_id, version, target, lease, queue_for, front)
 
     async def leave_active(self, tenant: str, job_id: str, *, unlist: bool = False) -> None:
         """The job no longer counts against its tenant's limit, and no longer holds the

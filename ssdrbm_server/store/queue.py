@@ -31,6 +31,15 @@ for the same reason.
 Fairness: a tenant that queues its first job enters the rotation at its last turn, below every
 tenant served since, so each worker serves at most one other tenant's job before it (with W
 workers, one job slot per worker), however many jobs the others have queued.
+
+Time slices (worker/runner.py): a job or pack holds its worker for SSDRBM_SLICE_SECONDS at most
+while `would_serve_other` says the rotation would serve other work once its jobs are back in
+the queue. Then the jobs are checkpointed and released to the FRONT of their tenants' lists:
+the take already gave their tenant its turn, which the release leaves as it is (a tenant that
+left the rotation re-enters at that turn), so the job keeps its place and its tenant's turn is
+not spent again; the waiting tenant, served less recently, is taken next. Work that would
+only take the preempted job back (its own tenant is next, with nothing of higher priority
+queued) is not worth a preemption: the job keeps its worker and its slice starts over.
 """
 
 from __future__ import annotations
@@ -101,6 +110,27 @@ return moved
 )
 
 
+# KEYS: rotation, served. ARGV: the tenants of the running jobs. Returns 1 when, were those
+# jobs put back at the front of their tenants' lists, the rotation would first serve a tenant
+# other than theirs; else 0. Read-only: one call, however many tenants are waiting.
+_SERVES_OTHER = """
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if not first[1] then return 0 end
+local mine, mine_score = nil, nil
+for _, tenant in ipairs(ARGV) do
+  -- a tenant out of the rotation re-enters it at its last turn (0: never served)
+  local score = redis.call('ZSCORE', KEYS[1], tenant) or redis.call('ZSCORE', KEYS[2], tenant)
+  score = tonumber(score or '0')
+  if mine == nil or score < mine_score or (score == mine_score and tenant < mine) then
+    mine, mine_score = tenant, score
+  end
+end
+local score = tonumber(first[2])
+if score < mine_score or (score == mine_score and first[1] < mine) then return 1 end
+return 0
+"""
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -119,6 +149,7 @@ class JobQueue:
         self.keys = keys or Keys()
         self._take = redis.register_script(_TAKE)
         self._retake = redis.register_script(_RETAKE)
+        self._serves_other = redis.register_script(_SERVES_OTHER)
 
     async def read(self, consumer: str, *, block_ms: int, count: int = 1) -> list[tuple[str, str]]:
         """Up to `count` jobs, each from the least recently served tenant with work, waiting up to
@@ -161,6 +192,14 @@ class JobQueue:
             if status != _MOVED:
                 logger.warning("tenant %s was in the queue rotation without jobs", tenant)
         return None  # the rotation kept changing under us: the next round tries again
+
+    async def would_serve_other(self, tenants: list[str]) -> int:
+        """What the rotation would serve were running jobs of ``tenants`` put back at the front
+        of their lists: 0 those jobs again (a preemption gains nothing), 1 another tenant's."""
+        if not tenants:
+            return 0
+        keys = [self.keys.queue_rotation(), self.keys.queue_served()]
+        return int(await self._serves_other(keys=keys, args=sorted(set(tenants))))
 
     async def pending(self, consumer: str, *, count: int = 10) -> list[tuple[str, str]]:
         """Entries taken by `consumer` earlier and never acknowledged (after a restart)."""

@@ -107,6 +107,9 @@ class LeasedJob:
         self.rungs = RungGate(redis, self.keys, self.record)  # its sweep's early stopping
         # Asks the training process to checkpoint this job's run and stop it (set by the runner).
         self.stop_run: Callable[[], None] = lambda: None
+        # Why the runner preempted the job at its slice's end ("": it was not): the message of
+        # its release, which puts it back at the front of its tenant's queue.
+        self.preempted = ""
 
     async def heartbeat(self) -> bool:
         """Renew the job's lease (retried while Redis is down); True when a cancel was asked.
@@ -269,17 +272,23 @@ class LeasedJob:
         await self._idempotent(write, state)
         self.metrics.jobs_finished.labels(state=state.value).inc()
 
-    async def release(self, message: str) -> None:
-        """Give the job back to the queue to resume from its last checkpoint (fenced)."""
+    async def release(self, message: str, *, front: bool = False) -> None:
+        """Give the job back to the queue to resume from its last checkpoint (fenced); `front`
+        keeps its place at the front of its tenant's list (a preempted job)."""
 
         async def write() -> None:
-            await self.job.release(step=self.step, message=message)
+            await self.job.release(step=self.step, message=message, front=front)
 
         await self._idempotent(write, JobState.QUEUED)
 
     async def release_for_stop(self) -> str:
-        """Release the job because the worker is stopping (not the job's doing); RELEASED."""
-        await self.release(STOPPED_RELEASE)
+        """Release the job because its worker stopped it (not the job's doing): the worker is
+        stopping, or the job was preempted at its slice's end (back at the front of its
+        tenant's queue); RELEASED."""
+        if self.preempted and not self.stop.event.is_set():
+            await self.release(self.preempted, front=True)
+        else:
+            await self.release(STOPPED_RELEASE)
         return RELEASED
 
     async def _idempotent(self, write: Callable[[], Awaitable[None]], state: JobState) -> None:

@@ -16,6 +16,12 @@ job's index (``run``). What the runner does for the set:
 - *A run's end.* Finished, failed (blow-up with its backoffs spent, bad spec) or stopped (a
   sweep's early stopping, ``stop_run``: the job ends STOPPED): the process reports it for that
   run; the others go on.
+- *Time slice.* Once the jobs have held the worker SSDRBM_SLICE_SECONDS (from their start
+  here), one queue call per slice asks whether other work waits (store/queue.py,
+  ``would_serve_other``): another tenant's job, or a job of theirs that goes before them. If
+  so they are preempted: stopped as below, but released to the FRONT of their tenants' lists
+  with a "preempted" state event, to resume on any worker (a pack as a unit); if not, a new
+  slice starts and nothing is paid.
 - *Stop.* Graceful: the process checkpoints every run and each job is released to the queue.
   Immediate (or past SSDRBM_STOP_TIMEOUT_SECONDS): the process is killed and each job released
   to resume from its last checkpoint. Redis outages are ridden out by retrying meanwhile.
@@ -54,13 +60,13 @@ from ssdrbm_server.errors import NotFoundError
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.fencing import LeaseLostError
 from ssdrbm_server.store.leases import Lease
+from ssdrbm_server.store.queue import JobQueue
 from ssdrbm_server.store.records import JobRecord, JobState
 from ssdrbm_server.worker import protocol
 from ssdrbm_server.worker.leased_job import (
     LOST,
     REDIS_DOWN,
     RELEASED,
-    STOPPED_RELEASE,
     LeasedJob,
     StopRequest,
 )
@@ -74,6 +80,10 @@ logger = logging.getLogger(__name__)
 # buffers, the polar step's work space, and the trainer states a checkpoint serialises.
 PROCESS_BASE_MB = 400
 PARAMETER_COPIES = 8
+PREEMPTED = {  # the release message of a preempted job, by what waits (would_serve_other)
+    1: "preempted: another tenant's job waits (its time slice, SSDRBM_SLICE_SECONDS, is "
+    "over); resumes from its last checkpoint, first in its tenant's queue",
+}
 HUNG_ADVICE = (
     "if one evaluation legitimately takes longer, raise "
     "SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS or lower eval.ais_betas"
@@ -108,6 +118,9 @@ class Runner:
         self.child = child  # a ready training process, or None to start one
         self.idle_child: ChildProcess | None = None  # after run(): the child, if reusable
         self._given_at = 0.0  # monotonic time the child got the jobs; its silence counts from it
+        self._slice_end = 0.0  # monotonic time the jobs' slice ends (they may be preempted)
+        self._preempted = False  # asked to checkpoint and stop: other work waits
+        self._queue = JobQueue(redis, keys=keys)
         # The child may take other jobs: it never got these, or it reported the end of each.
         self._child_idle = True
 
@@ -213,6 +226,7 @@ class Runner:
             self.child = ChildProcess.for_settings(self.settings)
         self._child_idle = False
         self._given_at = time.monotonic()
+        self._slice_end = self._given_at + self.settings.slice_seconds
         for run, i in enumerate(self.runs):
             self.jobs[i].stop_run = functools.partial(self._stop_run, run)
         self.child.send(start)
@@ -252,10 +266,13 @@ class Runner:
                 await self._heartbeats()
                 if not self._open():
                     return
-            if self.stop.event.is_set():
-                if not self.stop.graceful or (stop_deadline and now > stop_deadline):
+                if now >= self._slice_end and not self._preempted:
+                    await self._slice_over()
+            if self.stop.event.is_set() or self._preempted:
+                hurried = self.stop.event.is_set() and not self.stop.graceful
+                if hurried or (stop_deadline and now > stop_deadline):
                     await child.kill()
-                    await self._release_open(STOPPED_RELEASE)
+                    await self._release_open()
                     return
                 if stop_deadline is None:
                     child.send(protocol.Message(protocol.STOP))
@@ -277,6 +294,24 @@ class Runner:
         # which it does after the drops already sent (the pipe keeps their order before a new
         # start).
         self._child_idle = True
+
+    async def _slice_over(self) -> None:
+        """The slice has passed: preempt the jobs when other work waits (the process then
+        checkpoints every run, and each job is released to the front of the queue); else a new
+        slice starts."""
+        tenants = [self.jobs[i].record.tenant for i in self._open()]
+        try:
+            waiting = await self._queue.would_serve_other(tenants)
+        except REDIS_DOWN:
+            return  # asked again at the next heartbeat; the training goes on meanwhile
+        if not waiting:
+            self._slice_end = time.monotonic() + self.settings.slice_seconds
+            return
+        message = PREEMPTED[int(waiting)]
+        logger.info("%s: preempted at its slice's end (%s)", self.name, message)
+        for i in self._open():
+            self.jobs[i].preempted = message
+        self._preempted = True
 
     async def _heartbeats(self) -> None:
         """Renew each open job's lease and read its cancel flag."""
@@ -336,9 +371,11 @@ class Runner:
         if outcome is not None:  # the process reported the run's end: it left there already
             self.outcomes[i] = outcome
 
-    async def _release_open(self, message: str) -> None:
+    async def _release_open(self) -> None:
+        """Release the open jobs the worker stopped (a stop or a preemption), each to resume
+        from its last checkpoint."""
         for i in self._open():
-            await self._end(i, RELEASED, lambda j: j.release(message))
+            await self._end(i, RELEASED, LeasedJob.release_for_stop)
 
     # --- the process died or hung ----------------------------------------------------------
 

@@ -1,0 +1,204 @@
+"""Workers shared in time: a job (or pack) holds its worker for one slice at most while other
+work waits, then is checkpointed, put back at the front of its tenant's queue and resumed
+later from that checkpoint, each metric step once in its stream.
+
+Real parts: a real redis-server, the real API on loopback, and one real worker process
+(`python -m ssdrbm_server.worker`, one job slot) with SSDRBM_SLICE_SECONDS=2.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from ssdrbm.v1 import rbm_pb2 as pb
+from ssdrbm.v1 import rbm_pb2_grpc
+
+from tests.fixtures.jobs import tiny_request
+from tests.fixtures.service import RunningService
+
+REPO = Path(__file__).resolve().parents[1]
+SLICE_S = 2.0
+LEASE_S = 3.0
+# Bounds for a loaded 2-core machine, not speed checks: the waiting tenant's job starts within
+# one slice (plus a heartbeat and a checkpoint) and then trains 10 steps.
+WAIT_BOUND_S = SLICE_S + 10.0
+END_BOUND_S = 90.0
+LONG_STEPS = 3000  # long enough to outlast a slice on any machine; short enough to end here
+EVERY = 100  # the long jobs' evaluation and checkpoint interval
+PREEMPTED = "preempted"
+
+
+@pytest.fixture
+def workers() -> Iterator[list[subprocess.Popen[str]]]:
+    """Worker processes a test starts, killed at its end if still running."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def start_worker(
+    redis_url: str, worker_id: str, log: Path, *, pack_size: int = 1
+) -> subprocess.Popen[str]:
+    """`python -m ssdrbm_server.worker` with one job slot and short slices; its INFO logs go to
+    ``log`` (a test reads them to act at the moment of a preemption)."""
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": redis_url,
+        "SSDRBM_WORKER_ID": worker_id,
+        "SSDRBM_LEASE_SECONDS": str(LEASE_S),
+        "SSDRBM_HEARTBEAT_SECONDS": "0.2",
+        "SSDRBM_SLICE_SECONDS": str(SLICE_S),
+        "SSDRBM_MAX_PACK_SIZE": str(pack_size),
+        "SSDRBM_TORCH_THREADS": "1",
+        "SSDRBM_ALLOW_NO_PERSISTENCE": "1",
+        "SSDRBM_LOG_LEVEL": "INFO",
+    }
+    with log.open("a") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ssdrbm_server.worker"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+
+def long_request(seed: int) -> pb.StartTrainingRequest:
+    """A job that outlasts several slices; jobs of different seeds pack together."""
+    training = pb.TrainingSpec(batch_size=20, steps=LONG_STEPS, seed=seed, checkpoint_every=EVERY)
+    return tiny_request(training=training, eval=pb.EvalSpec(every=EVERY, validation_fraction=0.2))
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll until ``condition``; the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, f"{what} did not happen in {timeout} s"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def state(stub: rbm_pb2_grpc.RBMServiceStub, job_id: str) -> int:
+    return stub.GetJob(pb.GetJobRequest(job_id=job_id)).state
+
+
+def stepped(stub: rbm_pb2_grpc.RBMServiceStub, job_id: str) -> bool:
+    """The job has trained a step (GetJob's step, reported with each evaluation)."""
+    job = stub.GetJob(pb.GetJobRequest(job_id=job_id))
+    return job.step > 0 or job.state == pb.JOB_STATE_SUCCEEDED
+
+
+def history(stub: rbm_pb2_grpc.RBMServiceStub, job_id: str) -> list[pb.MetricEvent]:
+    request = pb.StreamMetricsRequest(job_id=job_id, history_only=True)
+    return list(stub.StreamMetrics(request))
+
+
+def states(events: list[pb.MetricEvent]) -> list[pb.StateChange]:
+    return [event.state for event in events if event.WhichOneof("event") == "state"]
+
+
+def assert_each_step_once(events: list[pb.MetricEvent], total: int, every: int) -> None:
+    steps = [event.metrics.step for event in events if event.WhichOneof("event") == "metrics"]
+    assert steps == list(range(every, total + 1, every))
+
+
+def assert_preempted_and_resumed(events: list[pb.MetricEvent]) -> None:
+    """A release saying the job was preempted, and a later claim that resumes it."""
+    changes = states(events)
+    preempted = [i for i, c in enumerate(changes) if c.message.startswith(PREEMPTED)]
+    assert preempted, [c.message for c in changes]
+    assert changes[preempted[0]].state == pb.JOB_STATE_QUEUED
+    later = changes[preempted[0] + 1 :]
+    assert any(c.state == pb.JOB_STATE_RUNNING and "resuming" in c.message for c in later)
+
+
+def preemptions(events: list[pb.MetricEvent]) -> int:
+    return sum(c.message.startswith(PREEMPTED) for c in states(events))
+
+
+def two_tenants(
+    service_factory: Callable[..., RunningService],
+) -> tuple[rbm_pb2_grpc.RBMServiceStub, rbm_pb2_grpc.RBMServiceStub]:
+    """The API alone (workers run as workers), and stubs for the tenants alice and bob."""
+    running = service_factory(run_worker=False, auth_mode="token", auth_tokens="ta=alice,tb=bob")
+    return running.stub(token="ta"), running.stub(token="tb")
+
+
+def submit_long_jobs_then_another_tenants(
+    service_factory: Callable[..., RunningService],
+    redis_url: str,
+    workers: list[subprocess.Popen[str]],
+    log: Path,
+    *,
+    pack_size: int,
+) -> None:
+    """Alice's three long jobs hold the one worker, for two slices without preemption (only
+    her own jobs wait: the rotation would serve her again); then bob's 10-step job starts
+    within a slice, each of alice's jobs is preempted at most once and all end SUCCEEDED with
+    each step once."""
+    alice, bob = two_tenants(service_factory)
+    workers.append(start_worker(redis_url, "w1", log, pack_size=pack_size))
+    long_ids = [alice.StartTraining(long_request(seed)).job.id for seed in (1, 2, 3)]
+    first = long_ids[0]
+    wait_for(lambda: state(alice, first) == pb.JOB_STATE_RUNNING, END_BOUND_S, "a start")
+    time.sleep(2 * SLICE_S + 1)
+    assert state(alice, first) == pb.JOB_STATE_RUNNING, "LONG_STEPS is too short to test slices"
+    assert preemptions(history(alice, first)) == 0  # nothing another tenant's waited
+    short = bob.StartTraining(tiny_request(steps=10)).job.id
+    first_step = wait_for(lambda: stepped(bob, short), WAIT_BOUND_S, "bob's first step")
+    waited = wait_for(lambda: state(bob, short) == pb.JOB_STATE_SUCCEEDED, WAIT_BOUND_S, "bob's")
+    print(f"bob's job: first step {first_step:.1f} s after its submit, end {waited:.1f} s later")
+    for job_id in long_ids:
+        wait_for(lambda j=job_id: state(alice, j) == pb.JOB_STATE_SUCCEEDED, END_BOUND_S, "end")
+        events = history(alice, job_id)
+        assert_each_step_once(events, LONG_STEPS, EVERY)
+        assert preemptions(events) <= 1  # only for bob's job: never for her own
+    assert_preempted_and_resumed(history(alice, first))
+
+
+@pytest.mark.parametrize("pack_size", [1, 32], ids=["one-by-one", "packed"])
+def test_another_tenants_job_passes_three_long_jobs_within_a_slice(
+    service_factory: Callable[..., RunningService],
+    redis_url: str,
+    workers: list[subprocess.Popen[str]],
+    tmp_path: Path,
+    pack_size: int,
+) -> None:
+    submit_long_jobs_then_another_tenants(
+        service_factory, redis_url, workers, tmp_path / "w.log", pack_size=pack_size
+    )
+
+
+def test_a_worker_killed_during_a_preemption_loses_nothing(
+    service_factory: Callable[..., RunningService],
+    redis_url: str,
+    workers: list[subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of the worker as soon as it logs the preemption (the training process is then
+    checkpointing, or the job being released): another worker takes the job over from its last
+    checkpoint; both jobs end SUCCEEDED, each step once in the long job's stream."""
+    alice, bob = two_tenants(service_factory)
+    log = tmp_path / "w1.log"
+    workers.append(start_worker(redis_url, "w1", log))
+    long_id = alice.StartTraining(long_request(1)).job.id
+    wait_for(lambda: state(alice, long_id) == pb.JOB_STATE_RUNNING, END_BOUND_S, "a start")
+    short = bob.StartTraining(tiny_request(steps=10)).job.id
+    wait_for(lambda: "preempted at its slice" in log.read_text(), WAIT_BOUND_S, "a preemption")
+    workers[0].send_signal(signal.SIGKILL)
+    workers[0].wait()
+    workers.append(start_worker(redis_url, "w2", tmp_path / "w2.log"))
+    for stub, job_id in ((bob, short), (alice, long_id)):
+        wait_for(lambda s=stub, j=job_id: state(s, j) == pb.JOB_STATE_SUCCEEDED, END_BOUND_S, "end")
+    assert_each_step_once(history(alice, long_id), LONG_STEPS, EVERY)
