@@ -29,7 +29,9 @@ from pathlib import Path
 from types import FrameType
 
 from ssdrbm_server import demo
+from ssdrbm_server.config import Settings
 from ssdrbm_server.healthcheck import check
+from ssdrbm_server.http_front import dashboard_url
 from ssdrbm_server.readiness import READINESS
 from ssdrbm_server.redis_process import RedisServer, free_port
 
@@ -113,6 +115,7 @@ class LocalStack:
             self.service,
             f"the service ready (see {log})",
         )
+        print(f"dashboard: {dashboard_url(Settings.from_env(env)) or 'off'}", flush=True)
 
     @staticmethod
     def _wait(ready: Callable[[], bool], process: subprocess.Popen[bytes], what: str) -> None:

@@ -1,5 +1,5 @@
-"""The service's one HTTP front: health, the Open Inference Protocol's REST form, and the place a
-dashboard will mount, served by uvicorn on the gRPC server's own asyncio loop.
+"""The service's one HTTP front: health, the Open Inference Protocol's REST form, and the
+dashboard's mount point, served by uvicorn on the gRPC server's own asyncio loop.
 
 ``app.Service`` starts and stops it with the gRPC server (``SSDRBM_HTTP_ADDRESS``:
 ``SSDRBM_HTTP_PORT``, 127.0.0.1:8080 by default; port 0 turns it off; beyond loopback it follows
@@ -19,7 +19,9 @@ Routes:
   is SERVING (readiness.py: Redis answers and keeps what it acknowledges, the in-process worker
   runs), 503 otherwise and during shutdown.
 - The Open Inference Protocol's REST form (inference/rest.py), behind bearer tokens.
-- ``DASHBOARD_PATH``: where ``HttpFront.mount_dashboard`` mounts an ASGI app; nothing yet (404).
+- ``DASHBOARD_PATH``: where ``HttpFront.mount_dashboard`` mounts an ASGI app: the service mounts
+  the dashboard there (ssdrbm_server/dashboard/), its own routes behind ``RequestGate`` and its
+  event streams in the servicer's stream slots.
 
 Limits against slow and hostile clients (``SSDRBM_HTTP_*``, config.py), which uvicorn alone
 lacks, or counts before authentication:
@@ -304,6 +306,19 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return error_response(request, HttpError(HTTPStatus(exc.status_code), message))
 
 
+def dashboard_url(settings: Settings) -> str | None:
+    """The dashboard's address as a browser on this host opens it; None with the front off."""
+    if not settings.http_port:
+        return None
+    host = settings.http_address
+    if host in ("0.0.0.0", "::"):  # every interface: this host reaches it on loopback
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    scheme = "https" if settings.tls_cert_file else "http"
+    return f"{scheme}://{host}:{settings.http_port}{DASHBOARD_PATH}/"
+
+
 def _listen(address: str, port: int) -> socket.socket:
     """The front's listening socket, bound now, as the gRPC port is: a taken address stops the
     service before it starts (ConfigError: ``python -m ssdrbm_server`` exits 2 with the fix)."""
@@ -399,10 +414,11 @@ class HttpFront:
         if self._serving.done():
             self._serving.result()  # raises what stopped it
         logger.info(
-            "HTTP front on %s://%s:%d (health /v2/health/*, inference /v2)",
+            "HTTP front on %s://%s:%d (health /v2/health/*, inference /v2, dashboard %s/)",
             "https" if settings.tls_cert_file else "http",
             settings.http_address,
             self.port,
+            DASHBOARD_PATH,
         )
         return self.port
 
