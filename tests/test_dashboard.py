@@ -14,6 +14,8 @@ from collections.abc import Callable
 import pytest
 from ssdrbm.v1 import rbm_pb2 as pb
 
+from ssdrbm_server.dashboard.tickets import MAX_TICKETS, TICKET_TTL_S, StreamTickets
+from ssdrbm_server.errors import ResourceExhaustedError, UnauthenticatedError
 from ssdrbm_server.http_front import DASHBOARD_PATH
 from tests.fixtures.browser import Browser
 from tests.fixtures.jobs import Follower, tiny_request
@@ -222,3 +224,40 @@ def test_event_streams_take_tickets_and_the_tenants_stream_slots_beside_stream_m
     finally:
         grpc_follower.cancel()
         cancel(dashboard, job_id)
+
+
+def test_an_open_event_stream_ends_at_shutdown_without_holding_it_up(
+    dashboard: RunningService,
+) -> None:
+    """Graceful shutdown ends a dashboard's live stream at once, with the reason (the page
+    reconnects from its last id), as it does StreamMetrics calls; it does not wait for the job."""
+    job_id = start_running_job(dashboard)
+    stream = EventStream(dashboard, job_id, ticket(dashboard, job_id))
+    assert stream.status == 200
+    wait_for_subscribers(dashboard, job_id, 1)
+    started = time.monotonic()
+    dashboard.stop()
+    stopped_s = time.monotonic() - started
+    kinds = []
+    while not kinds or kinds[-1][0] != "failed":
+        _, kind, data = stream.next_event()
+        kinds.append((kind, data))
+    assert "shutting down" in kinds[-1][1]["error"], kinds[-1]
+    assert stream.answer.read() == b""  # then the stream ends
+    stream.close()
+    assert stopped_s < WAIT_S / 3, f"shutdown took {stopped_s:.1f} s with a stream open"
+
+
+def test_tickets_expire_and_are_bounded() -> None:
+    now = [0.0]
+    tickets = StreamTickets(clock=lambda: now[0])
+    late = tickets.issue("alpha", "job-1")
+    now[0] += TICKET_TTL_S
+    with pytest.raises(UnauthenticatedError, match="expired"):
+        tickets.redeem(late, "job-1")
+    for _ in range(MAX_TICKETS):
+        tickets.issue("alpha", "job-1")
+    with pytest.raises(ResourceExhaustedError, match=f"{MAX_TICKETS} unused stream tickets"):
+        tickets.issue("beta", "job-2")
+    now[0] += TICKET_TTL_S  # expired ones make room again
+    assert tickets.redeem(tickets.issue("beta", "job-2"), "job-2") == "beta"

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ssdrbm_server.errors import ResourceExhaustedError, UnauthenticatedError
+from ssdrbm_server.http_front import DASHBOARD_PATH
 
 TICKET_TTL_S = 30.0
 MAX_TICKETS = 1024  # outstanding in one process; a page holds one for well under a second
@@ -60,7 +61,7 @@ class StreamTickets:
         if found is None or found.expires_at <= self._clock() or found.job_id != job_id:
             raise UnauthenticatedError(
                 "unknown, used or expired stream ticket: ask for a new one with POST "
-                f"/dashboard/api/jobs/{job_id}/ticket (bearer token), and use it within "
+                f"{DASHBOARD_PATH}/api/jobs/{job_id}/ticket (bearer token), and use it within "
                 f"{TICKET_TTL_S:.0f} seconds",
                 reason="INVALID_TICKET",
             )

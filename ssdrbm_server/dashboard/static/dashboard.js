@@ -139,9 +139,11 @@ class JobCurves {
     on("state", (s) => { this.job.state = s.state; this.summarize(); });
     on("failed", (f) => setStatus(`stream interrupted: ${f.error}`));
     on("end", () => { this.ended = true; source.close(); setStatus("the job has ended"); });
-    source.onerror = () => {
+    source.onerror = () => { // refused (e.g. too many streams), dropped, or the server stopped
       source.close();
-      if (!this.ended) setTimeout(() => this.connect(), RECONNECT_MS);
+      if (this.ended) return;
+      setStatus("disconnected; reconnecting");
+      setTimeout(() => this.connect(), RECONNECT_MS);
     };
   }
 
