@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -41,12 +41,19 @@ class GibbsKernel:
 
     def of_run(self, run: int) -> GibbsKernel:
         """Run ``run``'s kernel, from a pack's kernel (tensors with a leading run axis)."""
-        values = {field.name: getattr(self, field.name) for field in fields(self)}
+
+        def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor[run]
+
         return GibbsKernel(
-            **{
-                name: value[run] if isinstance(value, torch.Tensor) else value
-                for name, value in values.items()
-            }
+            self.hidden_weight[run],
+            self.hidden_bias[run],
+            self.weight[run],
+            self.visible_bias[run],
+            self.gaussian,
+            pick(self.noise_scale),
+            pick(self.noise_transform),
+            pick(self.precision),
         )
 
 
