@@ -22,6 +22,7 @@ from tests.fixtures.jobs import Follower, tiny_request
 from tests.fixtures.redis import free_port
 from tests.fixtures.service import RunningService
 from tests.test_http_front import wait_for
+from tests.test_worker import diverging_spec
 
 ALPHA, BETA = "alpha-dashboard-token", "beta-dashboard-token"
 WAIT_S = 90.0  # a bound for a loaded 2-core machine, not a speed check
@@ -122,6 +123,29 @@ def test_another_tenants_job_is_not_visible(dashboard: RunningService, browser: 
             assert status_code == 404 and job_id in answer["error"], answer
     finally:
         cancel(dashboard, job_id)
+
+
+def test_backoffs_are_marked_on_the_curves_of_an_ended_job(
+    dashboard: RunningService, browser: Browser
+) -> None:
+    """A job that blew up and was rolled back (test_worker's diverging job): once it has ended,
+    its page replays the whole stream, one marker per backoff on each curve, then says so."""
+    stub = dashboard.stub(token=ALPHA)
+    job_id = stub.StartTraining(diverging_spec(steps=60), timeout=30).job.id
+    deadline = time.monotonic() + WAIT_S
+    while not (job := stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=30)).finished_at.seconds:
+        assert time.monotonic() < deadline, "the diverging job did not end"
+        time.sleep(0.2)
+    assert job.state == pb.JOB_STATE_SUCCEEDED and job.backoffs >= 1, job
+
+    sign_in(browser, dashboard, ALPHA)
+    browser.navigate(url(dashboard, f"/jobs/{job_id}"))
+    status = "document.getElementById('status').innerText"
+    browser.wait_for(f"{status}.includes('ended')", what="the replayed stream's end")
+    markers = "document.querySelectorAll('#chart-reconstruction_error line.backoff').length"
+    assert browser.evaluate(markers) == job.backoffs
+    assert browser.evaluate(f"{POINTS}") > 0
+    browser.screenshot("dashboard-backoffs")
 
 
 # --- the event stream over plain HTTP --------------------------------------------------------
