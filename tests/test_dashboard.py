@@ -143,7 +143,7 @@ def test_backoffs_are_marked_on_the_curves_of_an_ended_job(
     status = "document.getElementById('status').innerText"
     browser.wait_for(f"{status}.includes('ended')", what="the replayed stream's end")
     markers = "document.querySelectorAll('#chart-reconstruction_error line.backoff').length"
-    assert browser.evaluate(markers) == job.backoffs
+    browser.wait_for(f"{markers} === {job.backoffs}", what=f"{job.backoffs} backoff markers")
     assert browser.evaluate(f"{POINTS}") > 0
     browser.screenshot("dashboard-backoffs")
 
