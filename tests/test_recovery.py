@@ -192,19 +192,50 @@ def passes_a_detector_restarted_at(
     return blowup.value <= RECONSTRUCTION_GROWTH * min(since)
 
 
+class PacedTraining:
+    """The job's training process (the one child of this test process not in ``known``), held
+    still (SIGSTOP) while the test reads the job's record and let go (SIGCONT) between
+    readings. Between two readings it trains for a few milliseconds of its own, so however
+    loaded the machine, it cannot train far past the moment the test aims at (a window of
+    about a thousand steps, half a second on a quiet machine)."""
+
+    def __init__(self, known: set[int]) -> None:
+        self.known = known
+        self.pid: int | None = None
+
+    def hold(self) -> None:
+        if self.pid is None:
+            found = [pid for pid in training_processes_of(os.getpid()) if pid not in self.known]
+            if not found:
+                return  # not started yet: nothing to hold
+            assert len(found) == 1, found
+            self.pid = found[0]
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def release(self) -> None:
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGKILL)
+        os.kill(self.pid, signal.SIGCONT)  # a stopped process dies once it runs again
+
+
 def kill_training_process_once(stub, job_id: str, known: set[int], done) -> None:
     """SIGKILL the job's training process (the one not in ``known``) as soon as its record
-    satisfies ``done``."""
+    satisfies ``done``, reading the record while the process is held still."""
+    training = PacedTraining(known)
     deadline = time.monotonic() + WAIT_S
     while True:
+        training.hold()
         record = stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=10)
-        if done(record):
+        if done(record) and training.pid is not None:
             break
+        training.release()
         assert time.monotonic() < deadline, record
         time.sleep(0.005)
-    trainers = [pid for pid in training_processes_of(os.getpid()) if pid not in known]
-    assert len(trainers) == 1, trainers
-    os.kill(trainers[0], signal.SIGKILL)
+    training.kill()
 
 
 def ended_after_one_kill(
@@ -356,11 +387,19 @@ def test_a_packed_job_stopped_before_a_slow_blow_up_resumes_packed_and_backs_off
     ended: dict[str, Any] = {}
 
     async def stop_after_the_resume_point(h: PackHarness, job_ids: list[str], worker) -> None:
+        training = PacedTraining(set())  # the harness's worker runs in this process
         deadline = time.monotonic() + WAIT_S
-        while (await h.jobs.get(TENANT, job_ids[0])).step < SLOW_RESUME:
+        while True:
+            training.hold()
+            if (await h.jobs.get(TENANT, job_ids[0])).step >= SLOW_RESUME:
+                break
+            training.release()
             assert time.monotonic() < deadline
             await asyncio.sleep(0.005)
-        await worker.stop(graceful=True)
+        stopping = asyncio.ensure_future(worker.stop(graceful=True))
+        await asyncio.sleep(0.05)  # the stop request is on its way before the pack trains on
+        training.release()
+        await stopping
         stopped = [await h.wait_for_state(job_id, JobState.QUEUED) for job_id in job_ids]
         assert all(r.state is JobState.QUEUED and r.backoffs == 0 for r in stopped)
         assert all(summary(r).endswith(packed_summary(2)) for r in stopped)
