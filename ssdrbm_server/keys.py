@@ -108,6 +108,14 @@ class Keys:
     def tenant_queue(self, tenant: str) -> str:
         return f"{self.prefix}{{jobs}}:queue:{_no_braces('tenant', tenant)}"
 
+    def tenant_sweep_queue(self, tenant: str) -> str:
+        """The tenant's queued sweep runs, served after its other jobs (store/queue.py)."""
+        return f"{self.prefix}{{jobs}}:sweep-queue:{_no_braces('tenant', tenant)}"
+
+    def queue_for(self, tenant: str, *, sweep_run: bool = False) -> str:
+        """The list a queued job of the tenant goes into (a sweep's run or not)."""
+        return self.tenant_sweep_queue(tenant) if sweep_run else self.tenant_queue(tenant)
+
     def queue_rotation(self) -> str:
         return f"{self.prefix}{{jobs}}:tenants"
 

@@ -20,8 +20,10 @@ import pytest
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
+from ssdrbm_server.store import FencedJob, JobQueue, JobStore, LeaseStore
 from tests.fixtures.jobs import tiny_request
 from tests.fixtures.service import RunningService
+from tests.test_store import run, submit
 
 REPO = Path(__file__).resolve().parents[1]
 SLICE_S = 2.0
@@ -30,9 +32,44 @@ LEASE_S = 3.0
 # one slice (plus a heartbeat and a checkpoint) and then trains 10 steps.
 WAIT_BOUND_S = SLICE_S + 10.0
 END_BOUND_S = 90.0
-LONG_STEPS = 3000  # long enough to outlast a slice on any machine; short enough to end here
+# About 1 ms a step here: long enough to train through a slice with nothing waiting and on
+# past another tenant's submit, short enough to end in the test.
+LONG_STEPS = 6000
 EVERY = 100  # the long jobs' evaluation and checkpoint interval
 PREEMPTED = "preempted"
+
+
+def test_the_queue_says_when_a_preemption_serves_other_work(redis_url: str) -> None:
+    """The queue's side, step by step: a tenant's plain jobs go before its sweep runs; a
+    running job is worth preempting only when the rotation would serve other work (another
+    tenant's, or a plain job of its tenant while it is a sweep run); a preempted job goes back
+    to the front of its tenant's list, after the waiting tenant's turn."""
+
+    async def scenario(redis) -> None:
+        jobs, queue, leases = JobStore(redis), JobQueue(redis), LeaseStore(redis)
+
+        async def take() -> str:
+            [(entry, job_id)] = await queue.read("w1", block_ms=0)
+            await queue.ack(entry)
+            return job_id
+
+        sweep_runs = [(await submit(jobs, tenant="a", sweep_id="s1"))[0].id for _ in range(2)]
+        plain = (await submit(jobs, tenant="a"))[0].id
+        assert await take() == plain  # before the sweep runs queued ahead of it
+        lease = await leases.claim(plain, "w1", lease_ms=10_000)
+        assert lease is not None
+        assert await queue.would_serve_other({"a": False}) == 0  # only her own work waits
+        other = (await submit(jobs, tenant="b"))[0].id
+        assert await queue.would_serve_other({"a": False}) == 1  # b was never served
+        await FencedJob(redis, lease).release(step=0, message="preempted", front=True)
+        assert [await take() for _ in range(4)] == [other, plain, *sweep_runs]
+        lease = await leases.claim(sweep_runs[0], "w1", lease_ms=10_000)
+        assert await queue.would_serve_other({"a": True}) == 0
+        await submit(jobs, tenant="a")
+        assert await queue.would_serve_other({"a": True}) == 2  # a plain job of hers waits
+        assert await queue.would_serve_other({"a": False}) == 0  # a plain job of hers runs
+
+    run(redis_url, scenario)
 
 
 @pytest.fixture
@@ -74,9 +111,9 @@ def start_worker(
         )
 
 
-def long_request(seed: int) -> pb.StartTrainingRequest:
+def long_request(seed: int, steps: int = LONG_STEPS) -> pb.StartTrainingRequest:
     """A job that outlasts several slices; jobs of different seeds pack together."""
-    training = pb.TrainingSpec(batch_size=20, steps=LONG_STEPS, seed=seed, checkpoint_every=EVERY)
+    training = pb.TrainingSpec(batch_size=20, steps=steps, seed=seed, checkpoint_every=EVERY)
     return tiny_request(training=training, eval=pb.EvalSpec(every=EVERY, validation_fraction=0.2))
 
 
@@ -143,26 +180,31 @@ def submit_long_jobs_then_another_tenants(
     *,
     pack_size: int,
 ) -> None:
-    """Alice's three long jobs hold the one worker, for two slices without preemption (only
+    """Alice's three long jobs hold the one worker past a slice's end without preemption (only
     her own jobs wait: the rotation would serve her again); then bob's 10-step job starts
     within a slice, each of alice's jobs is preempted at most once and all end SUCCEEDED with
     each step once."""
     alice, bob = two_tenants(service_factory)
     workers.append(start_worker(redis_url, "w1", log, pack_size=pack_size))
-    long_ids = [alice.StartTraining(long_request(seed)).job.id for seed in (1, 2, 3)]
+    # The first outlasts the scenario; the two behind it are shortened to keep the test short.
+    totals = [LONG_STEPS, LONG_STEPS // 3, LONG_STEPS // 3]
+    long_ids = [
+        alice.StartTraining(long_request(seed, steps)).job.id
+        for seed, steps in enumerate(totals, start=1)
+    ]
     first = long_ids[0]
-    wait_for(lambda: state(alice, first) == pb.JOB_STATE_RUNNING, END_BOUND_S, "a start")
-    time.sleep(2 * SLICE_S + 1)
+    wait_for(lambda: stepped(alice, first), END_BOUND_S, "alice's first steps")
+    time.sleep(SLICE_S + 0.5)  # a slice's end passed in training, nothing else waiting
     assert state(alice, first) == pb.JOB_STATE_RUNNING, "LONG_STEPS is too short to test slices"
     assert preemptions(history(alice, first)) == 0  # nothing another tenant's waited
     short = bob.StartTraining(tiny_request(steps=10)).job.id
     first_step = wait_for(lambda: stepped(bob, short), WAIT_BOUND_S, "bob's first step")
     waited = wait_for(lambda: state(bob, short) == pb.JOB_STATE_SUCCEEDED, WAIT_BOUND_S, "bob's")
     print(f"bob's job: first step {first_step:.1f} s after its submit, end {waited:.1f} s later")
-    for job_id in long_ids:
+    for job_id, total in zip(long_ids, totals, strict=True):
         wait_for(lambda j=job_id: state(alice, j) == pb.JOB_STATE_SUCCEEDED, END_BOUND_S, "end")
         events = history(alice, job_id)
-        assert_each_step_once(events, LONG_STEPS, EVERY)
+        assert_each_step_once(events, total, EVERY)
         assert preemptions(events) <= 1  # only for bob's job: never for her own
     assert_preempted_and_resumed(history(alice, first))
 
@@ -193,7 +235,7 @@ def test_a_worker_killed_during_a_preemption_loses_nothing(
     log = tmp_path / "w1.log"
     workers.append(start_worker(redis_url, "w1", log))
     long_id = alice.StartTraining(long_request(1)).job.id
-    wait_for(lambda: state(alice, long_id) == pb.JOB_STATE_RUNNING, END_BOUND_S, "a start")
+    wait_for(lambda: stepped(alice, long_id), END_BOUND_S, "a checkpoint")  # step 100
     short = bob.StartTraining(tiny_request(steps=10)).job.id
     wait_for(lambda: "preempted at its slice" in log.read_text(), WAIT_BOUND_S, "a preemption")
     workers[0].send_signal(signal.SIGKILL)
@@ -201,4 +243,41 @@ def test_a_worker_killed_during_a_preemption_loses_nothing(
     workers.append(start_worker(redis_url, "w2", tmp_path / "w2.log"))
     for stub, job_id in ((bob, short), (alice, long_id)):
         wait_for(lambda s=stub, j=job_id: state(s, j) == pb.JOB_STATE_SUCCEEDED, END_BOUND_S, "end")
-    assert_each_step_once(history(alice, long_id), LONG_STEPS, EVERY)
+    events = history(alice, long_id)
+    assert_each_step_once(events, LONG_STEPS, EVERY)
+    resumed = [c.step for c in states(events) if c.state == pb.JOB_STATE_RUNNING][1:]
+    assert resumed and resumed[0] > 0  # from a checkpoint, not from the start
+
+
+def test_a_plain_job_passes_its_own_tenants_sweep_within_a_slice(
+    service_factory: Callable[..., RunningService],
+    redis_url: str,
+    workers: list[subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    """Sweep runs go after their tenant's other jobs: a plain job alice submits while her
+    sweep's runs hold the one worker (and more of them wait) starts within a slice; the run it
+    preempts says why, and every run ends SUCCEEDED with each step once."""
+    alice, _ = two_tenants(service_factory)
+    workers.append(start_worker(redis_url, "w1", tmp_path / "w.log"))
+    base = long_request(1)
+    base.optimizer.ClearField("lr")
+    axis = pb.SweepAxis(field="optimizer.lr", values=[0.05, 0.04])
+    runs = [
+        run.job_id for run in alice.StartSweep(pb.StartSweepRequest(base=base, axes=[axis])).runs
+    ]
+    wait_for(lambda: pb.JOB_STATE_RUNNING in [state(alice, r) for r in runs], END_BOUND_S, "a run")
+    plain = alice.StartTraining(tiny_request(steps=10)).job.id
+    first_step = wait_for(lambda: stepped(alice, plain), WAIT_BOUND_S, "the plain job's step")
+    print(f"the plain job's first step came {first_step:.1f} s after its submit")
+    assert any(state(alice, r) != pb.JOB_STATE_SUCCEEDED for r in runs)  # a run waits instead
+    for job_id in runs:
+        wait_for(lambda j=job_id: state(alice, j) == pb.JOB_STATE_SUCCEEDED, END_BOUND_S, "end")
+        assert_each_step_once(history(alice, job_id), LONG_STEPS, EVERY)
+    preempted = [
+        c.message
+        for r in runs
+        for c in states(history(alice, r))
+        if c.message.startswith(PREEMPTED)
+    ]
+    assert preempted and all("a job of its tenant waits" in m for m in preempted), preempted

@@ -302,6 +302,12 @@ class FencedJob:
         # A death before this step leaves the lease entry, which lapses and leads a worker to
         # claim the job: the same outcome as the queue entry this step adds.
         await self.index.follow(
-            self.job_id, self.tenant, JobState.QUEUED, self.attempt, enqueue=True, front=front
+            self.job_id,
+            self.tenant,
+            JobState.QUEUED,
+            self.attempt,
+            enqueue=True,
+            front=front,
+            sweep_run=bool(self.lease.record.sweep_id),
         )
         logger.info("job %s released at step %d (attempt %d)", self.job_id, step, self.attempt)

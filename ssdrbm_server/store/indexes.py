@@ -70,7 +70,7 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 """
 
 # KEYS: versions, leases, one state set per JobState (in enum order), then, to enqueue, the
-# queue keys (`_queue_keys`: rotation, served, ready, the tenant's list).
+# queue keys (`_queue_keys`: rotation, served, ready, the tenant's list the job goes into).
 # ARGV: job id, version, target (1-based position of the state set, 0 = none), lease deadline
 # ('' = no lease), enqueue ('0': no, '1': at the back of the tenant's list, '2': at its front),
 # tenant.
@@ -181,12 +181,12 @@ class JobIndex:
         states = [self.keys.jobs_in_state(state.value) for state in JobState]
         return [self.keys.index_versions(), self.keys.leases(), *states]
 
-    def _queue_keys(self, tenant: str) -> list[str]:
+    def _queue_keys(self, tenant: str, sweep_run: bool) -> list[str]:
         return [
             self.keys.queue_rotation(),
             self.keys.queue_served(),
             self.keys.queue_ready(),
-            self.keys.tenant_queue(tenant),
+            self.keys.queue_for(tenant, sweep_run=sweep_run),
         ]
 
     async def _apply(
@@ -197,10 +197,12 @@ class JobIndex:
         lease_deadline: int | None,
         enqueue_for: str | None,
         front: bool = False,
+        sweep_run: bool = False,
     ) -> None:
         """One `_SYNC`; `enqueue_for` names the tenant whose queue gets the job (None: none),
-        at the back of its list or, `front`, at its front."""
-        queue_keys = [] if enqueue_for is None else self._queue_keys(enqueue_for)
+        at the back of its list or, `front`, at its front; a sweep's run goes into the
+        tenant's list of sweep runs (store/queue.py)."""
+        queue_keys = [] if enqueue_for is None else self._queue_keys(enqueue_for, sweep_run)
         await self._sync(
             keys=[*self._global_keys(), *queue_keys],
             args=[
@@ -223,12 +225,14 @@ class JobIndex:
         lease_deadline: int | None = None,
         enqueue: bool = False,
         front: bool = False,
+        sweep_run: bool = False,
     ) -> None:
         """Index the job as `state` at `attempt`, which its hash shows (or showed) already.
 
         RUNNING takes the lease deadline the hash holds; `enqueue` adds a queue entry when this
         state is new to the indexes (a submitted or released job), at the front of its tenant's
-        list with `front` (a preempted job keeps its place). Safe to repeat.
+        list with `front` (a preempted job keeps its place); `sweep_run`: a sweep's run, queued
+        behind the tenant's other jobs (store/queue.py). Safe to repeat.
         """
         if state.is_terminal:
             # Before the lease entry goes: while it exists, a claimer comes back here.
@@ -237,7 +241,7 @@ class JobIndex:
         lease = lease_deadline if state is JobState.RUNNING else None
         queue_for = tenant if enqueue else None
         version = index_version(state, attempt)
-        await self._apply(job_id, version, target, lease, queue_for, front)
+        await self._apply(job_id, version, target, lease, queue_for, front, sweep_run)
 
     async def leave_active(self, tenant: str, job_id: str, *, unlist: bool = False) -> None:
         """The job no longer counts against its tenant's limit, and no longer holds the

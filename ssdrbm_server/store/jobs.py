@@ -309,7 +309,7 @@ class JobStore:
         if reservation.existing is not None:
             logger.info("repeated request id for tenant %s: job %s", tenant, reservation.job_id)
             return reservation.existing, False
-        await self._admit_job(tenant, job_id, reservation.seq)
+        await self._admit_job(tenant, job_id, reservation.seq, sweep_run=bool(sweep_id))
         logger.info("job %s submitted by tenant %s", job_id, tenant)
         return await self.get(tenant, job_id), True
 
@@ -364,9 +364,11 @@ class JobStore:
             return None  # its delete began after the read: the record may be gone already
         return record
 
-    async def _admit_job(self, tenant: str, job_id: str, seq: int) -> None:
+    async def _admit_job(self, tenant: str, job_id: str, seq: int, *, sweep_run: bool) -> None:
         """Steps 3 and 4: queue the job (once, however often this runs), then keep it."""
-        await self.index.follow(job_id, tenant, JobState.QUEUED, 0, enqueue=True)
+        await self.index.follow(
+            job_id, tenant, JobState.QUEUED, 0, enqueue=True, sweep_run=sweep_run
+        )
         if not await self._admit(keys=self._job_keys(job_id), args=[seq]):
             raise UnavailableError(f"job {job_id} expired before it was admitted; submit again")
 
@@ -400,7 +402,8 @@ class JobStore:
             return True
         if found.unadmitted:
             seq = await self.redis.zscore(self.keys.tenant_jobs(tenant), job_id)
-            await self._admit_job(tenant, job_id, int(seq or 0))
+            sweep_run = bool(await self.redis.hget(self.keys.job(job_id), "sweep_id"))
+            await self._admit_job(tenant, job_id, int(seq or 0), sweep_run=sweep_run)
         return False
 
     async def _repair_active(self, tenant: str) -> bool:

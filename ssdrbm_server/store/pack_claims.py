@@ -30,13 +30,17 @@ logger = logging.getLogger(__name__)
 SCAN_PER_TENANT = 256  # queued jobs of one tenant looked at for riders (from the oldest)
 SCAN_TENANTS = 64  # tenants looked at for riders, in rotation order
 
-# KEYS: rotation, taken, ready, the tenant's list. ARGV: tenant, job id, worker.
-# Returns the taken entry, or '' when the job is no longer in the list (someone took it).
+# KEYS: rotation, taken, ready, the tenant's list, its sweep runs' list. ARGV: tenant, job id,
+# worker. Returns the taken entry, or '' when the job is in neither list (someone took it).
 _TAKE_JOB = (
     NOW_MS
     + """
-if redis.call('LREM', KEYS[4], 1, ARGV[2]) == 0 then return '' end
-if redis.call('LLEN', KEYS[4]) == 0 then redis.call('ZREM', KEYS[1], ARGV[1]) end
+if redis.call('LREM', KEYS[4], 1, ARGV[2]) + redis.call('LREM', KEYS[5], 1, ARGV[2]) == 0 then
+  return ''
+end
+if redis.call('LLEN', KEYS[4]) + redis.call('LLEN', KEYS[5]) == 0 then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
 if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[3]) end
 local entry = ARGV[2] .. ' ' .. ARGV[3]
 redis.call('ZADD', KEYS[2], now, entry)
@@ -64,11 +68,15 @@ class PackClaims:
         return [first, *others]
 
     async def matching(self, tenant: str, pack_key: str, limit: int) -> list[str]:
-        """Up to ``limit`` of the tenant's queued job ids with ``pack_key``, oldest first."""
+        """Up to ``limit`` of the tenant's queued job ids with ``pack_key``, in the order its
+        turns take them (its plain jobs, then its sweep runs; oldest first in each)."""
         if limit <= 0 or not pack_key:
             return []
-        listed = await self.redis.lrange(self.keys.tenant_queue(tenant), 0, SCAN_PER_TENANT - 1)
-        job_ids = [_text(j) for j in listed]
+        job_ids: list[str] = []
+        for key in (self.keys.tenant_queue(tenant), self.keys.tenant_sweep_queue(tenant)):
+            room = SCAN_PER_TENANT - len(job_ids)
+            if room > 0:
+                job_ids += [_text(j) for j in await self.redis.lrange(key, 0, room - 1)]
         if not job_ids:
             return []
         # One key per call (job hashes live in their own slots): a pipeline, not a script.
@@ -87,6 +95,7 @@ class PackClaims:
                 self.keys.queue_taken(),
                 self.keys.queue_ready(),
                 self.keys.tenant_queue(tenant),
+                self.keys.tenant_sweep_queue(tenant),
             ],
             args=[tenant, job_id, consumer],
         )

@@ -1,8 +1,9 @@
 """The job queue: one list per tenant, served in rotation, so no tenant's backlog delays others.
 
 Keys, all in the `{jobs}` slot (so each step below is one script):
-- `{jobs}:queue:<tenant>` lists the tenant's queued job ids, oldest first;
-- `{jobs}:tenants` holds exactly the tenants whose list is not empty, scored by the turn at
+- `{jobs}:queue:<tenant>` lists the tenant's queued job ids, oldest first, and
+  `{jobs}:sweep-queue:<tenant>` its queued sweep runs, oldest first (priorities below);
+- `{jobs}:tenants` holds exactly the tenants whose lists are not both empty, scored by the turn at
   which each was last served; a worker serves the lowest score (least recently served);
 - `{jobs}:served` keeps each tenant's last turn (turns count up: `take` gives the next one), also
   while its list is empty, so a tenant that queues one job at a time re-enters the rotation at
@@ -16,8 +17,15 @@ Keys, all in the `{jobs}` slot (so each step below is one script):
 Jobs are queued by the job index (indexes.py), in the versioned step that marks them QUEUED: a
 submit or release that is repeated queues the job once, and the list and the rotation change
 together. Taking is one script: check that the tenant read is still the least recently served,
-pop its oldest job, give the tenant the next turn (it leaves the rotation when its list is now
-empty) and record the job as taken. The order with the claim (job slot) makes a death safe:
+pop its next job, give the tenant the next turn (it leaves the rotation when its lists are now
+empty) and record the job as taken.
+
+Priorities within a tenant: a tenant's turn takes its oldest job that is not a sweep's run
+(`{jobs}:queue:<tenant>`); only when it has none does the turn take its oldest sweep run
+(`{jobs}:sweep-queue:<tenant>`). A sweep queues many runs at once, and those must not starve the
+same tenant's plain jobs: a plain job waits for the tenant's plain jobs queued before it, never
+for its sweeps. With time slices (below), a plain job queued while the same tenant's sweep runs
+hold every worker starts within one slice. The order with the claim (job slot) makes a death safe:
 1. take ({jobs} slot): the job moves from its tenant's list to `taken`;
 2. claim (job slot, store/leases.py): the job hash decides; it refuses a job that is not QUEUED
    (cancelled, finished, deleted, or held by a valid lease), so a stale entry is harmless;
@@ -58,7 +66,8 @@ _JOB_ID_CHARS = 32  # a taken entry is `<job id> <worker>`; job ids have this fi
 
 _TAKEN, _MOVED = b"taken", b"moved"
 
-# KEYS: rotation, served, taken, ready, the tenant's list. ARGV: tenant, worker, turns kept.
+# KEYS: rotation, served, taken, ready, the tenant's list, its sweep runs' list. ARGV: tenant,
+# worker, turns kept.
 # Returns {'taken', entry} or {'moved', ''} (the tenant is no longer first: read again) or
 # {'empty', ''} (a rotation entry without jobs, removed: cannot happen unless data was lost).
 _TAKE = (
@@ -67,12 +76,13 @@ _TAKE = (
 local first = redis.call('ZRANGE', KEYS[1], 0, 0)
 if first[1] ~= ARGV[1] then return {'moved', ''} end
 local job = redis.call('LPOP', KEYS[5])
+if not job then job = redis.call('LPOP', KEYS[6]) end
 local newest = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
 local turn = 1
 if newest[2] then turn = tonumber(newest[2]) + 1 end
 redis.call('ZADD', KEYS[2], turn, ARGV[1])
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[3]) - 1)
-if redis.call('LLEN', KEYS[5]) > 0 then
+if redis.call('LLEN', KEYS[5]) + redis.call('LLEN', KEYS[6]) > 0 then
   redis.call('ZADD', KEYS[1], turn, ARGV[1])
 else
   redis.call('ZREM', KEYS[1], ARGV[1])
@@ -110,23 +120,29 @@ return moved
 )
 
 
-# KEYS: rotation, served. ARGV: the tenants of the running jobs. Returns 1 when, were those
-# jobs put back at the front of their tenants' lists, the rotation would first serve a tenant
-# other than theirs; else 0. Read-only: one call, however many tenants are waiting.
+# KEYS: rotation, served, then each running tenant's list of plain jobs. ARGV: the running
+# tenants, each followed by '1' when its running jobs here are all sweep runs, else '0'.
+# Were those jobs put back at the front of their lists, the rotation would serve first:
+# 1 another tenant; 2 a plain job of the first of their tenants, whose running jobs are sweep
+# runs; 0 those jobs again. Read-only: one call, however many tenants wait.
 _SERVES_OTHER = """
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 if not first[1] then return 0 end
-local mine, mine_score = nil, nil
-for _, tenant in ipairs(ARGV) do
+local mine, mine_score, mine_at = nil, nil, 0
+for i = 1, #ARGV, 2 do
+  local tenant = ARGV[i]
   -- a tenant out of the rotation re-enters it at its last turn (0: never served)
   local score = redis.call('ZSCORE', KEYS[1], tenant) or redis.call('ZSCORE', KEYS[2], tenant)
   score = tonumber(score or '0')
   if mine == nil or score < mine_score or (score == mine_score and tenant < mine) then
-    mine, mine_score = tenant, score
+    mine, mine_score, mine_at = tenant, score, i
   end
 end
 local score = tonumber(first[2])
 if score < mine_score or (score == mine_score and first[1] < mine) then return 1 end
+if ARGV[mine_at + 1] == '1' and redis.call('LLEN', KEYS[2 + (mine_at + 1) / 2]) > 0 then
+  return 2
+end
 return 0
 """
 
@@ -184,6 +200,7 @@ class JobQueue:
                     self.keys.queue_taken(),
                     self.keys.queue_ready(),
                     self.keys.tenant_queue(tenant),
+                    self.keys.tenant_sweep_queue(tenant),
                 ],
                 args=[tenant, consumer, SERVED_KEPT],
             )
@@ -193,13 +210,18 @@ class JobQueue:
                 logger.warning("tenant %s was in the queue rotation without jobs", tenant)
         return None  # the rotation kept changing under us: the next round tries again
 
-    async def would_serve_other(self, tenants: list[str]) -> int:
-        """What the rotation would serve were running jobs of ``tenants`` put back at the front
-        of their lists: 0 those jobs again (a preemption gains nothing), 1 another tenant's."""
-        if not tenants:
+    async def would_serve_other(self, running: dict[str, bool]) -> int:
+        """What the rotation would serve were the running jobs put back at the front of their
+        lists (``running``: each of their tenants, and whether its jobs there are all sweep
+        runs): 0 those jobs again (a preemption gains nothing), 1 another tenant's job, 2 a
+        plain job of theirs (it goes before sweep runs)."""
+        if not running:
             return 0
+        tenants = sorted(running)
         keys = [self.keys.queue_rotation(), self.keys.queue_served()]
-        return int(await self._serves_other(keys=keys, args=sorted(set(tenants))))
+        keys += [self.keys.tenant_queue(tenant) for tenant in tenants]
+        args = [part for t in tenants for part in (t, "1" if running[t] else "0")]
+        return int(await self._serves_other(keys=keys, args=args))
 
     async def pending(self, consumer: str, *, count: int = 10) -> list[tuple[str, str]]:
         """Entries taken by `consumer` earlier and never acknowledged (after a restart)."""
@@ -223,10 +245,10 @@ class JobQueue:
 
     async def length(self) -> int:
         """Jobs queued or taken and not yet acknowledged."""
-        tenants = await self.redis.zrange(self.keys.queue_rotation(), 0, -1)
-        queued = [
-            await self.redis.llen(self.keys.tenant_queue(_text(tenant))) for tenant in tenants
-        ]
+        tenants = [_text(t) for t in await self.redis.zrange(self.keys.queue_rotation(), 0, -1)]
+        lists = [self.keys.tenant_queue(t) for t in tenants]
+        lists += [self.keys.tenant_sweep_queue(t) for t in tenants]
+        queued = [await self.redis.llen(key) for key in lists]
         return sum(queued) + int(await self.redis.zcard(self.keys.queue_taken()))
 
     async def rotation(self) -> list[str]:

@@ -83,6 +83,9 @@ PARAMETER_COPIES = 8
 PREEMPTED = {  # the release message of a preempted job, by what waits (would_serve_other)
     1: "preempted: another tenant's job waits (its time slice, SSDRBM_SLICE_SECONDS, is "
     "over); resumes from its last checkpoint, first in its tenant's queue",
+    2: "preempted: a job of its tenant waits, and sweep runs go after the tenant's other jobs "
+    "(its time slice, SSDRBM_SLICE_SECONDS, is over); resumes from its last checkpoint, "
+    "first among its tenant's sweep runs",
 }
 HUNG_ADVICE = (
     "if one evaluation legitimately takes longer, raise "
@@ -299,9 +302,12 @@ class Runner:
         """The slice has passed: preempt the jobs when other work waits (the process then
         checkpoints every run, and each job is released to the front of the queue); else a new
         slice starts."""
-        tenants = [self.jobs[i].record.tenant for i in self._open()]
+        running: dict[str, bool] = {}  # each tenant: whether its jobs here are all sweep runs
+        for i in self._open():
+            record = self.jobs[i].record
+            running[record.tenant] = running.get(record.tenant, True) and bool(record.sweep_id)
         try:
-            waiting = await self._queue.would_serve_other(tenants)
+            waiting = await self._queue.would_serve_other(running)
         except REDIS_DOWN:
             return  # asked again at the next heartbeat; the training goes on meanwhile
         if not waiting:

@@ -6,8 +6,11 @@ Where the next job comes from, in order:
 2. at start, queue entries this worker id took before a restart and never acknowledged;
 3. queue entries another worker took and left unacknowledged for a lease length (that worker
    died between taking and claiming);
-4. the oldest job of the least recently served tenant with queued jobs (tenants in rotation,
-   store/queue.py), waiting briefly for one so that `stop()` is noticed quickly.
+4. the next job of the least recently served tenant with queued jobs (tenants in rotation,
+   store/queue.py: its oldest plain job, else its oldest sweep run), waiting briefly for one
+   so that `stop()` is noticed quickly.
+A job or pack gives its worker up at the end of an SSDRBM_SLICE_SECONDS slice while other work
+waits (worker/runner.py), and the worker takes the next job as above.
 Then, with SSDRBM_MAX_PACK_SIZE > 1, up to that many more jobs with the same pack key join it
 (worker/pack_claim.py) and the jobs train as one pack in one process (worker/runner.py).
 """
