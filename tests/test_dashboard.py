@@ -237,6 +237,8 @@ def test_event_streams_take_tickets_and_the_tenants_stream_slots_beside_stream_m
         spent = EventStream(dashboard, job_id, first_ticket)
         assert spent.status == 401 and "ticket" in spent.error()
         assert EventStream(dashboard, job_id, "").status == 401
+        bad_after = EventStream(dashboard, job_id, f"{ticket(dashboard, job_id)}&after=x")
+        assert bad_after.status == 400 and "after" in bad_after.error()
         other_job = dashboard.stub(token=ALPHA).StartTraining(tiny_request(), timeout=30).job.id
         assert EventStream(dashboard, job_id, ticket(dashboard, other_job)).status == 401
 

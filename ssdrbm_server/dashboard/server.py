@@ -38,6 +38,7 @@ from ssdrbm_server.dashboard.tickets import StreamTickets
 from ssdrbm_server.errors import ServiceError
 from ssdrbm_server.http_front import RequestGate, error_response
 from ssdrbm_server.servicer import RBMServicer
+from ssdrbm_server.store.events import check_token
 from ssdrbm_server.store.records import JobRecord
 
 LIST_LIMIT = 100  # jobs the list shows, newest first
@@ -116,6 +117,7 @@ class Dashboard:
             tenant = self.tickets.redeem(request.query_params.get("ticket", ""), job_id)
             record = await self.servicer.tenant_job(tenant, job_id)
             after = request.query_params.get("after", "")
+            check_token(after)  # a bad one is 400 here, not an error inside a started stream
             events = await streaming.enter_async_context(self.servicer.metric_events(record, after))
         except Exception as exc:  # refused before the stream starts: a JSON error
             await streaming.aclose()
