@@ -4,7 +4,8 @@ Pages (no data in them, so open): ``/`` the jobs list, ``/jobs/{id}`` a job's li
 are ``static/index.html``, whose script (``static/dashboard.js``) draws what the JSON routes
 answer. The JSON routes pass the front's ``RequestGate`` (bearer token, request slot):
 
-- ``GET /api/jobs``: the tenant's newest ``LIST_LIMIT`` jobs.
+- ``GET /api/jobs``: the tenant's newest ``LIST_LIMIT`` jobs (the list page asks again every
+  two seconds: one small request, where a stream per job listed would take the stream slots).
 - ``GET /api/jobs/{id}``: one job; another tenant's is 404, worded like a missing one.
 - ``POST /api/jobs/{id}/ticket``: a stream ticket (tickets.py) for the job's event stream.
 
