@@ -98,6 +98,12 @@ class WorkerMetrics:
             "Training processes that died or hung during a job (each one a retry of the job)",
             registry=self.registry,
         )
+        self.preemptions = Counter(
+            "ssdrbm_preemptions",
+            "Jobs checkpointed and put back in the queue at their time slice's end because "
+            "other work waited (SSDRBM_SLICE_SECONDS)",
+            registry=self.registry,
+        )
         self.backoffs = Counter(
             "ssdrbm_training_backoffs",
             "Blow-ups rolled back to the last good state, training going on with smaller steps",

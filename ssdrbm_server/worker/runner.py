@@ -317,6 +317,7 @@ class Runner:
         logger.info("%s: preempted at its slice's end (%s)", self.name, message)
         for i in self._open():
             self.jobs[i].preempted = message
+            self.metrics.preemptions.inc()
         self._preempted = True
 
     async def _heartbeats(self) -> None:
