@@ -18,14 +18,7 @@ Jobs are queued by the job index (indexes.py), in the versioned step that marks 
 submit or release that is repeated queues the job once, and the list and the rotation change
 together. Taking is one script: check that the tenant read is still the least recently served,
 pop its next job, give the tenant the next turn (it leaves the rotation when its lists are now
-empty) and record the job as taken.
-
-Priorities within a tenant: a tenant's turn takes its oldest job that is not a sweep's run
-(`{jobs}:queue:<tenant>`); only when it has none does the turn take its oldest sweep run
-(`{jobs}:sweep-queue:<tenant>`). A sweep queues many runs at once, and those must not starve the
-same tenant's plain jobs: a plain job waits for the tenant's plain jobs queued before it, never
-for its sweeps. With time slices (below), a plain job queued while the same tenant's sweep runs
-hold every worker starts within one slice. The order with the claim (job slot) makes a death safe:
+empty) and record the job as taken. The order with the claim (job slot) makes a death safe:
 1. take ({jobs} slot): the job moves from its tenant's list to `taken`;
 2. claim (job slot, store/leases.py): the job hash decides; it refuses a job that is not QUEUED
    (cancelled, finished, deleted, or held by a valid lease), so a stale entry is harmless;
@@ -40,9 +33,16 @@ Fairness: a tenant that queues its first job enters the rotation at its last tur
 tenant served since, so each worker serves at most one other tenant's job before it (with W
 workers, one job slot per worker), however many jobs the others have queued.
 
+Priorities within a tenant: a tenant's turn takes its oldest job that is not a sweep's run
+(`{jobs}:queue:<tenant>`); only when it has none does the turn take its oldest sweep run
+(`{jobs}:sweep-queue:<tenant>`). A sweep queues many runs at once, and those must not starve the
+same tenant's plain jobs: a plain job waits for the tenant's plain jobs queued before it, never
+for its sweeps. With time slices (below), a plain job queued while the same tenant's sweep runs
+hold every worker starts within one slice.
+
 Time slices (worker/runner.py): a job or pack holds its worker for SSDRBM_SLICE_SECONDS at most
 while `would_serve_other` says the rotation would serve other work once its jobs are back in
-the queue. Then the jobs are checkpointed and released to the FRONT of their tenants' lists:
+the queue. Then the jobs are checkpointed and released to the FRONT of their lists:
 the take already gave their tenant its turn, which the release leaves as it is (a tenant that
 left the rotation re-enters at that turn), so the job keeps its place and its tenant's turn is
 not spent again; the waiting tenant, served less recently, is taken next. Work that would
