@@ -4,6 +4,7 @@ each bad field named in its error."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from google.protobuf.message import Message
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
+from ssdcore.data import synthetic_rbm_data
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
 from ssdcore.step_sizes import default_lr
 from ssdcore.training import DEFAULT_BATCH_SIZE
@@ -308,6 +310,17 @@ def test_an_unset_dataset_is_the_synthetic_one() -> None:
     req = request()
     req.dataset.ClearField("builtin")
     assert validate(req).spec.dataset.builtin.name == "synthetic"
+
+
+def test_the_synthetic_defaults_are_the_generators_own() -> None:
+    # The README's Quick start saves rows of synthetic_rbm_data() as the job's data: a job that
+    # leaves the options out must resolve to the generator's own defaults.
+    options = validate(request()).spec.dataset.builtin.options
+    assert options, "the resolver fills in every option"
+    generator = inspect.signature(synthetic_rbm_data).parameters
+    assert {key: int(value) for key, value in options.items()} == {
+        key: generator[key].default for key in options
+    }
 
 
 def test_per_parameter_hybrid_is_checked_against_the_model() -> None:
