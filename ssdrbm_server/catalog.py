@@ -23,6 +23,11 @@ FREY_FACE_WIDTH = 20 * 28
 MNIST_WIDTH = 28 * 28
 MNIST_IMAGE_FILES = ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte")
 IDX3_MAGIC = 2051
+# Where each real dataset's files go, relative to the data directory, as a missing one names them.
+EXPECTED_FILES = {
+    "mnist": " and/or ".join(f"mnist/{stem}[.gz]" for stem in MNIST_IMAGE_FILES),
+    "freyface": f"freyface/{FREY_FACE_FILE}",
+}
 
 
 @dataclass(frozen=True)
@@ -113,12 +118,7 @@ def builtin_shape(name: str, options: Mapping[str, int], settings: Settings) -> 
     else:
         path = frey_face_path(settings)
         if not path.is_file():
-            raise FailedPreconditionError(
-                f"dataset 'freyface' is not installed on this server (missing {path}); "
-                "set SSDRBM_DATA_DIR or upload the data with UploadDataset",
-                precondition="DATASET_NOT_INSTALLED",
-                subject="dataset:freyface",
-            )
+            raise not_installed("freyface", f"{path} is missing")
         count, width = FREY_FACE_EXAMPLES, FREY_FACE_WIDTH
     limit = options.get("limit", 0)
     if limit:
@@ -142,13 +142,20 @@ def _mnist_count(directory: Path) -> int:
                 total += _idx3_count(path)
                 break
     if total == 0:
-        raise FailedPreconditionError(
-            f"dataset 'mnist' is not installed on this server (no IDX image files in {directory}); "
-            "set SSDRBM_DATA_DIR or upload the data with UploadDataset",
-            precondition="DATASET_NOT_INSTALLED",
-            subject="dataset:mnist",
-        )
+        raise not_installed("mnist", f"no IDX image files in {directory}")
     return total
+
+
+def not_installed(name: str, found: str) -> FailedPreconditionError:
+    """Built-in dataset ``name`` has no files here: what was looked for, where, and what instead."""
+    return FailedPreconditionError(
+        f"dataset {name!r} is not installed on this server ({found}); it needs "
+        f"{EXPECTED_FILES[name]} under the data directory (SSDRBM_DATA_DIR on the server), "
+        "or train on your own array instead: `ssdrbm train --data x.npy`, or "
+        "`ssdrbm upload x.npy` then `ssdrbm train --dataset-id ID` (UploadDataset)",
+        precondition="DATASET_NOT_INSTALLED",
+        subject=f"dataset:{name}",
+    )
 
 
 def _idx3_count(path: Path) -> int:

@@ -191,10 +191,22 @@ def test_mnist_width_and_natural_preprocessing() -> None:
     assert validate(req).spec.dataset.preprocess == pb.PREPROCESS_STANDARDIZE
 
 
-def test_missing_real_dataset_is_failed_precondition(tmp_path) -> None:
-    req = request(dataset=pb.DatasetRef(builtin=pb.BuiltinDataset(name="freyface")))
-    with pytest.raises(FailedPreconditionError, match="SSDRBM_DATA_DIR"):
+@pytest.mark.parametrize(
+    ("name", "files"),
+    [
+        ("mnist", ["mnist/train-images-idx3-ubyte[.gz]", "mnist/t10k-images-idx3-ubyte[.gz]"]),
+        ("freyface", ["freyface/frey_rawface.mat"]),
+    ],
+)
+def test_missing_real_dataset_names_its_files_and_the_alternatives(tmp_path, name, files) -> None:
+    req = request(dataset=pb.DatasetRef(builtin=pb.BuiltinDataset(name=name)))
+    with pytest.raises(FailedPreconditionError) as caught:
         validate(req, SETTINGS.replace(data_dir=str(tmp_path)))
+    message = caught.value.message
+    assert caught.value.reason == "DATASET_NOT_INSTALLED"
+    for part in [*files, str(tmp_path / name), "SSDRBM_DATA_DIR"]:
+        assert part in message
+    assert "ssdrbm train --data x.npy" in message and "ssdrbm upload" in message
 
 
 def test_uploads_follow_the_same_preprocessing_rule_as_builtin_images() -> None:
