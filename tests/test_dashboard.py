@@ -1,8 +1,9 @@
 """The dashboard (ssdrbm_server/dashboard/) in a real headless Chromium, against the real service
 (gRPC API, in-process worker, Redis) with token authentication on for two tenants: signing in
 with a token, the jobs list showing a running job, its curve growing as it trains, another
-tenant's job invisible; then its event stream over plain HTTP: tickets, stream slots shared
-with StreamMetrics, and the job's one shared follower. Screenshots go to test-artifacts/."""
+tenant's job invisible; a running sweep's leaderboard and its runs' curves; a model's filters;
+then its event stream over plain HTTP: tickets, stream slots shared with StreamMetrics, and the
+job's one shared follower. Screenshots go to test-artifacts/."""
 
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ def start_running_job(running: RunningService) -> str:
         assert time.monotonic() < deadline, "the job never started"
         time.sleep(0.2)
     return job_id
+
+
+def ended_job(running: RunningService, job_id: str) -> pb.Job:
+    """Alpha's job ``job_id`` once it has ended."""
+    stub = running.stub(token=ALPHA)
+    deadline = time.monotonic() + WAIT_S
+    while not (job := stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=30)).finished_at.seconds:
+        assert time.monotonic() < deadline, f"job {job_id} did not end"
+        time.sleep(0.2)
+    return job
 
 
 def cancel(running: RunningService, job_id: str) -> None:
@@ -131,11 +142,8 @@ def test_backoffs_are_marked_on_the_curves_of_an_ended_job(
     """A job that blew up and was rolled back (test_worker's diverging job): once it has ended,
     its page replays the whole stream, one marker per backoff on each curve, then says so."""
     stub = dashboard.stub(token=ALPHA)
-    job_id = stub.StartTraining(diverging_spec(steps=60), timeout=30).job.id
-    deadline = time.monotonic() + WAIT_S
-    while not (job := stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=30)).finished_at.seconds:
-        assert time.monotonic() < deadline, "the diverging job did not end"
-        time.sleep(0.2)
+    job = ended_job(dashboard, stub.StartTraining(diverging_spec(steps=60), timeout=30).job.id)
+    job_id = job.id
     assert job.state == pb.JOB_STATE_SUCCEEDED and job.backoffs >= 1, job
 
     sign_in(browser, dashboard, ALPHA)
@@ -146,6 +154,91 @@ def test_backoffs_are_marked_on_the_curves_of_an_ended_job(
     browser.wait_for(f"{markers} === {job.backoffs}", what=f"{job.backoffs} backoff markers")
     assert browser.evaluate(f"{POINTS}") > 0
     browser.screenshot("dashboard-backoffs")
+
+
+# --- sweeps and filters ----------------------------------------------------------------------
+
+RUNS = "document.getElementById('chart-runs').dataset"
+BOARD = "document.querySelectorAll('#leaderboard tbody tr')"
+
+
+def start_sweep(running: RunningService) -> pb.Sweep:
+    """A sweep of alpha's: two long runs, one per step size."""
+    base = tiny_request(**LONG_JOB)
+    base.optimizer.ClearField("lr")
+    axis = pb.SweepAxis(field="optimizer.lr", values=[0.05, 0.02])
+    request = pb.StartSweepRequest(base=base, axes=[axis], name="lr-board")
+    return running.stub(token=ALPHA).StartSweep(request, timeout=30)
+
+
+def test_a_running_sweeps_leaderboard_ranks_its_runs_and_grows_as_they_train(
+    dashboard: RunningService, browser: Browser
+) -> None:
+    sweep = start_sweep(dashboard)
+    stub = dashboard.stub(token=ALPHA)
+    try:
+        sign_in(browser, dashboard, ALPHA)
+        row = f"document.querySelector('tr[data-sweep-id=\"{sweep.id}\"]')"
+        browser.wait_for(f"{row} && {row}.innerText.includes('lr-board')", what="the sweep's row")
+        browser.screenshot("dashboard-sweeps")
+
+        browser.evaluate(f"{row}.querySelector('a').click()")  # to the sweep's page
+        browser.wait_for(f"{BOARD}.length === 2", what="both runs on the leaderboard")
+        first = browser.wait_for(
+            f"Number({RUNS}.points) >= 2 && Number({RUNS}.points)", what="a run's curve"
+        )
+        browser.wait_for(f"Number({RUNS}.points) > {first}", what=f"more than {first} points")
+        # The board is the sweep as GetSweep ranks it: the best run first, and emphasized.
+        best = stub.GetSweep(pb.GetSweepRequest(sweep_id=sweep.id), timeout=30).best_job_id
+        assert best, "no run has a rank metric yet"
+        top = browser.wait_for(
+            f"{BOARD}[0].dataset.rank === '1' && {BOARD}[0].dataset.jobId", what="a best run"
+        )
+        assert top in {run.job_id for run in sweep.runs}
+        assert browser.evaluate("document.querySelectorAll('#chart-runs .run.best').length") == 1
+        assert browser.evaluate("location.pathname") == f"{DASHBOARD_PATH}/sweeps/{sweep.id}"
+        browser.screenshot("dashboard-sweep")
+    finally:
+        stub.CancelSweep(pb.CancelSweepRequest(sweep_id=sweep.id), timeout=30)
+    browser.wait_for(
+        "document.getElementById('status').innerText.includes('ended')", what="the sweep's end"
+    )
+
+    # Beta sees neither the sweep nor its runs' histories: 404, worded like a missing one.
+    status, theirs = request(dashboard, "GET", f"/api/sweeps/{sweep.id}", BETA)
+    _, missing = request(dashboard, "GET", "/api/sweeps/no-such-sweep", ALPHA)
+    assert status == 404
+    assert theirs["error"].replace(sweep.id, "ID") == missing["error"].replace(
+        "no-such-sweep", "ID"
+    )
+    run_id = sweep.runs[0].job_id
+    assert request(dashboard, "GET", f"/api/jobs/{run_id}/history", BETA)[0] == 404
+    status, answer = request(dashboard, "GET", "/api/sweeps", BETA)
+    assert status == 200 and answer["sweeps"] == [], answer
+
+
+def test_the_filters_of_a_job_with_a_checkpoint_are_shown_to_its_tenant_only(
+    dashboard: RunningService, browser: Browser
+) -> None:
+    stub = dashboard.stub(token=ALPHA)
+    job = ended_job(dashboard, stub.StartTraining(tiny_request(steps=40), timeout=30).job.id)
+    job_id = job.id
+    assert job.state == pb.JOB_STATE_SUCCEEDED, job
+
+    sign_in(browser, dashboard, ALPHA)
+    browser.navigate(url(dashboard, f"/jobs/{job_id}"))
+    image = "document.getElementById('filters')"
+    width = browser.wait_for(f"{image}.complete && {image}.naturalWidth", what="the filters image")
+    # 8 hidden units of 16 = 4 × 4 visible units: a 3 × 3 grid of 4-pixel tiles, 1 pixel apart.
+    assert width == 3 * 4 + 2 and browser.evaluate(f"{image}.naturalHeight") == 3 * 4 + 2
+    assert not browser.evaluate("document.getElementById('section-filters').hidden")
+    browser.evaluate(f"{image}.scrollIntoView()")
+    browser.screenshot("dashboard-filters")
+
+    status, theirs = request(dashboard, "GET", f"/api/jobs/{job_id}/filters.png", BETA)
+    _, missing = request(dashboard, "GET", "/api/jobs/no-such-job/filters.png", BETA)
+    assert status == 404
+    assert theirs["error"].replace(job_id, "ID") == missing["error"].replace("no-such-job", "ID")
 
 
 # --- the event stream over plain HTTP --------------------------------------------------------

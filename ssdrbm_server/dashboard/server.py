@@ -1,6 +1,7 @@
 """The dashboard's routes, mounted by the HTTP front under ``DASHBOARD_PATH`` (http_front.py).
 
-Pages (no data in them, so open): ``/`` the jobs list, ``/jobs/{id}`` a job's live curves; both
+Pages (no data in them, so open): ``/`` the jobs and sweeps lists, ``/jobs/{id}`` a job's live
+curves and its model's filters, ``/sweeps/{id}`` a sweep's leaderboard and its runs' curves; all
 are ``static/index.html``, whose script (``static/dashboard.js``) draws what the JSON routes
 answer. The JSON routes pass the front's ``RequestGate`` (bearer token, request slot):
 
@@ -8,6 +9,16 @@ answer. The JSON routes pass the front's ``RequestGate`` (bearer token, request 
   two seconds: one small request, where a stream per job listed would take the stream slots).
 - ``GET /api/jobs/{id}``: one job; another tenant's is 404, worded like a missing one.
 - ``POST /api/jobs/{id}/ticket``: a stream ticket (tickets.py) for the job's event stream.
+- ``GET /api/jobs/{id}/history?metric=...&after=...``: the job's points of a rank metric (see
+  rank_metrics.py) after a resume token, at most ``HISTORY_LIMIT`` events read: a replay of the
+  servicer's own metric stream (``history_only``) in one of the tenant's stream slots, held
+  only while it reads. A sweep's page asks for each run's new points as it polls the sweep.
+- ``GET /api/jobs/{id}/filters.png``: the latest checkpoint's filters (filters.py), the model
+  loaded through the serving cache (``ModelServer.model_for``); 412 without a checkpoint.
+- ``GET /api/sweeps``: the tenant's newest ``LIST_LIMIT`` sweeps, without their runs.
+- ``GET /api/sweeps/{id}``: the sweep's leaderboard, as GetSweep and StreamSweep read it
+  (``SweepService.get``: runs ranked by the rank metric, best first). The page polls it every
+  two seconds, as the jobs list, rather than holding a stream slot for as long as it is open.
 
 ``GET /api/jobs/{id}/events?ticket=...&after=...`` is the job's metric events as server-sent
 events (``id:`` the resume token, ``event:`` metrics, state or backoff, ``data:`` JSON), then
@@ -35,14 +46,17 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ssdrbm_server import convert
+from ssdrbm_server.dashboard.filters import filters_png, image_shape
 from ssdrbm_server.dashboard.tickets import StreamTickets
 from ssdrbm_server.errors import ServiceError
 from ssdrbm_server.http_front import RequestGate, error_response
+from ssdrbm_server.rank_metrics import metric_value, resolve_rank_metric
 from ssdrbm_server.servicer import RBMServicer
 from ssdrbm_server.store.events import check_token
 from ssdrbm_server.store.records import JobRecord
 
-LIST_LIMIT = 100  # jobs the list shows, newest first
+LIST_LIMIT = 100  # jobs (and sweeps) a list shows, newest first
+HISTORY_LIMIT = 2000  # metric events one history request reads; the page asks again for more
 BASE_MARK = "__BASE__"  # where index.html names the mount path
 STATIC = {  # file → media type: everything the pages load, all from the package
     "dashboard.js": "text/javascript",
@@ -67,11 +81,16 @@ def dashboard_app(servicer: RBMServicer, gate: RequestGate) -> Starlette:
         routes=[
             Route("/", dashboard.page, methods=["GET"]),
             Route("/jobs/{job_id}", dashboard.page, methods=["GET"]),
+            Route("/sweeps/{sweep_id}", dashboard.page, methods=["GET"]),
             Route("/static/{name}", dashboard.static, methods=["GET"]),
             Route("/api/jobs", gate.route(dashboard.jobs), methods=["GET"]),
             Route("/api/jobs/{job_id}", gate.route(dashboard.job), methods=["GET"]),
             Route("/api/jobs/{job_id}/ticket", gate.route(dashboard.ticket), methods=["POST"]),
             Route("/api/jobs/{job_id}/events", dashboard.events, methods=["GET"]),
+            Route("/api/jobs/{job_id}/history", gate.route(dashboard.history), methods=["GET"]),
+            Route("/api/jobs/{job_id}/filters.png", gate.route(dashboard.filters), methods=["GET"]),
+            Route("/api/sweeps", gate.route(dashboard.sweeps), methods=["GET"]),
+            Route("/api/sweeps/{sweep_id}", gate.route(dashboard.sweep), methods=["GET"]),
         ]
     )
 
@@ -109,6 +128,53 @@ class Dashboard:
     async def ticket(self, request: Request, tenant: str) -> Response:
         record = await self.servicer.tenant_job(tenant, request.path_params["job_id"])
         return JSONResponse({"ticket": self.tickets.issue(tenant, record.id)})
+
+    async def history(self, request: Request, tenant: str) -> Response:
+        """The job's points of ``metric`` after ``after``: {points: [[step, value]], after,
+        more}; ``more`` when the read stopped at HISTORY_LIMIT events."""
+        record = await self.servicer.tenant_job(tenant, request.path_params["job_id"])
+        metric = resolve_rank_metric(request.query_params.get("metric", ""))
+        after = request.query_params.get("after", "")
+        check_token(after)
+        points: list[list[float]] = []
+        read = 0
+        async with self.servicer.metric_events(record, after, history_only=True) as events:
+            async for event in events:
+                read += 1
+                after = event.resume_token or after
+                value = metric_value(event.metrics, metric) if event.HasField("metrics") else None
+                if value is not None:
+                    points.append([event.metrics.step, value])
+                if event.HasField("backoff"):  # the steps after the rollback are trained again
+                    points = [p for p in points if p[0] <= event.backoff.rollback_step]
+                if read >= HISTORY_LIMIT:
+                    break
+        return JSONResponse({"points": points, "after": after, "more": read >= HISTORY_LIMIT})
+
+    async def filters(self, request: Request, tenant: str) -> Response:
+        """The latest checkpoint's filters as a PNG."""
+        record = await self.servicer.tenant_job(tenant, request.path_params["job_id"])
+        loaded = await self.servicer.models.model_for(record, 0)
+        weights = loaded.model.W.detach().cpu().float().numpy()
+        image = filters_png(weights, image_shape(record.spec, loaded.n_visible))
+        return Response(
+            image,
+            media_type="image/png",
+            headers={"cache-control": "no-store", "x-checkpoint-step": str(loaded.step)},
+        )
+
+    async def sweeps(self, request: Request, tenant: str) -> Response:
+        answer = await self.servicer.sweeps.list(tenant, page_size=LIST_LIMIT, page_token="")
+        return JSONResponse(
+            {
+                "sweeps": [sweep_json(sweep) for sweep in answer.sweeps],
+                "more": bool(answer.next_page_token),
+            }
+        )
+
+    async def sweep(self, request: Request, tenant: str) -> Response:
+        sweep = await self.servicer.sweeps.get(tenant, request.path_params["sweep_id"])
+        return JSONResponse(sweep_json(sweep))
 
     async def events(self, request: Request) -> Response:
         """The job's events as server-sent events, in one of the tenant's stream slots."""
@@ -177,6 +243,34 @@ def job_json(record: JobRecord) -> dict[str, Any]:
         "reconstruction_error": None if latest is None else _finite(latest.reconstruction_error),
         "backoffs": record.backoffs,
         "error": record.error,
+        "checkpoint_step": record.checkpoint_step,
+    }
+
+
+def sweep_json(sweep: rbm_pb2.Sweep) -> dict[str, Any]:
+    """What the pages show of a sweep: its leaderboard in rank order, best first."""
+    return {
+        "id": sweep.id,
+        "name": sweep.name,
+        "state": rbm_pb2.SweepState.Name(sweep.state).removeprefix("SWEEP_STATE_"),
+        "run_count": sweep.run_count,
+        "best_job_id": sweep.best_job_id,
+        "rank_metric": sweep.request.rank_metric,
+        "runs": [run_json(run) for run in sweep.runs],
+    }
+
+
+def run_json(run: rbm_pb2.SweepRun) -> dict[str, Any]:
+    state = convert.state_from_proto(run.state)
+    return {
+        "job_id": run.job_id,
+        "point": dict(run.point),
+        "state": "EXPIRED" if run.expired else (state.value if state is not None else ""),
+        "step": run.step,
+        "total_steps": run.total_steps,
+        "rank": run.rank,
+        "rank_value": _finite(run.rank_value) if run.rank else None,
+        "error": run.error,
     }
 
 

@@ -1,5 +1,6 @@
-// The dashboard's pages: the jobs list (refreshed every few seconds) and a job's live curves,
-// fed by its server-sent events. No framework, no build step: the server sends this file as is.
+// The dashboard's pages: the jobs and sweeps lists (refreshed every few seconds), a job's live
+// curves, fed by its server-sent events, with its model's filters, and a sweep's leaderboard
+// with one curve per run (polled). No framework, no build step: the server sends this file as is.
 "use strict";
 
 const BASE = document.body.dataset.base;
@@ -8,33 +9,42 @@ const LIST_REFRESH_MS = 2000;
 const RECONNECT_MS = 2000;
 const SVG = "http://www.w3.org/2000/svg";
 const CHARTS = ["reconstruction_error", "log_likelihood", "lr"];
+const FILTERS_RETRY_MS = 5000; // a running job without a checkpoint yet: ask again after this
+// A run's curve colour, by its place in the sweep; the palette repeats past its length.
+const PALETTE = ["#1a6fd1", "#d9480f", "#2b8a3e", "#862e9c", "#e67700", "#0b7285", "#c2255c",
+  "#5c940d", "#364fc7", "#868e96"];
+const ENDED = new Set(["SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"]);
 
 class SignInNeeded extends Error {}
 
 const $ = (id) => document.getElementById(id);
 
 function show(id) {
-  for (const view of ["login", "jobs-view", "job-view"]) $(view).hidden = view !== id;
+  for (const view of ["login", "jobs-view", "job-view", "sweep-view"]) $(view).hidden = view !== id;
 }
 
 function setStatus(text) {
   $("status").textContent = text;
 }
 
-// A JSON route of the dashboard, with the bearer token when the tab has one.
-async function api(path, method = "GET") {
+// A route of the dashboard, with the bearer token when the tab has one; errors are JSON.
+async function request(path, method = "GET") {
   const headers = {};
   const token = sessionStorage.getItem(TOKEN_KEY);
   if (token) headers.authorization = `Bearer ${token}`;
   const response = await fetch(`${BASE}/api${path}`, { method, headers });
+  if (response.ok) return response;
   const body = await response.json();
   if (response.status === 401) {
     sessionStorage.removeItem(TOKEN_KEY);
     signIn(token ? body.error : "");
     throw new SignInNeeded(body.error);
   }
-  if (!response.ok) throw new Error(body.error || response.statusText);
-  return body;
+  throw new Error(body.error || response.statusText);
+}
+
+async function api(path, method = "GET") {
+  return (await request(path, method)).json();
 }
 
 function signIn(error) {
@@ -51,10 +61,12 @@ function number(value, digits = 4) {
 
 async function jobsPage() {
   try {
-    const answer = await api("/jobs");
+    const [answer, sweeps] = await Promise.all([api("/jobs"), api("/sweeps")]);
     show("jobs-view");
     renderJobs(answer.jobs);
     $("jobs-more").hidden = !answer.more;
+    renderSweeps(sweeps.sweeps);
+    $("sweeps-more").hidden = !sweeps.more;
     setStatus(`updated ${new Date().toLocaleTimeString()}`);
   } catch (error) {
     if (error instanceof SignInNeeded) return;
@@ -63,26 +75,46 @@ async function jobsPage() {
   setTimeout(jobsPage, LIST_REFRESH_MS);
 }
 
+function link(kind, id) {
+  const anchor = document.createElement("a");
+  anchor.href = `${BASE}/${kind}/${encodeURIComponent(id)}`;
+  anchor.textContent = id;
+  return anchor;
+}
+
+// A table row of cells; `state` is the index of the state cell, numbers start at `numbers`.
+function tableRow(cells, state, numbers) {
+  const row = document.createElement("tr");
+  cells.forEach((content, index) => {
+    const cell = row.insertCell();
+    cell.append(content);
+    if (index >= numbers) cell.className = "number";
+    if (index === state) cell.className = `state-${content}`;
+  });
+  return row;
+}
+
 function renderJobs(jobs) {
-  const body = $("jobs").tBodies[0];
   const rows = jobs.map((job) => {
-    const row = document.createElement("tr");
+    const row = tableRow([link("jobs", job.id), job.name, job.state,
+      `${job.step} / ${job.total_steps || "?"}`, number(job.reconstruction_error)], 2, 3);
     row.dataset.jobId = job.id;
-    const link = document.createElement("a");
-    link.href = `${BASE}/jobs/${encodeURIComponent(job.id)}`;
-    link.textContent = job.id;
-    const cells = [link, job.name, job.state, `${job.step} / ${job.total_steps || "?"}`,
-      number(job.reconstruction_error)];
-    cells.forEach((content, index) => {
-      const cell = row.insertCell();
-      cell.append(content);
-      if (index >= 3) cell.className = "number";
-      if (index === 2) cell.className = `state-${job.state}`;
-    });
     return row;
   });
-  body.replaceChildren(...rows);
+  $("jobs").tBodies[0].replaceChildren(...rows);
   $("jobs-empty").hidden = jobs.length > 0;
+}
+
+function renderSweeps(sweeps) {
+  const rows = sweeps.map((sweep) => {
+    const best = sweep.best_job_id ? link("jobs", sweep.best_job_id) : "–";
+    const row = tableRow([link("sweeps", sweep.id), sweep.name, sweep.state,
+      String(sweep.run_count), best], 2, 3);
+    row.dataset.sweepId = sweep.id;
+    return row;
+  });
+  $("sweeps").tBodies[0].replaceChildren(...rows);
+  $("sweeps-empty").hidden = sweeps.length > 0;
 }
 
 // --- a job's curves --------------------------------------------------------------------------
@@ -104,6 +136,8 @@ class JobCurves {
       $("job-title").textContent = job.name ? `${job.name} (${job.id})` : job.id;
       this.job = job;
       this.summarize();
+      this.filters = new Filters(this.jobId);
+      this.filters.load();
       this.connect();
     } catch (error) {
       if (error instanceof SignInNeeded) return;
@@ -138,7 +172,12 @@ class JobCurves {
     on("backoff", (b) => this.backoff(b));
     on("state", (s) => { this.job.state = s.state; this.summarize(); });
     on("failed", (f) => setStatus(`stream interrupted: ${f.error}`));
-    on("end", () => { this.ended = true; source.close(); setStatus("the job has ended"); });
+    on("end", () => {
+      this.ended = true;
+      source.close();
+      setStatus("the job has ended");
+      this.filters.load(); // its last checkpoint
+    });
     source.onerror = () => { // refused (e.g. too many streams), dropped, or the server stopped
       source.close();
       if (this.ended) return;
@@ -155,6 +194,7 @@ class JobCurves {
     this.job.total_steps = m.total_steps || this.job.total_steps;
     this.job.reconstruction_error = m.reconstruction_error;
     this.summarize();
+    this.filters.refreshIfMissing();
   }
 
   // Training went back to rollback_step: the steps after it are trained again, so their old
@@ -184,12 +224,136 @@ class JobCurves {
   }
 }
 
+// The latest checkpoint's filters, a PNG the server draws (fetched with the bearer token, so
+// shown as a data: URL). A job without a checkpoint yet is asked again now and then.
+class Filters {
+  constructor(jobId) {
+    this.path = `/jobs/${encodeURIComponent(jobId)}/filters.png`;
+    this.shown = false;
+    this.triedAt = 0;
+  }
+
+  refreshIfMissing() {
+    if (!this.shown && Date.now() - this.triedAt > FILTERS_RETRY_MS) this.load();
+  }
+
+  async load() {
+    this.triedAt = Date.now();
+    let response;
+    try {
+      response = await request(this.path);
+    } catch (error) {
+      return; // no checkpoint yet (412), or it went away: the section stays as it was
+    }
+    const step = response.headers.get("x-checkpoint-step");
+    const reader = new FileReader();
+    reader.onload = () => {
+      $("filters").src = reader.result;
+      $("filters").dataset.step = step;
+      $("filters-caption").textContent = `checkpoint at step ${step}`;
+      $("section-filters").hidden = false;
+      this.shown = true;
+    };
+    reader.readAsDataURL(await response.blob());
+  }
+}
+
+// --- a sweep's leaderboard -------------------------------------------------------------------
+
+// The leaderboard polls the sweep (as GetSweep reads it); each run's curve of the rank metric
+// grows by the points its history route returns after the last one it sent.
+class SweepBoard {
+  constructor(sweepId) {
+    this.sweepId = sweepId;
+    this.curves = new Map(); // job id -> {points, after, colour, done}
+  }
+
+  async poll() {
+    try {
+      const sweep = await api(`/sweeps/${encodeURIComponent(this.sweepId)}`);
+      show("sweep-view");
+      this.render(sweep);
+      await this.readCurves(sweep);
+      this.draw(sweep);
+      const ended = sweep.state !== "RUNNING" && [...this.curves.values()].every((c) => c.done);
+      setStatus(ended ? "the sweep has ended" : `updated ${new Date().toLocaleTimeString()}`);
+      if (ended) return;
+    } catch (error) {
+      if (error instanceof SignInNeeded) return;
+      show("sweep-view");
+      if (!$("sweep-title").textContent) $("sweep-title").textContent = this.sweepId;
+      setStatus(error.message);
+      if (error.message.includes("not found")) return;
+    }
+    setTimeout(() => this.poll(), LIST_REFRESH_MS);
+  }
+
+  render(sweep) {
+    $("sweep-title").textContent = sweep.name ? `${sweep.name} (${sweep.id})` : sweep.id;
+    $("sweep-summary").textContent = `${sweep.state} · ${sweep.run_count} runs · ranked by ` +
+      `${sweep.rank_metric}` + (sweep.best_job_id ? ` · best ${sweep.best_job_id}` : "");
+    $("rank-metric-head").textContent = sweep.rank_metric;
+    $("runs-chart-title").textContent = `${sweep.rank_metric} per run`;
+    const rows = sweep.runs.map((run) => {
+      const point = Object.entries(run.point).map(([k, v]) => `${k}=${v}`).join(", ");
+      const row = tableRow([run.rank ? String(run.rank) : "–", link("jobs", run.job_id), point,
+        run.state, `${run.step} / ${run.total_steps || "?"}`, number(run.rank_value)], 3, 4);
+      row.dataset.jobId = run.job_id;
+      row.dataset.rank = String(run.rank);
+      if (run.job_id === sweep.best_job_id) row.classList.add("best");
+      return row;
+    });
+    $("leaderboard").tBodies[0].replaceChildren(...rows);
+  }
+
+  // One history request at a time: each holds one of the tenant's stream slots while it reads.
+  async readCurves(sweep) {
+    for (const run of sweep.runs) {
+      if (!this.curves.has(run.job_id)) {
+        const colour = PALETTE[this.curves.size % PALETTE.length];
+        this.curves.set(run.job_id, { points: [], after: "", colour, done: false });
+      }
+      const curve = this.curves.get(run.job_id);
+      if (curve.done || run.state === "EXPIRED") { curve.done = true; continue; }
+      const query = new URLSearchParams({ metric: sweep.rank_metric, after: curve.after });
+      try {
+        const answer = await api(`/jobs/${encodeURIComponent(run.job_id)}/history?${query}`);
+        const first = answer.points.length ? answer.points[0][0] : Infinity;
+        curve.points = curve.points.filter(([step]) => step < first).concat(answer.points);
+        curve.after = answer.after;
+        curve.done = ENDED.has(run.state) && !answer.more;
+      } catch (error) {
+        if (error instanceof SignInNeeded) throw error;
+        setStatus(`run ${run.job_id}: ${error.message}`); // e.g. no stream slot: next poll
+      }
+    }
+  }
+
+  draw(sweep) {
+    const lines = sweep.runs.filter((run) => this.curves.has(run.job_id)).map((run) => {
+      const curve = this.curves.get(run.job_id);
+      const best = run.job_id === sweep.best_job_id;
+      return { points: curve.points, colour: curve.colour, best, title: run.job_id };
+    });
+    lines.sort((a, b) => a.best - b.best); // the best drawn last, on top
+    drawLines($("chart-runs"), lines, []);
+  }
+}
+
 // A line chart of [x, y] points with vertical markers, drawn into an <svg>; its data-points
 // attribute says how many points are plotted.
 function drawChart(svg, points, markers) {
+  drawLines(svg, [{ points }], markers);
+}
+
+// Line charts of several series ({points, colour, best, title}) on shared axes; data-points
+// counts every point plotted and data-lines the series with any.
+function drawLines(svg, lines, markers) {
   const width = 640, height = 220, left = 64, right = 12, top = 12, bottom = 28;
+  const points = lines.flatMap((line) => line.points);
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
   svg.dataset.points = String(points.length);
+  svg.dataset.lines = String(lines.filter((line) => line.points.length > 0).length);
   svg.replaceChildren();
   if (points.length === 0) return;
   const xs = points.map((p) => p[0]).concat(markers.map((m) => m.step));
@@ -219,10 +383,21 @@ function drawChart(svg, points, markers) {
     title.textContent = `backoff at step ${marker.step}: ${marker.reason}`;
     line.append(title);
   }
-  add("polyline", {
-    class: "line",
-    points: points.map(([px, py]) => `${x(px).toFixed(1)},${y(py).toFixed(1)}`).join(" "),
-  });
+  for (const line of lines) {
+    const attributes = {
+      points: line.points.map(([px, py]) => `${x(px).toFixed(1)},${y(py).toFixed(1)}`).join(" "),
+    };
+    if (line.colour) {
+      attributes.class = line.best ? "run best" : "run";
+      attributes.stroke = line.colour;
+    } else attributes.class = "line";
+    const polyline = add("polyline", attributes);
+    if (line.title) {
+      const title = document.createElementNS(SVG, "title");
+      title.textContent = line.title + (line.best ? " (best)" : "");
+      polyline.append(title);
+    }
+  }
 }
 
 // --- start -----------------------------------------------------------------------------------
@@ -230,7 +405,9 @@ function drawChart(svg, points, markers) {
 function route() {
   const path = location.pathname.slice(BASE.length);
   const job = path.match(/^\/jobs\/([^/]+)$/);
+  const sweep = path.match(/^\/sweeps\/([^/]+)$/);
   if (job) new JobCurves(decodeURIComponent(job[1])).start();
+  else if (sweep) new SweepBoard(decodeURIComponent(sweep[1])).poll();
   else jobsPage();
 }
 
