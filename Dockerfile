@@ -1,8 +1,7 @@
 # ssdrbm: the gRPC training service and its worker in one image.
 #
 #   docker build -t ssdrbm .                                  # CPU (default)
-#   docker build -t ssdrbm:cuda \
-#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
+#   docker build -t ssdrbm-cuda \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #
 # `python -m ssdrbm_server` runs the gRPC server with a worker (SSDRBM_RUN_WORKER=0 for API only);
@@ -15,11 +14,14 @@
 # SSDRBM_ALLOW_PLAINTEXT_TOKENS=1 behind a TLS-terminating proxy), or
 # SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE=1 when only trusted machines reach the published ports
 # (docker-compose.yml publishes them on the host's loopback and sets it).
-# A patch release, so a rebuild gets the same interpreter (docker-compose.yml names the same).
+# A patch release, so a rebuild gets the same interpreter. The CUDA image has the same base, so
+# both run Python 3.11: torch's CUDA wheels (the cu128 index) carry their own CUDA and cuDNN
+# libraries, and the NVIDIA Container Toolkit mounts the host's driver, so no nvidia/cuda base
+# is needed (those come without Python, and their Ubuntu has 3.10 or 3.12, not 3.11).
 ARG BASE_IMAGE=python:3.11.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
-# The CPU wheel index keeps the image small; a CUDA build passes a CUDA wheel index.
+# The CPU wheel index keeps the image small; a CUDA build passes a CUDA wheel index (cu128).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 
@@ -35,14 +37,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SSDRBM_DATA_DIR=/data \
     SSDRBM_WORKER_HEARTBEAT_FILE=/tmp/ssdrbm-worker.alive
 
-# CUDA base images come without Python: install it there (python images already have it).
-RUN if ! command -v python3 >/dev/null 2>&1; then \
-        apt-get update -qq \
-        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            python3 python3-venv \
-        && rm -rf /var/lib/apt/lists/*; \
-    fi \
-    && python3 -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 WORKDIR /app

@@ -34,6 +34,7 @@ import yaml
 from ssdrbm import __version__
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
+from ssdrbm_server import catalog
 from ssdrbm_server.config import ConfigError, Settings, field_names
 from ssdrbm_server.exposure import check_exposure
 from ssdrbm_server.healthcheck import check
@@ -236,8 +237,7 @@ def test_compose_gpu_worker_reserves_an_nvidia_gpu_under_its_profile() -> None:
     assert device["driver"] == "nvidia" and device["count"] == 1
     assert device["capabilities"] == ["gpu"]
     assert gpu["environment"]["CUDA_VISIBLE_DEVICES"] == "0"
-    args = gpu["build"]["args"]
-    assert args["BASE_IMAGE"].startswith("nvidia/cuda:") and "/whl/cu" in args["TORCH_INDEX_URL"]
+    assert "/whl/cu" in gpu["build"]["args"]["TORCH_INDEX_URL"]  # torch's CUDA wheels
     assert gpu["image"].split(":")[0] == "ssdrbm-cuda"
 
 
@@ -246,10 +246,42 @@ def test_images_are_pinned_releases() -> None:
     assert re.fullmatch(
         r"redis:7\.\d+\.\d+(-alpine)?(@sha256:[0-9a-f]{64})?", services["redis"]["image"]
     )
-    base = re.search(r"^ARG BASE_IMAGE=(\S+)", dockerfile(), re.MULTILINE).group(1)
-    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", base), base
-    for name in ("ssdrbm", "worker"):
-        assert services[name]["build"]["args"]["BASE_IMAGE"] == base  # the same image either way
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", dockerfile_base()), dockerfile_base()
+
+
+def dockerfile_base() -> str:
+    return re.search(r"^ARG BASE_IMAGE=(\S+)", dockerfile(), re.MULTILINE).group(1)
+
+
+def test_compose_builds_each_image_once() -> None:
+    services = compose()["services"]
+    builders: dict[str, list[str]] = {}
+    for name, service in services.items():
+        if "build" in service:
+            builders.setdefault(service["image"], []).append(name)
+    assert builders == {"ssdrbm:local": ["ssdrbm"], "ssdrbm-cuda:local": ["worker-gpu"]}
+    # The other services of the project run an image that one of them builds, or a released one.
+    assert services["worker"]["image"] == "ssdrbm:local"
+    assert "build" not in services["redis"]
+
+
+def test_every_image_runs_one_python() -> None:
+    # CPU and CUDA images alike start from the Dockerfile's pinned python:3.11 base (the CUDA
+    # libraries come with torch's wheels), and nothing installs another interpreter.
+    base = dockerfile_base()
+    for name, service in compose()["services"].items():
+        if "build" in service:
+            assert service["build"]["args"].get("BASE_IMAGE", base) == base, name
+    assert "apt-get install" not in dockerfile()
+    assert re.search(r"^RUN python3 -m venv /opt/venv$", dockerfile(), re.MULTILINE)
+
+
+def test_the_data_folder_is_documented_with_the_catalogs_file_names() -> None:
+    expected = [f"mnist/{stem}" for stem in catalog.MNIST_IMAGE_FILES]
+    expected += [f"freyface/{catalog.FREY_FACE_FILE}", "./data", "SSDRBM_DATA_DIR"]
+    for document in ("docker-compose.yml", "docs/DEPLOY.md"):
+        text = (ROOT / document).read_text()
+        assert [name for name in expected if name not in text] == [], document
 
 
 def test_compose_ports_and_grace_periods_follow_the_settings() -> None:
