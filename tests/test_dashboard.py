@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import struct
 import time
+import zlib
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from ssdrbm.v1 import rbm_pb2 as pb
 
+from ssdrbm_server.dashboard.filters import MAX_FILTERS, filters_png, image_shape
 from ssdrbm_server.dashboard.tickets import MAX_TICKETS, TICKET_TTL_S, StreamTickets
 from ssdrbm_server.errors import ResourceExhaustedError, UnauthenticatedError
 from ssdrbm_server.http_front import DASHBOARD_PATH
@@ -380,3 +384,33 @@ def test_tickets_expire_and_are_bounded() -> None:
         tickets.issue("beta", "job-2")
     now[0] += TICKET_TTL_S  # expired ones make room again
     assert tickets.redeem(tickets.issue("beta", "job-2"), "job-2") == "beta"
+
+
+def png_size_and_pixels(data: bytes) -> tuple[int, int, bytes]:
+    """Width, height and raw scanlines of one of filters.png's grayscale PNGs."""
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    width, height = struct.unpack(">II", data[16:24])
+    idat = data.index(b"IDAT")
+    (length,) = struct.unpack(">I", data[idat - 4 : idat])
+    return width, height, zlib.decompress(data[idat + 4 : idat + 4 + length])
+
+
+def image_spec(name: str) -> bytes:
+    dataset = pb.DatasetRef(builtin=pb.BuiltinDataset(name=name))
+    return tiny_request(dataset=dataset).SerializeToString()
+
+
+def test_filters_take_the_datasets_image_shape_else_a_square_else_a_heat_map() -> None:
+    assert image_shape(image_spec("freyface"), 560) == (28, 20)
+    assert image_shape(image_spec("mnist"), 784) == (28, 28)
+    assert image_shape(tiny_request().SerializeToString(), 16) == (4, 4)
+    assert image_shape(tiny_request().SerializeToString(), 15) is None
+
+    weights = np.random.default_rng(0).normal(size=(560, 10))
+    width, height, raw = png_size_and_pixels(filters_png(weights, (28, 20)))
+    assert (width, height) == (4 * 20 + 3, 3 * 28 + 2)  # 10 tiles: 4 across, 3 down
+    assert len(raw) == height * (width + 1)
+
+    # No shape: W as one heat-map, a row per hidden unit, bounded to MAX_FILTERS of them.
+    width, height, _ = png_size_and_pixels(filters_png(np.ones((15, MAX_FILTERS + 5)), None))
+    assert (width, height) == (15, MAX_FILTERS)
