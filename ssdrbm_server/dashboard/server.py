@@ -46,7 +46,12 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ssdrbm_server import convert
-from ssdrbm_server.dashboard.filters import filters_png, image_shape
+from ssdrbm_server.dashboard.filters import (
+    MAX_FILTER_PIXELS,
+    MAX_FILTERS,
+    filters_png,
+    image_shape,
+)
 from ssdrbm_server.dashboard.tickets import StreamTickets
 from ssdrbm_server.errors import ServiceError
 from ssdrbm_server.http_front import RequestGate, error_response
@@ -155,7 +160,8 @@ class Dashboard:
         """The latest checkpoint's filters as a PNG."""
         record = await self.servicer.tenant_job(tenant, request.path_params["job_id"])
         loaded = await self.servicer.models.model_for(record, 0)
-        weights = loaded.model.W.detach().cpu().float().numpy()
+        # Cut to what the picture shows before copying: a large model's W stays where it is.
+        weights = loaded.model.W.detach()[:MAX_FILTER_PIXELS, :MAX_FILTERS].cpu().float().numpy()
         image = filters_png(weights, image_shape(record.spec, loaded.n_visible))
         return Response(
             image,
