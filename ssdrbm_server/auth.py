@@ -11,7 +11,6 @@ caller is tenant ``default`` — for development only, and logged loudly at star
 
 from __future__ import annotations
 
-import contextvars
 import hmac
 import json
 import logging
@@ -25,21 +24,12 @@ import grpc
 from ssdrbm_server.config import ConfigError, Settings
 from ssdrbm_server.errors import UnauthenticatedError
 from ssdrbm_server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
+from ssdrbm_server.tenancy import set_tenant
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-
-_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("ssdrbm_tenant")
-
-
-def current_tenant() -> str:
-    """The tenant of the call being handled (set by AuthInterceptor)."""
-    try:
-        return _tenant.get()
-    except LookupError:
-        raise UnauthenticatedError("no tenant resolved for this call") from None
 
 
 class TokenTable:
@@ -180,7 +170,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
         def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                _tenant.set(resolve(context.invocation_metadata()))
+                set_tenant(resolve(context.invocation_metadata()))
                 return await behavior(request, context)
 
             return authenticated
@@ -189,7 +179,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             async def authenticated(
                 request: Any, context: grpc.aio.ServicerContext
             ) -> AsyncIterator[Any]:
-                _tenant.set(resolve(context.invocation_metadata()))
+                set_tenant(resolve(context.invocation_metadata()))
                 async for response in iterate_responses(behavior, request, context):
                     yield response
 

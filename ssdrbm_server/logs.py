@@ -21,8 +21,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ssdrbm_server import tracing
-from ssdrbm_server.auth import current_tenant
 from ssdrbm_server.errors import ServiceError
+from ssdrbm_server.tenancy import current_tenant
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CONTEXT_FIELDS = ("job_id", "tenant")

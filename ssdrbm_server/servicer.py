@@ -21,7 +21,6 @@ from ssdrbm.datasets import upload_dtype, upload_dtype_code
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from ssdrbm_server import convert, model_export, resolver, tracing
-from ssdrbm_server.auth import current_tenant
 from ssdrbm_server.call_slots import CallSlots, SlotCap
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
@@ -44,6 +43,7 @@ from ssdrbm_server.store.jobs import JobStore
 from ssdrbm_server.store.records import JobRecord
 from ssdrbm_server.sweeps.service import SweepService
 from ssdrbm_server.sweeps.store import SweepStore
+from ssdrbm_server.tenancy import current_tenant
 from ssdrbm_server.tensors import array_to_tensor, tensor_to_array
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ import grpc
 import redis.asyncio as aioredis
 from ssdrbm.inference.v2 import open_inference_pb2 as oip
 
-from ssdrbm_server.auth import current_tenant
 from ssdrbm_server.config import Settings
 from ssdrbm_server.handlers import INFERENCE_SERVICE_NAME
 from ssdrbm_server.inference import codec
@@ -31,6 +30,7 @@ from ssdrbm_server.inference.names import ModelNames
 from ssdrbm_server.recent_jobs import RecentJobs
 from ssdrbm_server.servicer import Stores
 from ssdrbm_server.serving import Caller, ModelServer
+from ssdrbm_server.tenancy import current_tenant
 
 Method = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
