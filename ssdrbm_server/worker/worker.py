@@ -104,10 +104,14 @@ class Worker:
                     await self._pause(REDIS_RETRY_S)
                     continue
                 try:
-                    lease = await self._next_lease(queue, leases, check_pending)
-                    check_pending = False
+                    lease = await self._next_lease(queue, leases, check_pending, watch)
+                    # Entries taken while Redis turned unfit stay this worker's, unclaimed:
+                    # read them first once it is fit again.
+                    check_pending = not watch.fit
                     if lease is not None:
-                        riders = await self._riders(client, lease, queue, leases)
+                        riders = (
+                            await self._riders(client, lease, queue, leases) if watch.fit else []
+                        )
                         await self._run_jobs(client, [lease, *riders])
                 except REDIS_DOWN as exc:
                     logger.warning("worker %s: Redis unreachable (%s)", self.worker_id, exc)
@@ -205,10 +209,14 @@ class Worker:
             self._spare = ChildProcess.for_settings(self.settings)  # ready for the next job
 
     async def _next_lease(
-        self, queue: JobQueue, leases: LeaseStore, check_pending: bool
+        self, queue: JobQueue, leases: LeaseStore, check_pending: bool, watch: RedisWatch
     ) -> Lease | None:
+        """The next job to run, claimed; None when there is none, or when Redis turned unfit
+        meanwhile (the blocking read below can outlast a check): nothing is claimed then."""
         lease_ms = int(self.settings.lease_seconds * 1000)
         for job_id in await leases.lapsed():
+            if not watch.fit:
+                return None
             lease = await self._claim(leases, job_id, lease_ms, takeover=True)
             if lease is not None:
                 logger.info("took over job %s after its lease lapsed", job_id)
@@ -218,6 +226,8 @@ class Worker:
         entries = entries or await queue.autoclaim(self.worker_id, min_idle_ms=lease_ms, count=1)
         entries = entries or await queue.read(self.worker_id, block_ms=self.settings.worker_poll_ms)
         for entry_id, job_id in entries:
+            if not watch.fit:
+                return None  # the entry stays pending, this worker's, until Redis is fit
             lease = await self._claim(leases, job_id, lease_ms, takeover=False)
             # Acknowledge either way: a claimed job is now tracked by its lease, and an
             # unclaimable one is finished or held by a worker whose lease covers it.
