@@ -175,6 +175,19 @@ def assert_same_parameters(stub, job: pb.Job, model: RBM) -> None:
         assert torch.equal(exported[name], value), name
 
 
+def assert_the_library_run(
+    stub, job: pb.Job, stream: list[pb.MetricEvent], settings: Settings, backoffs: list
+) -> None:
+    """The job ended as the uninterrupted library run of its spec does: the expected
+    ``backoffs`` (step, rollback step), the same evaluations and Backoff events in its stream,
+    the same final parameters."""
+    history, model = library_run(job.spec, job.total_steps, settings)
+    shown = library_events(history)
+    assert [(e[1], e[2]) for e in shown if e[0] == "backoff"] == backoffs
+    assert service_events(stream) == shown
+    assert_same_parameters(stub, job, model)
+
+
 def passes_a_detector_restarted_at(
     spec: pb.StartTrainingRequest, settings: Settings, resumed_at: int
 ) -> bool:
@@ -264,11 +277,7 @@ def test_the_library_and_the_service_back_off_alike_and_end_with_the_same_parame
     assert job.state == pb.JOB_STATE_SUCCEEDED, job.error
     assert states(stream) == ["QUEUED", "RUNNING", "SUCCEEDED"] and job.backoffs == 2
 
-    history, model = library_run(job.spec, job.total_steps, running.settings)
-    shown = library_events(history)
-    assert [(e[1], e[2]) for e in shown if e[0] == "backoff"] == EXPECTED_BACKOFFS
-    assert service_events(stream) == shown
-    assert_same_parameters(stub, job, model)
+    assert_the_library_run(stub, job, stream, running.settings, EXPECTED_BACKOFFS)
     # The rollback to step 35 checkpointed it (checkpoints every 20 steps do not include it),
     # so that a restart would resume from there.
     header, _ = export(stub, job.id, step=35)
@@ -293,11 +302,7 @@ def test_a_training_process_killed_after_a_rollback_between_checkpoints_resumes_
     stream, job = ended_after_one_kill(stub, job.id, resumed_at=35)
     assert job.backoffs == 2
 
-    history, model = library_run(job.spec, job.total_steps, running.settings)
-    shown = library_events(history)
-    assert [(e[1], e[2]) for e in shown if e[0] == "backoff"] == EXPECTED_BACKOFFS
-    assert service_events(stream) == shown
-    assert_same_parameters(stub, job, model)
+    assert_the_library_run(stub, job, stream, running.settings, EXPECTED_BACKOFFS)
 
 
 def test_a_job_resumed_before_a_slow_blow_up_backs_off_where_the_uninterrupted_run_does(
@@ -325,11 +330,7 @@ def test_a_job_resumed_before_a_slow_blow_up_backs_off_where_the_uninterrupted_r
     assert job.backoffs == 1
 
     assert passes_a_detector_restarted_at(job.spec, running.settings, SLOW_RESUME)
-    history, model = library_run(job.spec, job.total_steps, running.settings)
-    shown = library_events(history)
-    assert [(e[1], e[2]) for e in shown if e[0] == "backoff"] == SLOW_BACKOFFS
-    assert service_events(stream) == shown
-    assert_same_parameters(stub, job, model)
+    assert_the_library_run(stub, job, stream, running.settings, SLOW_BACKOFFS)
 
 
 def test_a_packed_job_backs_off_as_the_library_and_ends_with_its_parameters(
