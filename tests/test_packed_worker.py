@@ -474,8 +474,9 @@ def test_a_solo_checkpoint_resumes_packed_and_a_packed_one_solo(redis_url: str) 
     a packing worker resumes A from that solo checkpoint in a pack with job B, and stops too
     (every run checkpointed and released); a worker that does not pack finishes both. Each
     job's stream has every step once, and both end with exactly the parameters of the same
-    jobs trained without interruption."""
-    total = 400
+    jobs trained without interruption. The jobs are long enough (a few seconds) that a
+    graceful stop requested at step ~80 lands before they end, however fast the machine."""
+    total = 4000
     requests = [sgd(total, lr=0.05), sgd(total, lr=0.03)]
 
     async def stop_when(
