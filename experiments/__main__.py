@@ -23,6 +23,7 @@ EXPERIMENTS = (
     "transfer",
     "large",
     "convergence",
+    "defaults",
 )
 # The experiments that pack compatible runs (experiments/packed.py) and take --sequential.
 PACKED = ("tuning",)

@@ -1,0 +1,86 @@
+"""The default-step-size experiment (experiments/defaults.py): how it counts the steps a rollback
+costs, how it scores a run at a horizon and chooses a default, and its quick run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from experiments import defaults
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _metrics(step: int, error: float) -> dict:
+    return {"step": step, "reconstruction_error": error}
+
+
+def _backoff(step: int, rolled_back_to: int) -> dict:
+    return {"event": "backoff", "step": step, "rolled_back_to": rolled_back_to}
+
+
+# A run evaluated every 50 steps that blew up at 100 (back to 50) and at 130 (a NaN step, back
+# to 100): computed steps by hand, counting every step taken, thrown away or not.
+HISTORY = [
+    _metrics(0, 100.0),
+    _metrics(50, 80.0),
+    _backoff(100, 50),  # 100 steps computed, 50 thrown away
+    _metrics(100, 70.0),  # computed 100 + 50
+    _backoff(130, 100),  # computed 150 + 30 = 180, 30 thrown away
+    _metrics(150, 60.0),  # computed 150 + 80 = 230
+    _metrics(200, 50.0),  # 280
+]
+
+
+def test_computed_steps_count_what_each_rollback_threw_away():
+    curve, backoffs = defaults.computed_steps(HISTORY)
+    assert curve == [(0, 0, 100.0), (50, 50, 80.0), (100, 150, 70.0), (150, 230, 60.0),
+                     (200, 280, 50.0)]  # fmt: skip
+    assert backoffs == [
+        {"step": 100, "spent": 100, "wasted": 50},
+        {"step": 130, "spent": 180, "wasted": 30},
+    ]
+
+
+def test_a_run_is_scored_by_what_it_reached_within_the_budget():
+    curve, backoffs = defaults.computed_steps(HISTORY)
+    run = {"curve": curve, "backoffs": backoffs, "gave_up": False}
+    assert defaults.at_horizon(run, 200) == {
+        "recon": 70.0, "step": 100, "backoffs": 2, "wasted": 80, "gave_up": False
+    }  # fmt: skip
+    assert defaults.at_horizon(run, 280)["recon"] == 50.0
+    assert defaults.at_horizon(run, 99)["backoffs"] == 0
+    # a run that gave up scores inf from the evaluation after its last healthy one
+    gave_up = {**run, "gave_up": True, "backoffs": [*backoffs, {"step": None, "spent": 330,
+                                                                "wasted": 0}]}  # fmt: skip
+    assert defaults.at_horizon(gave_up, 329)["recon"] == 50.0
+    assert math.isinf(defaults.at_horizon(gave_up, 330)["recon"])
+
+
+def test_the_default_is_the_value_with_the_smallest_worst_ratio():
+    cells = {
+        "a": {1.0: 10.0, 3.0: 11.0, 10.0: 30.0},  # best 1: ratios 1, 1.1, 3
+        "b": {1.0: 20.0, 3.0: 10.0, 10.0: 9.0},  # best 10: ratios 2.22, 1.11, 1
+    }
+    ratios = {lr: defaults.worst_ratio(cells, lr)[0] for lr in (1.0, 3.0, 10.0)}
+    assert min(ratios, key=ratios.get) == 3.0
+    assert ratios[3.0] == pytest.approx(10.0 / 9.0)
+    assert defaults.ratio(math.inf, math.inf) == 1.0
+
+
+def test_quick_run_writes_its_tables(tmp_path: Path):
+    summary = defaults.run(tmp_path, quick=True)
+    directory = tmp_path / defaults.NAME
+    grid = json.loads((directory / "grid.json").read_text())
+    setup = defaults.QUICK
+    per_model = {m.kind: sum(len(g) for g in setup.grids[m.kind].values()) for m in setup.models}
+    assert len(grid) >= len(setup.sizes) * sum(per_model.values())
+    assert {row["model"] for row in summary["choice"]} == {m.key for m in setup.models}
+    for name in ("choice", "target_ssd", "target_ssd-normalized", "target_old_defaults"):
+        assert (directory / f"{name}.md").read_text().startswith("| ")
+    target = json.loads((directory / "target_ssd.json").read_text())
+    assert len(target) == len(setup.models) * len(setup.sizes) * len(setup.horizons)
+    assert all(row["ratio"] >= 1 for row in target)
