@@ -6,7 +6,7 @@
 #
 # `python -m ssdrbm_server` runs the gRPC server with a worker (SSDRBM_RUN_WORKER=0 for API only);
 # `python -m ssdrbm_server.worker` runs a worker alone. Configuration: SSDRBM_* environment variables
-# (ssdrbm_server/config.py). Real datasets are read from SSDRBM_DATA_DIR (mount them at /data).
+# (server/ssdrbm_server/config.py). Real datasets are read from SSDRBM_DATA_DIR (mount them at /data).
 #
 # A container is only reachable on 0.0.0.0, so the image listens there, and the server then
 # refuses to start until it is told who may call it: SSDRBM_AUTH_MODE=token with
@@ -44,12 +44,13 @@ WORKDIR /app
 # torch first, from the chosen index, at the version pyproject.toml pins.
 RUN python -m pip install -q "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
-COPY client/ client/
-COPY pyproject.toml README.md LICENSE ./
+# The three distributions of the checkout, as scripts/install installs them (there editable): the
+# core library (the root), the client (client/) and the service (server/), which needs both.
+COPY pyproject.toml README.md LICENSE VERSION ./
 COPY ssdcore/ ssdcore/
-COPY ssdrbm_server/ ssdrbm_server/
-# As scripts/install: the root distribution, which ships the core, the service and the client.
-RUN python -m pip install -q .
+COPY client/ client/
+COPY server/ server/
+RUN python -m pip install -q . ./client ./server
 
 RUN useradd --create-home --uid 10001 ssdrbm && mkdir -p /data && chown ssdrbm /data
 USER ssdrbm

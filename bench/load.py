@@ -11,7 +11,7 @@ and two workers (`python -m ssdrbm_server.worker`), all bound to 127.0.0.1, then
 - at the end, cancels a running job and measures how long the cancel took;
 - the fairness phase: tenant A queues many jobs, then tenant B submits one; it counts A's jobs
   that started after B's submit and before B's job started, which the queue's rotation bounds
-  by one job slot per worker (ssdrbm_server/store/queue.py);
+  by one job slot per worker (server/ssdrbm_server/store/queue.py);
 - then the soak (``--soak``, on in the full run): submits, finishes and deletes many more jobs
   and compares the keys' bytes (MEMORY USAGE) and ``DBSIZE`` with their baseline once every
   delete is settled (the purge schedule empty), within a stated tolerance.
@@ -63,7 +63,7 @@ START_TIMEOUT_S = 60.0
 # They may end this far above the baseline (encodings growing a step, e.g. a listpack)...
 SOAK_MEMORY_TOLERANCE_BYTES = 16 * 1024
 # ...plus this much per deleted job: each delete leaves a version tombstone in the shared
-# indexes (`{jobs}:versions`, `{jobs}:forgotten`) for an hour (ssdrbm_server/store/indexes.py;
+# indexes (`{jobs}:versions`, `{jobs}:forgotten`) for an hour (ssdrbm_server.store.indexes;
 # about 100 bytes measured). One job left behind costs tens of KB.
 SOAK_TOMBSTONE_BYTES = 512
 SOAK_STEPS = 20  # a soak job's steps; a metric event and a checkpoint every 10
@@ -463,7 +463,7 @@ def redis_usage(client: redis.Redis) -> tuple[int, int]:
 
 def settle_deletes(client: redis.Redis, deadline: Deadline) -> None:
     """Wait until the purge schedule is empty: DeleteJob removes a job's entry after its last
-    step, and the sweeper finishes any delete left half done (ssdrbm_server/store/lifecycle.py)."""
+    step, and the sweeper finishes any delete left half done (ssdrbm_server.store.lifecycle)."""
     schedule = Keys().purge_schedule()
     while client.zcard(schedule):
         deadline.check("waiting for the purge schedule to empty")

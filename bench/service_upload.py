@@ -2,7 +2,7 @@
 memory the API process takes, while a large dataset is uploaded through UploadDataset.
 
 Uploads are stored in chunks of at most `SSDRBM_DATASET_CHUNK_BYTES` written as they arrive
-(ssdrbm_server/store/datasets.py), so no single Redis command should hold Redis for long and
+(server/ssdrbm_server/store/datasets.py), so no single Redis command should hold Redis for long and
 the API should never hold the whole array. Before chunking, one 512 MiB upload blocked Redis for
 about 4.5 s, and the API process used 5.7 GB of memory for 1 GiB uploaded.
 

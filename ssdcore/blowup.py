@@ -120,7 +120,7 @@ STUCK_NORM_GROWTH = 50.0
 
 # --- backoff ------------------------------------------------------------------------------------
 # Blow-ups a run may recover from (each divides the step sizes by BACKOFF_FACTOR); fit's and the
-# service's job spec's defaults (ssdrbm_server/resolver.py fills them in).
+# service's job spec's defaults (server/ssdrbm_server/resolver.py fills them in).
 DEFAULT_MAX_BACKOFFS = 3
 # One backoff divides every step size by this: a decade, the granularity of the tuning grids.
 BACKOFF_FACTOR = 10.0

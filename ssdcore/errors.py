@@ -25,7 +25,7 @@ class DivergenceError(RuntimeError):
         # Keyword-only fields do not survive the default exception pickling (which calls the
         # class with `args` alone); library users' process pools (multiprocessing, joblib)
         # carry a worker's exception back this way. The service never pickles: its training
-        # process reports a failure as JSON (ssdrbm_server/worker/protocol.py).
+        # process reports a failure as JSON (server/ssdrbm_server/worker/protocol.py).
         return (_rebuild, (type(self), self.args, self.__dict__))
 
 

@@ -1,5 +1,5 @@
 """The serving process keeps freed large blocks in glibc's heap for reuse
-(ssdrbm_server/allocator.py)."""
+(server/ssdrbm_server/allocator.py)."""
 
 from __future__ import annotations
 

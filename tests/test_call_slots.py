@@ -1,5 +1,5 @@
 """The per-tenant and server-wide concurrency slots shared by metric streams, uploads and serving
-(ssdrbm_server/call_slots.py): which cap refuses, with whose subject, and that a waiting call gets
+(ssdrbm_server.call_slots): which cap refuses, with whose subject, and that a waiting call gets
 a slot as soon as one is given back. Over gRPC: test_datasets.py (uploads), test_fairness.py
 (streams), test_serving_budgets.py (serving)."""
 

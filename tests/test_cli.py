@@ -129,7 +129,7 @@ def test_serve_without_the_server_package_says_what_to_install(monkeypatch, caps
     assert main(["serve"]) == ExitCode.ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and ERROR_LINE.match(err.strip())
-    assert "pip install . (or ./scripts/install) in a checkout" in err
+    assert "pip install . ./client ./server (or ./scripts/install) in a checkout" in err
 
 
 # --- progress -----------------------------------------------------------------------------------

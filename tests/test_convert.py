@@ -1,4 +1,4 @@
-"""Record → wire conversion (ssdrbm_server/convert.py) and what the SDK and CLI make of it."""
+"""Record → wire conversion (ssdrbm_server.convert) and what the SDK and CLI make of it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 process finds (CUDA when present).
 
 No Redis is involved: the test plays the worker's side of the pipe protocol
-(ssdrbm_server/worker/protocol.py), so it runs wherever the CUDA tests run. The CPU case runs
+(server/ssdrbm_server/worker/protocol.py), so it runs wherever the CUDA tests run. The CPU case runs
 everywhere: an unset polar method reaches a CPU worker as lowrank and a CUDA one as
 Newton–Schulz, and the STARTED message says so (the runner records it in the job).
 """

@@ -1,4 +1,4 @@
-"""The dashboard (ssdrbm_server/dashboard/) in a real headless Chromium, against the real service
+"""The dashboard (ssdrbm_server.dashboard) in a real headless Chromium, against the real service
 (gRPC API, in-process worker, Redis) with token authentication on for two tenants: signing in
 with a token, the jobs list showing a running job, its curve growing as it trains, another
 tenant's job invisible; a running sweep's leaderboard and its runs' curves; a model's filters;

@@ -136,9 +136,11 @@ def test_compose_commands_name_modules_that_exist() -> None:
 def test_dockerfile_installs_what_scripts_install_installs() -> None:
     install = (ROOT / "scripts" / "install").read_text()
     docker = dockerfile()
-    assert pip_targets(docker) == pip_targets(install) == {"."}
-    # Every folder the installed packages need is copied into the image.
-    for folder in ("client/", "ssdcore/", "ssdrbm_server/"):
+    assert pip_targets(docker) == pip_targets(install) == {".", "./client", "./server"}
+    # Every folder the installed packages need is copied into the image, and the one VERSION
+    # file that all three distributions read (client/ and server/ link to it).
+    assert re.search(r"^COPY .*\bVERSION\b.* \./$", docker, re.MULTILINE)
+    for folder in ("client/", "ssdcore/", "server/"):
         assert re.search(rf"^COPY {folder} ", docker, re.MULTILINE), folder
 
 

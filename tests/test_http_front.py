@@ -1,4 +1,4 @@
-"""The HTTP front (ssdrbm_server/http_front.py) attacked with real sockets: `python -m
+"""The HTTP front (server/ssdrbm_server/http_front.py) attacked with real sockets: `python -m
 ssdrbm_server` in a child process (its memory and threads are read from /proc), clients that
 trickle their headers or body, hold idle connections, send oversized or malformed bodies, while
 valid requests of another tenant are still answered. Then, on the in-process service: HTTPS and

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"ssdcore": ROOT / "ssdcore", "ssdrbm_server": ROOT / "ssdrbm_server"}
+PACKAGES = {"ssdcore": ROOT / "ssdcore", "ssdrbm_server": ROOT / "server" / "ssdrbm_server"}
 PACKAGES["ssdrbm"] = ROOT / "client" / "ssdrbm"
 
 # Modules of ssdrbm_server that the API side, the worker and the store may import: they import

@@ -1,9 +1,12 @@
-"""The two distributions, built as pip builds them.
+"""The three distributions, built as pip builds them.
 
-- ``ssdrbm-server`` (the repository root) installs alone: it ships the ``ssdrbm`` SDK and CLI from
-  ``client/`` and requires nothing unpublished; it resolves from the package index as it is.
-- ``ssdrbm-client`` (``client/``) is the same ``ssdrbm`` package, at the same version, without
-  torch; it installs into a clean environment beside kserve and tritonclient.
+- ``ssdcore`` (the repository root) is the core library: torch, no service, no client.
+- ``ssdrbm-client`` (``client/``) is the ``ssdrbm`` SDK and CLI without torch; it installs into a
+  clean environment beside kserve and tritonclient.
+- ``ssdrbm-server`` (``server/``) is the service; it requires the other two, and the three given
+  together (``pip install . ./client ./server``) resolve from the package index.
+- Each installed file belongs to exactly one of them; all three have the one version (VERSION)
+  and the one license.
 - The committed stubs import under the protobuf and grpcio floors and under protobuf 7.
 
 The wheels are built from a copy of the sources (nothing is written into the checkout). The
@@ -44,23 +47,28 @@ def _pip(*args: str, timeout: float = INDEX_TIMEOUT_S) -> subprocess.CompletedPr
         pytest.skip(f"pip {args[0]} took over {timeout:.0f} s: the package index is too slow")
 
 
+DISTRIBUTIONS = {"core": ".", "client": "client", "server": "server"}
+
+
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{"server": root wheel, "client": client wheel}, built from a copy of the checkout."""
+    """Each distribution's wheel ("core", "client", "server"), built from a copy of the checkout."""
     source = tmp_path_factory.mktemp("source")
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "VERSION"):
         shutil.copy2(ROOT / name, source / name)
-    for folder in ("ssdcore", "ssdrbm_server", "client"):
+    for folder in ("ssdcore", "client", "server"):
         shutil.copytree(ROOT / folder, source / folder, symlinks=True, ignore=IGNORED)
     out = tmp_path_factory.mktemp("wheels")
     # No build isolation: the build backend (setuptools) is the one installed here, so building
     # needs no index.
-    built = _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                 str(source), str(source / "client"), timeout=300)  # fmt: skip
+    folders = [str(source / folder) for folder in DISTRIBUTIONS.values()]
+    built = _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), *folders,
+                 timeout=300)  # fmt: skip
     assert built.returncode == 0, built.stderr
     return {
-        "server": next(out.glob("ssdrbm_server-*.whl")),
+        "core": next(out.glob("ssdcore-*.whl")),
         "client": next(out.glob("ssdrbm_client-*.whl")),
+        "server": next(out.glob("ssdrbm_server-*.whl")),
     }
 
 
@@ -92,40 +100,53 @@ def _requirements(wheel: Path) -> list[Requirement]:
     return [Requirement(line) for line in _metadata(wheel).get_all("Requires-Dist") or []]
 
 
-def test_the_server_wheel_ships_the_client_and_requires_nothing_unpublished(wheels) -> None:
-    server, client = wheels["server"], wheels["client"]
-    names = {req.name for req in _requirements(server)}
-    assert not any(name.startswith("ssdrbm") for name in names), names
-    # One ssdrbm package: the same files, byte for byte, the stubs included.
-    shipped = _files(server, "ssdrbm/")
-    assert shipped == _files(client, "ssdrbm/")
+def _packages(wheel: Path) -> set[str]:
+    """The top-level folders a wheel installs, its metadata aside."""
+    with zipfile.ZipFile(wheel) as archive:
+        tops = {name.split("/")[0] for name in archive.namelist()}
+    return {top for top in tops if not top.endswith(".dist-info")}
+
+
+def test_each_installed_file_belongs_to_one_distribution(wheels) -> None:
+    assert _packages(wheels["core"]) == {"ssdcore"}
+    assert _packages(wheels["client"]) == {"ssdrbm"}
+    assert _packages(wheels["server"]) == {"ssdrbm_server"}
+    shipped = _files(wheels["client"], "ssdrbm/")
     for stub in ("rbm_pb2.py", "rbm_pb2_grpc.py", "rbm_pb2.pyi"):
         assert f"ssdrbm/v1/{stub}" in shipped, stub
     for needed in ("ssdrbm/__init__.py", "ssdrbm/cli/main.py", "ssdrbm/py.typed"):
         assert needed in shipped, needed
-    assert _files(server, "ssdcore/__init__.py") and _files(server, "ssdrbm_server/__main__.py")
-    assert not _files(client, "ssdcore/") and not _files(client, "ssdrbm_server/")
-    # Both name the `ssdrbm` command.
-    for wheel in (server, client):
+    assert _files(wheels["server"], "ssdrbm_server/dashboard/static/")  # the dashboard's pages
+    # Only the client names the `ssdrbm` command.
+    for name, wheel in wheels.items():
         with zipfile.ZipFile(wheel) as archive:
-            entry_points = next(n for n in archive.namelist() if n.endswith("entry_points.txt"))
-            assert "ssdrbm = ssdrbm.cli:main" in archive.read(entry_points).decode()
+            entry_points = [n for n in archive.namelist() if n.endswith("entry_points.txt")]
+            text = "".join(archive.read(n).decode() for n in entry_points)
+        assert ("ssdrbm = ssdrbm.cli:main" in text) == (name == "client"), name
 
 
-def test_one_version_one_license_and_the_client_requirements_a_subset(wheels) -> None:
-    server, client = _metadata(wheels["server"]), _metadata(wheels["client"])
-    assert server["Version"] == client["Version"] == ssdrbm.__version__
-    assert server["License-Expression"] == client["License-Expression"] == "MIT"
+def test_one_version_one_license_and_the_server_requires_the_other_two(wheels) -> None:
+    metadata = {name: _metadata(wheel) for name, wheel in wheels.items()}
+    assert {m["Version"] for m in metadata.values()} == {ssdrbm.__version__}
+    assert ssdrbm.__version__ == (ROOT / "VERSION").read_text().strip()
+    assert {m["License-Expression"] for m in metadata.values()} == {"MIT"}
     license_text = (ROOT / "LICENSE").read_bytes()
     assert b"MIT License" in license_text and b"the ssdrbm authors" in license_text
     for wheel in wheels.values():
         licenses = {k: v for k, v in _files(wheel, "").items() if k.endswith("/licenses/LICENSE")}
         assert list(licenses.values()) == [hashlib.sha256(license_text).hexdigest()], wheel.name
-    # Whatever the client needs, the server asks for in the same words (the same floors).
-    server_requirements = {str(req) for req in _requirements(wheels["server"])}
-    for requirement in _requirements(wheels["client"]):
-        assert str(requirement) in server_requirements, requirement
+    server = {req.name for req in _requirements(wheels["server"])}
+    assert {"ssdcore", "ssdrbm-client", "redis", "grpcio"} <= server
+    # The client and the core need nothing of the others; only the core needs torch.
+    for name in ("core", "client"):
+        assert not any(r.name.startswith("ssd") for r in _requirements(wheels[name])), name
+    assert "torch" in {req.name for req in _requirements(wheels["core"])}
     assert "torch" not in {req.name for req in _requirements(wheels["client"])}
+    # What the server names beside the client (grpcio, protobuf, ...) it names in the same words.
+    server_requirements = {req.name: str(req) for req in _requirements(wheels["server"])}
+    for requirement in _requirements(wheels["client"]):
+        if requirement.name in server_requirements:
+            assert str(requirement) == server_requirements[requirement.name], requirement
 
 
 def _resolve(*targets: str) -> dict[str, str]:
@@ -138,11 +159,11 @@ def _resolve(*targets: str) -> dict[str, str]:
             for item in report["install"]}  # fmt: skip
 
 
-def test_the_server_wheel_resolves_alone(wheels, index) -> None:
-    """`pip install .` needs nothing beyond the index: torch, grpc, Redis, and no ssdrbm-client."""
-    resolved = _resolve(str(wheels["server"]))
-    assert {"ssdrbm-server", "torch", "grpcio", "protobuf", "redis"} <= set(resolved)
-    assert "ssdrbm-client" not in resolved
+def test_the_three_wheels_resolve_together(wheels, index) -> None:
+    """`pip install . ./client ./server` needs nothing beyond the index: torch, grpc, Redis."""
+    resolved = _resolve(*(str(wheel) for wheel in wheels.values()))
+    expected = {"ssdcore", "ssdrbm-client", "ssdrbm-server", "torch", "grpcio", "redis"}
+    assert expected <= set(resolved)
 
 
 def test_the_client_resolves_beside_kserve_and_tritonclient(wheels, index) -> None:

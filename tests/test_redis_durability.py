@@ -2,7 +2,7 @@
 alone (`python -m ssdrbm_server.worker`) refuse a Redis that would lose acknowledged work (no
 append-only file, even with RDB snapshots; an evicting maxmemory-policy; appendfsync no), at
 start and again while running, and resume once it is fixed. On Redis Cluster every node is
-asked. Real redis-server, real processes (ssdrbm_server/redis_checks.py).
+asked. Real redis-server, real processes (server/ssdrbm_server/redis_checks.py).
 
 That acknowledged jobs and checkpoints survive a Redis SIGKILL with AOF is proven in
 tests/test_crash_recovery.py (``test_redis_crash_and_restart_loses_nothing_acknowledged``).

@@ -1,4 +1,4 @@
-"""The Redis launcher (ssdrbm_server/redis_process.py) that the demo, the benchmarks and the
+"""The Redis launcher (server/ssdrbm_server/redis_process.py) that the demo, the benchmarks and the
 test fixtures share: its defaults pass the service's own durability checks, a SIGTERM stop and a
 SIGKILL both keep what the append-only file holds, and a server that cannot start says why."""
 

@@ -1,4 +1,4 @@
-"""Live StreamMetrics subscribers of one job share one follower (ssdrbm_server/event_fanout.py).
+"""Live StreamMetrics subscribers of one job share one follower (ssdrbm_server.event_fanout).
 
 Real redis-server, real gRPC server on port 0, synchronous loopback clients in threads. Events
 are appended by a stand-in writer in MULTI bursts (one XREAD reply then holds the whole burst),

@@ -1,7 +1,7 @@
 """Sweeps expire with their runs (finished_job_ttl_seconds), over real gRPC and real Redis.
 
 Each run's end moves its sweep's entry in the sweep purge schedule to that run's own expiry time,
-only ever later; the expiry (ssdrbm_server/sweeps/expiry.py, run by every API process with a
+only ever later; the expiry (server/ssdrbm_server/sweeps/expiry.py, run by every API process with a
 60 s grace) deletes the sweep once none of its jobs is left. The tests call it with no grace
 instead of waiting for the background loop; the jobs themselves expire by their Redis TTL.
 """

@@ -148,4 +148,4 @@ except ConfigError as exc:
     )
     assert result.returncode == 0, result.stderr
     assert "SSDRBM_TRACING=console needs OpenTelemetry" in result.stdout
-    assert "pip install '.[tracing]' in a checkout" in result.stdout
+    assert "pip install './server[tracing]' in a checkout" in result.stdout

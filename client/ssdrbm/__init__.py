@@ -5,6 +5,8 @@ Needs only grpcio, protobuf and numpy (matplotlib for ``ssdrbm plot``); never to
 
 from __future__ import annotations
 
+from importlib.metadata import version as _installed_version
+
 from ssdrbm.client import Client
 from ssdrbm.connection import TLS
 from ssdrbm.datasets import Dataset, UploadedDataset
@@ -36,7 +38,9 @@ from ssdrbm.retry import RetryPolicy
 from ssdrbm.server_info import ServerInfo
 from ssdrbm.sweeps import Sweep, SweepRun, SweepState
 
-__version__ = "0.1.0"
+# The product's one version is the repository's VERSION file, which all three distributions
+# (ssdcore, ssdrbm-client, ssdrbm-server) read when they are built; an installed client reports it.
+__version__ = _installed_version("ssdrbm-client")
 
 __all__ = [
     "TLS",

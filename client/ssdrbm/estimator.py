@@ -23,7 +23,7 @@ try:
 except ImportError as error:  # scikit-learn is an optional extra of the client
     raise ImportError(
         "ssdrbm.estimator needs scikit-learn >= 1.6: install the 'sklearn' extra, in a checkout "
-        "pip install './client[sklearn]' (or '.[sklearn]' with the service)"
+        "pip install './client[sklearn]'"
     ) from error
 
 from ssdrbm.client import Client

@@ -31,14 +31,16 @@ class MissingExtra(Exception):
 
 
 # How to install from a checkout of the repository (neither distribution is on a package index).
-INSTALL_SERVER = "pip install . (or ./scripts/install) in a checkout of the ssdrbm repository"
+INSTALL_SERVER = (
+    "pip install . ./client ./server (or ./scripts/install) in a checkout of the ssdrbm repository"
+)
 
 
 def install_extra(extra: str) -> str:
-    """The pip commands that add ``extra`` to the client-only or to the full install."""
+    """The pip command that adds the client's ``extra``, with or without the server."""
     return (
-        f"install the [{extra}] extra: pip install './client[{extra}]' (client only) or "
-        f"pip install '.[{extra}]' (with the server), in a checkout of the ssdrbm repository"
+        f"install the [{extra}] extra: pip install './client[{extra}]' in a checkout of the "
+        "ssdrbm repository"
     )
 
 

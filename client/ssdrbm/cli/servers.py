@@ -1,11 +1,11 @@
 """Commands that run the service itself: ``serve`` and ``worker``.
 
-They need the server (``ssdcore`` and ``ssdrbm_server``: torch, Redis; ``pip install .`` in a
-checkout), imported only here and only when one of these commands runs, so the client stays
-light. ``ssdrbm serve ARGS`` is ``python -m ssdrbm_server --wait-for-redis ARGS``: it waits
-for Redis, saying so on stderr, where the service alone would start and answer every call
-UNAVAILABLE (as deployments, whose probes follow it, want). ``ssdrbm worker ARGS`` is
-``python -m ssdrbm_server.worker ARGS``.
+They need the server (``ssdcore`` and ``ssdrbm_server``: torch, Redis; ``pip install .
+./client ./server`` in a checkout), imported only here and only when one of these commands
+runs, so the client stays light. ``ssdrbm serve ARGS`` is ``python -m ssdrbm_server
+--wait-for-redis ARGS``: it waits for Redis, saying so on stderr, where the service alone would
+start and answer every call UNAVAILABLE (as deployments, whose probes follow it, want).
+``ssdrbm worker ARGS`` is ``python -m ssdrbm_server.worker ARGS``.
 """
 
 from __future__ import annotations

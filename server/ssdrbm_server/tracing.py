@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 TRACEPARENT = "traceparent"  # the W3C header, as gRPC metadata and in the job record
 # Neither distribution is on a package index: the extra is installed from a checkout.
-INSTALL_HINT = "pip install '.[tracing]' in a checkout of the ssdrbm repository"
+INSTALL_HINT = "pip install './server[tracing]' in a checkout of the ssdrbm repository"
 OTLP_HINT = "pip install opentelemetry-exporter-otlp-proto-grpc (part of the tracing extra)"
 
 RpcMethod = TypeVar("RpcMethod", bound=Callable[..., Awaitable[Any]])

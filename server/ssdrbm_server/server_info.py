@@ -1,7 +1,8 @@
 """GetServerInfo: the service's version, the API it implements and its optional features.
 
-The version is the product's one version, ``ssdrbm.__version__`` (both pyproject files read it
-too), so a server and a client built from the same checkout report the same number.
+The version is the product's one version (the repository's VERSION file, which all three
+distributions read; ``ssdrbm.__version__`` where installed), so a server and a client built from
+the same checkout report the same number.
 """
 
 from __future__ import annotations
