@@ -34,6 +34,7 @@ SHARED = {
     "ssdrbm_server.handlers",  # wraps gRPC handlers: the error mapping (errors.py) uses it
     "ssdrbm_server.keys",
     "ssdrbm_server.logs",
+    "ssdrbm_server.outage",  # a Redis outage logged once per process, whoever notices it
     "ssdrbm_server.metrics",  # the Prometheus registry, served by the API or a worker alone
     "ssdrbm_server.rank_metrics",  # a metric's direction: the leaderboard and the rung decision
     "ssdrbm_server.readiness",  # health, and the worker's heartbeat file

@@ -28,6 +28,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ssdrbm_server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
+from ssdrbm_server.outage import REDIS_OUTAGE
 
 logger = logging.getLogger(__name__)
 
@@ -309,6 +310,8 @@ def _answer_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) 
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.error("unhandled error in %s", method, exc_info=exc)
+    elif isinstance(exc, _REDIS_UNAVAILABLE):
+        REDIS_OUTAGE.noticed(exc, by=method)  # logged once an outage, not once a request
     elif code is grpc.StatusCode.UNAVAILABLE:
         logger.warning("%s: %s (%s)", method, message, exc)
     else:

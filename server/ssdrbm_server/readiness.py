@@ -32,6 +32,8 @@ from grpc_health.v1 import health, health_pb2
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
+from ssdrbm_server.outage import REDIS_OUTAGE
+
 logger = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -63,11 +65,10 @@ async def follow_redis(
             redis_ok = True
         except (TimeoutError, RedisError, OSError) as exc:
             redis_ok, reason = False, exc
-        if state is not None and state[0] != redis_ok:
-            if redis_ok:
-                logger.info("Redis answers again: %s is SERVING", service_name)
-            else:
-                logger.warning("Redis unreachable (%s): %s is NOT_SERVING", reason, service_name)
+        if redis_ok:
+            REDIS_OUTAGE.ended()
+        else:
+            REDIS_OUTAGE.noticed(reason, by=f"the readiness probe ({service_name} NOT_SERVING)")
         blocker = _not_ready_because(worker_alive, redis_fit) if redis_ok else None
         if blocker is not None and blocker != blocked_by:
             logger.warning("%s: %s is NOT_SERVING", blocker, READINESS)

@@ -60,6 +60,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ssdrbm_server.errors import UnavailableError
 from ssdrbm_server.keys import Keys, is_job_id
+from ssdrbm_server.outage import REDIS_OUTAGE
 from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.indexes import NOW_MS, JobIndex
 from ssdrbm_server.store.records import ACTIVE_STATES, JobState
@@ -372,8 +373,9 @@ async def repeat_forever(
         try:
             while await step() == SWEEP_BATCH:
                 pass  # more are due: go on without waiting
+            REDIS_OUTAGE.ended()
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            logger.warning("%s skipped: Redis unreachable (%s)", what, exc)
+            REDIS_OUTAGE.noticed(exc, by=what)  # skipped this time
         except Exception:
             logger.exception("%s failed; trying again later", what)
         await asyncio.sleep(SWEEP_INTERVAL_S)

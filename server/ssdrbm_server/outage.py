@@ -1,0 +1,71 @@
+"""A Redis outage in a process's log: one WARNING when it starts, a reminder every
+`REMIND_S` while it lasts, one INFO when Redis answers again.
+
+Every part of a process notices an outage on its own: each refused request, the readiness
+probe every second, the worker's poll every second, a job's fenced writes every half second,
+the sweepers every few seconds. Each logging what it saw wrote several lines a second for as
+long as Redis was down, and an operator had to read past them to find the one that mattered.
+Now they all report to the process's one `REDIS_OUTAGE`, which speaks for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+REMIND_S = 60.0  # while an outage lasts, how often the log says it still does
+
+
+class Outage:
+    """One dependency's outages in one process: `noticed` on each failure, `ended` on a
+    success (a no-op unless an outage was on)."""
+
+    def __init__(
+        self, what: str, *, remind_s: float = REMIND_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.what = what
+        self.remind_s = remind_s
+        self._clock = clock
+        self._since: float | None = None  # when the outage began; None: none is on
+        self._reminded = 0.0
+        self._failures = 0
+
+    @property
+    def on(self) -> bool:
+        return self._since is not None
+
+    def noticed(self, error: BaseException, by: str) -> None:
+        """``by`` (who noticed, e.g. "worker w1") failed to reach the dependency with ``error``."""
+        now = self._clock()
+        self._failures += 1
+        if self._since is None:
+            self._since = self._reminded = now
+            logger.warning(
+                "%s unreachable (%s), first noticed by %s; what needs it waits and retries "
+                "(said again every %.0f s while the outage lasts)",
+                self.what, error, by, self.remind_s,
+            )  # fmt: skip
+        elif now - self._reminded >= self.remind_s:
+            self._reminded = now
+            logger.warning(
+                "%s still unreachable after %.0f s (%s; %d failed calls so far)",
+                self.what, now - self._since, error, self._failures,
+            )  # fmt: skip
+
+    def ended(self) -> None:
+        """The dependency answered: log the outage's end once, if one was on."""
+        if self._since is None:
+            return
+        logger.info(
+            "%s answers again after %.0f s unreachable (%d failed calls meanwhile)",
+            self.what, self._clock() - self._since, self._failures,
+        )  # fmt: skip
+        self._since, self._failures = None, 0
+
+
+# The process's one record of Redis outages: the API's request handlers, its readiness probe
+# and sweepers, and the worker (in the API process or alone) all report to it.
+REDIS_OUTAGE = Outage("Redis")
