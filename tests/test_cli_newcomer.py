@@ -56,6 +56,22 @@ def test_a_service_without_redis_is_reported_as_such(service_factory) -> None:
         assert "ssdrbm serve" not in line  # it is running: starting it is no fix
 
 
+def test_serve_help_is_whole_and_its_defaults_are_the_settings() -> None:
+    """`ssdrbm serve --help` (the service's own help) ends no sentence midway and names the
+    settings a first run needs with the defaults the service really uses."""
+    from ssdrbm_server.config import Settings
+
+    result = subprocess.run([SSDRBM, "serve", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    description = text.split("options:")[0].split("\n\n", 1)[1]
+    assert " ".join(description.split()).endswith("the options below override them.")
+    defaults = Settings()
+    for name in ("redis_url", "listen_address", "http_port", "metrics_port", "auth_mode"):
+        assert f"SSDRBM_{name.upper()} (default {getattr(defaults, name)})" in text, name
+    assert "exit codes: 0 stopped, 1 failed while running, 2 configuration error" in text
+
+
 def _read_until(stream, needle: str, deadline: float) -> str:
     seen = ""
     while needle not in seen:
