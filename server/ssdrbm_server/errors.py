@@ -36,6 +36,7 @@ ERROR_DOMAIN = "ssdrbm"  # ErrorInfo.domain of every refusal
 RETRY_SHORTLY_S = 1.0  # RetryInfo of a transient refusal: a race, an outage, a busy cap
 RETRY_STORE_FULL_S = 10.0  # a full store frees room as finished jobs are deleted or expire
 SERVER_SUBJECT = "server"  # QuotaFailure subject of a limit of the whole server or one request
+SHOWN_ID_CHARS = 64  # the longest well-formed id (job, sweep, dataset): more is not an id
 # The serialized Status goes out base64-encoded beside grpc-message, which holds the message too;
 # gRPC clients refuse trailers over 8 KiB by default (some already past a soft limit there), so
 # the details stay well under it.
@@ -105,6 +106,17 @@ class NotFoundError(ServiceError):
         super().__init__(message, reason=reason)
         self.resource_type = resource_type
         self.resource_name = resource_name
+
+    @classmethod
+    def for_id(cls, resource_type: str, resource_id: str, hint: str) -> NotFoundError:
+        """``<type> '<id>' not found; <hint>`` for an id a client sent, shown (and named in the
+        ResourceInfo) up to `SHOWN_ID_CHARS`: it may be any text, not only a well-formed id."""
+        shown = resource_id[:SHOWN_ID_CHARS]
+        return cls(
+            f"{resource_type} {shown!r} not found; {hint}",
+            resource_type=resource_type,
+            resource_name=shown,
+        )
 
 
 class FailedPreconditionError(ServiceError):

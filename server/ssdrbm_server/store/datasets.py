@@ -567,9 +567,6 @@ class DatasetInUseError(FailedPreconditionError):
 
 
 def dataset_not_found(dataset_id: str) -> NotFoundError:
-    return NotFoundError(
-        f"dataset {dataset_id[:80]!r} not found; upload it with UploadDataset and use the "
-        "returned dataset_id",
-        resource_type="dataset",
-        resource_name=dataset_id[:80],
+    return NotFoundError.for_id(
+        "dataset", dataset_id, "upload it with UploadDataset and use the returned dataset_id"
     )

@@ -216,11 +216,7 @@ def uploaded_dataset(spec: bytes) -> str:
 
 
 def _not_found(job_id: str) -> NotFoundError:
-    return NotFoundError(
-        f"job {job_id[:64]!r} not found; check the id (ListJobs shows your jobs)",
-        resource_type="job",
-        resource_name=job_id[:64],
-    )
+    return NotFoundError.for_id("job", job_id, "check the id (ListJobs shows your jobs)")
 
 
 class JobStore:

@@ -82,11 +82,7 @@ def new_sweep_id() -> str:
 
 
 def _not_found(sweep_id: str) -> NotFoundError:
-    return NotFoundError(
-        f"sweep {sweep_id[:64]!r} not found; check the id (ListSweeps shows your sweeps)",
-        resource_type="sweep",
-        resource_name=sweep_id[:64],
-    )
+    return NotFoundError.for_id("sweep", sweep_id, "check the id (ListSweeps shows your sweeps)")
 
 
 class SweepStore:
