@@ -270,6 +270,25 @@ def test_interleaved_rounds_report_one_sample_per_round():
     assert all(len(timing.samples_s) == 4 for timing in timings.values())
 
 
+@pytest.mark.parametrize(
+    ("n_hidden", "route"), [(100, "Gram route"), (300, "factored route")], ids=["gram", "factored"]
+)
+def test_ssd_cost_times_every_piece_against_an_sgd_iteration(n_hidden, route):
+    # 784x100 at batch 100: the factors' rank 200 is not below 100, the dense Gram route;
+    # 784x300: the factored one.
+    from bench import ssd_cost
+    from bench.core import Plan, load_datasets
+
+    data = load_datasets(Plan.quick(), torch.device("cpu"))["bernoulli"]
+    rows = {name: (ms, ratio) for name, ms, ratio in ssd_cost.measure(n_hidden, 1, 1, data)}
+    assert {"sgd iteration", "ssd-lowrank iteration", f"exact polar step ({route})"} <= set(rows)
+    assert {"sgd optimizer step", "ssd optimizer step", "fused update W -= c·left@right"} <= set(
+        rows
+    )
+    assert rows["sgd iteration"][1] == 1.0
+    assert all(_is_positive_number(ms) and _is_positive_number(r) for ms, r in rows.values())
+
+
 def test_report_renders_missed_and_unmeasured_targets():
     report = Report(environment={"device": "cpu"})
     report.extend(

@@ -218,7 +218,7 @@ class SSD(Optimizer):
             apply_factored_(param, _with_rule(polar, rule, None, factors), lr)
             return
         if method == "lowrank":
-            if factors is not None and not _factors_pay_off(param, factors):
+            if factors is not None and not factors_pay_off(param, factors):
                 # Both routes are exact; the dense Gram matrix is the smaller eigenproblem here.
                 grad = _dense(param, factors)
                 apply_factored_(param, _with_rule(polar_gram_factors(grad), rule, grad), lr)
@@ -349,7 +349,7 @@ def _take_factors(param: Tensor) -> tuple[Tensor, Tensor] | None:
     return left, right
 
 
-def _factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
+def factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
     """Whether the factors' r×r eigenproblem is smaller than the dense gradient's Gram matrix.
 
     The factored route costs O((m + n) r²) and an r×r eigendecomposition, the dense one
@@ -363,7 +363,7 @@ def _factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
 def _only_factors(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
     """Whether thin factors are all there is: no dense gradient to check them against (which
     would need a host sync), and factor space is smaller than the matrix."""
-    return param.grad is None and _factors_pay_off(param, factors)
+    return param.grad is None and factors_pay_off(param, factors)
 
 
 def _with_rule(
