@@ -31,6 +31,7 @@ from ssdrbm.events import (
     MetricEvent,
     Metrics,
     MetricsEvent,
+    QueuePlace,
     StateEvent,
 )
 from ssdrbm.model_file import ExportedModel, read_safetensors
@@ -60,6 +61,7 @@ __all__ = [
     "MetricsEvent",
     "NotFound",
     "PermissionDenied",
+    "QueuePlace",
     "ResourceExhausted",
     "RetryPolicy",
     "SSDRBMError",

@@ -188,6 +188,50 @@ def event_from_proto(message: rbm_pb2.MetricEvent) -> MetricEvent | None:
     return None
 
 
+def format_wait(seconds: float) -> str:
+    """A wait rounded as people say it: ``40 s``, ``3 min``, ``2 h 5 min``."""
+    if seconds < 90:
+        return f"{max(round(seconds), 0)} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60} min"
+
+
+@dataclass(frozen=True)
+class QueuePlace:
+    """Where a queued job stands: ``position`` jobs queued now go before it (0: it is next),
+    and it is expected to start in about ``starts_in_s`` seconds (None: no estimate), as
+    ``basis`` explains (``no_worker``: nothing is running the queue)."""
+
+    position: int
+    starts_in_s: float | None
+    basis: str
+    busy_slots: int
+    slice_s: float
+    no_worker: bool = False
+
+    @classmethod
+    def from_proto(cls, message: rbm_pb2.QueuePlace) -> QueuePlace:
+        """Build from a ``ssdrbm.v1.QueuePlace`` message."""
+        return cls(
+            position=message.position,
+            starts_in_s=_optional(message, "starts_in_seconds"),
+            basis=message.basis,
+            busy_slots=message.busy_slots,
+            slice_s=message.slice_seconds,
+            no_worker=message.no_worker,
+        )
+
+    def summary(self) -> str:
+        """``3 ahead; about 40 s`` (or why there is no estimate): the CLI's and the dashboard's
+        words for it."""
+        ahead = "next" if self.position == 0 else f"{self.position} ahead"
+        if self.no_worker:
+            return f"{ahead}; no worker is running"
+        if self.starts_in_s is None:
+            return f"{ahead}; no estimate yet"
+        return f"{ahead}; about {format_wait(self.starts_in_s)}"
+
+
 @dataclass(frozen=True)
 class Job:
     """A training job's record as the service reports it."""
@@ -213,6 +257,8 @@ class Job:
     # what the worker chose for its device, e.g. "device: cuda:0, method: newton-schulz (auto on
     # cuda), CUDA graph"
     runtime: str = ""
+    # while QUEUED: its place in the queue and when it should start (None in other states)
+    queue: QueuePlace | None = None
 
     @property
     def done(self) -> bool:
@@ -245,6 +291,7 @@ class Job:
             backoffs=message.backoffs,
             training_process_failures=message.training_process_failures,
             runtime=message.runtime.summary,
+            queue=QueuePlace.from_proto(message.queue) if message.HasField("queue") else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 from ssdrbm.v1 import rbm_pb2
 
+from ssdrbm_server.store.queue import QueuePlace
 from ssdrbm_server.store.records import JobRecord, JobState, worker_label
 
 _STATE_TO_PROTO = {state: rbm_pb2.JobState.Value(f"JOB_STATE_{state.value}") for state in JobState}
@@ -33,8 +34,8 @@ def _timestamp(seconds: float | None) -> Timestamp | None:
     return stamp
 
 
-def job_to_proto(record: JobRecord) -> rbm_pb2.Job:
-    """The wire Job for a stored record."""
+def job_to_proto(record: JobRecord, place: QueuePlace | None = None) -> rbm_pb2.Job:
+    """The wire Job for a stored record (a queued one with its place in the queue)."""
     job = rbm_pb2.Job(
         id=record.id,
         name=record.name,
@@ -58,7 +59,23 @@ def job_to_proto(record: JobRecord) -> rbm_pb2.Job:
     job.sweep_id = record.sweep_id
     if record.runtime:
         json_format.Parse(record.runtime, job.runtime)
+    if place is not None:
+        job.queue.CopyFrom(queue_place_to_proto(place))
     return job
+
+
+def queue_place_to_proto(place: QueuePlace) -> rbm_pb2.QueuePlace:
+    """The wire QueuePlace of a queued job."""
+    message = rbm_pb2.QueuePlace(
+        position=place.position,
+        basis=place.basis,
+        busy_slots=place.busy_slots,
+        slice_seconds=place.slice_s,
+        no_worker=place.no_worker,
+    )
+    if place.starts_in_s is not None:
+        message.starts_in_seconds = place.starts_in_s
+    return message
 
 
 def event_to_proto(

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the service: jobs by state, RPC latency, streams, serving chunks.
+"""Prometheus metrics of the service: jobs by state, the queue by tenant, RPC latency, streams,
+serving chunks.
 
 Each server instance owns its registry (tests run several servers in one process). The job
 gauges are refreshed from Redis by a periodic task, so a scrape never waits on Redis. Training
@@ -25,6 +26,13 @@ from ssdrbm_server.store.records import JobState
 logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+# The queue's per-tenant series stay few: the tenants with the most queued jobs are labelled by
+# name, the rest summed into one OTHER_TENANTS series (a tenant's series goes when it drops out).
+QUEUE_TENANTS_LABELLED = 20
+OTHER_TENANTS = "_other"
+
+# tenant -> (jobs queued, seconds the longest waiting head of its lists has waited)
+QueueBacklog = dict[str, tuple[int, float]]
 
 
 class ServiceMetrics:
@@ -52,13 +60,50 @@ class ServiceMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.queue_depth = Gauge(
+            "ssdrbm_queue_depth",
+            f"Jobs queued, by tenant (the {QUEUE_TENANTS_LABELLED} with the most; the others "
+            f"summed as {OTHER_TENANTS})",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.queue_wait = Gauge(
+            "ssdrbm_queue_head_wait_seconds",
+            "How long the tenant's next queued job (or its oldest sweep run, whichever longer) "
+            f"has waited since it was queued or put back ({OTHER_TENANTS}: the longest of the "
+            "others)",
+            ["tenant"],
+            registry=self.registry,
+        )
+        # Set by the servicer (it owns the queue's reads); read by the periodic refresh.
+        self.queue_backlog: Callable[[], Awaitable[QueueBacklog]] | None = None
+        self._queue_tenants: set[str] = set()
         self._http = MetricsEndpoint(self.registry)
         self.set_job_counts({})  # every state's series exists from the first scrape on
+        self.set_queue_backlog({})
 
     def set_job_counts(self, counts: dict[JobState, int]) -> None:
         """Update the jobs-by-state gauge."""
         for state in JobState:
             self.jobs.labels(state=state.value).set(counts.get(state, 0))
+
+    def set_queue_backlog(self, backlog: QueueBacklog) -> None:
+        """Update the per-tenant queue gauges: the deepest tenants by name, the rest summed."""
+        ranked = sorted(backlog.items(), key=lambda item: (-item[1][0], item[0]))
+        ranked = [(tenant, value) for tenant, value in ranked if tenant != OTHER_TENANTS]
+        named = dict(ranked[:QUEUE_TENANTS_LABELLED])
+        rest = [value for tenant, value in backlog.items() if tenant not in named]
+        for gone in self._queue_tenants - named.keys():
+            self.queue_depth.remove(gone)
+            self.queue_wait.remove(gone)
+        self._queue_tenants = set(named)
+        named[OTHER_TENANTS] = (
+            sum(depth for depth, _ in rest),
+            max((wait for _, wait in rest), default=0.0),
+        )
+        for tenant, (depth, wait) in named.items():
+            self.queue_depth.labels(tenant=tenant).set(depth)
+            self.queue_wait.labels(tenant=tenant).set(wait)
 
     def start_http(self, port: int, address: str) -> int:
         """Serve /metrics over HTTP in a thread; returns the bound port."""
@@ -102,10 +147,13 @@ async def refresh_job_gauges(
     *,
     interval_s: float = 5.0,
 ) -> None:
-    """Periodically copy job counts from Redis into the gauges (runs forever)."""
+    """Periodically copy job counts and the queue's backlog from Redis into the gauges (runs
+    forever)."""
     while True:
         try:
             metrics.set_job_counts(await count_by_state())
+            if metrics.queue_backlog is not None:
+                metrics.set_queue_backlog(await metrics.queue_backlog())
         except Exception as exc:  # Redis down: keep the last values, try again later
             logger.debug("metrics refresh failed: %s", exc)
         await asyncio.sleep(interval_s)

@@ -40,7 +40,8 @@ from ssdrbm_server.store.connection import cancellable
 from ssdrbm_server.store.datasets import DatasetInfo, DatasetInUseError, DatasetStore, Upload
 from ssdrbm_server.store.events import EventStore
 from ssdrbm_server.store.jobs import JobStore
-from ssdrbm_server.store.records import JobRecord
+from ssdrbm_server.store.queue import JobQueue, QueuePlace
+from ssdrbm_server.store.records import JobRecord, JobState
 from ssdrbm_server.sweeps.service import SweepService
 from ssdrbm_server.sweeps.store import SweepStore
 from ssdrbm_server.tenancy import current_tenant
@@ -121,6 +122,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self.sweeps = SweepService(
             settings, stores.jobs, SweepStore(stores.jobs.redis, stores.jobs.keys)
         )
+        self.queue = JobQueue(stores.jobs.redis, keys=stores.jobs.keys)  # read-only here
+        if metrics is not None:
+            metrics.queue_backlog = self.queue.backlog
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -175,7 +179,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         return server_info()
 
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
-        return convert.job_to_proto(await self._job(request.job_id))
+        record = await self._job(request.job_id)
+        places = await self.queue_places(record.tenant, [record])
+        return convert.job_to_proto(record, places.get(record.id))
 
     async def ListJobs(
         self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext
@@ -189,8 +195,25 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             page_token=request.page_token,
             state=convert.state_from_proto(request.state),
         )
+        places = await self.queue_places(current_tenant(), records)
         return pb.ListJobsResponse(
-            jobs=[convert.job_to_proto(record) for record in records], next_page_token=next_token
+            jobs=[convert.job_to_proto(record, places.get(record.id)) for record in records],
+            next_page_token=next_token,
+        )
+
+    async def queue_places(self, tenant: str, records: list[JobRecord]) -> dict[str, QueuePlace]:
+        """The place in the queue of each of the tenant's QUEUED ``records`` (store/queue.py:
+        bounded reads, none when no record is queued)."""
+        queued = [record.id for record in records if record.state is JobState.QUEUED]
+        if not queued:
+            return {}
+        return await cancellable(
+            self.queue.places(
+                tenant,
+                queued,
+                slice_s=self.settings.slice_seconds,
+                idle_after_s=self.settings.lease_seconds,
+            )
         )
 
     async def CancelJob(

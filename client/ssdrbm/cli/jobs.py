@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import threading
 from typing import Any
 
 from ssdrbm import spec
@@ -12,10 +13,19 @@ from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.names import find_job, job_id
 from ssdrbm.cli.output import print_json
-from ssdrbm.cli.progress import ProgressDisplay
+from ssdrbm.cli.progress import ProgressDisplay, QueueWatch, queue_changed
 from ssdrbm.cli.tables import defaults_table, job_details, jobs_table
 from ssdrbm.client import Client
-from ssdrbm.events import BackoffEvent, Job, JobState, MetricEvent, MetricsEvent, to_jsonable
+from ssdrbm.events import (
+    BackoffEvent,
+    Job,
+    JobState,
+    MetricEvent,
+    MetricsEvent,
+    QueuePlace,
+    StateEvent,
+    to_jsonable,
+)
 
 FINAL_EXIT_CODES = {
     JobState.SUCCEEDED: ExitCode.OK,
@@ -301,21 +311,55 @@ def run_train(args: argparse.Namespace) -> ExitCode:
 
 
 def follow(client: Client, job_id: str, *, as_json: bool, after: str | None = None) -> ExitCode:
-    """Stream a job's events (progress on stderr, or JSON lines on stdout) until it ends."""
-    display = None if as_json else ProgressDisplay(job_id)
-    if display is not None:
-        display.start(client.get_job(job_id))  # the total is known before the first metrics
-    for event in client.stream_metrics(job_id, after=after):
-        if display is None:
-            print_json({"event": event_kind(event), **to_jsonable(event)}, lines=True)
-        else:
+    """Stream a job's events (progress on stderr, or JSON lines on stdout) until it ends; while
+    it is queued, its place in the queue too (read every few seconds: QueueWatch)."""
+    display = JsonLines(job_id) if as_json else ProgressDisplay(job_id)
+    display.start(client.get_job(job_id))  # the total and the place known before any event
+    with QueueWatch(lambda: client.get_job(job_id), lambda: display.queued, display.on_queue):
+        for event in client.stream_metrics(job_id, after=after):
             display.on_event(event)
     job = client.get_job(job_id)
-    if display is None:
-        print_json({"event": "job", "job": job}, lines=True)
-    else:
-        display.finish(job)
+    display.finish(job)
     return FINAL_EXIT_CODES.get(job.state, ExitCode.ERROR)
+
+
+class JsonLines:
+    """``--watch --json``: one JSON line per event on stdout, a ``queue`` line when a queued
+    job's place changes, and the job at the end (lines from two threads, so under a lock)."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.state = JobState.QUEUED
+        self._place: QueuePlace | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def queued(self) -> bool:
+        return self.state is JobState.QUEUED
+
+    def start(self, job: Job) -> None:
+        self.state = job.state
+        if job.queue is not None:
+            self.on_queue(job.queue)
+
+    def on_queue(self, place: QueuePlace) -> None:
+        with self._lock:
+            if not self.queued or (
+                self._place is not None and not queue_changed(self._place, place)
+            ):
+                return
+            self._place = place
+            print_json({"event": "queue", "job_id": self.job_id, "queue": place}, lines=True)
+
+    def on_event(self, event: MetricEvent) -> None:
+        with self._lock:
+            if isinstance(event, StateEvent):
+                self.state, self._place = event.state, None
+            print_json({"event": event_kind(event), **to_jsonable(event)}, lines=True)
+
+    def finish(self, job: Job) -> None:
+        with self._lock:
+            print_json({"event": "job", "job": job}, lines=True)
 
 
 def event_kind(event: MetricEvent) -> str:

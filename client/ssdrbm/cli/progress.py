@@ -1,20 +1,31 @@
 """Live progress of a training job on stderr.
 
 On a terminal a single line is redrawn in place (step/total, a bar, samples/s, ETA, the latest
-reconstruction error and log-likelihood); anywhere else each event becomes one plain log line, so
-logs stay readable. Both end with a one-line summary.
+reconstruction error and log-likelihood; while the job is queued, its place in the queue);
+anywhere else each event becomes one plain log line, so logs stay readable. Both end with a
+one-line summary.
 """
 
 from __future__ import annotations
 
 import shutil
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
 from ssdrbm.cli.output import format_duration, format_number, format_rate
-from ssdrbm.events import BackoffEvent, Job, JobState, MetricEvent, MetricsEvent, StateEvent
+from ssdrbm.events import (
+    BackoffEvent,
+    Job,
+    JobState,
+    MetricEvent,
+    MetricsEvent,
+    QueuePlace,
+    StateEvent,
+)
 
 REDRAW_INTERVAL_S = 0.1  # redrawing faster than this only costs terminal bandwidth
 BAR_WIDTH = 20
@@ -33,6 +44,7 @@ class ProgressState:
     reconstruction_error: float | None = None
     log_likelihood: float | None = None
     message: str = ""
+    queue: QueuePlace | None = None  # the latest place read while QUEUED
 
     def update(self, event: MetricEvent) -> None:
         """Fold one stream event into the state."""
@@ -47,6 +59,8 @@ class ProgressState:
                 self.log_likelihood = metrics.log_likelihood
         elif isinstance(event, StateEvent):
             self.state = event.state
+            if event.state is not JobState.QUEUED:
+                self.queue = None
             self.step = max(self.step, event.step)
             self.message = event.message
         elif isinstance(event, BackoffEvent):
@@ -76,6 +90,9 @@ def render_bar(fraction: float, width: int) -> str:
 
 def render_line(progress: ProgressState, width: int = 100) -> str:
     """The one-line TTY display, fitted to ``width`` columns (the bar shrinks first)."""
+    if progress.state is JobState.QUEUED and progress.queue is not None:
+        line = f"queued: {progress.queue.summary()}"
+        return line if len(line) <= width else line[: max(width - 1, 0)] + "…"
     head = f"{progress.state.value} step {progress.step}/{progress.total_steps or '?'}"
     tail = [
         f"{progress.fraction:4.0%}",
@@ -142,7 +159,8 @@ def render_summary(job: Job) -> str:
 
 
 class ProgressDisplay:
-    """Draws a job's progress on ``stream`` (stderr by default) as its events arrive."""
+    """Draws a job's progress on ``stream`` (stderr by default) as its events arrive, and its
+    place in the queue as QueueWatch reads it (from another thread: hence the lock)."""
 
     def __init__(self, job_id: str, stream: TextIO | None = None, tty: bool | None = None):
         self.stream = stream or sys.stderr
@@ -150,15 +168,40 @@ class ProgressDisplay:
         self.progress = ProgressState(job_id)
         self._last_draw = 0.0
         self._drawn = False
+        self._lock = threading.Lock()
 
     def start(self, job: Job) -> None:
         """Begin from the job's record (state, step and total before any event arrives)."""
         self.progress.state = job.state
         self.progress.step = job.step
         self.progress.total_steps = job.total_steps
+        if job.queue is not None:
+            self.on_queue(job.queue)
+
+    @property
+    def queued(self) -> bool:
+        """The job is QUEUED as far as its events tell."""
+        return self.progress.state is JobState.QUEUED
+
+    def on_queue(self, place: QueuePlace) -> None:
+        """A new reading of the job's place: redrawn (TTY), or a line when its position or the
+        reason for no estimate changed (logs get no line per reading)."""
+        with self._lock:
+            if not self.queued:
+                return  # it started meanwhile
+            before, self.progress.queue = self.progress.queue, place
+            if self.tty:
+                self._draw()
+            elif before is None or queue_changed(before, place):
+                line = f"{self.progress.job_id} queued: {place.summary()}"
+                print(line, file=self.stream, flush=True)
 
     def on_event(self, event: MetricEvent) -> None:
         """Update with one event: redraw the line (TTY) or print a log line."""
+        with self._lock:
+            self._on_event(event)
+
+    def _on_event(self, event: MetricEvent) -> None:
         self.progress.update(event)
         if self.tty and isinstance(event, BackoffEvent):  # worth a line of its own
             self.stream.write("\r\x1b[2K" + render_backoff(self.progress.job_id, event) + "\n")
@@ -178,6 +221,53 @@ class ProgressDisplay:
 
     def finish(self, job: Job) -> None:
         """Replace the live line with the one-line summary."""
-        if self.tty and self._drawn:
-            self.stream.write("\r\x1b[2K")
-        print(render_summary(job), file=self.stream, flush=True)
+        with self._lock:
+            if self.tty and self._drawn:
+                self.stream.write("\r\x1b[2K")
+            print(render_summary(job), file=self.stream, flush=True)
+
+
+def queue_changed(before: QueuePlace, after: QueuePlace) -> bool:
+    """Worth a new log line: the position moved, or an estimate came or went."""
+    return (before.position, before.no_worker, before.starts_in_s is None) != (
+        after.position,
+        after.no_worker,
+        after.starts_in_s is None,
+    )
+
+
+QUEUE_POLL_S = 2.0  # how often a watch asks a queued job's place (a GetJob, a few Redis reads)
+
+
+class QueueWatch:
+    """While a watched job is queued, reads its place every QUEUE_POLL_S in a thread of its own
+    (the metric stream says nothing while the job waits) and hands it to ``report``."""
+
+    def __init__(
+        self,
+        get_job: Callable[[], Job],
+        queued: Callable[[], bool],
+        report: Callable[[QueuePlace], None],
+    ) -> None:
+        self._get_job, self._queued, self._report = get_job, queued, report
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="queue-watch", daemon=True)
+
+    def __enter__(self) -> QueueWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=QUEUE_POLL_S + 5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(QUEUE_POLL_S):
+            if not self._queued():
+                continue
+            try:
+                place = self._get_job().queue
+            except Exception:  # the stream reports lasting trouble; a missed reading is harmless
+                continue
+            if place is not None and not self._stop.is_set():
+                self._report(place)

@@ -23,6 +23,7 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 JOB_HEADERS = ("ID", "NAME", "STATE", "STEP", "RECON", "LOG-LIK", "CREATED")
+QUEUE_HEADER = "QUEUE"  # only when a listed job is queued: its place and expected start
 
 
 def job_row(job: Job) -> list[str]:
@@ -41,8 +42,13 @@ def job_row(job: Job) -> list[str]:
 
 
 def jobs_table(jobs: Sequence[Job]) -> str:
-    """The ``ssdrbm jobs`` table."""
-    return render_table(JOB_HEADERS, [job_row(job) for job in jobs])
+    """The ``ssdrbm jobs`` table (with a QUEUE column when one of them is queued)."""
+    rows = [job_row(job) for job in jobs]
+    if not any(job.queue is not None for job in jobs):
+        return render_table(JOB_HEADERS, rows)
+    places = [job.queue.summary() if job.queue is not None else "-" for job in jobs]
+    rows = [[*row, place] for row, place in zip(rows, places, strict=True)]
+    return render_table((*JOB_HEADERS, QUEUE_HEADER), rows)
 
 
 def flatten_spec(spec: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -74,6 +80,8 @@ def job_details(job: Job) -> str:
         ("started", job.started_at.isoformat() if job.started_at else "-"),
         ("finished", job.finished_at.isoformat() if job.finished_at else "-"),
     ]
+    if job.queue is not None:
+        fields += [("queue", job.queue.summary()), ("queue estimate", job.queue.basis)]
     if metrics is not None:
         fields += [
             ("reconstruction error", format_number(metrics.reconstruction_error)),

@@ -372,7 +372,7 @@ class StartTrainingResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., created: bool = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics", "runtime", "backoffs", "training_process_failures", "sweep_id")
+    __slots__ = ("id", "name", "state", "spec", "step", "total_steps", "attempt", "error", "checkpoint_step", "worker", "created_at", "started_at", "finished_at", "n_visible", "latest_metrics", "runtime", "backoffs", "training_process_failures", "sweep_id", "queue")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -392,6 +392,7 @@ class Job(_message.Message):
     BACKOFFS_FIELD_NUMBER: _ClassVar[int]
     TRAINING_PROCESS_FAILURES_FIELD_NUMBER: _ClassVar[int]
     SWEEP_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -411,7 +412,24 @@ class Job(_message.Message):
     backoffs: int
     training_process_failures: int
     sweep_id: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempt: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., n_visible: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., runtime: _Optional[_Union[Runtime, _Mapping]] = ..., backoffs: _Optional[int] = ..., training_process_failures: _Optional[int] = ..., sweep_id: _Optional[str] = ...) -> None: ...
+    queue: QueuePlace
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[StartTrainingRequest, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempt: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., n_visible: _Optional[int] = ..., latest_metrics: _Optional[_Union[Metrics, _Mapping]] = ..., runtime: _Optional[_Union[Runtime, _Mapping]] = ..., backoffs: _Optional[int] = ..., training_process_failures: _Optional[int] = ..., sweep_id: _Optional[str] = ..., queue: _Optional[_Union[QueuePlace, _Mapping]] = ...) -> None: ...
+
+class QueuePlace(_message.Message):
+    __slots__ = ("position", "starts_in_seconds", "basis", "busy_slots", "slice_seconds", "no_worker")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    STARTS_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_WORKER_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    starts_in_seconds: float
+    basis: str
+    busy_slots: int
+    slice_seconds: float
+    no_worker: bool
+    def __init__(self, position: _Optional[int] = ..., starts_in_seconds: _Optional[float] = ..., basis: _Optional[str] = ..., busy_slots: _Optional[int] = ..., slice_seconds: _Optional[float] = ..., no_worker: bool = ...) -> None: ...
 
 class Runtime(_message.Message):
     __slots__ = ("device", "method", "cuda_graph", "summary")

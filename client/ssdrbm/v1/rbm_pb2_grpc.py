@@ -175,14 +175,15 @@ class RBMServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def GetJob(self, request, context):
-        """/ One job's current record.
+        """/ One job's current record; a queued one with its place in the queue (Job.queue).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """/ The caller's jobs, newest first, a page at a time, optionally filtered by state.
+        """/ The caller's jobs, newest first, a page at a time, optionally filtered by state; queued
+        / ones with their place in the queue (Job.queue).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Any
 
+from ssdrbm.events import QueuePlace as SdkQueuePlace
 from ssdrbm.v1 import rbm_pb2
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -58,6 +59,7 @@ from ssdrbm_server.http_front import RequestGate, error_response
 from ssdrbm_server.rank_metrics import metric_value, resolve_rank_metric
 from ssdrbm_server.servicer import RBMServicer
 from ssdrbm_server.store.events import check_token
+from ssdrbm_server.store.queue import QueuePlace
 from ssdrbm_server.store.records import JobRecord
 
 LIST_LIMIT = 100  # jobs (and sweeps) a list shows, newest first
@@ -124,11 +126,14 @@ class Dashboard:
         records, more = await self.servicer.stores.jobs.list(
             tenant, page_size=LIST_LIMIT, page_token="", state=None
         )
-        return JSONResponse({"jobs": [job_json(record) for record in records], "more": bool(more)})
+        places = await self.servicer.queue_places(tenant, records)
+        jobs = [job_json(record, places.get(record.id)) for record in records]
+        return JSONResponse({"jobs": jobs, "more": bool(more)})
 
     async def job(self, request: Request, tenant: str) -> Response:
         record = await self.servicer.tenant_job(tenant, request.path_params["job_id"])
-        return JSONResponse(job_json(record))
+        places = await self.servicer.queue_places(tenant, [record])
+        return JSONResponse(job_json(record, places.get(record.id)))
 
     async def ticket(self, request: Request, tenant: str) -> Response:
         record = await self.servicer.tenant_job(tenant, request.path_params["job_id"])
@@ -236,9 +241,9 @@ def sse(kind: str, data: dict[str, Any], event_id: str = "") -> str:
     return f"{head}event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def job_json(record: JobRecord) -> dict[str, Any]:
-    """What the pages show of a job."""
-    job = convert.job_to_proto(record)
+def job_json(record: JobRecord, place: QueuePlace | None = None) -> dict[str, Any]:
+    """What the pages show of a job; a queued one's place in the queue in the SDK's words."""
+    job = convert.job_to_proto(record, place)
     latest = job.latest_metrics if job.HasField("latest_metrics") else None
     return {
         "id": record.id,
@@ -250,6 +255,18 @@ def job_json(record: JobRecord) -> dict[str, Any]:
         "backoffs": record.backoffs,
         "error": record.error,
         "checkpoint_step": record.checkpoint_step,
+        "queue": None if place is None else _queue_json(job.queue),
+    }
+
+
+def _queue_json(message: rbm_pb2.QueuePlace) -> dict[str, Any]:
+    place = SdkQueuePlace.from_proto(message)
+    return {
+        "position": place.position,
+        "starts_in_s": place.starts_in_s,
+        "no_worker": place.no_worker,
+        "summary": place.summary(),
+        "basis": place.basis,
     }
 
 

@@ -48,11 +48,28 @@ left the rotation re-enters at that turn), so the job keeps its place and its te
 not spent again; the waiting tenant, served less recently, is taken next. Work that would
 only take the preempted job back (its own tenant is next, with nothing of higher priority
 queued) is not worth a preemption: the job keeps its worker and its slice starts over.
+
+A queued job's place (`places`, for GetJob, ListJobs and the dashboard; read-only): its
+position is the number of jobs queued now that the rotation above serves before it — with
+the job i-th (from 0) in its tenant's order (plain jobs, then sweep runs), its tenant is served
+i more times first, and each tenant before it in the rotation i + 1 times, each after it i
+times, each at most as often as it has jobs (`served_before`). Its start is estimated from the
+slots busy now (`running_slots`: live leases, one slot per worker id): a slot frees when its
+jobs end at their pace so far or, when the rotation would serve other work
+(`would_serve_other`), at its slice's end at the latest; each job ahead then holds a slot for
+one slice at most (`estimate_start`). Jobs that run now and come back preempted, and jobs
+queued later by tenants served less recently, can still go ahead of it: the position is the
+queue as it stands, the estimate a forecast.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.connection import RedisClient
@@ -65,6 +82,13 @@ _TAKE_ROUNDS = 8  # another worker served the tenant read first: read the rotati
 _JOB_ID_CHARS = 32  # a taken entry is `<job id> <worker>`; job ids have this fixed length
 
 _TAKEN, _MOVED = b"taken", b"moved"
+
+# Reads of a queued job's place stay bounded: at most this many tenants of the rotation (a
+# position past them is a lower bound) and this many running jobs (busy slots past them are
+# not seen, so the estimate is the longer).
+PLACE_TENANTS_READ = 1000
+PLACE_LEASES_READ = 256
+_RUNNING_FIELDS = ("tenant", "worker", "sweep_id", "step", "total_steps", "latest_metrics")
 
 # KEYS: rotation, served, taken, ready, the tenant's list, its sweep runs' list. ARGV: tenant,
 # worker, turns kept.
@@ -155,6 +179,88 @@ def _pair(entry: bytes | str) -> tuple[str, str]:
     """(entry id, job id) of a taken entry."""
     entry = _text(entry)
     return entry, entry[:_JOB_ID_CHARS]
+
+
+def served_before(index: int, rank: int, lengths: Sequence[int]) -> int:
+    """Jobs the rotation serves before a job ``index``-th (from 0) in its tenant's order, that
+    tenant ``rank``-th in the rotation, ``lengths`` each rotation tenant's queued jobs: one
+    job per turn, each tenant's turn coming again after every other tenant's (the take above)."""
+    ahead = index
+    for other, length in enumerate(lengths):
+        if other != rank:
+            ahead += min(length, index + 1 if other < rank else index)
+    return ahead
+
+
+@dataclass(frozen=True)
+class RunningSlot:
+    """A worker slot training jobs now (one worker id; a pack's jobs share it)."""
+
+    worker: str
+    tenants: dict[str, bool]  # each tenant of its jobs -> all its jobs here are sweep runs
+    remaining_s: float | None  # until its jobs end at their pace so far; None: no pace yet
+
+
+@dataclass(frozen=True)
+class QueuePlace:
+    """Where a queued job stands (see the module's docstring)."""
+
+    position: int
+    starts_in_s: float | None  # None: no estimate, `basis` says why
+    basis: str
+    busy_slots: int
+    slice_s: float
+    no_worker: bool = False
+
+
+def estimate_start(
+    position: int, frees_in_s: Sequence[float | None], slice_s: float
+) -> tuple[float | None, str]:
+    """When the job with ``position`` jobs ahead starts, and how that was estimated.
+
+    ``frees_in_s``: each busy slot's time until it takes the next job (None: not known). The
+    first free slot takes the first job ahead, which then holds it for one slice at most, and so
+    on; the job starts at the (position + 1)-th free slot. S slots that all yield at their
+    slices' ends give ceil((position + 1) / S) slices at most.
+    """
+    known = [free for free in frees_in_s if free is not None]
+    slots = f"{len(frees_in_s)} busy slot{'s' if len(frees_in_s) != 1 else ''}"
+    if not known:
+        return None, (
+            f"{slots}, each running jobs until they end, at a pace not measured yet; no estimate"
+        )
+    heapq.heapify(known)
+    start = 0.0
+    for turn in range(position + 1):
+        start = heapq.heappop(known)
+        if turn < position:
+            heapq.heappush(known, start + slice_s)
+    return start, (
+        f"{slots}, {slice_s:g} s slices: running jobs end at their pace so far or yield at "
+        "their slice's end when other work waits; each job ahead counted as one slice at most"
+    )
+
+
+def slot_frees_in(slot: RunningSlot, yields: bool, slice_s: float) -> float | None:
+    """A busy slot's time until it takes the next job: when its jobs end, or at its slice's end
+    at the latest when it yields then (how far into its slice it is, is not known: a whole one)."""
+    if not yields:
+        return slot.remaining_s
+    return slice_s if slot.remaining_s is None else min(slot.remaining_s, slice_s)
+
+
+def _remaining_s(step: int, total_steps: int, metrics: bytes) -> float | None:
+    """Seconds a running job has left at its pace so far (its latest metrics' time per step)."""
+    if not metrics or total_steps <= 0:
+        return None
+    latest = rbm_pb2.Metrics.FromString(metrics)
+    if latest.step <= 0 or latest.wall_time_s <= 0:
+        return None
+    return max(total_steps - max(step, latest.step), 0) * latest.wall_time_s / latest.step
+
+
+def _number(value: bytes | None) -> int:
+    return int(value) if value not in (None, b"") else 0
 
 
 class JobQueue:
@@ -250,6 +356,139 @@ class JobQueue:
         lists += [self.keys.tenant_sweep_queue(t) for t in tenants]
         queued = [await self.redis.llen(key) for key in lists]
         return sum(queued) + int(await self.redis.zcard(self.keys.queue_taken()))
+
+    async def positions(self, tenant: str, job_ids: Sequence[str]) -> dict[str, int]:
+        """Each of the tenant's queued ``job_ids``' position (`served_before`); a job not in its
+        tenant's lists (being taken, or not queued) is left out. Bounded reads: the first
+        PLACE_TENANTS_READ tenants of the rotation, their lists' lengths, the tenant's lists."""
+        rotation = await self.redis.zrange(self.keys.queue_rotation(), 0, PLACE_TENANTS_READ - 1)
+        tenants = [_text(name) for name in rotation]
+        if tenant not in tenants and len(tenants) == PLACE_TENANTS_READ:
+            return dict.fromkeys(job_ids, PLACE_TENANTS_READ)  # past the tenants read: at least
+        if tenant not in tenants or not job_ids:
+            return {}
+        plain, sweep = self.keys.tenant_queue(tenant), self.keys.tenant_sweep_queue(tenant)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in tenants:
+                pipe.llen(self.keys.tenant_queue(name))
+                pipe.llen(self.keys.tenant_sweep_queue(name))
+            pipe.lrange(plain, 0, -1)
+            pipe.lrange(sweep, 0, -1)
+            replies = await pipe.execute()
+        lengths = [replies[i] + replies[i + 1] for i in range(0, 2 * len(tenants), 2)]
+        order = [_text(job) for job in replies[-2] + replies[-1]]  # the tenant's turns take
+        index_of = {job: index for index, job in reversed(list(enumerate(order)))}
+        rank = tenants.index(tenant)
+        return {
+            job: served_before(index_of[job], rank, lengths) for job in job_ids if job in index_of
+        }
+
+    async def running_slots(self) -> list[RunningSlot]:
+        """The slots training jobs now: jobs with a live lease (up to PLACE_LEASES_READ),
+        grouped by the worker id that holds them."""
+        seconds, micros = await self.redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        running = await self.redis.zrangebyscore(
+            self.keys.leases(), f"({now_ms}", "+inf", start=0, num=PLACE_LEASES_READ
+        )
+        if not running:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job in running:
+                pipe.hmget(self.keys.job(_text(job)), _RUNNING_FIELDS)
+            rows = await pipe.execute()
+        slots: dict[str, tuple[dict[str, bool], list[float | None]]] = {}
+        for tenant, worker, sweep_id, step, total, metrics in rows:
+            if not worker or not tenant:  # deleted meanwhile
+                continue
+            tenants, remaining = slots.setdefault(_text(worker), ({}, []))
+            name = _text(tenant)
+            tenants[name] = tenants.get(name, True) and bool(sweep_id)
+            remaining.append(_remaining_s(_number(step), _number(total), metrics or b""))
+        return [
+            RunningSlot(
+                worker=worker,
+                tenants=tenants,
+                remaining_s=None if None in remaining else max(remaining),  # type: ignore[type-var]
+            )
+            for worker, (tenants, remaining) in slots.items()
+        ]
+
+    async def queued_for(self, job_ids: Sequence[str]) -> dict[str, float]:
+        """Seconds each queued job has waited since it was queued (submitted, or put back): its
+        stream's newest entry is the state event that queued it, while it stays queued."""
+        seconds, micros = await self.redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job in job_ids:
+                pipe.xrevrange(self.keys.events(job), count=1)
+            replies = await pipe.execute()
+        waited = {}
+        for job, newest in zip(job_ids, replies, strict=True):
+            if newest:
+                entry_ms = int(_text(newest[0][0]).split("-", 1)[0])
+                waited[job] = max(now_ms - entry_ms, 0) / 1000
+        return waited
+
+    async def backlog(self) -> dict[str, tuple[int, float]]:
+        """Each tenant with queued jobs (the first PLACE_TENANTS_READ of the rotation) -> its
+        queued jobs and the longest wait among the heads of its two lists (the job its next
+        turn takes, and its oldest sweep run)."""
+        rotation = await self.redis.zrange(self.keys.queue_rotation(), 0, PLACE_TENANTS_READ - 1)
+        tenants = [_text(tenant) for tenant in rotation]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for tenant in tenants:
+                for key in (self.keys.tenant_queue(tenant), self.keys.tenant_sweep_queue(tenant)):
+                    pipe.llen(key)
+                    pipe.lindex(key, 0)
+            replies = await pipe.execute()
+        heads = [_text(job) for job in replies[1::2] if job]
+        waited = await self.queued_for(heads) if heads else {}
+        backlog = {}
+        for i, tenant in enumerate(tenants):
+            depth_plain, head_plain, depth_sweep, head_sweep = replies[4 * i : 4 * i + 4]
+            waits = [waited.get(_text(head), 0.0) for head in (head_plain, head_sweep) if head]
+            backlog[tenant] = (depth_plain + depth_sweep, max(waits, default=0.0))
+        return backlog
+
+    async def places(
+        self, tenant: str, job_ids: Sequence[str], *, slice_s: float, idle_after_s: float
+    ) -> dict[str, QueuePlace]:
+        """The place of each of the tenant's queued ``job_ids`` (see the module's docstring).
+
+        With no slot busy, a job that has waited ``idle_after_s`` (an idle worker takes a job
+        at once) says no worker is running; one queued more recently is about to start."""
+        if not job_ids:
+            return {}
+        positions = await self.positions(tenant, job_ids)
+        slots = await self.running_slots()
+        frees = [
+            slot_frees_in(slot, bool(await self.would_serve_other(slot.tenants)), slice_s)
+            for slot in slots
+        ]
+        waited = await self.queued_for(job_ids) if not slots else {}
+        places = {}
+        for job in job_ids:
+            position = positions.get(job, 0)  # not in its list: a worker is taking it now
+            if not slots:
+                idle = waited.get(job, 0.0) >= idle_after_s
+                places[job] = QueuePlace(
+                    position=position,
+                    starts_in_s=None if idle else 0.0,
+                    basis=(
+                        f"no worker is running: no job has run for the {waited.get(job, 0):.0f} s "
+                        "this one has waited"
+                        if idle
+                        else "no job is running: an idle worker takes it at once"
+                    ),
+                    busy_slots=0,
+                    slice_s=slice_s,
+                    no_worker=idle,
+                )
+                continue
+            starts_in, basis = estimate_start(position, frees, slice_s)
+            places[job] = QueuePlace(position, starts_in, basis, len(slots), slice_s)
+        return places
 
     async def rotation(self) -> list[str]:
         """Tenants with queued jobs, the next to be served first."""

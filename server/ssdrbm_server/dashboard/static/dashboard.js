@@ -99,6 +99,11 @@ function renderJobs(jobs) {
     const row = tableRow([link("jobs", job.id), job.name, job.state,
       `${job.step} / ${job.total_steps || "?"}`, number(job.reconstruction_error)], 2, 3);
     row.dataset.jobId = job.id;
+    // A queued job's place ("3 ahead; about 40 s"), with how it was estimated on hover.
+    const queue = row.insertCell();
+    queue.className = "queue";
+    queue.textContent = job.queue ? job.queue.summary : "";
+    if (job.queue) queue.title = job.queue.basis;
     return row;
   });
   $("jobs").tBodies[0].replaceChildren(...rows);
@@ -210,7 +215,8 @@ class JobCurves {
     const job = this.job;
     $("job-summary").textContent = `${job.state} · step ${job.step} / ${job.total_steps || "?"}` +
       ` · reconstruction error ${number(job.reconstruction_error)}` +
-      ` · backoffs ${Math.max(job.backoffs || 0, this.backoffs.length)}`;
+      ` · backoffs ${Math.max(job.backoffs || 0, this.backoffs.length)}` +
+      (job.state === "QUEUED" && job.queue ? ` · queued: ${job.queue.summary}` : "");
   }
 
   redraw() {
