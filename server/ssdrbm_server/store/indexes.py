@@ -132,20 +132,23 @@ return #old
 """
 )
 
-# KEYS: leases. ARGV: job id, lease ms. Only ever lowers an existing deadline (LT).
-_RESERVE_LEASE = (
-    NOW_MS
-    + """
-redis.call('ZADD', KEYS[1], 'LT', now + tonumber(ARGV[2]), ARGV[1])
-return 1
-"""
-)
 
-# KEYS: leases. ARGV: limit. Ids whose indexed deadline has passed on this node's clock.
-_LAPSED = (
+def schedule_script(only: str = "") -> str:
+    """A script that sets a member's time in a set of times (deadlines, schedules) on this
+    node's clock. KEYS: the set. ARGV: delay ms, member. The member's time becomes now + delay;
+    ``only`` "LT" moves an existing time earlier only (a lease deadline), "GT" later only; a
+    missing member is always added."""
+    flag = f"'{only}', " if only else ""
+    return NOW_MS + f"redis.call('ZADD', KEYS[1], {flag}now + tonumber(ARGV[1]), ARGV[2])\n"
+
+
+# KEYS: a set of times on this node's clock. ARGV: grace ms, limit. Members whose time passed
+# more than the grace ago, each followed by its time.
+DUE = (
     NOW_MS
     + """
-return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]),
+                  'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))
 """
 )
 
@@ -172,8 +175,8 @@ class JobIndex:
         self.redis = redis
         self.keys = keys
         self._sync = redis.register_script(_SYNC)
-        self._reserve_lease = redis.register_script(_RESERVE_LEASE)
-        self._lapsed = redis.register_script(_LAPSED)
+        self._reserve_lease = redis.register_script(schedule_script("LT"))
+        self._lapsed = redis.register_script(DUE)
         self._tombstone = redis.register_script(_TOMBSTONE)
         self._leave_active = redis.register_script(_LEAVE_ACTIVE)
 
@@ -263,9 +266,9 @@ class JobIndex:
     async def reserve_lease(self, job_id: str, lease_ms: int) -> None:
         """Make sure the lease index holds the job with a deadline no later than a claim made
         now would set; called before the claim, so no RUNNING job is ever missing from it."""
-        await self._reserve_lease(keys=[self.keys.leases()], args=[job_id, lease_ms])
+        await self._reserve_lease(keys=[self.keys.leases()], args=[lease_ms, job_id])
 
     async def lapsed(self, limit: int) -> list[str]:
         """Ids whose indexed lease deadline has passed (the claim decides on the hash's)."""
-        ids = await self._lapsed(keys=[self.keys.leases()], args=[limit])
-        return [job_id.decode() for job_id in ids]
+        flat = await self._lapsed(keys=[self.keys.leases()], args=[0, limit])
+        return [job_id.decode() for job_id in flat[::2]]  # without their deadlines

@@ -62,7 +62,7 @@ from ssdrbm_server.errors import UnavailableError
 from ssdrbm_server.keys import Keys, is_job_id
 from ssdrbm_server.outage import REDIS_OUTAGE
 from ssdrbm_server.store.connection import RedisClient
-from ssdrbm_server.store.indexes import NOW_MS, JobIndex
+from ssdrbm_server.store.indexes import DUE, NOW_MS, JobIndex, schedule_script
 from ssdrbm_server.store.records import ACTIVE_STATES, JobState
 
 logger = logging.getLogger(__name__)
@@ -75,34 +75,6 @@ SWEEP_BATCH = 100
 _PURGE_RETRIES = 5
 # The job hash field holding its StartTraining request_id, which names its idempotency key.
 REQUEST_ID_FIELD = "request_id"
-
-# KEYS: purge schedule. ARGV: delay ms, member. On the `{jobs}` node's clock, as the sweep.
-_SCHEDULE = (
-    NOW_MS
-    + """
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[2])
-return 1
-"""
-)
-
-# KEYS: a schedule. ARGV: delay ms, member. Moves an entry later only (or adds it), so it stands
-# at the latest time ever asked: a sweep's, at its last run's end plus the TTL.
-_SCHEDULE_LATER = (
-    NOW_MS
-    + """
-redis.call('ZADD', KEYS[1], 'GT', now + tonumber(ARGV[1]), ARGV[2])
-return 1
-"""
-)
-
-# KEYS: a schedule. ARGV: grace ms, limit. Entries due more than the grace ago, with their times.
-_DUE = (
-    NOW_MS
-    + """
-return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]),
-                  'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))
-"""
-)
 
 # KEYS: a schedule. ARGV: member, its time as read, delay ms (0: remove the entry). Acts only
 # while the entry still has the time read, so a later schedule made meanwhile stands.
@@ -222,9 +194,11 @@ class JobLifecycle:
         self.keys = keys
         self.retention = retention or Retention()
         self.index = JobIndex(redis, keys)
-        self._schedule = redis.register_script(_SCHEDULE)
-        self._schedule_later = redis.register_script(_SCHEDULE_LATER)
-        self._due = redis.register_script(_DUE)
+        # On the `{jobs}` node's clock, as the sweep. A sweep's expiry moves later only, so it
+        # stands at the latest time ever asked: its last run's end plus the TTL.
+        self._schedule = redis.register_script(schedule_script())
+        self._schedule_later = redis.register_script(schedule_script("GT"))
+        self._due = redis.register_script(DUE)
         self._settle = redis.register_script(_SETTLE)
         self._delete = redis.register_script(_DELETE)
         self._retain = redis.register_script(_RETAIN)
