@@ -257,17 +257,14 @@ def _resolve_model(model: pb.ModelSpec) -> None:
             "model.min_variance",
             f"must be in [0, 1) (0 = the default {DEFAULT_MIN_VARIANCE}), got {model.min_variance}",
         )
-    if model.kind == pb.MODEL_KIND_GAUSSIAN:
-        if model.variance == pb.VARIANCE_KIND_UNSPECIFIED:
-            model.variance = VARIANCES_BY_NAME[DEFAULT_VARIANCE]
-        if model.min_variance == 0:
-            model.min_variance = DEFAULT_MIN_VARIANCE
-    else:
-        for name, value in (("variance", model.variance), ("min_variance", model.min_variance)):
-            if value:
-                raise InvalidArgumentError(
-                    f"model.{name}", "applies to Gaussian models only; leave it unset for Bernoulli"
-                )
+    gaussian = model.kind == pb.MODEL_KIND_GAUSSIAN
+    only_gaussian = "Gaussian models only; leave it unset for Bernoulli"
+    _default_where_it_applies(
+        model, "model.variance", VARIANCES_BY_NAME[DEFAULT_VARIANCE], gaussian, only_gaussian
+    )
+    _default_where_it_applies(
+        model, "model.min_variance", DEFAULT_MIN_VARIANCE, gaussian, only_gaussian
+    )
     if model.n_hidden < 1:
         raise InvalidArgumentError("model.n_hidden", "is required and must be at least 1")
     at_most("model.n_hidden", model.n_hidden, MAX_HIDDEN)
@@ -369,28 +366,31 @@ def _check_parameter_name(name: str, allowed: tuple[str, ...], field: str) -> No
 
 def _resolve_spectral_choices(optimizer: pb.OptimizerSpec, kinds: set[int]) -> None:
     """SSD jobs get AUTO for an unset polar method; the worker picks it for its device."""
-    if kinds & SSD_KINDS:
-        if optimizer.method == pb.POLAR_METHOD_UNSPECIFIED:
-            optimizer.method = pb.POLAR_METHOD_AUTO
-    elif optimizer.method != pb.POLAR_METHOD_UNSPECIFIED:
-        raise InvalidArgumentError(
-            "optimizer.method", "applies to SSD only; leave it unset for SGD and Nesterov"
-        )
-    if kinds & SSD_KINDS:
-        if optimizer.step_rule == pb.STEP_RULE_UNSPECIFIED:
-            optimizer.step_rule = pb.STEP_RULE_PAPER
-    elif optimizer.step_rule != pb.STEP_RULE_UNSPECIFIED:
-        raise InvalidArgumentError(
-            "optimizer.step_rule", "applies to SSD only; leave it unset for SGD and Nesterov"
-        )
-    if pb.OPTIMIZER_KIND_SSD_PRECONDITIONED in kinds:
-        if optimizer.preconditioner == pb.PRECONDITIONER_UNSPECIFIED:
-            optimizer.preconditioner = pb.PRECONDITIONER_RMSPROP
-    elif optimizer.preconditioner != pb.PRECONDITIONER_UNSPECIFIED:
-        raise InvalidArgumentError(
-            "optimizer.preconditioner",
-            "applies to SSD_PRECONDITIONED only; leave it unset for other optimizers",
-        )
+    ssd = bool(kinds & SSD_KINDS)
+    only_ssd = "SSD only; leave it unset for SGD and Nesterov"
+    _default_where_it_applies(optimizer, "optimizer.method", pb.POLAR_METHOD_AUTO, ssd, only_ssd)
+    _default_where_it_applies(optimizer, "optimizer.step_rule", pb.STEP_RULE_PAPER, ssd, only_ssd)
+    _default_where_it_applies(
+        optimizer,
+        "optimizer.preconditioner",
+        pb.PRECONDITIONER_RMSPROP,
+        pb.OPTIMIZER_KIND_SSD_PRECONDITIONED in kinds,
+        "SSD_PRECONDITIONED only; leave it unset for other optimizers",
+    )
+
+
+def _default_where_it_applies(
+    spec: pb.ModelSpec | pb.OptimizerSpec, path: str, default: float, applies: bool, only: str
+) -> None:
+    """A field (``path``: "model.variance") that applies to some choices only: unset (0, an
+    enum's UNSPECIFIED) it takes ``default`` where it applies; set where it does not, it is
+    refused ("applies to <only>")."""
+    field = path.rpartition(".")[2]
+    if applies:
+        if not getattr(spec, field):
+            setattr(spec, field, default)
+    elif getattr(spec, field):
+        raise InvalidArgumentError(path, f"applies to {only}")
 
 
 # --- training and evaluation ------------------------------------------------------------------
