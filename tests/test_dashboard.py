@@ -3,7 +3,8 @@
 with a token, the jobs list showing a running job, its curve growing as it trains, another
 tenant's job invisible; a running sweep's leaderboard and its runs' curves; a model's filters;
 then its event stream over plain HTTP: tickets, stream slots shared with StreamMetrics, and the
-job's one shared follower. Screenshots go to test-artifacts/."""
+job's one shared follower; a queued job's place in the queue. Screenshots go to
+test-artifacts/."""
 
 from __future__ import annotations
 
@@ -111,6 +112,26 @@ def test_the_jobs_page_lists_a_running_job_whose_curve_grows(
         cancel(dashboard, job_id)
     browser.wait_for(
         "document.getElementById('status').innerText.includes('ended')", what="the stream's end"
+    )
+
+
+def test_a_queued_jobs_row_shows_its_place_in_the_queue(
+    service_factory: Callable[..., RunningService], browser: Browser
+) -> None:
+    """No worker runs here: after a lease length the queued job's row says so (with a worker it
+    says "3 ahead; about 40 s", the same words as the CLI: ssdrbm.events.QueuePlace.summary)."""
+    running = service_factory(
+        run_worker=False,
+        auth_mode="token",
+        auth_tokens=f"{ALPHA}=alpha",
+        http_port=free_port(),
+        lease_seconds=1.5,
+    )
+    job_id = running.stub(token=ALPHA).StartTraining(tiny_request(), timeout=30).job.id
+    sign_in(browser, running, ALPHA)
+    queue = f"document.querySelector('tr[data-job-id=\"{job_id}\"] td.queue')"
+    browser.wait_for(
+        f"{queue} && {queue}.innerText === 'next; no worker is running'", what="the job's place"
     )
 
 
