@@ -19,7 +19,7 @@ import pytest
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
-from ssdrbm_server.store import JobQueue, JobStore
+from ssdrbm_server.store import JobQueue, JobStore, LeaseStore
 from ssdrbm_server.store.queue import estimate_start
 from tests.fixtures.jobs import tiny_request
 from tests.fixtures.service import RunningService
@@ -69,6 +69,33 @@ def test_positions_are_the_order_the_rotation_takes_jobs(redis_url: str) -> None
         assert await queue.positions("a", queued) == {}  # none queued any more
 
     run(redis_url, scenario)
+
+
+def test_places_are_read_on_a_redis_cluster_too(redis_cluster_url: str) -> None:
+    """The reads behind a place (the rotation's lists, live leases and their jobs, the Redis
+    clock, the streams' newest entries) on a 3-node cluster, where the jobs' keys spread."""
+
+    async def scenario(redis) -> None:
+        jobs, queue, leases = JobStore(redis), JobQueue(redis), LeaseStore(redis)
+        running = (await submit(jobs, tenant="a"))[0].id
+        [(entry, _)] = await queue.read("w1", block_ms=0)
+        await queue.ack(entry)
+        assert await leases.claim(running, "w1", lease_ms=10_000) is not None
+        b1, a1, b2 = [(await submit(jobs, tenant=t))[0].id for t in "bab"]
+        places = await queue.places("b", [b1, b2], slice_s=SLICE_S, idle_after_s=1.0)
+        places |= await queue.places("a", [a1], slice_s=SLICE_S, idle_after_s=1.0)
+        assert [places[job].position for job in (b1, a1, b2)] == [0, 1, 2]
+        assert all(place.busy_slots == 1 for place in places.values())
+        # the running job has no pace yet, but b waits: it yields at its slice's end
+        assert [places[job].starts_in_s for job in (b1, a1, b2)] == [
+            SLICE_S,
+            2 * SLICE_S,
+            3 * SLICE_S,
+        ]
+        depths = {tenant: depth for tenant, (depth, _) in (await queue.backlog()).items()}
+        assert depths == {"a": 1, "b": 2}
+
+    run(redis_url=redis_cluster_url, scenario=scenario, cluster=True)
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])

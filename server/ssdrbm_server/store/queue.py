@@ -171,6 +171,11 @@ return 0
 """
 
 
+# KEYS: any key of the {jobs} slot (the script runs there: on a cluster, TIME has no key to
+# route by). The Redis clock in ms, which leases are measured on.
+_NOW = NOW_MS + "return now\n"
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -272,6 +277,7 @@ class JobQueue:
         self._take = redis.register_script(_TAKE)
         self._retake = redis.register_script(_RETAKE)
         self._serves_other = redis.register_script(_SERVES_OTHER)
+        self._now = redis.register_script(_NOW)
 
     async def read(self, consumer: str, *, block_ms: int, count: int = 1) -> list[tuple[str, str]]:
         """Up to `count` jobs, each from the least recently served tenant with work, waiting up to
@@ -315,6 +321,9 @@ class JobQueue:
             if status != _MOVED:
                 logger.warning("tenant %s was in the queue rotation without jobs", tenant)
         return None  # the rotation kept changing under us: the next round tries again
+
+    async def _now_ms(self) -> int:
+        return int(await self._now(keys=[self.keys.queue_rotation()]))
 
     async def would_serve_other(self, running: dict[str, bool]) -> int:
         """What the rotation would serve were the running jobs put back at the front of their
@@ -386,8 +395,7 @@ class JobQueue:
     async def running_slots(self) -> list[RunningSlot]:
         """The slots training jobs now: jobs with a live lease (up to PLACE_LEASES_READ),
         grouped by the worker id that holds them."""
-        seconds, micros = await self.redis.time()
-        now_ms = seconds * 1000 + micros // 1000
+        now_ms = await self._now_ms()
         running = await self.redis.zrangebyscore(
             self.keys.leases(), f"({now_ms}", "+inf", start=0, num=PLACE_LEASES_READ
         )
@@ -417,8 +425,7 @@ class JobQueue:
     async def queued_for(self, job_ids: Sequence[str]) -> dict[str, float]:
         """Seconds each queued job has waited since it was queued (submitted, or put back): its
         stream's newest entry is the state event that queued it, while it stays queued."""
-        seconds, micros = await self.redis.time()
-        now_ms = seconds * 1000 + micros // 1000
+        now_ms = await self._now_ms()
         async with self.redis.pipeline(transaction=False) as pipe:
             for job in job_ids:
                 pipe.xrevrange(self.keys.events(job), count=1)
@@ -462,9 +469,13 @@ class JobQueue:
             return {}
         positions = await self.positions(tenant, job_ids)
         slots = await self.running_slots()
+        yields: dict[frozenset[tuple[str, bool]], bool] = {}  # slots of the same tenants agree
+        for slot in slots:
+            key = frozenset(slot.tenants.items())
+            if key not in yields:
+                yields[key] = bool(await self.would_serve_other(slot.tenants))
         frees = [
-            slot_frees_in(slot, bool(await self.would_serve_other(slot.tenants)), slice_s)
-            for slot in slots
+            slot_frees_in(slot, yields[frozenset(slot.tenants.items())], slice_s) for slot in slots
         ]
         waited = await self.queued_for(job_ids) if not slots else {}
         places = {}
