@@ -133,6 +133,7 @@ def test_a_queued_jobs_row_shows_its_place_in_the_queue(
     browser.wait_for(
         f"{queue} && {queue}.innerText === 'next; no worker is running'", what="the job's place"
     )
+    browser.screenshot("dashboard-queued")
 
 
 def test_another_tenants_job_is_not_visible(dashboard: RunningService, browser: Browser) -> None:

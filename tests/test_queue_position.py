@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from ssdrbm.events import QueuePlace
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
@@ -96,6 +97,17 @@ def test_places_are_read_on_a_redis_cluster_too(redis_cluster_url: str) -> None:
         assert depths == {"a": 1, "b": 2}
 
     run(redis_url=redis_cluster_url, scenario=scenario, cluster=True)
+
+
+def test_a_place_reads_as_people_say_it() -> None:
+    def place(position: int, starts_in_s: float | None, no_worker: bool = False) -> QueuePlace:
+        return QueuePlace(position, starts_in_s, "", 1, SLICE_S, no_worker)
+
+    assert place(3, 40.2).summary() == "3 ahead; about 40 s"
+    assert place(0, 170).summary() == "next; about 3 min"
+    assert place(12, 2 * 3600 + 300).summary() == "12 ahead; about 2 h 5 min"
+    assert place(1, None).summary() == "1 ahead; no estimate yet"
+    assert place(0, None, no_worker=True).summary() == "next; no worker is running"
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
