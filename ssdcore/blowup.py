@@ -168,6 +168,22 @@ class BlowUp:
         return self.describe()
 
 
+def _growth(
+    step: int,
+    metric: str,
+    metrics: Mapping[str, Any],
+    limit: float,
+    reference: float,
+    reference_name: str,
+) -> BlowUp | None:
+    """A "growth" blow-up when ``metric`` (absent: none) is above ``limit``, a multiple of the
+    ``reference`` it is reported against."""
+    value = metrics.get(metric)
+    if value is None or value <= limit:
+        return None
+    return BlowUp(step, metric, float(value), reference, "growth", reference_name)
+
+
 class BlowUpDetector:
     """Watches metric dicts (``Trainer.evaluate()``) and reports the first blow-up it sees.
 
@@ -203,35 +219,20 @@ class BlowUpDetector:
     # --- criteria -------------------------------------------------------------------------
 
     def _reconstruction_growth(self, metrics: Mapping[str, Any], step: int) -> BlowUp | None:
-        error = metrics.get("reconstruction_error")
-        if error is None or self.best_reconstruction_error is None:
+        best = self.best_reconstruction_error
+        if best is None:
             return None
-        reference = max(self.best_reconstruction_error, RECONSTRUCTION_FLOOR)
-        if error <= RECONSTRUCTION_GROWTH * reference:
-            return None
-        return BlowUp(
-            step,
-            "reconstruction_error",
-            float(error),
-            self.best_reconstruction_error,
-            "growth",
-            f"its best so far (step {self.best_step})",
-        )
+        limit = RECONSTRUCTION_GROWTH * max(best, RECONSTRUCTION_FLOOR)
+        against = f"its best so far (step {self.best_step})"
+        return _growth(step, "reconstruction_error", metrics, limit, best, against)
 
     def _norm_growth(self, metrics: Mapping[str, Any], step: int) -> BlowUp | None:
-        norm = metrics.get("spectral_norm")
-        if norm is None or self.spectral_norm_reference is None:
+        reference = self.spectral_norm_reference
+        if reference is None:
             return None
-        if norm <= SPECTRAL_NORM_GROWTH * self.spectral_norm_reference:
-            return None
-        return BlowUp(
-            step,
-            "spectral_norm",
-            float(norm),
-            self.spectral_norm_reference,
-            "growth",
-            f"its reference (the first ‖W‖₂ seen, at least {SPECTRAL_NORM_FLOOR:g})",
-        )
+        limit = SPECTRAL_NORM_GROWTH * reference
+        against = f"its reference (the first ‖W‖₂ seen, at least {SPECTRAL_NORM_FLOOR:g})"
+        return _growth(step, "spectral_norm", metrics, limit, reference, against)
 
     def _stuck(self, metrics: Mapping[str, Any], step: int) -> BlowUp | None:
         stuck = metrics.get("saturated_hidden_fraction")
