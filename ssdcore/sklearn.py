@@ -52,6 +52,7 @@ import inspect
 import numbers
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -99,6 +100,12 @@ class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstim
 
     # What verbose output calls the mean of score_samples.
     _score_name: ClassVar[str] = "score"
+
+    def _keep_parameters(self, given: Mapping[str, Any]) -> None:
+        """Each ``__init__`` parameter kept as given, under its own name: scikit-learn's rule
+        for estimators (get_params and clone read them back; fit checks them)."""
+        for name in self._get_param_names():
+            setattr(self, name, given[name])
 
     # --- fitting ----------------------------------------------------------------------------
 
@@ -412,18 +419,7 @@ class BernoulliRBM(_RBMEstimator):
         max_spectral_norm: float | None = None,
         device: str = "cpu",
     ) -> None:
-        self.n_components = n_components
-        self.learning_rate = learning_rate
-        self.batch_size = batch_size
-        self.n_iter = n_iter
-        self.verbose = verbose
-        self.random_state = random_state
-        self.optimizer = optimizer
-        self.method = method
-        self.cd_k = cd_k
-        self.persistent = persistent
-        self.max_spectral_norm = max_spectral_norm
-        self.device = device
+        self._keep_parameters(locals())
 
     def _new_model(self, n_features: int, seed: int) -> RBM:
         generator = torch.Generator().manual_seed(seed)
@@ -483,20 +479,7 @@ class GaussianRBM(_RBMEstimator):
         variance: str = DEFAULT_VARIANCE,
         min_variance: float = DEFAULT_MIN_VARIANCE,
     ) -> None:
-        self.n_components = n_components
-        self.learning_rate = learning_rate
-        self.batch_size = batch_size
-        self.n_iter = n_iter
-        self.verbose = verbose
-        self.random_state = random_state
-        self.optimizer = optimizer
-        self.method = method
-        self.cd_k = cd_k
-        self.persistent = persistent
-        self.max_spectral_norm = max_spectral_norm
-        self.device = device
-        self.variance = variance
-        self.min_variance = min_variance
+        self._keep_parameters(locals())
 
     def _new_model(self, n_features: int, seed: int) -> RBM:
         if self.variance not in VARIANCE_KINDS:
