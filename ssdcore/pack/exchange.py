@@ -13,7 +13,7 @@ into a pack slot.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -31,6 +31,14 @@ if TYPE_CHECKING:
     from ssdcore.pack.pack import TrainingPack
 
 
+def _loop_settings(source: Trainer | TrainingPack) -> dict[str, Any]:
+    """The training-loop settings a pack has once for all its runs and each run's solo
+    Trainer has the same: what one is built with when made from the other."""
+    return {
+        name: getattr(source, name) for name in ("batch_size", "cd_k", "persistent", "check_every")
+    }
+
+
 def run_to_trainer(pack: TrainingPack, run: int, *, valid_data: Tensor | None = None) -> Trainer:
     """A solo Trainer continuing run ``run`` exactly (on the pack's device and data); also the
     way to the full :meth:`Trainer.evaluate` metrics of a run (``valid_data`` for the held-out
@@ -44,12 +52,9 @@ def run_to_trainer(pack: TrainingPack, run: int, *, valid_data: Tensor | None = 
         model,
         pack.train_data,
         optimizer=state.optimizer,
-        batch_size=pack.batch_size,
-        cd_k=pack.cd_k,
-        persistent=pack.persistent,
         seed=state.seed,
-        check_every=pack.check_every,
         valid_data=valid_data,
+        **_loop_settings(pack),
     )
     for group in trainer.optimizer.param_groups:
         buffer = state.momentum.get(group["name"])
@@ -155,11 +160,8 @@ def pack_trainers(trainers: Sequence[Trainer], *, independent_streams: bool = Tr
     pack = TrainingPack(
         runs,
         first.train_data,
-        batch_size=first.batch_size,
-        cd_k=first.cd_k,
-        persistent=first.persistent,
-        check_every=first.check_every,
         independent_streams=independent_streams,
+        **_loop_settings(first),
     )
     for run, trainer in enumerate(trainers):
         insert_trainer(pack, run, trainer)
