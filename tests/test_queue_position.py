@@ -138,6 +138,20 @@ def cli_output(running: RunningService, token: str, *args: str) -> str:
     return out
 
 
+def first_line_with(running: RunningService, text: str, *args: str) -> str:
+    """The first line of bob's ``ssdrbm ARGS`` (stderr, or stdout with --json) holding ``text``;
+    the command is stopped then (a watch goes on until its job ends)."""
+    command = cli(running, "tb", *args)
+    output = command.stdout if "--json" in args else command.stderr
+    try:
+        while text not in (line := output.readline()):
+            assert line, f"'ssdrbm {' '.join(args)}' ended without a line holding {text}"
+        return line
+    finally:
+        command.kill()
+        command.communicate()
+
+
 def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -214,16 +228,9 @@ def check_positions_then_the_run_order(
     assert json.loads(cli_output(running, "ta", "get", a3, "--json"))["queue"]["position"] == 4
     table = cli_output(running, "tb", "jobs").splitlines()
     assert table[0].split()[-1] == "QUEUE" and "2 ahead; about" in table[1]
-    watch = cli(running, "tb", "watch", b2)
-    try:
-        line = ""
-        while "queued:" not in line:
-            line = watch.stderr.readline()
-            assert line, "watch ended without a queue line"
-        assert line.startswith(f"{b2} queued: 2 ahead; about ")
-    finally:
-        watch.kill()
-        watch.communicate()
+    assert first_line_with(running, "queued:", "watch", b2).startswith(f"{b2} queued: 2 ahead; ")
+    line = json.loads(first_line_with(running, '"queue"', "watch", b2, "--json"))
+    assert line["event"] == "queue" and line["queue"]["position"] == 2
 
     # The API's metrics: queue depth and the waiting heads' wait, per tenant.
     def exposed() -> bool:

@@ -353,8 +353,8 @@ class JsonLines:
 
     def on_event(self, event: MetricEvent) -> None:
         with self._lock:
-            if isinstance(event, StateEvent):
-                self.state, self._place = event.state, None
+            if isinstance(event, StateEvent) and event.state is not self.state:
+                self.state, self._place = event.state, None  # a new stint in the queue: a line
             print_json({"event": event_kind(event), **to_jsonable(event)}, lines=True)
 
     def finish(self, job: Job) -> None:
