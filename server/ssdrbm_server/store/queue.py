@@ -64,6 +64,7 @@ queue as it stands, the estimate a forecast.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import logging
 from collections.abc import Sequence
@@ -467,13 +468,13 @@ class JobQueue:
         at once) says no worker is running; one queued more recently is about to start."""
         if not job_ids:
             return {}
-        positions = await self.positions(tenant, job_ids)
-        slots = await self.running_slots()
-        yields: dict[frozenset[tuple[str, bool]], bool] = {}  # slots of the same tenants agree
-        for slot in slots:
-            key = frozenset(slot.tenants.items())
-            if key not in yields:
-                yields[key] = bool(await self.would_serve_other(slot.tenants))
+        positions, slots = await asyncio.gather(
+            self.positions(tenant, job_ids), self.running_slots()
+        )
+        # Slots of the same tenants get the same answer; the questions go out together.
+        running = {frozenset(slot.tenants.items()): slot.tenants for slot in slots}
+        answers = await asyncio.gather(*(self.would_serve_other(t) for t in running.values()))
+        yields = {key: bool(answer) for key, answer in zip(running, answers, strict=True)}
         frees = [
             slot_frees_in(slot, yields[frozenset(slot.tenants.items())], slice_s) for slot in slots
         ]
