@@ -243,7 +243,8 @@ def estimate_start(
             heapq.heappush(known, start + slice_s)
     return start, (
         f"{slots}, {slice_s:g} s slices: running jobs end at their pace so far or yield at "
-        "their slice's end when other work waits; each job ahead counted as one slice at most"
+        "their slice's end when other work waits; each job ahead counted as one slice (one "
+        "that nothing preempts, its tenant's own work alone waiting, can hold its slot longer)"
     )
 
 
