@@ -51,7 +51,7 @@ from ssdcore.training import DEFAULT_BATCH_SIZE, DEFAULT_CD_K, steps_per_epoch
 from ssdrbm_server import catalog
 from ssdrbm_server.catalog import DatasetShape
 from ssdrbm_server.config import Settings
-from ssdrbm_server.errors import InvalidArgumentError
+from ssdrbm_server.errors import AlreadyExistsError, InvalidArgumentError
 from ssdrbm_server.job_spec import SPEC_VERSION, schedule_config
 from ssdrbm_server.request_bounds import (
     MAX_AIS_BETAS,
@@ -223,6 +223,24 @@ def first_difference(a: Message, b: Message, prefix: str = "") -> str | None:
         elif left != right or _presence(a, field) != _presence(b, field):
             return name
     return None
+
+
+def check_same_request(
+    first: pb.StartTrainingRequest | pb.StartSweepRequest,
+    again: pb.StartTrainingRequest | pb.StartSweepRequest,
+    made: str,
+) -> None:
+    """A reused request_id must come with the request it was first used with (both resolved);
+    ALREADY_EXISTS naming the first difference otherwise. ``made``: what the first request
+    made, e.g. "job <id>"."""
+    difference = first_difference(first, again)
+    if difference is not None:
+        raise AlreadyExistsError(
+            f"request_id {again.request_id!r} was already used for {made} with a different "
+            f"request (first difference: {difference}); use a new request_id for a new one, or "
+            "repeat the original request to get that one",
+            reason="REQUEST_ID_REUSED",
+        )
 
 
 def _is_map(field: FieldDescriptor) -> bool:

@@ -28,7 +28,6 @@ from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm_server import convert, request_bounds, resolver
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
-    AlreadyExistsError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -83,7 +82,8 @@ class SweepService:
         done = 0
         existing = None if new else await self._existing(tenant, sweep_id)
         if existing is not None:  # a repeat: the same request finishes what the first began
-            _check_same_request(existing, resolved)
+            first = pb.StartSweepRequest.FromString(existing.request)
+            resolver.check_same_request(first, resolved, f"sweep {existing.id}")
             if existing.cancel_requested:
                 return await self.get(tenant, sweep_id)
             done = len(existing.job_ids)
@@ -479,17 +479,6 @@ def _point_error(
 def _where(index: int, point: sweep_axes.Point) -> str:
     """``sweep point 3 (optimizer.lr=0.01 training.seed=2)``, for messages."""
     return f"sweep point {index} ({sweep_axes.describe(point)})"
-
-
-def _check_same_request(existing: SweepRecord, resolved: pb.StartSweepRequest) -> None:
-    first = pb.StartSweepRequest.FromString(existing.request)
-    difference = resolver.first_difference(first, resolved)
-    if difference is not None:
-        raise AlreadyExistsError(
-            f"request_id {resolved.request_id!r} was already used for sweep {existing.id} with "
-            f"a different request (first difference: {difference}); use a new request_id",
-            reason="REQUEST_ID_REUSED",
-        )
 
 
 def _unsubmitted(
