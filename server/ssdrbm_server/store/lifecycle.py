@@ -55,6 +55,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -222,21 +223,9 @@ class JobLifecycle:
 
     async def ended(self, job_id: str) -> None:
         """After a job's end is written: trim its checkpoints and set its keys' expiry."""
-        for _ in range(_PURGE_RETRIES):
-            keys, steps = await self._job_slot(job_id)
-            outcome = await self._retain(
-                keys=keys,
-                args=[
-                    self.retention.checkpoints_kept,
-                    self.retention.job_ttl_s,
-                    JobState.QUEUED.value,
-                    JobState.RUNNING.value,
-                    *steps,
-                ],
-            )
-            if outcome != b"retry":
-                return
-        logger.warning("job %s: checkpoints kept changing; retention skipped", job_id)
+        kept, ttl_s = self.retention.checkpoints_kept, self.retention.job_ttl_s
+        if await self._on_job_slot(job_id, self._retain, kept, ttl_s) is None:
+            logger.warning("job %s: checkpoints kept changing; retention skipped", job_id)
 
     # --- deletion -------------------------------------------------------------------------
 
@@ -287,28 +276,28 @@ class JobLifecycle:
 
     async def _delete_job_keys(self, job_id: str, tenant: str, allow_active: bool) -> str:
         """Step 3, read again while a worker writes a checkpoint in between."""
-        for _ in range(_PURGE_RETRIES):
-            keys, steps = await self._job_slot(job_id)
-            outcome = await self._delete(
-                keys=keys,
-                args=[
-                    tenant,
-                    "1" if allow_active else "0",
-                    JobState.QUEUED.value,
-                    JobState.RUNNING.value,
-                    *steps,
-                ],
-            )
-            if outcome != b"retry":
-                return outcome.decode()
-        raise UnavailableError(f"job {job_id} kept writing checkpoints while deleted; retry")
+        outcome = await self._on_job_slot(job_id, self._delete, tenant, int(allow_active))
+        if outcome is None:
+            raise UnavailableError(f"job {job_id} kept writing checkpoints while deleted; retry")
+        return outcome.decode()
 
-    async def _job_slot(self, job_id: str) -> tuple[list[str], list[int]]:
-        """The job's own keys, its checkpoints included (oldest first), and their steps."""
+    async def _on_job_slot(
+        self, job_id: str, script: AsyncScript, *args: str | int
+    ) -> bytes | None:
+        """One of the job-slot scripts (`_SAME_CHECKPOINTS`) on the job's own keys, its
+        checkpoints as read now (oldest first) included, with ``args``, QUEUED, RUNNING and
+        their steps; read again while a worker writes a checkpoint in between. Its outcome, or
+        None when the checkpoints kept changing."""
         index = self.keys.checkpoint_index(job_id)
-        steps = sorted(int(member) for member in await self.redis.zrange(index, 0, -1))
-        keys = [self.keys.job(job_id), self.keys.events(job_id), index]
-        return keys + [self.keys.checkpoint(job_id, step) for step in steps], steps
+        for _ in range(_PURGE_RETRIES):
+            steps = sorted(int(member) for member in await self.redis.zrange(index, 0, -1))
+            keys = [self.keys.job(job_id), self.keys.events(job_id), index]
+            keys += [self.keys.checkpoint(job_id, step) for step in steps]
+            states = (JobState.QUEUED.value, JobState.RUNNING.value)
+            outcome = await script(keys=keys, args=[*args, *states, *steps])
+            if outcome != b"retry":
+                return outcome
+        return None
 
     async def _unschedule(self, job_id: str, tenant: str) -> None:
         await self.redis.zrem(self.keys.purge_schedule(), schedule_member(job_id, tenant))
