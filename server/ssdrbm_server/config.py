@@ -145,6 +145,12 @@ class Settings:
     serving_cpus: str = ""
     training_cpus: str = ""
     worker_id: str = ""  # empty: derived from host name and process id
+    # Training processes one worker runs at once, each slot claiming, leasing and preempting on
+    # its own (worker id <worker_id>/<k>) on its own share of the training CPUs. 0: derived from
+    # the machine (ssdrbm_server/worker/slots.py): the CPUs this process may use ÷ torch threads
+    # per process (torch_threads, else 1), within memory for that many full packs, at most
+    # MAX_DEFAULT_SLOTS; 1 with a GPU, which the slots would otherwise share
+    worker_slots: int = 0
     lease_seconds: float = 10.0  # a dead worker's job is taken over this long after it died
     # lease renewal and cancel check while a job trains: a cancel lands within about this long
     heartbeat_seconds: float = 0.5
@@ -198,7 +204,9 @@ class Settings:
     # again this often (CONFIG SET changes them at run time); while they would lose acknowledged
     # work, the API refuses new work and readiness is NOT_SERVING, and workers claim no new job
     redis_check_interval_s: float = 30.0
-    torch_threads: int = 0  # CPU threads of each training process; 0: torch's default
+    # CPU threads of each training process; 0: its slot's share of the CPUs with several slots
+    # (worker/slots.py), torch's default with one
+    torch_threads: int = 0
 
     # Authentication: "none" (development, tenant "default") or "token" (bearer tokens)
     auth_mode: str = "none"
@@ -333,6 +341,11 @@ class Settings:
             raise ConfigError(
                 "SSDRBM_SLICE_SECONDS must be above 0 (seconds a job holds its worker while "
                 f"other work waits), not {self.slice_seconds}"
+            )
+        if self.worker_slots < 0:
+            raise ConfigError(
+                "SSDRBM_WORKER_SLOTS must be 0 (derived from the machine) or more, not "
+                f"{self.worker_slots}"
             )
         if self.max_training_process_failures < 1:
             raise ConfigError(

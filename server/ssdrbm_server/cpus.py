@@ -6,6 +6,10 @@ nothing. Why: a training step is one long run of matrix products, a serving call
 bound; on the same cores the scheduler slices both, so a burst of serving load slows training
 and a training step delays replies. Disjoint sets trade that contention for a fixed split of
 the machine, the usual way to share a host between batch and latency-bound work.
+
+A worker with several slots (SSDRBM_WORKER_SLOTS, worker/slots.py) splits its training CPUs
+(the list, or else the CPUs it may run on) into one share per slot, so its training processes
+do not fight over cores either.
 """
 
 from __future__ import annotations
@@ -35,6 +39,51 @@ def parse_cpu_list(text: str) -> frozenset[int]:
             raise ValueError(f"range {part!r} runs backwards (write {high}-{low})")
         cpus.update(range(low, high + 1))
     return frozenset(cpus)
+
+
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    """The CPU-list text of ``cpus``, as parse_cpu_list reads it: ``{0, 1, 2, 3, 8}`` is "0-3,8"."""
+    parts: list[str] = []
+    run: list[int] = []
+    for cpu in sorted(set(cpus)):
+        if run and cpu != run[-1] + 1:
+            parts.append(_cpu_range(run))
+            run = []
+        run.append(cpu)
+    if run:
+        parts.append(_cpu_range(run))
+    return ",".join(parts)
+
+
+def _cpu_range(run: list[int]) -> str:
+    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
+
+
+def split_cpus(cpus: Iterable[int], parts: int) -> list[frozenset[int]]:
+    """``cpus`` cut into ``parts`` shares of consecutive CPUs, sizes differing by one at most.
+
+    Consecutive numbers: Linux numbers the cores of one socket (NUMA node) together, so a share
+    stays on one node where it can. With fewer CPUs than parts no share is fixed: every part
+    gets them all, and the scheduler balances the processes over them.
+    """
+    ordered = sorted(set(cpus))
+    if len(ordered) < parts:
+        return [frozenset(ordered)] * parts
+    size, extra = divmod(len(ordered), parts)
+    shares: list[frozenset[int]] = []
+    start = 0
+    for part in range(parts):
+        end = start + size + (1 if part < extra else 0)
+        shares.append(frozenset(ordered[start:end]))
+        start = end
+    return shares
+
+
+def process_cpus() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity mask; every CPU where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
 
 
 def beyond_host(cpus: Iterable[int]) -> list[int]:

@@ -40,7 +40,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
         "worker",
         prefix_chars="+",
         add_help=False,
-        help="run a training worker only (needs the server install)",
+        help="run a training worker only (needs the server install; --slots N: N jobs at once)",
     )
     worker.add_argument("server_args", nargs=argparse.REMAINDER)
     worker.set_defaults(run=run_server, server_command="worker")

@@ -1,12 +1,17 @@
 """`python -m ssdrbm_server.worker`: run one worker alone, configured from SSDRBM_* variables.
 
-SIGTERM (or SIGINT) stops it gracefully: the running job is checkpointed at its current step
-and released to the queue for another worker; then the process exits with status 0. A second
-signal releases the job at once (it resumes from its last regular checkpoint).
+Options on the command line override the environment:
+  --slots N   jobs (or packs) trained at once, one training process each (SSDRBM_WORKER_SLOTS;
+              0, the default, derives it from the machine: worker/slots.py)
+
+SIGTERM (or SIGINT) stops it gracefully: each slot's running job is checkpointed at its current
+step and released to the queue for another worker; then the process exits with status 0. A
+second signal releases the jobs at once (they resume from their last regular checkpoint).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -32,10 +37,10 @@ async def main(settings: Settings) -> None:
     def request_stop(signum: int) -> None:
         name = signal.Signals(signum).name
         if stopping:  # a second signal: do not wait for the checkpoint any longer
-            logger.warning("%s received again: releasing the running job at once", name)
+            logger.warning("%s received again: releasing the running jobs at once", name)
             stopping.append(asyncio.ensure_future(worker.stop(graceful=False)))
             return
-        logger.info("%s received: checkpointing and releasing the running job", name)
+        logger.info("%s received: checkpointing and releasing the running jobs", name)
         stopping.append(asyncio.ensure_future(worker.stop(graceful=True)))
 
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -66,10 +71,21 @@ def serve_metrics(endpoint: MetricsEndpoint, settings: Settings) -> None:
     logger.info("Prometheus metrics on http://%s:%d/metrics", address, port)
 
 
-def run() -> int:
+def run(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ssdrbm_server.worker", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--slots",
+        type=int,
+        metavar="N",
+        help="jobs trained at once (default: SSDRBM_WORKER_SLOTS, else derived from the machine)",
+    )
+    args = parser.parse_args(argv)
+    overrides = {} if args.slots is None else {"worker_slots": args.slots}
     try:
-        settings = Settings.from_env()
+        settings = Settings.from_env(**overrides)
     except ConfigError as exc:
         print(f"ssdrbm-worker: error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """Prometheus metrics of a worker: training throughput and step time, queue wait, lease
-takeovers, checkpoint writes, jobs ended, training process failures and backoffs.
+takeovers, checkpoint writes, jobs ended, training process failures and backoffs, and the
+slots (training processes a worker runs at once) and how many of them train now.
 
 The worker updates them from what it already handles: the training process's messages
 (``progress`` carries the time of each run of steps, worker/protocol.py), its claims and its
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server.store.records import TERMINAL_STATES
@@ -107,6 +108,19 @@ class WorkerMetrics:
         self.backoffs = Counter(
             "ssdrbm_training_backoffs",
             "Blow-ups rolled back to the last good state, training going on with smaller steps",
+            registry=self.registry,
+        )
+        # Summed over a process's workers (one, normally) and, by Prometheus, over processes:
+        # busy ÷ slots is how much of the training capacity is in use.
+        self.slots = Gauge(
+            "ssdrbm_worker_slots",
+            "Slots of the running workers: jobs or packs they can train at once "
+            "(SSDRBM_WORKER_SLOTS)",
+            registry=self.registry,
+        )
+        self.busy_slots = Gauge(
+            "ssdrbm_worker_busy_slots",
+            "Slots training a job or pack now",
             registry=self.registry,
         )
         for state in TERMINAL_STATES:  # every state's series exists from the first scrape on

@@ -1,16 +1,23 @@
-"""The worker: takes jobs from the queue (or whose lease lapsed) and runs them one at a time.
+"""The worker: takes jobs from the queue (or whose lease lapsed) and runs them, one job (or
+pack) at a time in each of its slots.
 
-Where the next job comes from, in order:
+A worker runs SSDRBM_WORKER_SLOTS slots side by side (worker/slots.py: the default from the
+machine's CPUs, memory and GPU), one claim loop each in this process, on one Redis client. To
+the queue and the leases each slot is a worker of its own, with its own id (``<id>/<k>``, the
+plain id for a worker of one slot), and each trains in its own process on its own share of
+the training CPUs; a stop stops every slot, each checkpointing and releasing its jobs.
+
+Where a slot's next job comes from, in order:
 1. a running job whose lease lapsed (its worker died): taken over and resumed from its last
    checkpoint (`LeaseStore.lapsed`, a scan of the lease deadlines);
-2. at start, queue entries this worker id took before a restart and never acknowledged;
+2. at start, queue entries this slot's id took before a restart and never acknowledged;
 3. queue entries another worker took and left unacknowledged for a lease length (that worker
    died between taking and claiming);
 4. the next job of the least recently served tenant with queued jobs (tenants in rotation,
    store/queue.py: its oldest plain job, else its oldest sweep run), waiting briefly for one
    so that `stop()` is noticed quickly.
-A job or pack gives its worker up at the end of an SSDRBM_SLICE_SECONDS slice while other work
-waits (worker/runner.py), and the worker takes the next job as above.
+A job or pack gives its slot up at the end of an SSDRBM_SLICE_SECONDS slice while other work
+waits (worker/runner.py), and the slot takes the next job as above.
 Then, with SSDRBM_MAX_PACK_SIZE > 1, up to that many more jobs with the same pack key join it
 (worker/pack_claim.py) and the jobs train as one pack in one process (worker/runner.py).
 """
@@ -23,6 +30,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -41,6 +49,7 @@ from ssdrbm_server.worker.metrics import WorkerMetrics
 from ssdrbm_server.worker.pack_claim import claim_riders
 from ssdrbm_server.worker.process import ChildProcess
 from ssdrbm_server.worker.runner import Runner
+from ssdrbm_server.worker.slots import slot_settings
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +62,22 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+@dataclass
+class Slot:
+    """One slot of a worker: its settings (the worker's, with the slot's id, CPUs and torch
+    threads) and the training process it keeps ready for its next job."""
+
+    settings: Settings
+    spare: ChildProcess | None = None
+
+    @property
+    def worker_id(self) -> str:
+        """The slot's id towards the queue and the leases."""
+        return self.settings.worker_id
+
+
 class Worker:
-    """One worker: runs at most one job at a time (one per GPU), configured by ``Settings``."""
+    """One worker: runs up to one job (or pack) per slot at once, configured by ``Settings``."""
 
     def __init__(
         self,
@@ -76,7 +99,7 @@ class Worker:
         self._stop = StopRequest()
         self._stopped = asyncio.Event()
         self._started = False
-        self._spare: ChildProcess | None = None  # a training process started ahead of its job
+        self.slots = [Slot(slot) for slot in slot_settings(settings, self.worker_id)]
         self.metrics = metrics if metrics is not None else WorkerMetrics()
         self._redis_watch = redis_watch
 
@@ -94,47 +117,64 @@ class Worker:
             raise
         queue = JobQueue(client, keys=self.keys)
         leases = LeaseStore(client, keys=self.keys)
-        self._spare = ChildProcess.for_settings(self.settings)
+        for slot in self.slots:  # a training process started ahead of each slot's first job
+            slot.spare = ChildProcess.for_settings(slot.settings)
         heartbeat = self._beat_heartbeat_file()
-        logger.info("worker %s started", self.worker_id)
-        check_pending = True
+        self.metrics.slots.inc(len(self.slots))
+        logger.info("worker %s started with %d slot(s)", self.worker_id, len(self.slots))
         try:
-            while not self._stop.event.is_set():
-                if not watch.fit:  # no new job Redis might lose; the ERROR comes with each check
-                    await self._pause(REDIS_RETRY_S)
-                    continue
-                try:
-                    lease = await self._next_lease(queue, leases, check_pending, watch)
-                    # Entries taken while Redis turned unfit stay this worker's, unclaimed:
-                    # read them first once it is fit again.
-                    check_pending = not watch.fit
-                    if lease is not None:
-                        riders = (
-                            await self._riders(client, lease, queue, leases) if watch.fit else []
-                        )
-                        await self._run_jobs(client, [lease, *riders])
-                except REDIS_DOWN as exc:
-                    logger.warning("worker %s: Redis unreachable (%s)", self.worker_id, exc)
-                    await self._pause(REDIS_RETRY_S)
-                except redis.exceptions.ResponseError:
-                    logger.exception("worker %s: unexpected Redis reply", self.worker_id)
-                    await self._pause(REDIS_RETRY_S)
-                except Exception:
-                    # A bug must not silently end the worker: log it, back off, go on.
-                    logger.exception("worker %s: unexpected error", self.worker_id)
-                    await self._pause(REDIS_RETRY_S)
+            async with asyncio.TaskGroup() as slots:
+                for slot in self.slots:
+                    slots.create_task(self._serve(slot, client, queue, leases, watch))
         finally:
+            self.metrics.slots.dec(len(self.slots))
             for task in (heartbeat, redis_checks):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
-            if self._spare is not None:
-                await self._spare.kill()
-                self._spare.close()
-                self._spare = None
+            for slot in self.slots:
+                if slot.spare is not None:
+                    await slot.spare.kill()
+                    slot.spare.close()
+                    slot.spare = None
             await client.aclose()
             self._stopped.set()
             logger.info("worker %s stopped", self.worker_id)
+
+    async def _serve(
+        self,
+        slot: Slot,
+        client: aioredis.Redis,
+        queue: JobQueue,
+        leases: LeaseStore,
+        watch: RedisWatch,
+    ) -> None:
+        """One slot's loop: take and run jobs until `stop()`."""
+        check_pending = True
+        while not self._stop.event.is_set():
+            if not watch.fit:  # no new job Redis might lose; the ERROR comes with each check
+                await self._pause(REDIS_RETRY_S)
+                continue
+            try:
+                lease = await self._next_lease(slot, queue, leases, check_pending, watch)
+                # Entries taken while Redis turned unfit stay this slot's, unclaimed: read
+                # them first once it is fit again.
+                check_pending = not watch.fit
+                if lease is not None:
+                    riders = (
+                        await self._riders(slot, client, lease, queue, leases) if watch.fit else []
+                    )
+                    await self._run_jobs(slot, client, [lease, *riders])
+            except REDIS_DOWN as exc:
+                logger.warning("worker %s: Redis unreachable (%s)", slot.worker_id, exc)
+                await self._pause(REDIS_RETRY_S)
+            except redis.exceptions.ResponseError:
+                logger.exception("worker %s: unexpected Redis reply", slot.worker_id)
+                await self._pause(REDIS_RETRY_S)
+            except Exception:
+                # A bug must not silently end the slot: log it, back off, go on.
+                logger.exception("worker %s: unexpected error", slot.worker_id)
+                await self._pause(REDIS_RETRY_S)
 
     async def _watch_redis(
         self, client: aioredis.Redis
@@ -159,7 +199,12 @@ class Worker:
         return asyncio.create_task(beat_file(path, self.settings.heartbeat_seconds))
 
     async def _riders(
-        self, client: aioredis.Redis, lease: Lease, queue: JobQueue, leases: LeaseStore
+        self,
+        slot: Slot,
+        client: aioredis.Redis,
+        lease: Lease,
+        queue: JobQueue,
+        leases: LeaseStore,
     ) -> list[Lease]:
         """The jobs that train beside ``lease``'s in one pack (none unless packing is on)."""
         if self.settings.max_pack_size <= 1 or not lease.record.pack_key:
@@ -167,49 +212,58 @@ class Worker:
         lease_ms = int(self.settings.lease_seconds * 1000)
 
         async def claim(job_id: str, takeover: bool) -> Lease | None:
-            rider = await self._claim(leases, job_id, lease_ms, takeover=takeover)
+            rider = await self._claim(leases, job_id, slot.worker_id, lease_ms, takeover=takeover)
             if rider is not None and takeover:
                 self.metrics.lease_takeovers.inc()
             return rider
 
         return await claim_riders(
             lease,
-            self.settings,
-            worker_id=self.worker_id,
+            slot.settings,
+            worker_id=slot.worker_id,
             queue=queue,
             leases=leases,
             claims=PackClaims(client, keys=self.keys),
             claim=claim,
         )
 
-    async def _run_jobs(self, client: aioredis.Redis, leases: list[Lease]) -> None:
-        """Train the jobs in one process: one alone, more as a pack."""
-        child, self._spare = self._spare, None
+    async def _run_jobs(self, slot: Slot, client: aioredis.Redis, leases: list[Lease]) -> None:
+        """Train the jobs in the slot's process: one alone, more as a pack."""
+        child, slot.spare = slot.spare, None
         runner = Runner(
             client,
             leases,
-            self.settings,
+            slot.settings,
             self._stop,
             keys=self.keys,
             child=child,
             metrics=self.metrics,
         )
-        outcomes = await runner.run()
+        self.metrics.busy_slots.inc()
+        try:
+            outcomes = await runner.run()
+        finally:
+            self.metrics.busy_slots.dec()
         self.jobs_run += [(lease.job_id, o) for lease, o in zip(leases, outcomes, strict=True)]
-        await self._keep_child(runner.idle_child)
+        await self._keep_child(slot, runner.idle_child)
 
-    async def _keep_child(self, idle_child: ChildProcess | None) -> None:
-        """Keep the job's training process for the next job, or have a fresh one ready."""
-        self._spare = idle_child
-        if self._spare is not None and self._spare.jobs_started >= MAX_JOBS_PER_CHILD:
-            await self._spare.kill()  # start afresh now and then: no growth over months
-            self._spare.close()
-            self._spare = None
-        if self._spare is None and not self._stop.event.is_set():
-            self._spare = ChildProcess.for_settings(self.settings)  # ready for the next job
+    async def _keep_child(self, slot: Slot, idle_child: ChildProcess | None) -> None:
+        """Keep the job's training process for the slot's next job, or have a fresh one ready."""
+        slot.spare = idle_child
+        if slot.spare is not None and slot.spare.jobs_started >= MAX_JOBS_PER_CHILD:
+            await slot.spare.kill()  # start afresh now and then: no growth over months
+            slot.spare.close()
+            slot.spare = None
+        if slot.spare is None and not self._stop.event.is_set():
+            slot.spare = ChildProcess.for_settings(slot.settings)  # ready for the next job
 
     async def _next_lease(
-        self, queue: JobQueue, leases: LeaseStore, check_pending: bool, watch: RedisWatch
+        self,
+        slot: Slot,
+        queue: JobQueue,
+        leases: LeaseStore,
+        check_pending: bool,
+        watch: RedisWatch,
     ) -> Lease | None:
         """The next job to run, claimed; None when there is none, or when Redis turned unfit
         meanwhile (the blocking read below can outlast a check): nothing is claimed then."""
@@ -217,18 +271,19 @@ class Worker:
         for job_id in await leases.lapsed():
             if not watch.fit:
                 return None
-            lease = await self._claim(leases, job_id, lease_ms, takeover=True)
+            lease = await self._claim(leases, job_id, slot.worker_id, lease_ms, takeover=True)
             if lease is not None:
                 logger.info("took over job %s after its lease lapsed", job_id)
                 self.metrics.lease_takeovers.inc()
                 return lease
-        entries = await queue.pending(self.worker_id, count=1) if check_pending else []
-        entries = entries or await queue.autoclaim(self.worker_id, min_idle_ms=lease_ms, count=1)
-        entries = entries or await queue.read(self.worker_id, block_ms=self.settings.worker_poll_ms)
+        worker_id = slot.worker_id
+        entries = await queue.pending(worker_id, count=1) if check_pending else []
+        entries = entries or await queue.autoclaim(worker_id, min_idle_ms=lease_ms, count=1)
+        entries = entries or await queue.read(worker_id, block_ms=self.settings.worker_poll_ms)
         for entry_id, job_id in entries:
             if not watch.fit:
-                return None  # the entry stays pending, this worker's, until Redis is fit
-            lease = await self._claim(leases, job_id, lease_ms, takeover=False)
+                return None  # the entry stays pending, this slot's, until Redis is fit
+            lease = await self._claim(leases, job_id, worker_id, lease_ms, takeover=False)
             # Acknowledge either way: a claimed job is now tracked by its lease, and an
             # unclaimable one is finished or held by a worker whose lease covers it.
             await queue.ack(entry_id)
@@ -237,12 +292,13 @@ class Worker:
         return None
 
     async def _claim(
-        self, leases: LeaseStore, job_id: str, lease_ms: int, *, takeover: bool
+        self, leases: LeaseStore, job_id: str, worker_id: str, lease_ms: int, *, takeover: bool
     ) -> Lease | None:
-        """Claim a job; once claimed, its wait in the queue (from the submit to the first claim)
-        and the claim itself go into the metrics and the job's trace."""
+        """Claim a job for the slot ``worker_id``; once claimed, its wait in the queue (from the
+        submit to the first claim) and the claim itself go into the metrics and the job's
+        trace."""
         started = time.time()
-        lease = await leases.claim(job_id, self.worker_id, lease_ms=lease_ms)
+        lease = await leases.claim(job_id, worker_id, lease_ms=lease_ms)
         if lease is None:
             return None
         claimed = time.time()
@@ -277,8 +333,9 @@ class Worker:
     async def stop(self, graceful: bool = True) -> None:
         """Stop taking jobs and return once `run()` has ended (at once if it never started).
 
-        graceful: the running job is checkpointed at its current step and released to the
-        queue. Otherwise it is released at once and resumes from its last checkpoint.
+        graceful: each slot's running jobs are checkpointed at their current step and released
+        to the queue. Otherwise they are released at once and resume from their last
+        checkpoint.
         """
         self._stop.request(graceful)
         if self._started:

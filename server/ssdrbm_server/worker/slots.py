@@ -1,0 +1,180 @@
+"""Slots: how many training processes one worker runs at once, and each one's share of CPUs.
+
+A worker (worker/worker.py) runs SSDRBM_WORKER_SLOTS claim loops side by side in one process,
+on one Redis client. Each slot is a worker of its own to the queue and the leases: its own id
+(``<worker id>/<k>``; a worker of one slot keeps its plain id), its own claims, leases, time
+slices, training process and graceful stop, all by the one Worker/Runner path.
+
+The default (0) is derived from the machine, the one rule (`default_slot_count`):
+
+- *CPUs.* The CPUs this process may use (its affinity mask, or SSDRBM_TRAINING_CPUS; fewer
+  under a cgroup CPU quota, a container's CPU limit) ÷ the torch threads of one training
+  process: SSDRBM_TORCH_THREADS, else THREADS_PER_PROCESS (1). One thread per process, because
+  independent jobs on separate cores scale fully while one job's extra threads do not (a
+  step's matrix products are small), and because a busy worker's threads would otherwise
+  oversubscribe the cores (2 OpenMP threads per process on an oversubscribed host made a step
+  7–8× slower, docs/PERFORMANCE.md). A lone job then trains on its slot's share: with the
+  slots capped below the CPUs, that share has several CPUs and as many threads.
+- *Memory.* Each slot may train a full pack: its process (PROCESS_BASE_MB) and
+  SSDRBM_PACK_MEMORY_MB of runs. Slots stop where the memory this process may use (the host's,
+  or its cgroup's limit) holds no more of those, so adding slots never needs a bigger machine
+  than packing does.
+- *The event loop.* Every slot's supervision (heartbeats, metric and checkpoint writes) runs
+  in the one event loop, which in ``ssdrbm serve`` also answers the gRPC calls. With the
+  fastest jobs (16×8 models, about 575 steps/s each) it took 0.9% of a core per busy slot at
+  the default evaluation spacing (100 steps) and 5% reporting every 10 steps (2 slots, 20 s,
+  loaded 2-core machine): at MAX_DEFAULT_SLOTS (16) that is 15–80% of one core, so more slots
+  only when set.
+- *GPU.* One slot where a GPU is present (found without importing torch, which the worker
+  process never does): the training processes would share one device, and a job's step there
+  is fast and the device busy already. Set SSDRBM_WORKER_SLOTS to share it anyway.
+
+The slots split the training CPUs into consecutive shares (cpus.py ``split_cpus``), and each
+slot's training processes are pinned to its share with as many torch threads, unless
+SSDRBM_TORCH_THREADS says otherwise. A worker of one slot pins as before: SSDRBM_TRAINING_CPUS
+when set, and torch's default threads.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ssdrbm_server.config import Settings
+from ssdrbm_server.cpus import format_cpu_list, process_cpus, split_cpus
+from ssdrbm_server.worker.runner import PROCESS_BASE_MB
+
+logger = logging.getLogger(__name__)
+
+THREADS_PER_PROCESS = 1  # torch threads of a training process the default counts with
+MAX_DEFAULT_SLOTS = 16
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the default slot count is derived from."""
+
+    cpus: frozenset[int]  # the CPUs training may use: SSDRBM_TRAINING_CPUS or the affinity mask
+    cpu_quota: float | None  # CPUs' worth of time the cgroup allows; None: no quota
+    memory_mb: int | None  # memory this process may use (host or cgroup limit); None: unknown
+    gpu: bool  # a CUDA device is present
+
+    @property
+    def usable_cpus(self) -> int:
+        """CPUs' worth of compute: the CPUs, or fewer under a quota (at least 1)."""
+        count = len(self.cpus)
+        if self.cpu_quota is not None:
+            count = min(count, int(self.cpu_quota))
+        return max(1, count)
+
+
+def default_slot_count(machine: Machine, *, threads_per_process: int, slot_memory_mb: int) -> int:
+    """The slots a worker runs unless told: see the module's docstring."""
+    if machine.gpu:
+        return 1
+    by_cpus = machine.usable_cpus // max(1, threads_per_process)
+    count = min(by_cpus, MAX_DEFAULT_SLOTS)
+    if machine.memory_mb is not None:
+        count = min(count, machine.memory_mb // max(1, slot_memory_mb))
+    return max(1, count)
+
+
+def slot_count(settings: Settings, machine: Machine | None = None) -> int:
+    """SSDRBM_WORKER_SLOTS, or the default for this machine when it is 0."""
+    if settings.worker_slots:
+        return settings.worker_slots
+    return default_slot_count(
+        machine or this_machine(settings),
+        threads_per_process=settings.torch_threads or THREADS_PER_PROCESS,
+        slot_memory_mb=PROCESS_BASE_MB + settings.pack_memory_mb,
+    )
+
+
+def slot_settings(
+    settings: Settings, worker_id: str, machine: Machine | None = None
+) -> list[Settings]:
+    """Each slot's settings: the worker's, with the slot's id, training CPUs and torch threads."""
+    machine = machine or this_machine(settings)
+    count = slot_count(settings, machine)
+    if count == 1:
+        return [settings.replace(worker_id=worker_id)]
+    threads = settings.torch_threads or max(1, machine.usable_cpus // count)
+    return [
+        settings.replace(
+            worker_id=f"{worker_id}/{k}",
+            training_cpus=format_cpu_list(share),
+            torch_threads=threads,
+        )
+        for k, share in enumerate(split_cpus(machine.cpus, count))
+    ]
+
+
+def this_machine(settings: Settings) -> Machine:
+    """The machine this process runs on, as the slot count sees it."""
+    return Machine(
+        cpus=settings.training_cpu_set or process_cpus(),
+        cpu_quota=cgroup_cpu_quota(),
+        memory_mb=memory_mb(),
+        gpu=has_gpu(),
+    )
+
+
+def _own_cgroup() -> Path:
+    """This process's cgroup (v2) directory; the root in a container with its own namespace."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                return CGROUP_ROOT / line[3:].lstrip("/")
+    except OSError:
+        pass
+    return CGROUP_ROOT
+
+
+def _cgroup_value(name: str) -> str | None:
+    try:
+        return (_own_cgroup() / name).read_text().strip()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time this process's cgroup may use (``cpu.max``: quota ÷ period); None
+    without a quota. A container's CPU limit is such a quota, while its affinity mask still
+    names every CPU of the host."""
+    value = _cgroup_value("cpu.max")
+    if value is None:
+        return None
+    quota, _, period = value.partition(" ")
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def memory_mb() -> int | None:
+    """Memory this process may use, in MB: the host's, or less under a cgroup limit; None
+    when neither can be read."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        total = 0
+    limit = _cgroup_value("memory.max")
+    if limit is not None and limit.isdigit():
+        total = min(total, int(limit)) if total else int(limit)
+    return total // MB if total else None
+
+
+def has_gpu() -> bool:
+    """Whether a CUDA device is present, without importing torch (the worker never does): an
+    NVIDIA device node (or ROCm's /dev/kfd), unless CUDA_VISIBLE_DEVICES hides every device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
