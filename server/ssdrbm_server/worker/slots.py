@@ -10,11 +10,11 @@ The default (0) is derived from the machine, the one rule (`default_slot_count`)
 - *CPUs.* The CPUs this process may use (its affinity mask, or SSDRBM_TRAINING_CPUS; fewer
   under a cgroup CPU quota, a container's CPU limit) ÷ the torch threads of one training
   process: SSDRBM_TORCH_THREADS, else THREADS_PER_PROCESS (1). One thread per process, because
-  independent jobs on separate cores scale fully while one job's extra threads do not (a
-  step's matrix products are small), and because a busy worker's threads would otherwise
-  oversubscribe the cores (2 OpenMP threads per process on an oversubscribed host made a step
-  7–8× slower, docs/PERFORMANCE.md). A lone job then trains on its slot's share: with the
-  slots capped below the CPUs, that share has several CPUs and as many threads.
+  jobs on separate cores do not wait on each other, while a small job's step (a few small
+  matrix products) gains little from more threads, and because a busy worker's threads would
+  otherwise oversubscribe the cores (2 OpenMP threads per process on an oversubscribed host
+  made a step 7–8× slower, docs/PERFORMANCE.md). A lone job then trains on its slot's share:
+  with the slots capped below the CPUs, that share has several CPUs and as many threads.
 - *Memory.* Each slot may train a full pack: its process (PROCESS_BASE_MB) and
   SSDRBM_PACK_MEMORY_MB of runs. Slots stop where the memory this process may use (the host's,
   or its cgroup's limit) holds no more of those, so adding slots never needs a bigger machine
@@ -38,7 +38,6 @@ when set, and torch's default threads.
 from __future__ import annotations
 
 import glob
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +45,6 @@ from pathlib import Path
 from ssdrbm_server.config import Settings
 from ssdrbm_server.cpus import format_cpu_list, process_cpus, split_cpus
 from ssdrbm_server.worker.runner import PROCESS_BASE_MB
-
-logger = logging.getLogger(__name__)
 
 THREADS_PER_PROCESS = 1  # torch threads of a training process the default counts with
 MAX_DEFAULT_SLOTS = 16

@@ -121,7 +121,7 @@ class Worker:
             slot.spare = ChildProcess.for_settings(slot.settings)
         heartbeat = self._beat_heartbeat_file()
         self.metrics.slots.inc(len(self.slots))
-        logger.info("worker %s started with %d slot(s)", self.worker_id, len(self.slots))
+        logger.info("worker %s started with %s", self.worker_id, self._describe_slots())
         try:
             async with asyncio.TaskGroup() as slots:
                 for slot in self.slots:
@@ -140,6 +140,15 @@ class Worker:
             await client.aclose()
             self._stopped.set()
             logger.info("worker %s stopped", self.worker_id)
+
+    def _describe_slots(self) -> str:
+        """The slots for the log: how many, and each one's CPUs when they were split."""
+        if len(self.slots) == 1:
+            return "1 slot"
+        shares = ", ".join(
+            f"{slot.worker_id} on CPUs {slot.settings.training_cpus}" for slot in self.slots
+        )
+        return f"{len(self.slots)} slots ({shares})"
 
     async def _serve(
         self,
