@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import uuid
 
 DEFAULT_PREFIX = "ssdrbm:"
 
@@ -65,6 +66,11 @@ _DATASET_ID = re.compile(r"[0-9a-f]{64}")
 def is_job_id(value: str) -> bool:
     """True when `value` has the form of a job id (so it is safe inside a key)."""
     return bool(_JOB_ID.fullmatch(value))
+
+
+def new_id() -> str:
+    """A new random id of the job id form (32 hex digits), for a job or a sweep."""
+    return uuid.uuid4().hex
 
 
 def is_dataset_id(value: str) -> bool:

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -73,7 +72,7 @@ from ssdrbm_server.errors import (
     UnavailableError,
     tenant_subject,
 )
-from ssdrbm_server.keys import Keys, is_job_id
+from ssdrbm_server.keys import Keys, is_job_id, new_id
 from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.datasets import dataset_not_found
 from ssdrbm_server.store.events import event_values, state_event_fields, xadd_event
@@ -200,11 +199,6 @@ class _Found:
     unadmitted: bool  # still expiring: its submit did not get past step 2 or 3
 
 
-def new_job_id() -> str:
-    """A random job id: 32 hex digits."""
-    return uuid.uuid4().hex
-
-
 def uploaded_dataset(spec: bytes) -> str:
     """The uploaded dataset a job's spec trains on: "" for a built-in one, or for a spec that
     does not parse (its worker fails the job)."""
@@ -262,7 +256,7 @@ class JobStore:
         atomically with the reservation (see the module notes). `traceparent` links the
         worker's spans to the submitting call's trace; `sweep_id` tags a sweep's run.
         """
-        job_id = new_job_id()
+        job_id = new_id()
         fields = new_job_fields(
             tenant=tenant,
             name=name,

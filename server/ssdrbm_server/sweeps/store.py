@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass
 
 from ssdrbm_server.errors import InvalidArgumentError, NotFoundError
-from ssdrbm_server.keys import Keys, is_job_id
+from ssdrbm_server.keys import Keys, is_job_id, new_id
 from ssdrbm_server.store.connection import RedisClient
 from ssdrbm_server.store.page_tokens import decode_page_token, encode_page_token
 
@@ -76,11 +75,6 @@ class SweepRecord:
     error: str
 
 
-def new_sweep_id() -> str:
-    """A random sweep id: 32 hex digits (the job id form, checked before a key is built)."""
-    return uuid.uuid4().hex
-
-
 def _not_found(sweep_id: str) -> NotFoundError:
     return NotFoundError.for_id("sweep", sweep_id, "check the id (ListSweeps shows your sweeps)")
 
@@ -98,7 +92,7 @@ class SweepStore:
     async def reserve_id(self, tenant: str, request_id: str, ttl_s: int) -> tuple[str, bool]:
         """(sweep id, new): a fresh id, or the one an earlier StartSweep with this request_id
         got (kept ``ttl_s`` seconds when > 0)."""
-        sweep_id = new_sweep_id()
+        sweep_id = new_id()
         if not request_id:
             return sweep_id, True
         key = self.keys.sweep_idempotency(tenant, request_id)
