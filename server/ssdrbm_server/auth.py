@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import grpc
 
 from ssdrbm_server.config import ConfigError, Settings
 from ssdrbm_server.errors import UnauthenticatedError
-from ssdrbm_server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
+from ssdrbm_server.handlers import ServiceInterceptor, run_first
 from ssdrbm_server.tenancy import set_tenant
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def _bearer_token(metadata: Any) -> str | None:
     return None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(ServiceInterceptor):
     """Resolves the caller's tenant for every RBMService call (health and reflection are open)."""
 
     def __init__(self, settings: Settings) -> None:
@@ -132,7 +132,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             )
         else:
             logger.info("bearer-token authentication on, %d token(s)", len(self.table))
-        self._handlers = WrappedHandlers(self._authenticated)
+        super().__init__(self._authenticated)
 
     def resolve(self, metadata: Any) -> str:
         """The tenant for a call's metadata, or UnauthenticatedError."""
@@ -152,37 +152,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             )
         return tenant
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if not handler_call_details.method.startswith(SERVICE_PREFIX):
-            return handler
-        return self._handlers.wrapped(handler_call_details.method, handler)
-
     def _authenticated(
         self, method: str, handler: grpc.RpcMethodHandler | None
     ) -> grpc.RpcMethodHandler | None:
         """``handler`` run with the caller's tenant resolved from the call's own metadata."""
         resolve = self.resolve
-
-        def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-            async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                set_tenant(resolve(context.invocation_metadata()))
-                return await behavior(request, context)
-
-            return authenticated
-
-        def wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
-            async def authenticated(
-                request: Any, context: grpc.aio.ServicerContext
-            ) -> AsyncIterator[Any]:
-                set_tenant(resolve(context.invocation_metadata()))
-                async for response in iterate_responses(behavior, request, context):
-                    yield response
-
-            return authenticated
-
-        return wrap_handler(handler, wrap_unary, wrap_stream)
+        return run_first(
+            handler, lambda context: set_tenant(resolve(context.invocation_metadata()))
+        )

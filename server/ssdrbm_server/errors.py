@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from ssdrbm_server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
+from ssdrbm_server.handlers import ServiceInterceptor, iterate_responses, wrap_handler
 from ssdrbm_server.outage import REDIS_OUTAGE
 
 logger = logging.getLogger(__name__)
@@ -390,22 +390,11 @@ def _is_passthrough(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AbortError)
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+class ErrorMappingInterceptor(ServiceInterceptor):
     """Maps domain and Redis errors raised by any handler to their gRPC status (the one place)."""
 
     def __init__(self) -> None:
-        self._handlers = WrappedHandlers(_mapped)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if not method.startswith(SERVICE_PREFIX):
-            return handler  # health and reflection raise nothing of ours
-        return self._handlers.wrapped(method, handler)
+        super().__init__(_mapped)
 
 
 def _mapped(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:

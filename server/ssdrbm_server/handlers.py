@@ -10,7 +10,7 @@ that plumbing in one place.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -63,6 +63,32 @@ async def iterate_responses(
         yield response
 
 
+def run_first(
+    handler: grpc.RpcMethodHandler | None, first: Callable[[grpc.aio.ServicerContext], None]
+) -> grpc.RpcMethodHandler | None:
+    """A copy of ``handler`` that calls ``first(context)`` at the start of every call, before
+    the behaviour runs; ``first`` may raise to refuse the call."""
+
+    def wrap_unary(behavior: Behavior) -> Behavior:
+        async def after_first(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            first(context)
+            return await behavior(request, context)
+
+        return after_first
+
+    def wrap_stream(behavior: Behavior) -> Behavior:
+        async def after_first(
+            request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            first(context)
+            async for response in iterate_responses(behavior, request, context):
+                yield response
+
+        return after_first
+
+    return wrap_handler(handler, wrap_unary, wrap_stream)
+
+
 class WrappedHandlers:
     """Each method's wrapped handler, built once and reused for every later call.
 
@@ -89,3 +115,25 @@ class WrappedHandlers:
             entry = (handler, self._build(method, handler))
             self._entries[method] = entry
         return entry[1]
+
+
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    """An interceptor that wraps the handlers of the service's own methods (`SERVICE_PREFIX`)
+    with ``build``, each method's once (`WrappedHandlers`); health and reflection pass as they
+    are. Error mapping, authentication and latency metrics are its kinds."""
+
+    def __init__(
+        self, build: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler | None]
+    ) -> None:
+        self._handlers = WrappedHandlers(build)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if not method.startswith(SERVICE_PREFIX):
+            return handler
+        return self._handlers.wrapped(method, handler)

@@ -20,7 +20,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ssdrbm_server.errors import status_for
-from ssdrbm_server.handlers import SERVICE_PREFIX, WrappedHandlers, iterate_responses, wrap_handler
+from ssdrbm_server.handlers import ServiceInterceptor, iterate_responses, wrap_handler
 from ssdrbm_server.store.records import JobState
 
 logger = logging.getLogger(__name__)
@@ -170,22 +170,12 @@ def _code_of(exc: BaseException | None, context: grpc.aio.ServicerContext) -> st
     return status_for(exc)[0].name
 
 
-class LatencyInterceptor(grpc.aio.ServerInterceptor):
+class LatencyInterceptor(ServiceInterceptor):
     """Records every RPC's latency by method and status code."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.histogram = metrics.rpc_latency
-        self._handlers = WrappedHandlers(self._timed)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if not handler_call_details.method.startswith(SERVICE_PREFIX):
-            return handler  # health checks and reflection are not service traffic
-        return self._handlers.wrapped(handler_call_details.method, handler)
+        super().__init__(self._timed)
 
     def _timed(
         self, full_method: str, handler: grpc.RpcMethodHandler | None

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import redis.exceptions
@@ -40,7 +39,7 @@ from redis.asyncio.cluster import RedisCluster
 from ssdrbm_server.config import ConfigError, Settings
 from ssdrbm_server.errors import FailedPreconditionError
 from ssdrbm_server.exposure import WARNING_INTERVAL_S, repeat_warning
-from ssdrbm_server.handlers import wrap_handler
+from ssdrbm_server.handlers import ServiceInterceptor, run_first
 from ssdrbm_server.store.connection import RedisClient
 
 logger = logging.getLogger(__name__)
@@ -257,42 +256,32 @@ class RedisWatch:
             await self.check()
 
 
-def _refusing(method: str, reason: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """``handler`` replaced by one that answers FAILED_PRECONDITION with ``reason``."""
-    name = method.rsplit("/", 1)[-1]
-
-    def refuse(_behavior: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
-        async def refused(_request: Any, _context: grpc.aio.ServicerContext) -> Any:
-            raise FailedPreconditionError(
-                f"{name} is refused while Redis would lose acknowledged work: {reason}. Reads "
-                "still work; retry once the operator has fixed Redis",
-                precondition="REDIS_NOT_DURABLE",
-                subject="redis",
-            )
-
-        return refused
-
-    refused = wrap_handler(handler, refuse, refuse)
-    assert refused is not None
-    return refused
-
-
-class WriteGate(grpc.aio.ServerInterceptor):
+class WriteGate(ServiceInterceptor):
     """Refuses `WRITE_METHODS` while ``watch`` finds Redis unfit. FAILED_PRECONDITION, not
     UNAVAILABLE: it lasts until an operator acts, so clients should not retry it shortly."""
 
     def __init__(self, watch: RedisWatch, methods: Iterable[str] = WRITE_METHODS) -> None:
         self.watch = watch
         self.methods = frozenset(methods)
+        super().__init__(self._gated)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        reason = self.watch.refusal() if method in self.methods else None
-        if handler is None or reason is None:
+    def _gated(
+        self, method: str, handler: grpc.RpcMethodHandler | None
+    ) -> grpc.RpcMethodHandler | None:
+        """``handler`` of a write method, refused at each call while Redis is unfit."""
+        if method not in self.methods:
             return handler
-        return _refusing(method, reason, handler)
+        name = method.rsplit("/", 1)[-1]
+        watch = self.watch
+
+        def refuse_while_unfit(_context: grpc.aio.ServicerContext) -> None:
+            reason = watch.refusal()
+            if reason is not None:
+                raise FailedPreconditionError(
+                    f"{name} is refused while Redis would lose acknowledged work: {reason}. "
+                    "Reads still work; retry once the operator has fixed Redis",
+                    precondition="REDIS_NOT_DURABLE",
+                    subject="redis",
+                )
+
+        return run_first(handler, refuse_while_unfit)

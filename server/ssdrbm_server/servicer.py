@@ -24,7 +24,6 @@ from ssdrbm_server import convert, model_export, resolver, tracing
 from ssdrbm_server.call_slots import CallSlots, SlotCap
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
-    AlreadyExistsError,
     InvalidArgumentError,
     UnavailableError,
 )
@@ -605,14 +604,7 @@ def _unsubmitted(job: resolver.ResolvedJob) -> pb.Job:
 def _check_same_spec(record: JobRecord, spec: pb.StartTrainingRequest) -> None:
     """A reused request_id must come with the spec it was first used with."""
     first = pb.StartTrainingRequest.FromString(record.spec)
-    difference = resolver.first_difference(first, spec)
-    if difference is not None:
-        raise AlreadyExistsError(
-            f"request_id {spec.request_id!r} was already used for job {record.id} with a "
-            f"different spec (first difference: {difference}); use a new request_id for a new "
-            "job, or repeat the original request to get that job",
-            reason="REQUEST_ID_REUSED",
-        )
+    resolver.check_same_request(first, spec, f"job {record.id}")
 
 
 def _page_size(requested: int) -> int:
