@@ -28,13 +28,18 @@ QUICK_RUN_TIMEOUT_S = 240  # a guard against a hang, far above the ~40 s a quick
 
 @pytest.fixture(scope="module")
 def quick_records() -> list[dict]:
-    """Every JSON record of one `python -m bench all --quick --json --threads 1` run.
+    """Every JSON record of one `python -m bench all --quick --json --threads 1` run."""
+    return quick_run("all")
+
+
+def quick_run(suite: str) -> list[dict]:
+    """Every JSON record of one `python -m bench SUITE --quick --json --threads 1` run.
 
     One thread: on a busy shared machine, torch's spinning OpenMP threads can make a run several
-    times slower, and this test checks the output's shape, not speed.
+    times slower, and these tests check the output's shape, not speed.
     """
     completed = subprocess.run(
-        [sys.executable, "-m", "bench", "all", "--quick", "--json", "--threads", "1"],
+        [sys.executable, "-m", "bench", suite, "--quick", "--json", "--threads", "1"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -173,6 +178,47 @@ def test_service_pack_case_times_the_packed_sweep_against_one_job_at_a_time(quic
     assert alone["metrics"]["packed_jobs"] == 0 and alone["metrics"]["largest_pack"] == 1
     assert _is_positive_number(packed["metrics"]["wall_s"])
     assert _is_positive_number(packed["ratios"]["packed_x_sooner"])
+
+
+def test_slicing_case_measures_preemptions_against_slicing_off():
+    # Its own quick run (not part of `all`): one worker with 0.5 s slices preempts alice's and
+    # bob's jobs back and forth; the same work with slicing off is never preempted.
+    records = quick_run("slicing")
+    cases = {case["name"]: case for case in _cases(records, "slicing")}
+    assert set(cases) == {"off", "slice 0.5 s"}
+    assert cases["off"]["metrics"]["preemptions"] == 0
+    sliced = cases["slice 0.5 s"]["metrics"]
+    assert sliced["preemptions"] >= 1
+    assert math.isfinite(sliced["cost_per_preemption_s"])
+    assert sliced["release_to_claim_ms"] >= 0
+    for case in cases.values():
+        assert _is_positive_number(case["metrics"]["steps_per_s"])
+        assert _is_positive_number(case["metrics"]["short_first_step_s"])
+    assert _is_positive_number(cases["slice 0.5 s"]["ratios"]["throughput_vs_off"])
+    [target] = [r for r in records if r["kind"] == "target"]
+    assert target["met"] is None and target["why"]
+
+
+def test_preemption_cost_is_what_the_timeline_spends_besides_training_and_evaluating():
+    # Both jobs train 1 ms a step; an evaluation and its write take 50 ms. Alice's job stops
+    # at step 250 and takes 20 ms to checkpoint and release, bob's is claimed 10 ms later and
+    # takes 30 ms to start from its step 300: the preemption costs 60 ms.
+    from ssdrbm.v1 import rbm_pb2 as pb
+
+    from bench.slicing import Point, preemption_costs
+
+    points = {
+        "a": [Point(0.15, 100, 0.1), Point(0.30, 200, 0.2), Point(2.0, 300, 0.3)],
+        "b": [Point(-1.0, 200, 0.2), Point(0.56, 400, 0.4), Point(0.71, 500, 0.5)],
+    }
+    running, queued = pb.JOB_STATE_RUNNING, pb.JOB_STATE_QUEUED
+    states = [
+        (0.0, "a", pb.StateChange(state=running, step=0)),
+        (0.37, "a", pb.StateChange(state=queued, step=250, message="preempted: bob waits")),
+        (0.38, "b", pb.StateChange(state=running, step=300, message="resuming")),
+        (1.8, "a", pb.StateChange(state=running, step=250, message="resuming")),
+    ]
+    assert preemption_costs(points, states) == pytest.approx([0.06], abs=1e-9)
 
 
 def test_targets_state_goal_measurement_and_verdict(quick_records):
