@@ -21,10 +21,10 @@ The default (0) is derived from the machine, the one rule (`default_slot_count`)
   than packing does.
 - *The event loop.* Every slot's supervision (heartbeats, metric and checkpoint writes) runs
   in the one event loop, which in ``ssdrbm serve`` also answers the gRPC calls. With the
-  fastest jobs (16×8 models, about 575 steps/s each) it took 0.9% of a core per busy slot at
-  the default evaluation spacing (100 steps) and 5% reporting every 10 steps (2 slots, 20 s,
-  loaded 2-core machine): at MAX_DEFAULT_SLOTS (16) that is 15–80% of one core, so more slots
-  only when set.
+  fastest jobs (16×8 models, 1,000–2,400 steps/s each) it took 1–2% of a core per busy slot
+  at the default evaluation spacing (100 steps) and 5% reporting every 10 steps (1 or 2
+  slots, 20 s each, a loaded 2-core machine): at MAX_DEFAULT_SLOTS (16) that is about a
+  quarter of one core, most of it with frequent reports, so more slots only when set.
 - *GPU.* One slot where a GPU is present (found without importing torch, which the worker
   process never does): the training processes would share one device, and a job's step there
   is fast and the device busy already. Set SSDRBM_WORKER_SLOTS to share it anyway.
