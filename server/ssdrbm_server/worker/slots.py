@@ -23,8 +23,8 @@ The default (0) is derived from the machine, the one rule (`default_slot_count`)
   in the one event loop, which in ``ssdrbm serve`` also answers the gRPC calls. With the
   fastest jobs (16×8 models, 1,000–2,400 steps/s each) it took 1–2% of a core per busy slot
   at the default evaluation spacing (100 steps) and 5% reporting every 10 steps (1 or 2
-  slots, 20 s each, a loaded 2-core machine): at MAX_DEFAULT_SLOTS (16) that is about a
-  quarter of one core, most of it with frequent reports, so more slots only when set.
+  slots, 20 s each, a loaded 2-core machine): at MAX_DEFAULT_SLOTS (16) that is 16–32% of
+  one core, and 80% were every job to report every 10 steps, so more slots only when set.
 - *GPU.* One slot where a GPU is present (found without importing torch, which the worker
   process never does): the training processes would share one device, and a job's step there
   is fast and the device busy already. Set SSDRBM_WORKER_SLOTS to share it anyway.
