@@ -89,7 +89,11 @@ def spec(
 
 
 SETTINGS = Settings(
-    lease_seconds=LEASE_S, heartbeat_seconds=0.25, worker_poll_ms=200, torch_threads=1
+    lease_seconds=LEASE_S,
+    heartbeat_seconds=0.25,
+    worker_poll_ms=200,
+    torch_threads=1,
+    worker_slots=1,  # one slot per worker here (tests/test_worker_slots.py runs more)
 )
 
 
