@@ -14,6 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import redis.exceptions
+
 logger = logging.getLogger(__name__)
 
 REMIND_S = 60.0  # while an outage lasts, how often the log says it still does
@@ -24,9 +26,15 @@ class Outage:
     success (a no-op unless an outage was on)."""
 
     def __init__(
-        self, what: str, *, remind_s: float = REMIND_S, clock: Callable[[], float] = time.monotonic
+        self,
+        what: str,
+        *,
+        problem: str = "unreachable",
+        recovered: str = "answers again",
+        remind_s: float = REMIND_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.what = what
+        self.what, self.problem, self.recovered = what, problem, recovered
         self.remind_s = remind_s
         self._clock = clock
         self._since: float | None = None  # when the outage began; None: none is on
@@ -44,15 +52,15 @@ class Outage:
         if self._since is None:
             self._since = self._reminded = now
             logger.warning(
-                "%s unreachable (%s), first noticed by %s; what needs it waits and retries "
+                "%s %s (%s), first noticed by %s; what needs it waits and retries "
                 "(said again every %.0f s while the outage lasts)",
-                self.what, error, by, self.remind_s,
+                self.what, self.problem, error, by, self.remind_s,
             )  # fmt: skip
         elif now - self._reminded >= self.remind_s:
             self._reminded = now
             logger.warning(
-                "%s still unreachable after %.0f s (%s; %d failed calls so far)",
-                self.what, now - self._since, error, self._failures,
+                "%s still %s after %.0f s (%s; %d failed calls so far)",
+                self.what, self.problem, now - self._since, error, self._failures,
             )  # fmt: skip
 
     def ended(self) -> None:
@@ -60,8 +68,8 @@ class Outage:
         if self._since is None:
             return
         logger.info(
-            "%s answers again after %.0f s unreachable (%d failed calls meanwhile)",
-            self.what, self._clock() - self._since, self._failures,
+            "%s %s after %.0f s %s (%d failed calls meanwhile)",
+            self.what, self.recovered, self._clock() - self._since, self.problem, self._failures,
         )  # fmt: skip
         self._since, self._failures = None, 0
 
@@ -69,3 +77,16 @@ class Outage:
 # The process's one record of Redis outages: the API's request handlers, its readiness probe
 # and sweepers, and the worker (in the API process or alone) all report to it.
 REDIS_OUTAGE = Outage("Redis")
+# Redis at its maxmemory refuses writes: the worker's writes wait until space is freed.
+REDIS_FULL = Outage("Redis", problem="full (writes refused)", recovered="takes writes again")
+
+
+def redis_outage_for(error: BaseException) -> Outage:
+    """The outage that ``error`` (one of redis-py's) belongs to."""
+    return REDIS_FULL if isinstance(error, redis.exceptions.OutOfMemoryError) else REDIS_OUTAGE
+
+
+def redis_answered() -> None:
+    """A Redis call succeeded: whatever outage was on is over."""
+    REDIS_OUTAGE.ended()
+    REDIS_FULL.ended()

@@ -28,6 +28,7 @@ from ssdrbm_server import tracing
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import FailedPreconditionError
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.outage import redis_answered, redis_outage_for
 from ssdrbm_server.store.checkpoints import CheckpointStore
 from ssdrbm_server.store.datasets import DatasetStore
 from ssdrbm_server.store.fencing import FencedJob, LeaseLostError
@@ -298,6 +299,7 @@ class LeasedJob:
         while True:
             try:
                 await write()
+                redis_answered()
                 return
             except LeaseLostError:
                 if retried:
@@ -313,9 +315,12 @@ class LeasedJob:
         """Run a Redis operation, retrying while Redis is unreachable."""
         while True:
             try:
-                return await operation()
+                result = await operation()
             except REDIS_DOWN as exc:
                 await self._wait_for_redis(exc)
+            else:
+                redis_answered()
+                return result
 
     async def _wait_for_redis(self, exc: Exception) -> None:
         stopping_now = self.stop.event.is_set() and not self.stop.graceful
@@ -324,5 +329,5 @@ class LeasedJob:
             # give the job up. It stays leased in Redis, the lease lapses and another worker
             # resumes it from its last checkpoint.
             raise LeaseLostError(f"job {self.lease.job_id}: Redis unreachable while stopping")
-        logger.warning("job %s: Redis unreachable (%s); retrying", self.lease.job_id, exc)
+        redis_outage_for(exc).noticed(exc, by=f"job {self.lease.job_id}'s writes")
         await asyncio.sleep(RETRY_DELAY_S)

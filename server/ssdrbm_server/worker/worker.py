@@ -38,6 +38,7 @@ import redis.exceptions
 from ssdrbm_server import tracing
 from ssdrbm_server.config import Settings
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.outage import redis_answered, redis_outage_for
 from ssdrbm_server.readiness import beat_file
 from ssdrbm_server.redis_checks import RedisWatch
 from ssdrbm_server.store.connection import connect
@@ -166,6 +167,7 @@ class Worker:
                 continue
             try:
                 lease = await self._next_lease(slot, queue, leases, check_pending, watch)
+                redis_answered()
                 # Entries taken while Redis turned unfit stay this slot's, unclaimed: read
                 # them first once it is fit again.
                 check_pending = not watch.fit
@@ -175,7 +177,7 @@ class Worker:
                     )
                     await self._run_jobs(slot, client, [lease, *riders])
             except REDIS_DOWN as exc:
-                logger.warning("worker %s: Redis unreachable (%s)", slot.worker_id, exc)
+                redis_outage_for(exc).noticed(exc, by=f"worker {slot.worker_id}")
                 await self._pause(REDIS_RETRY_S)
             except redis.exceptions.ResponseError:
                 logger.exception("worker %s: unexpected Redis reply", slot.worker_id)
