@@ -18,8 +18,8 @@ backoffs and thrown-away steps up to H are reported beside it.
 
 A cell is (data set, model, n_hidden, horizon). Per cell, each optimizer's best grid value is
 its reference; a default for (model kind, variance form, optimizer, step rule) is the grid value
-whose worst ratio to the best, over every cell of that model kind and form, is smallest
-(:func:`choose`); the value at or within 15% of the best in every cell, where one exists. The
+within 15% of the best in the most cells of that model kind and form, the smaller of equals
+(:func:`choose`): the value within 15% everywhere, where one exists. The
 target (:func:`target_rows`): per cell, the default optimizer's default step against the best of
 every optimizer and step rule. When the best value of a cell sits at an end of its grid, one more
 half-decade beyond is run there (the rule of :func:`experiments.tuning.next_step_size`).
@@ -397,34 +397,38 @@ def worst_ratio(cells: dict[Any, dict[float, float]], lr: float) -> tuple[float,
 
 
 def choose(setup: Setup, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per model kind and form, and optimizer: the grid value with the smallest worst ratio to
-    the best over all its cells (values run in every cell only), and the current default's."""
+    """Per model kind and form, and optimizer: the grid value within 15% of that optimizer's
+    best in the most cells (values run in every cell only); of equals, the smaller step (the
+    paper rule's best step falls as n_hidden grows, docs/RESULTS.md §6, and the small step is
+    the one that does not blow up). Beside it its worst ratio, and the old default's."""
     rows = []
     for (key, label), cells in cell_scores(setup, runs).items():
         common_lrs = set.intersection(*(set(scores) for scores in cells.values()))
-        ranked = sorted(common_lrs, key=lambda lr: (worst_ratio(cells, lr)[0], lr))
+        ranked = sorted(common_lrs, key=lambda lr: (-cells_within(cells, lr), lr))
         chosen = ranked[0]
         worst, where = worst_ratio(cells, chosen)
-        model = next(m for m in setup.models if m.key == key)
-        runner_up = ranked[1] if len(ranked) > 1 else chosen
-        old = current_default(model, label)
+        old = table_default(runs, key, label)
         old_ratio, old_where = worst_ratio(cells, old)
         rows.append(
             {
                 "model": key,
                 "optimizer": label,
                 "chosen_lr": chosen,
+                "cells_within_15pct": f"{cells_within(cells, chosen)}/{len(cells)}",
                 "worst_ratio": worst,
                 "worst_cell": describe(where),
-                "within_15pct_everywhere": worst <= TOLERANCE,
-                "runner_up": runner_up,
-                "runner_up_ratio": worst_ratio(cells, runner_up)[0],
                 "old_default": old,
+                "old_cells_within_15pct": f"{cells_within(cells, old)}/{len(cells)}",
                 "old_worst_ratio": old_ratio,
                 "old_worst_cell": describe(old_where),
             }
         )
     return rows
+
+
+def cells_within(cells: dict[Any, dict[float, float]], lr: float) -> int:
+    """In how many cells ``lr`` is within TOLERANCE of the cell's best."""
+    return sum(ratio(scores[lr], min(scores.values())) <= TOLERANCE for scores in cells.values())
 
 
 def ratio(value: float, best: float) -> float:

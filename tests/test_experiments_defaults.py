@@ -60,14 +60,15 @@ def test_a_run_is_scored_by_what_it_reached_within_the_budget():
     assert math.isinf(defaults.at_horizon(gave_up, 330)["recon"])
 
 
-def test_the_default_is_the_value_with_the_smallest_worst_ratio():
+def test_cells_within_15_percent_and_the_worst_ratio():
     cells = {
         "a": {1.0: 10.0, 3.0: 11.0, 10.0: 30.0},  # best 1: ratios 1, 1.1, 3
         "b": {1.0: 20.0, 3.0: 10.0, 10.0: 9.0},  # best 10: ratios 2.22, 1.11, 1
+        "c": {1.0: 10.0, 3.0: 12.0, 10.0: 11.0},  # best 1: ratios 1, 1.2, 1.1
     }
-    ratios = {lr: defaults.worst_ratio(cells, lr)[0] for lr in (1.0, 3.0, 10.0)}
-    assert min(ratios, key=ratios.get) == 3.0
-    assert ratios[3.0] == pytest.approx(10.0 / 9.0)
+    within = {lr: defaults.cells_within(cells, lr) for lr in (1.0, 3.0, 10.0)}
+    assert within == {1.0: 2, 3.0: 2, 10.0: 2}
+    assert defaults.worst_ratio(cells, 3.0) == (pytest.approx(1.2), "c")
     assert defaults.ratio(math.inf, math.inf) == 1.0
 
 

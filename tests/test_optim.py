@@ -315,11 +315,11 @@ def test_hybrid_steps_follow_their_geometries():
     # W's override has no per_parameter_lr: it steps at the table's SSD value, not at lr.
     model = Tiny()
     before, grads = snapshot(model), set_grads(model)
-    build_optimizer(model, OptimizerConfig("sgd", lr=0.01, per_parameter={"W": "ssd"})).step()
+    build_optimizer(model, OptimizerConfig("sgd", lr=0.02, per_parameter={"W": "ssd"})).step()
     w_lr = default_lr("bernoulli", "ssd")
-    assert w_lr != 0.01
+    assert w_lr != 0.02
     assert torch.allclose(model.W.detach(), before["W"] - w_lr * svd_step(grads["W"]), atol=1e-5)
-    assert torch.allclose(model.b.detach(), before["b"] - 0.01 * grads["b"])
+    assert torch.allclose(model.b.detach(), before["b"] - 0.02 * grads["b"])
 
 
 def test_config_builds_the_right_classes_and_defaults():
