@@ -137,7 +137,7 @@ N_HIDDEN = 32
 STEPS = 200
 # SSD on a Gaussian RBM with per-pixel variances starts slowly at its default (1e-4, the
 # smaller of the values docs/RESULTS.md §9 measured near the best): on MNIST its error stays
-# within 1% of the start for 100 steps, then falls (0.80× by 200 steps, 0.74× by 600).
+# within 1% of the start for 100 steps, then falls (0.83× by 200 steps, 0.74× by 600).
 STEPS_FOR = {("gaussian", "ssd", "diagonal"): 600}
 EVAL_EVERY = 50
 # Each run must end below its step-0 validation error by at least this fraction; the slowest
