@@ -82,6 +82,37 @@ def _read_until(stream, needle: str, deadline: float) -> str:
     return seen
 
 
+def test_worker_waits_for_redis_saying_so_and_help_names_its_settings(tmp_path: Path) -> None:
+    """`ssdrbm worker` waits for Redis as `ssdrbm serve` does, then runs; its help names the
+    worker's own settings with their defaults (slots among them)."""
+    result = subprocess.run([SSDRBM, "worker", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "--slots N" in result.stdout and "SSDRBM_WORKER_SLOTS (default 0)" in result.stdout
+    redis_port = free_port()
+    env = {
+        **os.environ,
+        "SSDRBM_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+        "SSDRBM_WORKER_METRICS_PORT": "0",
+        "SSDRBM_ALLOW_NO_PERSISTENCE": "1",
+    }
+    process = subprocess.Popen(
+        [SSDRBM, "worker"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    redis = RedisServer(tmp_path / "redis", port=redis_port, appendonly=False)
+    try:
+        deadline = time.monotonic() + ANSWERED_S
+        said = _read_until(process.stderr, "waiting for Redis", deadline)
+        assert said.startswith("ssdrbm worker: waiting for Redis at ")
+        redis.start()
+        _read_until(process.stderr, "Redis answers", deadline + ANSWERED_S)
+        _read_until(process.stderr, "started", deadline + ANSWERED_S)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=60)[1]
+        redis.stop()
+    assert process.returncode == 0, output
+
+
 def test_serve_waits_for_redis_saying_so(tmp_path: Path) -> None:
     redis_port, port = free_port(), free_port()
     env = {

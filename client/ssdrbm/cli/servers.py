@@ -5,7 +5,7 @@ They need the server (``ssdcore`` and ``ssdrbm_server``: torch, Redis; ``pip ins
 runs, so the client stays light. ``ssdrbm serve ARGS`` is ``python -m ssdrbm_server
 --wait-for-redis ARGS``: it waits for Redis, saying so on stderr, where the service alone would
 start and answer every call UNAVAILABLE (as deployments, whose probes follow it, want).
-``ssdrbm worker ARGS`` is ``python -m ssdrbm_server.worker ARGS``.
+``ssdrbm worker ARGS`` is ``python -m ssdrbm_server.worker --wait-for-redis ARGS``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ssdrbm.cli.funnel import ServerNotInstalled
 ENTRY_POINTS = {"serve": "ssdrbm_server", "worker": "ssdrbm_server.worker"}
 _SERVER_DEPENDENCIES = ("ssdrbm_server", "ssdcore", "torch", "redis")
 # Options the CLI adds for a person at a terminal (see the module's docstring).
-ADDED_OPTIONS = {"serve": ["--wait-for-redis"], "worker": []}
+ADDED_OPTIONS = {"serve": ["--wait-for-redis"], "worker": ["--wait-for-redis"]}
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:

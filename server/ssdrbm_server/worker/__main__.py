@@ -1,8 +1,6 @@
-"""`python -m ssdrbm_server.worker`: run one worker alone, configured from SSDRBM_* variables.
-
-Options on the command line override the environment:
-  --slots N   jobs (or packs) trained at once, one training process each (SSDRBM_WORKER_SLOTS;
-              0, the default, derives it from the machine: worker/slots.py)
+"""`python -m ssdrbm_server.worker`: run one worker alone, configured from SSDRBM_* variables;
+the options (``--slots N``, ``--wait-for-redis``) override them, as for the service
+(entry_point.py, which also turns the run into an exit code).
 
 SIGTERM (or SIGINT) stops it gracefully: each slot's running job is checkpointed at its current
 step and released to the queue for another worker; then the process exits with status 0. A
@@ -11,14 +9,13 @@ second signal releases the jobs at once (they resume from their last regular che
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 import sys
 
-from ssdrbm_server import logs, tracing
-from ssdrbm_server.config import ConfigError, Settings
+from ssdrbm_server import entry_point
+from ssdrbm_server.config import Settings
 from ssdrbm_server.metrics import MetricsEndpoint
 from ssdrbm_server.worker.worker import Worker
 
@@ -71,38 +68,24 @@ def serve_metrics(endpoint: MetricsEndpoint, settings: Settings) -> None:
     logger.info("Prometheus metrics on http://%s:%d/metrics", address, port)
 
 
+DESCRIPTION = (
+    "Run one ssdrbm training worker (its slots train jobs from the queue) until SIGTERM or "
+    "Ctrl-C, configured by SSDRBM_* environment variables; the options below override them."
+)
+MAIN_SETTINGS = (
+    ("redis_url", entry_point.REDIS_URL_MEANING),
+    ("worker_slots", entry_point.SLOTS_MEANING),
+    ("torch_threads", "CPU threads of each training process (0: its slot's share of the CPUs)"),
+    ("worker_metrics_port", "the worker's Prometheus /metrics (0: off)"),
+    ("data_dir", "where the real data sets are (MNIST, Frey Face); empty: the repository's"),
+)
+
+
 def run(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m ssdrbm_server.worker", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument(
-        "--slots",
-        type=int,
-        metavar="N",
-        help="jobs trained at once (default: SSDRBM_WORKER_SLOTS, else derived from the machine)",
-    )
+    parser = entry_point.parser("python -m ssdrbm_server.worker", DESCRIPTION, MAIN_SETTINGS)
     args = parser.parse_args(argv)
-    overrides = {} if args.slots is None else {"worker_slots": args.slots}
-    try:
-        settings = Settings.from_env(**overrides)
-    except ConfigError as exc:
-        print(f"ssdrbm-worker: error: {exc}", file=sys.stderr)
-        return 2
-    logs.configure(settings.log_level, settings.log_format)
-    try:
-        tracing.configure(settings, service_name="ssdrbm-worker")
-    except ConfigError as exc:
-        print(f"ssdrbm-worker: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(main(settings))
-    except ConfigError as exc:  # found at start, e.g. a Redis that would lose jobs
-        print(f"ssdrbm-worker: error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        tracing.shutdown()
-    return 0
+    return entry_point.run("ssdrbm worker", args, main, tracing_name="ssdrbm-worker")
 
 
 if __name__ == "__main__":
