@@ -29,6 +29,7 @@ SHARED = {
     "ssdrbm_server.catalog",  # built-in datasets and the data directory
     "ssdrbm_server.config",
     "ssdrbm_server.cpus",
+    "ssdrbm_server.entry_point",  # the service's and the worker's way from settings to exit code
     "ssdrbm_server.errors",
     "ssdrbm_server.exposure",  # its repeated warnings serve the Redis checks too
     "ssdrbm_server.handlers",  # wraps gRPC handlers: the error mapping (errors.py) uses it
@@ -38,6 +39,7 @@ SHARED = {
     "ssdrbm_server.metrics",  # the Prometheus registry, served by the API or a worker alone
     "ssdrbm_server.rank_metrics",  # a metric's direction: the leaderboard and the rung decision
     "ssdrbm_server.readiness",  # health, and the worker's heartbeat file
+    "ssdrbm_server.redis_wait",  # --wait-for-redis, for both programs
     "ssdrbm_server.redis_checks",  # Redis persistence checks, in the API and in every worker
     "ssdrbm_server.tenancy",  # the caller's tenant, set by authentication, read by logs
     "ssdrbm_server.tracing",
