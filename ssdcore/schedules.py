@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 SCHEDULE_KINDS = ("constant", "exponential", "inverse-time", "cosine")
 # Defaults of the decay parameters when a request names only the kind (the service's too):
@@ -37,6 +40,17 @@ SCHEDULE_KINDS = ("constant", "exponential", "inverse-time", "cosine")
 DEFAULT_DECAY_RATE = 0.5
 DEFAULT_DECAY_STEPS = 1_000
 DEFAULT_FLOOR = 0.1
+
+
+def from_known_fields(cls: type[T], data: Mapping[str, Any]) -> T:
+    """``cls(**data)`` for a settings dataclass (a schedule, an optimizer configuration); a key
+    that is not a field is an error naming the class, the key and the known fields, so a
+    checkpoint or spec written by another version fails loudly instead of losing a setting."""
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {unknown}; known are {sorted(known)}")
+    return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -128,11 +142,7 @@ class Schedule:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Schedule:
         """Inverse of :meth:`to_dict`; unknown keys are an error that names them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Schedule: unknown fields {unknown}; known are {sorted(known)}")
-        return cls(**data)
+        return from_known_fields(cls, data)
 
 
 def step_size(base: float, factor: float, lr_scale: float) -> float:

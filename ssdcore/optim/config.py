@@ -15,7 +15,7 @@ from ssdcore.optim.preconditioned import PreconditionedSSD
 from ssdcore.optim.sgd import SGD
 from ssdcore.optim.ssd import METHODS, SSD
 from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, STEP_RULES
-from ssdcore.schedules import Schedule
+from ssdcore.schedules import Schedule, from_known_fields
 from ssdcore.step_sizes import default_lr, model_key
 
 OPTIMIZER_NAMES = ("sgd", "nesterov", "ssd", "ssd-preconditioned")
@@ -163,13 +163,7 @@ class OptimizerConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OptimizerConfig:
         """Inverse of :meth:`to_dict`; unknown keys are an error that names them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"OptimizerConfig: unknown fields {unknown}; known are {sorted(known)}"
-            )
-        return cls(**data)
+        return from_known_fields(cls, data)
 
 
 def _valid_lr(lr: object) -> bool:
