@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -17,14 +17,11 @@ from ssdcore.optim.projection import project_spectral_norm_
 MOMENTUM_BUFFER = "momentum_buffer"
 
 
-def check_hyperparameters(
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    weight_decay: float,
-    max_spectral_norm: float | None,
-) -> None:
-    """Raise ``ValueError`` naming the first invalid hyperparameter (shared by every optimizer)."""
+def check_hyperparameters(group: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first invalid hyperparameter of a parameter group (or of
+    an optimizer's defaults); the settings every optimizer here shares."""
+    lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+    weight_decay, max_spectral_norm = group["weight_decay"], group["max_spectral_norm"]
     if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"Invalid learning rate: {lr!r} (must be a finite number > 0)")
     if not 0.0 <= momentum < 1.0:
@@ -109,6 +106,15 @@ def decay_(param: Tensor, group: dict[str, Any]) -> None:
         param.mul_(1 - group["lr"] * group["weight_decay"])
 
 
+def evaluate_closure(closure: Callable[[], float] | None) -> float | None:
+    """The loss a ``step(closure)`` returns: the closure run with gradients on (a step runs
+    under ``no_grad``), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class SGD(Optimizer):
     """SGD with optional momentum / Nesterov momentum, decoupled weight decay and a ‖W‖₂ bound.
 
@@ -131,7 +137,6 @@ class SGD(Optimizer):
         weight_decay: float = 0.0,
         max_spectral_norm: float | None = None,
     ) -> None:
-        check_hyperparameters(lr, momentum, nesterov, weight_decay, max_spectral_norm)
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -139,23 +144,15 @@ class SGD(Optimizer):
             "weight_decay": weight_decay,
             "max_spectral_norm": max_spectral_norm,
         }
+        check_hyperparameters(defaults)
         super().__init__(params, defaults)
         for group in self.param_groups:
-            check_hyperparameters(
-                group["lr"],
-                group["momentum"],
-                group["nesterov"],
-                group["weight_decay"],
-                group["max_spectral_norm"],
-            )
+            check_hyperparameters(group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Take one step for every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             for param in group["params"]:
                 grad = dense_gradient(param)

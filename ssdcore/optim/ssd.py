@@ -50,6 +50,7 @@ from ssdcore.optim.sgd import (
     check_parameter,
     decay_,
     euclidean_update_,
+    evaluate_closure,
     finish_update_,
 )
 from ssdcore.optim.step_rules import (
@@ -144,10 +145,7 @@ class SSD(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Take one step for every parameter with a gradient (or gradient factors)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             for param in group["params"]:
                 factors = _take_factors(param)
@@ -435,13 +433,7 @@ def _dense(param: Tensor, factors: tuple[Tensor, Tensor] | None) -> Tensor:
 
 def _check_group(group: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming the first invalid setting of a parameter group."""
-    check_hyperparameters(
-        group["lr"],
-        group["momentum"],
-        group["nesterov"],
-        group["weight_decay"],
-        group["max_spectral_norm"],
-    )
+    check_hyperparameters(group)
     if group["method"] not in METHODS:
         raise ValueError(f"Invalid method: {group['method']!r} (choose one of {METHODS})")
     if group["geometry"] not in GEOMETRIES:
