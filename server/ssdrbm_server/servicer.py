@@ -14,6 +14,7 @@ import re
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -185,14 +186,10 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def ListJobs(
         self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListJobsResponse:
-        page_size = _page_size(request.page_size)
+        paging = _paging(request)
         enum_value(pb.JobState, request.state, "state")
-        _check_id(request.page_token, "page_token", required=False)
         records, next_token = await self.stores.jobs.list(
-            current_tenant(),
-            page_size=page_size,
-            page_token=request.page_token,
-            state=convert.state_from_proto(request.state),
+            current_tenant(), **paging, state=convert.state_from_proto(request.state)
         )
         places = await self.queue_places(current_tenant(), records)
         return pb.ListJobsResponse(
@@ -444,11 +441,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def ListDatasets(
         self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDatasetsResponse:
-        page_size = _page_size(request.page_size)
-        _check_id(request.page_token, "page_token", required=False)
-        page, next_token = await self.stores.datasets.list(
-            current_tenant(), page_size=page_size, page_token=request.page_token
-        )
+        page, next_token = await self.stores.datasets.list(current_tenant(), **_paging(request))
         return pb.ListDatasetsResponse(
             datasets=[_dataset_to_proto(info) for info in page], next_page_token=next_token
         )
@@ -533,11 +526,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def ListSweeps(
         self, request: pb.ListSweepsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListSweepsResponse:
-        page_size = _page_size(request.page_size)
-        _check_id(request.page_token, "page_token", required=False)
-        return await self.sweeps.list(
-            current_tenant(), page_size=page_size, page_token=request.page_token
-        )
+        return await self.sweeps.list(current_tenant(), **_paging(request))
 
     async def CancelSweep(
         self, request: pb.CancelSweepRequest, context: grpc.aio.ServicerContext
@@ -607,11 +596,16 @@ def _check_same_spec(record: JobRecord, spec: pb.StartTrainingRequest) -> None:
     resolver.check_same_request(first, spec, f"job {record.id}")
 
 
-def _page_size(requested: int) -> int:
-    """A listing's page size: the default for 0, refused above the maximum."""
+def _paging(
+    request: pb.ListJobsRequest | pb.ListDatasetsRequest | pb.ListSweepsRequest,
+) -> dict[str, Any]:
+    """A listing request's checked ``page_size`` and ``page_token``, as the stores take them:
+    the default page size for 0, refused above the maximum; a token no longer than an id."""
+    requested = request.page_size
     if requested > MAX_PAGE_SIZE:
         raise InvalidArgumentError("page_size", f"must be at most {MAX_PAGE_SIZE}, got {requested}")
-    return requested or DEFAULT_PAGE_SIZE
+    _check_id(request.page_token, "page_token", required=False)
+    return {"page_size": requested or DEFAULT_PAGE_SIZE, "page_token": request.page_token}
 
 
 def _check_id(value: str, field: str, *, required: bool = True) -> None:
