@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
 from ssdrbm.errors import InvalidArgument
+from ssdrbm.spec import message_time
 from ssdrbm.v1 import rbm_pb2
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
@@ -62,16 +63,13 @@ class Dataset:
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Dataset) -> Dataset:
-        created = (
-            message.created_at.ToDatetime(tzinfo=UTC) if message.HasField("created_at") else None
-        )
         return cls(
             id=message.dataset_id,
             name=message.name,
             shape=tuple(message.shape),
             dtype=upload_dtype(message.dtype if message.dtype in UPLOAD_DTYPES else 0).name,
             size_bytes=message.size_bytes,
-            created_at=created,
+            created_at=message_time(message, "created_at"),
         )
 
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
-from ssdrbm.spec import message_dict
+from ssdrbm.spec import message_dict, message_time
 from ssdrbm.v1 import rbm_pb2
 
 
@@ -43,13 +41,6 @@ class JobState(enum.StrEnum):
     def to_proto(self) -> int:
         """The ``ssdrbm.v1.JobState`` number of this state."""
         return rbm_pb2.JobState.Value(f"JOB_STATE_{self.name}")
-
-
-def _time(message: Any, name: str) -> datetime | None:
-    if not message.HasField(name):
-        return None
-    stamp: Timestamp = getattr(message, name)
-    return stamp.ToDatetime(tzinfo=UTC)
 
 
 def _optional(message: Any, name: str) -> float | None:
@@ -159,7 +150,7 @@ def event_from_proto(message: rbm_pb2.MetricEvent) -> MetricEvent | None:
     common = {
         "job_id": message.job_id,
         "resume_token": message.resume_token,
-        "time": _time(message, "time"),
+        "time": message_time(message, "time"),
     }
     kind = message.WhichOneof("event")
     if kind == "metrics":
@@ -279,9 +270,9 @@ class Job:
             checkpoint_step=message.checkpoint_step,
             worker=message.worker,
             n_visible=message.n_visible,
-            created_at=_time(message, "created_at"),
-            started_at=_time(message, "started_at"),
-            finished_at=_time(message, "finished_at"),
+            created_at=message_time(message, "created_at"),
+            started_at=message_time(message, "started_at"),
+            finished_at=message_time(message, "finished_at"),
             latest_metrics=(
                 Metrics.from_proto(message.latest_metrics)
                 if message.HasField("latest_metrics")

@@ -16,11 +16,13 @@ import struct
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from ssdrbm.errors import InvalidArgument
 from ssdrbm.v1 import rbm_pb2
@@ -84,6 +86,14 @@ def message_dict(message: Message) -> dict[str, Any]:
     shortest (``0.1``, not ``0.10000000149011612``). Job specs and the service's defaults are
     shown through it, so the SDK, the CLI's tables and its ``--json`` agree."""
     return {field.name: _field_value(field, value) for field, value in message.ListFields()}
+
+
+def message_time(message: Message, name: str) -> datetime | None:
+    """Timestamp field ``name`` as an aware UTC datetime; None while it is unset."""
+    if not message.HasField(name):
+        return None
+    stamp: Timestamp = getattr(message, name)
+    return stamp.ToDatetime(tzinfo=UTC)
 
 
 def _field_value(field: FieldDescriptor, value: Any) -> Any:

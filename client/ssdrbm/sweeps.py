@@ -16,12 +16,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from ssdrbm.errors import InvalidArgument
 from ssdrbm.events import JobState, Metrics
-from ssdrbm.spec import OPTIMIZERS, choose, new_request_id, training_request
+from ssdrbm.spec import OPTIMIZERS, choose, message_time, new_request_id, training_request
 from ssdrbm.v1 import rbm_pb2
 
 # short axis names -> the request field
@@ -197,9 +197,6 @@ class Sweep:
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Sweep) -> Sweep:
-        created = (
-            message.created_at.ToDatetime(tzinfo=UTC) if message.HasField("created_at") else None
-        )
         return cls(
             id=message.id,
             name=message.name,
@@ -211,5 +208,5 @@ class Sweep:
             rungs=list(message.request.early_stopping.rungs),
             reduction_factor=message.request.early_stopping.reduction_factor,
             cancel_requested=message.cancel_requested,
-            created_at=created,
+            created_at=message_time(message, "created_at"),
         )
