@@ -48,7 +48,10 @@ Criteria, in the order they are checked:
    ‖W‖₂ is STUCK_NORM_GROWTH times its reference.
 
 Calibration (``tests/test_step_sizes.py`` and ``tests/test_blowup.py`` repeat short versions).
-Good runs: 118 runs at the step-size table's values, on every built-in dataset with the
+Good runs: 118 runs at the step-size table's values as they were before 2026-11-28 (at the
+values since chosen by measurement, docs/RESULTS.md §9, the paper rule's runs raised no alarm
+and the normalized rule's Gaussian-diagonal value backed off once, in one of 12 cases), on
+every built-in dataset with the
 service's preprocessing × {Bernoulli, Gaussian of every variance form} × {sgd, nesterov, ssd,
 ssd-preconditioned}, n_hidden 32 and 200 for 200-1,000 steps (3,000 for one), and MNIST at
 n_hidden 500 for 500-1,500 steps, evaluated every 25-75 steps: no alarm. Their reconstruction

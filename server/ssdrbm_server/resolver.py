@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from ssdrbm.spec import STEP_RULES
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
@@ -39,6 +40,7 @@ from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, DEFAULT_AIS_CHAINS
 from ssdcore.models.factory import parameter_names as model_parameter_names
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE, DEFAULT_VARIANCE
 from ssdcore.optim.config import DEFAULT_NESTEROV_MOMENTUM
+from ssdcore.optim.step_rules import DEFAULT_STEP_RULE
 from ssdcore.schedules import DEFAULT_DECAY_RATE, DEFAULT_DECAY_STEPS, DEFAULT_FLOOR
 from ssdcore.step_sizes import (
     RULE_DEPENDENT_OPTIMIZERS,
@@ -387,7 +389,9 @@ def _resolve_spectral_choices(optimizer: pb.OptimizerSpec, kinds: set[int]) -> N
     ssd = bool(kinds & SSD_KINDS)
     only_ssd = "SSD only; leave it unset for SGD and Nesterov"
     _default_where_it_applies(optimizer, "optimizer.method", pb.POLAR_METHOD_AUTO, ssd, only_ssd)
-    _default_where_it_applies(optimizer, "optimizer.step_rule", pb.STEP_RULE_PAPER, ssd, only_ssd)
+    # The library's default rule, not a second choice of the service's.
+    default_rule = STEP_RULES[DEFAULT_STEP_RULE]
+    _default_where_it_applies(optimizer, "optimizer.step_rule", default_rule, ssd, only_ssd)
     _default_where_it_applies(
         optimizer,
         "optimizer.preconditioner",
