@@ -1,7 +1,8 @@
 """The dashboard (ssdrbm_server.dashboard) in a real headless Chromium, against the real service
 (gRPC API, in-process worker, Redis) with token authentication on for two tenants: signing in
-with a token, the jobs list showing a running job, its curve growing as it trains, another
-tenant's job invisible; a running sweep's leaderboard and its runs' curves; a model's filters;
+with a token, the jobs list showing a running job and its ETA, its curve growing as it trains,
+another tenant's job invisible; a job's likelihood bounds as two lines; preemption markers; a
+running sweep's leaderboard and its runs' curves; a model's filters;
 then its event stream over plain HTTP: tickets, stream slots shared with StreamMetrics, and the
 job's one shared follower; a queued job's place in the queue. Screenshots go to
 test-artifacts/."""
@@ -20,9 +21,11 @@ import pytest
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdrbm_server.dashboard.filters import MAX_FILTERS, filters_png, image_shape
+from ssdrbm_server.dashboard.server import event_json, retrained_after, state_marker
 from ssdrbm_server.dashboard.tickets import MAX_TICKETS, TICKET_TTL_S, StreamTickets
 from ssdrbm_server.errors import ResourceExhaustedError, UnauthenticatedError
 from ssdrbm_server.http_front import DASHBOARD_PATH
+from ssdrbm_server.worker.runner import PREEMPTED
 from tests.fixtures.browser import Browser
 from tests.fixtures.jobs import Follower, tiny_request
 from tests.fixtures.redis import free_port
@@ -97,6 +100,9 @@ def test_the_jobs_page_lists_a_running_job_whose_curve_grows(
         row = f"document.querySelector('tr[data-job-id=\"{job_id}\"]')"
         browser.wait_for(f"{row} && {row}.innerText.includes('RUNNING')", what="the job's row")
         assert browser.evaluate("sessionStorage.getItem('ssdrbm-token')") == ALPHA
+        # Its time left, as `ssdrbm watch` writes it (m:ss or h:mm:ss), once it has metrics.
+        eta = f"{row}.querySelector('td.eta').innerText"
+        assert ":" in browser.wait_for(f"{eta}.includes(':') && {eta}", what="the job's ETA")
         browser.screenshot("dashboard-jobs")
 
         browser.evaluate(f"{row}.querySelector('a').click()")  # to the job's page
@@ -106,6 +112,8 @@ def test_the_jobs_page_lists_a_running_job_whose_curve_grows(
         )
         assert later > first
         assert browser.evaluate("Number(document.getElementById('chart-lr').dataset.points)") > 0
+        summary = "document.getElementById('job-summary').innerText"
+        browser.wait_for(f"{summary}.includes('ETA')", what="the ETA on the job's page")
         assert browser.evaluate("location.pathname") == f"{DASHBOARD_PATH}/jobs/{job_id}"
         browser.screenshot("dashboard-job")
     finally:
@@ -180,6 +188,64 @@ def test_backoffs_are_marked_on_the_curves_of_an_ended_job(
     browser.wait_for(f"{markers} === {job.backoffs}", what=f"{job.backoffs} backoff markers")
     assert browser.evaluate(f"{POINTS}") > 0
     browser.screenshot("dashboard-backoffs")
+
+
+def test_a_job_with_ais_shows_its_likelihood_and_lower_bound_as_two_lines(
+    dashboard: RunningService, browser: Browser
+) -> None:
+    """eval.ais (test_service's AIS job, cut small): each checkpoint's event carries AIS's
+    estimate and reverse AIS's lower bound, drawn as two labelled lines with ± stderr bands."""
+    request = tiny_request(steps=20)
+    request.training.checkpoint_every = 10
+    request.eval.every = 10
+    request.eval.ais, request.eval.ais_chains, request.eval.ais_betas = True, 16, 50
+    started = dashboard.stub(token=ALPHA).StartTraining(request, timeout=30).job
+    job = ended_job(dashboard, started.id)
+    assert job.state == pb.JOB_STATE_SUCCEEDED, job
+
+    sign_in(browser, dashboard, ALPHA)
+    browser.navigate(url(dashboard, f"/jobs/{job.id}"))
+    chart = "document.getElementById('chart-log_likelihood')"
+    browser.wait_for(f"{chart}.dataset.lines === '2'", what="the estimate and the lower bound")
+    labels = browser.evaluate(
+        f"[...{chart}.querySelectorAll('text.series')].map((t) => t.textContent).join('|')"
+    )
+    assert labels == "AIS estimate|lower bound", labels
+    assert browser.evaluate(f"{chart}.querySelectorAll('polyline.line.lower').length") == 1
+    assert not browser.evaluate("document.getElementById('likelihood-bounds').hidden")
+    browser.evaluate(f"{chart}.scrollIntoView()")
+    browser.screenshot("dashboard-likelihood-bounds")
+
+
+def test_a_preempted_jobs_curves_mark_its_preemption_and_resumption(
+    service_factory: Callable[..., RunningService], browser: Browser
+) -> None:
+    """One worker slot, one-second time slices (test_time_slices forces preemptions so): beta's
+    job waits, so alpha's long job is preempted at its slice's end, and resumes from its
+    checkpoint once beta's has ended; its page marks both, each with its reason."""
+    running = service_factory(
+        auth_mode="token",
+        auth_tokens=f"{ALPHA}=alpha,{BETA}=beta",
+        http_port=free_port(),
+        slice_seconds=1.0,
+    )
+    job_id = start_running_job(running)
+    try:
+        sign_in(browser, running, ALPHA)
+        browser.navigate(url(running, f"/jobs/{job_id}"))
+        browser.wait_for(f"{POINTS} >= 1", what="alpha's first points")
+        running.stub(token=BETA).StartTraining(tiny_request(steps=10), timeout=30)
+        marker = "document.querySelector('#chart-reconstruction_error line.{}')"
+        title = browser.wait_for(
+            f"{marker.format('resumed')} && {marker.format('preempted')}.textContent",
+            what="the preemption and the resumption marked",
+        )
+        assert title.startswith("preempted at step ") and "another tenant's job waits" in title
+        resumed = browser.evaluate(f"{marker.format('resumed')}.textContent")
+        assert resumed.startswith("resumed at step ") and "resuming from step" in resumed
+        browser.screenshot("dashboard-preempted")
+    finally:
+        cancel(running, job_id)
 
 
 # --- sweeps and filters ----------------------------------------------------------------------
@@ -436,3 +502,35 @@ def test_filters_take_the_datasets_image_shape_else_a_square_else_a_heat_map() -
     # No shape: W as one heat-map, a row per hidden unit, bounded to MAX_FILTERS of them.
     width, height, _ = png_size_and_pixels(filters_png(np.ones((15, MAX_FILTERS + 5)), None))
     assert (width, height) == (15, MAX_FILTERS)
+
+
+def metrics_event(step: int, total_steps: int, wall_time_s: float) -> pb.MetricEvent:
+    metrics = pb.Metrics(step=step, total_steps=total_steps, wall_time_s=wall_time_s)
+    return pb.MetricEvent(metrics=metrics)
+
+
+def test_a_metrics_events_eta_is_the_steps_left_at_the_average_pace_so_far() -> None:
+    """As ``ssdrbm watch`` computes it (ssdrbm.cli.progress.ProgressState.eta_s)."""
+    assert event_json(metrics_event(50, 200, 10.0))["eta_s"] == 30.0
+    assert event_json(metrics_event(50, 200, 10.0))["eta"] == "0:30"
+    assert event_json(metrics_event(200, 200, 40.0))["eta_s"] == 0.0
+    assert event_json(metrics_event(0, 200, 0.0))["eta"] is None  # before its first timed step
+
+
+def state_event(state: int, message: str, step: int = 40) -> pb.MetricEvent:
+    return pb.MetricEvent(state=pb.StateChange(state=state, message=message, step=step))
+
+
+def test_preemptions_and_resumptions_are_read_from_the_workers_state_messages() -> None:
+    """Every release message of a preemption (worker/runner.py) marks one; a claim that resumes
+    from a checkpoint marks a resumption, after which the steps are trained again."""
+    for message in PREEMPTED.values():
+        assert state_marker(state_event(pb.JOB_STATE_QUEUED, message).state) == "preempted"
+    resumed = state_event(pb.JOB_STATE_RUNNING, "claimed by w-1, resuming from step 40")
+    assert state_marker(resumed.state) == "resumed" and retrained_after(resumed) == 40
+    first_claim = state_event(pb.JOB_STATE_RUNNING, "claimed by w-1", step=0)
+    assert state_marker(first_claim.state) is None and retrained_after(first_claim) is None
+    lost = state_event(pb.JOB_STATE_QUEUED, "worker lost; requeued")
+    assert state_marker(lost.state) is None
+    backoff = pb.MetricEvent(backoff=pb.Backoff(step=30, rollback_step=20))
+    assert retrained_after(backoff) == 20

@@ -27,6 +27,12 @@ shutdown; the page reconnects from its last id). It is the servicer's own metric
 (``RBMServicer.metric_events``: the replay, then the job's shared follower, in one of the
 tenant's stream slots), so a browser counts against ``SSDRBM_MAX_STREAMS_PER_TENANT`` as a
 StreamMetrics call does, and a refusal is answered before the stream starts.
+
+A running job's ETA (``eta_s``, and ``eta`` as text) comes with the job's JSON and with each
+metrics event, computed here as ``ssdrbm watch`` computes it (``ProgressState.eta_s``: the steps
+left at the average training pace so far), so the page and the CLI agree and the page only
+shows it. A state event that preempted a job, or that resumed it from a checkpoint, says so in
+``marker`` (the page draws it on the curves beside the backoffs).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Any
 
+from ssdrbm.cli.output import format_duration
+from ssdrbm.cli.progress import ProgressState
 from ssdrbm.events import QueuePlace as SdkQueuePlace
 from ssdrbm.v1 import rbm_pb2
 from starlette.applications import Starlette
@@ -60,8 +68,13 @@ from ssdrbm_server.rank_metrics import metric_value, resolve_rank_metric
 from ssdrbm_server.servicer import RBMServicer
 from ssdrbm_server.store.events import check_token
 from ssdrbm_server.store.queue import QueuePlace
-from ssdrbm_server.store.records import JobRecord
+from ssdrbm_server.store.records import JobRecord, JobState
 
+# A state event's message, as the worker writes it: a release at a time slice's end starts with
+# this (worker/runner.py PREEMPTED); a claim that restarts from a checkpoint says "resuming"
+# (store/leases.py).
+PREEMPTED_PREFIX = "preempted"
+RESUMING_WORD = "resuming"
 LIST_LIMIT = 100  # jobs (and sweeps) a list shows, newest first
 HISTORY_LIMIT = 2000  # metric events one history request reads; the page asks again for more
 BASE_MARK = "__BASE__"  # where index.html names the mount path
@@ -155,8 +168,9 @@ class Dashboard:
                 value = metric_value(event.metrics, metric) if event.HasField("metrics") else None
                 if value is not None:
                     points.append([event.metrics.step, value])
-                if event.HasField("backoff"):  # the steps after the rollback are trained again
-                    points = [p for p in points if p[0] <= event.backoff.rollback_step]
+                again = retrained_after(event)
+                if again is not None:
+                    points = [p for p in points if p[0] <= again]
                 if read >= HISTORY_LIMIT:
                     break
         return JSONResponse({"points": points, "after": after, "more": read >= HISTORY_LIMIT})
@@ -252,6 +266,7 @@ def job_json(record: JobRecord, place: QueuePlace | None = None) -> dict[str, An
         "step": record.step,
         "total_steps": record.total_steps,
         "reconstruction_error": None if latest is None else _finite(latest.reconstruction_error),
+        **_eta_json(latest if record.state is JobState.RUNNING else None),
         "backoffs": record.backoffs,
         "error": record.error,
         "checkpoint_step": record.checkpoint_step,
@@ -307,7 +322,11 @@ def event_json(event: rbm_pb2.MetricEvent) -> dict[str, Any]:
             "total_steps": metrics.total_steps,
             "reconstruction_error": _finite(metrics.reconstruction_error),
             "log_likelihood": _optional(metrics, "log_likelihood"),
+            "log_likelihood_stderr": _optional(metrics, "log_likelihood_stderr"),
+            "log_likelihood_lower": _optional(metrics, "log_likelihood_lower"),
+            "log_likelihood_lower_stderr": _optional(metrics, "log_likelihood_lower_stderr"),
             "lr": _optional(metrics, "lr"),
+            **_eta_json(metrics),
         }
     if kind == "backoff":
         backoff = event.backoff
@@ -323,7 +342,42 @@ def event_json(event: rbm_pb2.MetricEvent) -> dict[str, Any]:
         "state": state.value if state is not None else "",
         "message": event.state.message,
         "step": event.state.step,
+        "marker": state_marker(event.state),
     }
+
+
+def retrained_after(event: rbm_pb2.MetricEvent) -> int | None:
+    """The step after which the job trains again (a backoff's rollback, or a resumption from a
+    checkpoint): the points after it are replaced by new ones. None for any other event."""
+    if event.HasField("backoff"):
+        return event.backoff.rollback_step
+    if event.HasField("state") and state_marker(event.state) == "resumed":
+        return event.state.step
+    return None
+
+
+def state_marker(change: rbm_pb2.StateChange) -> str | None:
+    """What a state change marks on the curves: "preempted" (released at a time slice's end),
+    "resumed" (claimed again from a checkpoint: after a preemption, or a worker lost), else
+    None."""
+    state = convert.state_from_proto(change.state)
+    if state is JobState.QUEUED and change.message.startswith(PREEMPTED_PREFIX):
+        return "preempted"
+    if state is JobState.RUNNING and RESUMING_WORD in change.message:
+        return "resumed"
+    return None
+
+
+def _eta_json(metrics: rbm_pb2.Metrics | None) -> dict[str, Any]:
+    """The time left at the average pace so far, as ``ssdrbm watch`` shows it; None without
+    metrics (a job that is not running, or before its first timed step)."""
+    if metrics is None:
+        return {"eta_s": None, "eta": None}
+    progress = ProgressState(
+        "", step=metrics.step, total_steps=metrics.total_steps, wall_time_s=metrics.wall_time_s
+    )
+    eta_s = progress.eta_s()
+    return {"eta_s": eta_s, "eta": None if eta_s is None else format_duration(eta_s)}
 
 
 def _optional(message: Any, field: str) -> float | None:

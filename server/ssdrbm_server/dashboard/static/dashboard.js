@@ -9,6 +9,10 @@ const LIST_REFRESH_MS = 2000;
 const RECONNECT_MS = 2000;
 const SVG = "http://www.w3.org/2000/svg";
 const CHARTS = ["reconstruction_error", "log_likelihood", "lr"];
+// Series drawn as curves: each chart's own, and the likelihood's lower bound beside it.
+const SERIES = [...CHARTS, "log_likelihood_lower"];
+const STDERR = { log_likelihood: "log_likelihood_stderr",
+  log_likelihood_lower: "log_likelihood_lower_stderr" }; // a band of ± one standard error
 const FILTERS_RETRY_MS = 5000; // a running job without a checkpoint yet: ask again after this
 // A run's curve colour, by its place in the sweep; the palette repeats past its length.
 const PALETTE = ["#1a6fd1", "#d9480f", "#2b8a3e", "#862e9c", "#e67700", "#0b7285", "#c2255c",
@@ -99,6 +103,10 @@ function renderJobs(jobs) {
     const row = tableRow([link("jobs", job.id), job.name, job.state,
       `${job.step} / ${job.total_steps || "?"}`, number(job.reconstruction_error)], 2, 3);
     row.dataset.jobId = job.id;
+    // A running job's time left, as `ssdrbm watch` shows it (the server computes it).
+    const eta = row.insertCell();
+    eta.className = "eta number";
+    eta.textContent = job.eta || "";
     // A queued job's place ("3 ahead; about 40 s"), with how it was estimated on hover.
     const queue = row.insertCell();
     queue.className = "queue";
@@ -129,8 +137,8 @@ class JobCurves {
     this.jobId = jobId;
     this.after = ""; // resume token of the newest event received
     this.ended = false;
-    this.series = Object.fromEntries(CHARTS.map((name) => [name, []])); // [step, value]
-    this.backoffs = []; // {step, reason}
+    this.series = Object.fromEntries(SERIES.map((name) => [name, []])); // [step, value, stderr]
+    this.markers = []; // {step, kind: backoff, preempted or resumed, title}
     this.drawPending = false;
   }
 
@@ -175,7 +183,7 @@ class JobCurves {
     });
     on("metrics", (m) => this.metrics(m));
     on("backoff", (b) => this.backoff(b));
-    on("state", (s) => { this.job.state = s.state; this.summarize(); });
+    on("state", (s) => this.state(s));
     on("failed", (f) => setStatus(`stream interrupted: ${f.error}`));
     on("end", () => {
       this.ended = true;
@@ -192,12 +200,14 @@ class JobCurves {
   }
 
   metrics(m) {
-    for (const name of CHARTS) {
-      if (m[name] !== null && m[name] !== undefined) this.series[name].push([m.step, m[name]]);
+    for (const name of SERIES) {
+      if (m[name] === null || m[name] === undefined) continue;
+      this.series[name].push([m.step, m[name], STDERR[name] ? m[STDERR[name]] : null]);
     }
     this.job.step = m.step;
     this.job.total_steps = m.total_steps || this.job.total_steps;
     this.job.reconstruction_error = m.reconstruction_error;
+    this.job.eta = m.eta;
     this.summarize();
     this.filters.refreshIfMissing();
   }
@@ -205,17 +215,47 @@ class JobCurves {
   // Training went back to rollback_step: the steps after it are trained again, so their old
   // points leave the curves, and a marker keeps where the blow-up was seen.
   backoff(b) {
-    for (const name of CHARTS) {
-      this.series[name] = this.series[name].filter(([step]) => step <= b.rollback_step);
+    this.trainAgainAfter(b.rollback_step);
+    this.markers.push({ step: b.step, kind: "backoff",
+      title: `backoff at step ${b.step}: ${b.reason}` });
+  }
+
+  trainAgainAfter(step) {
+    for (const name of SERIES) {
+      this.series[name] = this.series[name].filter(([at]) => at <= step);
     }
-    this.backoffs.push({ step: b.step, reason: b.reason });
+  }
+
+  // A state change; a preemption at a time slice's end, and the claim that resumed the job
+  // from its checkpoint, are marked on the curves (the server names them in `marker`). A
+  // resumed job trains the steps after its checkpoint again: their old points leave the curves.
+  state(s) {
+    this.job.state = s.state;
+    this.job.step = s.marker === "resumed" ? s.step : Math.max(this.job.step, s.step);
+    if (s.marker === "preempted") {
+      const why = s.message.replace(/^preempted:\s*/, "");
+      this.markers.push({ step: s.step, kind: "preempted",
+        title: `preempted at step ${s.step}: ${why}` });
+    } else if (s.marker === "resumed") {
+      this.trainAgainAfter(s.step);
+      this.markers.push({ step: s.step, kind: "resumed",
+        title: `resumed at step ${s.step}: ${s.message}` });
+    }
+    this.summarize();
+  }
+
+  count(kind) {
+    return this.markers.filter((marker) => marker.kind === kind).length;
   }
 
   summarize() {
     const job = this.job;
+    const preempted = this.count("preempted");
     $("job-summary").textContent = `${job.state} · step ${job.step} / ${job.total_steps || "?"}` +
+      (job.state === "RUNNING" && job.eta ? ` · ETA ${job.eta}` : "") +
       ` · reconstruction error ${number(job.reconstruction_error)}` +
-      ` · backoffs ${Math.max(job.backoffs || 0, this.backoffs.length)}` +
+      ` · backoffs ${Math.max(job.backoffs || 0, this.count("backoff"))}` +
+      (preempted ? ` · preempted ${preempted}×` : "") +
       (job.state === "QUEUED" && job.queue ? ` · queued: ${job.queue.summary}` : "");
   }
 
@@ -224,9 +264,23 @@ class JobCurves {
     this.drawPending = true;
     requestAnimationFrame(() => {
       this.drawPending = false;
-      for (const name of CHARTS) drawChart($(`chart-${name}`), this.series[name], this.backoffs);
-      $("section-log_likelihood").hidden = this.series.log_likelihood.length === 0;
+      for (const name of CHARTS.filter((chart) => chart !== "log_likelihood")) {
+        drawChart($(`chart-${name}`), this.series[name], this.markers);
+      }
+      this.drawLikelihood();
     });
+  }
+
+  // The log-likelihood with a band of ± one standard error; with eval.ais, AIS's estimate
+  // (optimistic) and reverse AIS's lower bound (conservative) as two labelled lines.
+  drawLikelihood() {
+    const upper = this.series.log_likelihood, lower = this.series.log_likelihood_lower;
+    const bounded = lower.length > 0;
+    const lines = [{ points: upper, band: true, label: bounded ? "AIS estimate" : "" }];
+    if (bounded) lines.push({ points: lower, band: true, kind: "lower", label: "lower bound" });
+    drawLines($("chart-log_likelihood"), lines, this.markers);
+    $("section-log_likelihood").hidden = upper.length === 0 && !bounded;
+    $("likelihood-bounds").hidden = !bounded;
   }
 }
 
@@ -352,8 +406,11 @@ function drawChart(svg, points, markers) {
   drawLines(svg, [{ points }], markers);
 }
 
-// Line charts of several series ({points, colour, best, title}) on shared axes; data-points
-// counts every point plotted and data-lines the series with any.
+// Line charts of several series ({points, colour, best, title, band, kind, label}) on shared
+// axes; data-points counts every point plotted and data-lines the series with any. A series
+// with `band` shades ± the standard error its points carry third ([step, value, stderr]); one
+// with a `label` is named at its last point. Markers ({step, kind, title}) are vertical lines
+// of class `kind`.
 function drawLines(svg, lines, markers) {
   const width = 640, height = 220, left = 64, right = 12, top = 12, bottom = 28;
   const points = lines.flatMap((line) => line.points);
@@ -363,7 +420,8 @@ function drawLines(svg, lines, markers) {
   svg.replaceChildren();
   if (points.length === 0) return;
   const xs = points.map((p) => p[0]).concat(markers.map((m) => m.step));
-  const ys = points.map((p) => p[1]);
+  const spread = (p) => (Number.isFinite(p[2]) ? p[2] : 0);
+  const ys = points.flatMap((p) => [p[1] - spread(p), p[1] + spread(p)]);
   let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) [y0, y1] = [y0 - Math.abs(y0 || 1) * 0.05, y1 + Math.abs(y1 || 1) * 0.05];
@@ -382,22 +440,33 @@ function drawLines(svg, lines, markers) {
   add("text", { class: "label", x: 4, y: height - bottom }, number(y0, 3));
   add("text", { class: "label", x: left, y: height - 8 }, `step ${x0}`);
   add("text", { class: "label", x: width - right, y: height - 8, "text-anchor": "end" }, `${x1}`);
+  const xy = ([px, py]) => `${x(px).toFixed(1)},${y(py).toFixed(1)}`;
   for (const marker of markers) {
-    const line = add("line", { class: "backoff", x1: x(marker.step), y1: top,
+    const line = add("line", { class: `marker ${marker.kind}`, x1: x(marker.step), y1: top,
       x2: x(marker.step), y2: height - bottom });
     const title = document.createElementNS(SVG, "title");
-    title.textContent = `backoff at step ${marker.step}: ${marker.reason}`;
+    title.textContent = marker.title;
     line.append(title);
   }
   for (const line of lines) {
-    const attributes = {
-      points: line.points.map(([px, py]) => `${x(px).toFixed(1)},${y(py).toFixed(1)}`).join(" "),
-    };
+    const kind = line.kind ? ` ${line.kind}` : "";
+    if (line.band && line.points.some((p) => spread(p) > 0)) {
+      const high = line.points.map(([px, py, se]) => xy([px, py + (se || 0)]));
+      const low = line.points.map(([px, py, se]) => xy([px, py - (se || 0)])).reverse();
+      add("polygon", { class: `band${kind}`, points: high.concat(low).join(" ") });
+    }
+    const attributes = { points: line.points.map(xy).join(" ") };
     if (line.colour) {
       attributes.class = line.best ? "run best" : "run";
       attributes.stroke = line.colour;
-    } else attributes.class = "line";
+    } else attributes.class = `line${kind}`;
     const polyline = add("polyline", attributes);
+    if (line.label && line.points.length) {
+      const [px, py] = line.points[line.points.length - 1];
+      const below = line.kind === "lower"; // a lower bound's name under its line
+      add("text", { class: `label series${kind}`, x: Math.min(x(px), width - right) - 4,
+        y: y(py) + (below ? 14 : -6), "text-anchor": "end" }, line.label);
+    }
     if (line.title) {
       const title = document.createElementNS(SVG, "title");
       title.textContent = line.title + (line.best ? " (best)" : "");
