@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
-from ssdrbm.cli.output import print_json
+from ssdrbm.cli.output import print_json, print_result
 from ssdrbm.cli.tables import render_table
 from ssdrbm.client import Client
 from ssdrbm.datasets import Dataset
@@ -43,10 +43,7 @@ def run_upload(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm upload FILE``: the dataset id to pass to ``train --dataset-id``."""
     with client_from_args(args) as client:
         dataset = client.upload_dataset_details(args.file, name=args.name)
-    if args.json:
-        print_json(dataset)
-    else:
-        print(dataset.id)
+    print_result(dataset, args.json, lambda dataset: dataset.id)
     return ExitCode.OK
 
 

@@ -12,7 +12,7 @@ from ssdrbm.cli.data import submit_with_data
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.names import find_job, job_id
-from ssdrbm.cli.output import print_json
+from ssdrbm.cli.output import print_json, print_result
 from ssdrbm.cli.progress import ProgressDisplay, QueueWatch, queue_changed
 from ssdrbm.cli.tables import defaults_table, job_details, jobs_table
 from ssdrbm.client import Client
@@ -295,10 +295,7 @@ def run_train(args: argparse.Namespace) -> ExitCode:
             client, args.data, client.start_training, kwargs, dry_run=args.dry_run
         )
         if args.dry_run:
-            if args.json:
-                print_json(job)
-            else:
-                print(job_details(job))
+            print_result(job, args.json, job_details)
             return ExitCode.OK
         args.job = job.id  # lets an error or Ctrl-C name the job
         if args.json:
@@ -373,10 +370,7 @@ def run_defaults(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm defaults``: the step-size table and the other defaults of the server."""
     with client_from_args(args) as client:
         defaults = client.training_defaults()
-    if args.json:
-        print_json(defaults)
-    else:
-        print(defaults_table(defaults))
+    print_result(defaults, args.json, defaults_table)
     return ExitCode.OK
 
 
@@ -413,10 +407,7 @@ def run_get(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm get JOB``."""
     with client_from_args(args) as client:
         job = find_job(client, args.job)
-    if args.json:
-        print_json(job)
-    else:
-        print(job_details(job))
+    print_result(job, args.json, job_details)
     return ExitCode.OK
 
 
@@ -434,8 +425,5 @@ def run_cancel(args: argparse.Namespace) -> ExitCode:
     with client_from_args(args) as client:
         args.job = job_id(client, args.job)
         job = client.cancel(args.job)
-    if args.json:
-        print_json(job)
-    else:
-        print(f"{job.id} {job.state.value}")
+    print_result(job, args.json, lambda job: f"{job.id} {job.state.value}")
     return ExitCode.OK

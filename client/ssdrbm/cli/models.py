@@ -13,7 +13,7 @@ from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.jobs import JOB_HELP
 from ssdrbm.cli.names import job_id
-from ssdrbm.cli.output import print_json
+from ssdrbm.cli.output import print_json, print_result
 from ssdrbm.events import MetricsEvent
 from ssdrbm.export import FORMATS
 
@@ -86,10 +86,7 @@ def load_input(path: str) -> np.ndarray:
 def _save(args: argparse.Namespace, result: np.ndarray) -> ExitCode:
     np.save(args.output, result)
     summary = {"job_id": args.job, "output": args.output, "shape": list(result.shape)}
-    if args.json:
-        print_json(summary)
-    else:
-        print(f"{args.output} {tuple(result.shape)}")
+    print_result(summary, args.json, lambda _: f"{args.output} {tuple(result.shape)}")
     return ExitCode.OK
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO, TypeVar
 
 import numpy as np
 
 from ssdrbm.events import to_jsonable
+
+T = TypeVar("T")
 
 
 def _default(value: Any) -> Any:
@@ -28,6 +31,14 @@ def print_json(value: Any, *, lines: bool = False, stream: TextIO | None = None)
     """Print ``value`` as JSON: indented, or one compact line each (``lines``) for streams."""
     stream = stream or sys.stdout
     print(dumps(value, indent=None if lines else 2), file=stream, flush=True)
+
+
+def print_result(value: T, as_json: bool, render: Callable[[T], str]) -> None:
+    """A command's result: ``value`` as JSON under ``--json``, else ``render(value)`` for people."""
+    if as_json:
+        print_json(value)
+    else:
+        print(render(value))
 
 
 def format_number(value: float | None, digits: int = 4) -> str:

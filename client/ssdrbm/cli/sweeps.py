@@ -20,7 +20,7 @@ from ssdrbm.cli.data import submit_with_data
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.jobs import _add_training_options, _pairs, training_kwargs
-from ssdrbm.cli.output import format_number, print_json
+from ssdrbm.cli.output import format_number, print_json, print_result
 from ssdrbm.cli.tables import render_table
 from ssdrbm.client import Client
 from ssdrbm.errors import NotFound
@@ -175,7 +175,7 @@ def run_sweep(args: argparse.Namespace) -> ExitCode:
             client, args.data, client.start_sweep, kwargs, dry_run=args.dry_run
         )
         if args.dry_run:
-            print_json(sweep) if args.json else print(leaderboard(sweep))
+            print_result(sweep, args.json, leaderboard)
             return ExitCode.OK
         if args.json:
             print_json(sweep, lines=args.watch)
