@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -14,6 +16,7 @@ from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.jobs import JOB_HELP
 from ssdrbm.cli.names import job_id
 from ssdrbm.cli.output import print_json, print_result
+from ssdrbm.client import Client
 from ssdrbm.events import MetricsEvent
 from ssdrbm.export import FORMATS
 
@@ -83,7 +86,16 @@ def load_input(path: str) -> np.ndarray:
         raise UsageError(f"{path}: not a plain numeric .npy array ({error})") from None
 
 
-def _save(args: argparse.Namespace, result: np.ndarray) -> ExitCode:
+def _serve(args: argparse.Namespace, call: Callable[..., np.ndarray], **options: Any) -> ExitCode:
+    """Run a serving ``call`` of the client (``Client.reconstruct``, ``Client.sample_hidden``)
+    on the ``--input`` array with the shared ``--seed`` and ``--checkpoint-step``, and save its
+    result to ``--output``."""
+    x = load_input(args.input)
+    with client_from_args(args) as client:
+        args.job = job_id(client, args.job)
+        result = call(
+            client, args.job, x, seed=args.seed, checkpoint_step=args.checkpoint_step, **options
+        )
     np.save(args.output, result)
     summary = {"job_id": args.job, "output": args.output, "shape": list(result.shape)}
     print_result(summary, args.json, lambda _: f"{args.output} {tuple(result.shape)}")
@@ -92,33 +104,12 @@ def _save(args: argparse.Namespace, result: np.ndarray) -> ExitCode:
 
 def run_reconstruct(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm reconstruct JOB --input x.npy --output y.npy``."""
-    x = load_input(args.input)
-    with client_from_args(args) as client:
-        args.job = job_id(client, args.job)
-        y = client.reconstruct(
-            args.job,
-            x,
-            k=args.k,
-            mean_field=args.mean_field,
-            seed=args.seed,
-            checkpoint_step=args.checkpoint_step,
-        )
-    return _save(args, y)
+    return _serve(args, Client.reconstruct, k=args.k, mean_field=args.mean_field)
 
 
 def run_features(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm features JOB --input x.npy --output h.npy [--sample]``."""
-    x = load_input(args.input)
-    with client_from_args(args) as client:
-        args.job = job_id(client, args.job)
-        h = client.sample_hidden(
-            args.job,
-            x,
-            mode="sample" if args.sample else "probs",
-            seed=args.seed,
-            checkpoint_step=args.checkpoint_step,
-        )
-    return _save(args, h)
+    return _serve(args, Client.sample_hidden, mode="sample" if args.sample else "probs")
 
 
 def run_export(args: argparse.Namespace) -> ExitCode:
