@@ -72,6 +72,12 @@ def _plot_metrics(plt: Any, history: Sequence[Metrics], path: Path) -> Path | No
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.legend(fontsize="small")
+    return _save_figure(plt, figure, path)
+
+
+def _save_figure(plt: Any, figure: Any, path: Path) -> Path:
+    """Lay the figure out, write it as a PNG at ``path`` and free it (pyplot keeps every open
+    figure otherwise); returns ``path``."""
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -87,10 +93,7 @@ def _plot_filters(plt: Any, weights: np.ndarray, shape: tuple[int, int], path: P
     axis.imshow(canvas, cmap="RdBu_r", vmin=-limit, vmax=limit)
     axis.set_title(f"weight filters ({len(filters)} of {weights.shape[1]} hidden units)")
     axis.axis("off")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _save_figure(plt, figure, path)
 
 
 def _plot_histogram(plt: Any, weights: np.ndarray, path: Path) -> Path:
@@ -99,10 +102,7 @@ def _plot_histogram(plt: Any, weights: np.ndarray, path: Path) -> Path:
     axis.set_title(f"W entries ({weights.shape[0]}×{weights.shape[1]})")
     axis.set_xlabel("value")
     axis.set_ylabel("count")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _save_figure(plt, figure, path)
 
 
 def _plot_reconstructions(
@@ -127,10 +127,7 @@ def _plot_reconstructions(
         axes[0][column].set_title(f"#{column}", fontsize="small")
     axes[0][0].set_ylabel("input")
     axes[1][0].set_ylabel("reconstruction")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _save_figure(plt, figure, path)
 
 
 def _plot_variances(
@@ -145,10 +142,7 @@ def _plot_variances(
         axis.bar(np.arange(len(variances)), variances)
         axis.set_xlabel("visible unit")
     axis.set_title("learned visible variances")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _save_figure(plt, figure, path)
 
 
 def require_matplotlib() -> None:
