@@ -26,24 +26,16 @@ ADDED_OPTIONS = {"serve": ["--wait-for-redis"], "worker": ["--wait-for-redis"]}
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
     """Add ``serve`` and ``worker`` to the ``ssdrbm`` parser."""
-    # prefix_chars="+": every option after the command (--listen, --help, ...) is the server's.
-    serve = commands.add_parser(
-        "serve",
-        prefix_chars="+",
-        add_help=False,
-        help="run the gRPC service with a worker (needs the server install; --help for options)",
-    )
-    serve.add_argument("server_args", nargs=argparse.REMAINDER)
-    serve.set_defaults(run=run_server, server_command="serve")
-
-    worker = commands.add_parser(
-        "worker",
-        prefix_chars="+",
-        add_help=False,
-        help="run a training worker only (needs the server install; --slots N: N jobs at once)",
-    )
-    worker.add_argument("server_args", nargs=argparse.REMAINDER)
-    worker.set_defaults(run=run_server, server_command="worker")
+    helps = {
+        "serve": ("run the gRPC service with a worker", "--help for options"),
+        "worker": ("run a training worker only", "--slots N: N jobs at once"),
+    }
+    for command, (what, hint) in helps.items():
+        text = f"{what} (needs the server install; {hint})"
+        # prefix_chars="+": every option after the command (--listen, --help, ...) is the server's.
+        parser = commands.add_parser(command, prefix_chars="+", add_help=False, help=text)
+        parser.add_argument("server_args", nargs=argparse.REMAINDER)
+        parser.set_defaults(run=run_server, server_command=command)
 
 
 def import_server(package: str) -> None:
