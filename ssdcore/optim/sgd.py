@@ -115,7 +115,24 @@ def evaluate_closure(closure: Callable[[], float] | None) -> float | None:
         return closure()
 
 
-class SGD(Optimizer):
+class CheckedOptimizer(Optimizer):
+    """An optimizer whose defaults and every parameter group, those added later included, pass
+    :meth:`check_group` (a group is checked with the defaults filled in)."""
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict) -> None:
+        self.check_group(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self.check_group(self.param_groups[-1])
+
+    def check_group(self, group: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming the group's first invalid setting."""
+        check_hyperparameters(group)
+
+
+class SGD(CheckedOptimizer):
     """SGD with optional momentum / Nesterov momentum, decoupled weight decay and a ‖W‖₂ bound.
 
     Args:
@@ -144,10 +161,7 @@ class SGD(Optimizer):
             "weight_decay": weight_decay,
             "max_spectral_norm": max_spectral_norm,
         }
-        check_hyperparameters(defaults)
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            check_hyperparameters(group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -26,12 +26,11 @@ gradient.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from ssdcore.batched import add_product_, add_scaled_product_, per_matrix_scalar
 from ssdcore.optim.polar import (
@@ -46,6 +45,7 @@ from ssdcore.optim.polar import (
     polar_svd,
 )
 from ssdcore.optim.sgd import (
+    CheckedOptimizer,
     check_hyperparameters,
     check_parameter,
     decay_,
@@ -78,7 +78,7 @@ STALE_FACTOR_TOLERANCE = 1e-3
 SKETCH_SEED = 0x55D
 
 
-class SSD(Optimizer):
+class SSD(CheckedOptimizer):
     """Stochastic Spectral Descent with per-group geometry and polar method.
 
     Args:
@@ -133,14 +133,14 @@ class SSD(Optimizer):
             "damping": damping,
             "step_rule": step_rule,
         }
-        _check_group(defaults)
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            _check_group(group)
         self._sketch_generators: dict[torch.device, torch.Generator] = {}
         self._fallback_logged: set[int] = set()
         # Scratch space, not state: checkpoints need not carry it.
         self._sign_buffers: dict[Tensor, Tensor] = {}
+
+    def check_group(self, group: Mapping[str, Any]) -> None:
+        _check_group(group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -431,7 +431,7 @@ def _dense(param: Tensor, factors: tuple[Tensor, Tensor] | None) -> Tensor:
     return factors[0] @ factors[1]
 
 
-def _check_group(group: dict[str, Any]) -> None:
+def _check_group(group: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` naming the first invalid setting of a parameter group."""
     check_hyperparameters(group)
     if group["method"] not in METHODS:
