@@ -106,18 +106,11 @@ def decay_(param: Tensor, group: dict[str, Any]) -> None:
         param.mul_(1 - group["lr"] * group["weight_decay"])
 
 
-def evaluate_closure(closure: Callable[[], float] | None) -> float | None:
-    """The loss a ``step(closure)`` returns: the closure run with gradients on (a step runs
-    under ``no_grad``), or None without one."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
-
-
-class CheckedOptimizer(Optimizer):
-    """An optimizer whose defaults and every parameter group, those added later included, pass
-    :meth:`check_group` (a group is checked with the defaults filled in)."""
+class OptimizerBase(Optimizer):
+    """What every optimizer here shares: the defaults and every parameter group (those added
+    later included) pass :meth:`check_group`, and a step runs the closure, then for each
+    parameter with a gradient checks it, applies the decoupled decay, the optimizer's own
+    :meth:`update_` and the ‖W‖₂ projection."""
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict) -> None:
         self.check_group(defaults)
@@ -131,8 +124,34 @@ class CheckedOptimizer(Optimizer):
         """Raise ``ValueError`` naming the group's first invalid setting."""
         check_hyperparameters(group)
 
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Take one step for every parameter with a gradient (or gradient factors)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():  # a step runs under no_grad; its closure needs gradients
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                gradient = self.take_gradient(param)
+                if gradient is None:
+                    continue
+                check_parameter(param)
+                decay_(param, group)
+                self.update_(param, gradient, group)
+                finish_update_(param, group)
+        return loss
 
-class SGD(CheckedOptimizer):
+    def take_gradient(self, param: Tensor) -> Any:
+        """What :meth:`update_` steps along; None when ``param`` has no gradient this step."""
+        return dense_gradient(param)
+
+    def update_(self, param: Tensor, gradient: Any, group: dict[str, Any]) -> None:
+        """The optimizer's own update of ``param`` (between the decay and the projection)."""
+        raise NotImplementedError
+
+
+class SGD(OptimizerBase):
     """SGD with optional momentum / Nesterov momentum, decoupled weight decay and a ‖W‖₂ bound.
 
     Args:
@@ -163,27 +182,15 @@ class SGD(CheckedOptimizer):
         }
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Take one step for every parameter with a gradient."""
-        loss = evaluate_closure(closure)
-        for group in self.param_groups:
-            for param in group["params"]:
-                grad = dense_gradient(param)
-                if grad is None:
-                    continue
-                check_parameter(param)
-                decay_(param, group)
-                euclidean_update_(
-                    param,
-                    grad,
-                    self.state[param],
-                    lr=group["lr"],
-                    momentum=group["momentum"],
-                    nesterov=group["nesterov"],
-                )
-                finish_update_(param, group)
-        return loss
+    def update_(self, param: Tensor, gradient: Tensor, group: dict[str, Any]) -> None:
+        euclidean_update_(
+            param,
+            gradient,
+            self.state[param],
+            lr=group["lr"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+        )
 
     def capturable(self) -> bool:
         """Whether :meth:`step` can be captured in a CUDA graph (see :mod:`ssdcore.cuda_graph`).

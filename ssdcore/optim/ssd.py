@@ -26,7 +26,7 @@ gradient.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,13 +45,9 @@ from ssdcore.optim.polar import (
     polar_svd,
 )
 from ssdcore.optim.sgd import (
-    CheckedOptimizer,
+    OptimizerBase,
     check_hyperparameters,
-    check_parameter,
-    decay_,
     euclidean_update_,
-    evaluate_closure,
-    finish_update_,
 )
 from ssdcore.optim.step_rules import (
     DEFAULT_STEP_RULE,
@@ -78,7 +74,7 @@ STALE_FACTOR_TOLERANCE = 1e-3
 SKETCH_SEED = 0x55D
 
 
-class SSD(CheckedOptimizer):
+class SSD(OptimizerBase):
     """Stochastic Spectral Descent with per-group geometry and polar method.
 
     Args:
@@ -142,38 +138,39 @@ class SSD(CheckedOptimizer):
     def check_group(self, group: Mapping[str, Any]) -> None:
         _check_group(group)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Take one step for every parameter with a gradient (or gradient factors)."""
-        loss = evaluate_closure(closure)
-        for group in self.param_groups:
-            for param in group["params"]:
-                factors = _take_factors(param)
-                if param.grad is None and factors is None:
-                    continue
-                check_parameter(param)
-                state = self.state[param]
-                if _counts_steps(group):
-                    state["step"] = state.get("step", 0) + 1
-                decay_(param, group)
-                if group["geometry"] == "euclidean":
-                    grad = param.grad if param.grad is not None else factors[0] @ factors[1]
-                    euclidean_update_(
-                        param,
-                        grad,
-                        state,
-                        lr=group["lr"],
-                        momentum=group["momentum"],
-                        nesterov=group["nesterov"],
-                    )
-                elif group["preconditioner"] is not None:
-                    self._preconditioned_step(param, _dense(param, factors), state, group)
-                elif param.ndim == 2:
-                    self._spectral_matrix_step(param, factors, state, group)
-                else:
-                    self._linf_step_(param, param.grad, group["lr"], group["step_rule"])
-                finish_update_(param, group)
-        return loss
+    def take_gradient(
+        self, param: Tensor
+    ) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None] | None:
+        """The gradient and its low-rank factors (either may be missing; None when both are)."""
+        factors = _take_factors(param)
+        return None if param.grad is None and factors is None else (param.grad, factors)
+
+    def update_(
+        self,
+        param: Tensor,
+        gradient: tuple[Tensor | None, tuple[Tensor, Tensor] | None],
+        group: dict[str, Any],
+    ) -> None:
+        grad, factors = gradient
+        state = self.state[param]
+        if _counts_steps(group):
+            state["step"] = state.get("step", 0) + 1
+        if group["geometry"] == "euclidean":
+            grad = grad if grad is not None else factors[0] @ factors[1]
+            euclidean_update_(
+                param,
+                grad,
+                state,
+                lr=group["lr"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+            )
+        elif group["preconditioner"] is not None:
+            self._preconditioned_step(param, _dense(param, factors), state, group)
+        elif param.ndim == 2:
+            self._spectral_matrix_step(param, factors, state, group)
+        else:
+            self._linf_step_(param, grad, group["lr"], group["step_rule"])
 
     def capturable(self) -> bool:
         """Whether :meth:`step` can be captured in a CUDA graph (see :mod:`ssdcore.cuda_graph`).
