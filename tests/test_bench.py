@@ -359,3 +359,24 @@ def test_service_job_compares_the_service_with_the_library():
         "newton-schulz (auto on cuda)" if torch.cuda.is_available() else "lowrank (auto on cpu)"
     )
     assert expected in result.runtime
+
+
+def test_sklearn_race_scores_both_sides_with_the_same_function():
+    """scikit-learn's model, moved into ssdcore, scores as scikit-learn's own reconstruction
+    says; the SSD side stops at the first chunk that reaches the goal."""
+    from sklearn.neural_network import BernoulliRBM as SklearnRBM
+
+    from bench import sklearn_race
+
+    generator = torch.Generator().manual_seed(0)
+    train = (torch.rand(200, 12, generator=generator) < 0.3).float()
+    valid = train[:50]
+    seconds, error = sklearn_race.sklearn_fit(train.numpy(), valid, seed=0)
+    assert seconds > 0 and math.isfinite(error)
+    reference = SklearnRBM(n_components=sklearn_race.N_HIDDEN, n_iter=10, random_state=0)
+    reference.fit(train.numpy())
+    hidden = reference.transform(valid.numpy())
+    recon = 1 / (1 + np.exp(-(hidden @ reference.components_ + reference.intercept_visible_)))
+    assert error == pytest.approx(((recon - valid.numpy()) ** 2).sum(1).mean(), rel=1e-4)
+    seconds, steps = sklearn_race.ssd_time_to(math.inf, train, valid, seed=0, max_steps=100)
+    assert steps == sklearn_race.CHUNK and seconds > 0
