@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 N_VISIBLE, N_HIDDEN, BATCH, CD_K = 100, 16, 100, 1
 BASE_LR = 0.01  # SGD; the runs' step sizes spread from it to twice it, as a sweep's would
-TARGET_X = 8.0  # the issue's goal: the packed sweep completes at least this much sooner
+TARGET_X = 8.0  # the goal: the packed sweep completes at least this much sooner
 WORKER_STOP_S = 30.0
 
 

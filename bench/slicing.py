@@ -36,7 +36,7 @@ jobs' records and events (server timestamps), each run gives:
   in her first slice (where the submit falls unless her start took longer than a slice) and
   drifts by up to a heartbeat per slice after it.
 
-The issue's target (at most 5% lost at the default slice) is judged on the loss that the
+The target (at most 5% lost at the default slice) is judged on the loss that the
 per-preemption cost implies when other work always waits: one preemption per slice costs
 cost / (slice + cost) of the worker's time. The direct default-slice run is reported beside it;
 it preempts once or twice in a run of minutes, so its ratio is within the machine's noise.
@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SLICE_S = Settings().slice_seconds  # the service's default, owned by its Settings
 OFF_S = 1e6  # a slice longer than any run: slicing off
-TARGET_LOST = 0.05  # the issue's goal: at most 5% of the throughput lost at the default slice
+TARGET_LOST = 0.05  # the goal: at most 5% of the throughput lost at the default slice
 TOKENS = {"alice": "ta", "bob": "tb"}  # tenant -> bearer token
 PREEMPTED = "preempted"  # how a preempted job's release message starts (worker/runner.py)
 SHORT_STEPS = 10
