@@ -1,6 +1,6 @@
 """How fast each optimizer gets to the generating model: the simulation at n_h = 25, exact.
 
-The question (issue targets): does the best SSD-family run reach, within 300 iterations, the test
+The question (the targets): does the best SSD-family run reach, within 300 iterations, the test
 log-likelihood that the best baseline has after 3,000, and does it end within 0.3 nats of the
 generating RBM's own test log-likelihood?
 
