@@ -38,7 +38,8 @@ class PreconditionedSSD(SSD):
         damping: relative floor: ``sqrt(v̂)`` is raised to at least ``damping`` times its mean
             over the parameter, so rarely active coordinates cannot take steps more than
             ``damping^{-1/2}`` times larger than the rest (0 turns the floor off).
-        **kwargs: the remaining :class:`~ssdcore.optim.SSD` settings.
+        **kwargs: the remaining :class:`~ssdcore.optim.SSD` settings; ``betas``, ``eps`` and
+            ``damping`` above are among them and keep SSD's defaults.
     """
 
     def __init__(
@@ -48,22 +49,10 @@ class PreconditionedSSD(SSD):
         *,
         preconditioner: str = "rmsprop",
         method: str = "svd",
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        damping: float = 0.1,
         **kwargs: Any,
     ) -> None:
         if preconditioner not in ("rmsprop", "adam"):
             raise ValueError(
                 f"Invalid preconditioner: {preconditioner!r} (choose 'rmsprop' or 'adam')"
             )
-        super().__init__(
-            params,
-            lr,
-            method=method,
-            preconditioner=preconditioner,
-            betas=betas,
-            eps=eps,
-            damping=damping,
-            **kwargs,
-        )
+        super().__init__(params, lr, method=method, preconditioner=preconditioner, **kwargs)
