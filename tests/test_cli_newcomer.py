@@ -72,6 +72,33 @@ def test_serve_help_is_whole_and_its_defaults_are_the_settings() -> None:
     assert "exit codes: 0 stopped, 1 failed while running, 2 configuration error" in text
 
 
+QUICK_START_SETUP = ("./scripts/install", "redis-server", "ssdrbm serve")  # done by the fixture
+
+
+def test_the_readme_quick_start_runs_as_written(service, tmp_path: Path) -> None:
+    """The README's Quick start, its commands as written after the install, Redis and `ssdrbm
+    serve` (the fixture's service): scikit-learn's digits uploaded and learned, their features
+    and figures written (in a temporary folder)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if not line.startswith(QUICK_START_SETUP)]
+    assert len(lines) < len(block.splitlines()), "the setup lines are where the test expects"
+    env = {
+        **os.environ,
+        "PATH": f"{Path(SSDRBM).parent}:{os.environ['PATH']}",
+        "SSDRBM_TARGET": service.target,
+    }
+    script = "set -euo pipefail\n" + "\n".join(lines)
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "succeeded at step 1000/1000" in result.stderr
+    assert np.load(tmp_path / "h.npy").shape == (8, 25)
+    for figure in ("metrics", "filters", "reconstructions"):
+        assert (tmp_path / "figures" / f"{figure}.png").stat().st_size > 0, figure
+
+
 def _read_until(stream, needle: str, deadline: float) -> str:
     seen = ""
     while needle not in seen:

@@ -325,7 +325,7 @@ def test_an_unset_dataset_is_the_synthetic_one() -> None:
 
 
 def test_the_synthetic_defaults_are_the_generators_own() -> None:
-    # The README's Quick start saves rows of synthetic_rbm_data() as the job's data: a job that
+    # Rows of synthetic_rbm_data() saved as a job's input are rows of its data set: a job that
     # leaves the options out must resolve to the generator's own defaults.
     options = validate(request()).spec.dataset.builtin.options
     assert options, "the resolver fills in every option"
