@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -113,3 +114,29 @@ def submit_with_data(
             # refuses to delete one that a queued job trains on.
             with contextlib.suppress(SSDRBMError):
                 client.delete_dataset(uploaded.id)
+
+
+def submit_and_follow(
+    args: argparse.Namespace,
+    submit: Callable[..., Any],
+    kwargs: dict[str, Any],
+    preview: Callable[[Any], str],
+    follow: Callable[..., ExitCode],
+) -> ExitCode:
+    """``train`` and ``sweep``: ``submit(client, **kwargs)`` with ``--data``
+    (:func:`submit_with_data`); a dry run prints its ``preview`` (or JSON), otherwise the new
+    id is printed (a JSON line under ``--json``) and ``--watch`` then follows it to its end
+    (``follow(client, id, as_json=...)``)."""
+    with client_from_args(args) as client:
+        start = functools.partial(submit, client)
+        submitted = submit_with_data(client, args.data, start, kwargs, dry_run=args.dry_run)
+        if args.dry_run:
+            print_result(submitted, args.json, preview)
+            return ExitCode.OK
+        if args.json:
+            print_json(submitted, lines=args.watch)
+        else:
+            print(submitted.id, flush=True)
+        if not args.watch:
+            return ExitCode.OK
+        return follow(client, submitted.id, as_json=args.json)

@@ -8,7 +8,7 @@ from typing import Any
 
 from ssdrbm import spec
 from ssdrbm.cli.context import client_from_args
-from ssdrbm.cli.data import submit_with_data
+from ssdrbm.cli.data import submit_and_follow
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.names import find_job, job_id
@@ -289,22 +289,13 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_train(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm train``: print the new job's id (or JSON); ``--watch`` then follows it."""
+
+    def follow_new(client: Client, new_job_id: str, *, as_json: bool) -> ExitCode:
+        args.job = new_job_id  # lets an error or Ctrl-C name the job
+        return follow(client, new_job_id, as_json=as_json)
+
     kwargs = training_kwargs(args)
-    with client_from_args(args) as client:
-        job = submit_with_data(
-            client, args.data, client.start_training, kwargs, dry_run=args.dry_run
-        )
-        if args.dry_run:
-            print_result(job, args.json, job_details)
-            return ExitCode.OK
-        args.job = job.id  # lets an error or Ctrl-C name the job
-        if args.json:
-            print_json(job, lines=args.watch)
-        else:
-            print(job.id, flush=True)
-        if not args.watch:
-            return ExitCode.OK
-        return follow(client, job.id, as_json=args.json)
+    return submit_and_follow(args, Client.start_training, kwargs, job_details, follow_new)
 
 
 def follow(client: Client, job_id: str, *, as_json: bool, after: str | None = None) -> ExitCode:

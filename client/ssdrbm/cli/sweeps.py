@@ -16,11 +16,11 @@ from typing import Any
 
 from ssdrbm import spec
 from ssdrbm.cli.context import client_from_args
-from ssdrbm.cli.data import submit_with_data
+from ssdrbm.cli.data import submit_and_follow
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.jobs import _add_training_options, _pairs, training_kwargs
-from ssdrbm.cli.output import format_number, print_json, print_result
+from ssdrbm.cli.output import format_number, print_json
 from ssdrbm.cli.tables import render_table
 from ssdrbm.client import Client
 from ssdrbm.errors import NotFound
@@ -169,21 +169,7 @@ def sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_sweep(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm sweep``: print the sweep's id (or JSON); ``--watch`` shows its leaderboard."""
-    kwargs = sweep_kwargs(args)
-    with client_from_args(args) as client:
-        sweep = submit_with_data(
-            client, args.data, client.start_sweep, kwargs, dry_run=args.dry_run
-        )
-        if args.dry_run:
-            print_result(sweep, args.json, leaderboard)
-            return ExitCode.OK
-        if args.json:
-            print_json(sweep, lines=args.watch)
-        else:
-            print(sweep.id, flush=True)
-        if not args.watch:
-            return ExitCode.OK
-        return watch(client, sweep.id, as_json=args.json)
+    return submit_and_follow(args, Client.start_sweep, sweep_kwargs(args), leaderboard, watch)
 
 
 def watch(client: Client, sweep_id: str, *, as_json: bool) -> ExitCode:
