@@ -108,6 +108,32 @@ def describe(error: BaseException, context: Context) -> Failure:
     )
 
 
+# Service errors whose answer is a fixed sentence and hint ({target}, {details}, {command} and
+# {program} filled in), with the exit code they end with.
+_FIXED_ANSWERS: dict[type[errors.SSDRBMError], tuple[str, str, ExitCode]] = {
+    errors.DeadlineExceeded: (
+        "the service at {target} did not answer in time",
+        "try again, or allow longer with --timeout / SSDRBM_TIMEOUT",
+        ExitCode.UNAVAILABLE,
+    ),
+    errors.InvalidArgument: (
+        "invalid argument: {details}",
+        "fix that value (see '{program} {command} --help')",
+        ExitCode.USAGE,
+    ),
+    errors.Unauthenticated: (
+        "the service at {target} did not accept the request: {details}",
+        "pass a valid --token or set SSDRBM_TOKEN",
+        ExitCode.UNAUTHENTICATED,
+    ),
+    errors.PermissionDenied: (
+        "not allowed: {details}",
+        "use a token that may do this",
+        ExitCode.UNAUTHENTICATED,
+    ),
+}
+
+
 def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Failure:
     target = error.target or context.target
     details = error.details
@@ -120,30 +146,12 @@ def _describe_service_error(error: errors.SSDRBMError, context: Context) -> Fail
             "or wait for one that is starting with --wait SECONDS",
             ExitCode.UNAVAILABLE,
         )
-    if isinstance(error, errors.DeadlineExceeded):
-        return Failure(
-            f"the service at {target} did not answer in time",
-            "try again, or allow longer with --timeout / SSDRBM_TIMEOUT",
-            ExitCode.UNAVAILABLE,
-        )
     if isinstance(error, errors.NotFound):
         return _describe_not_found(details, context)
-    if isinstance(error, errors.InvalidArgument):
-        return Failure(
-            f"invalid argument: {details}",
-            f"fix that value (see '{PROGRAM} {context.command} --help')",
-            ExitCode.USAGE,
-        )
-    if isinstance(error, errors.Unauthenticated):
-        return Failure(
-            f"the service at {target} did not accept the request: {details}",
-            "pass a valid --token or set SSDRBM_TOKEN",
-            ExitCode.UNAUTHENTICATED,
-        )
-    if isinstance(error, errors.PermissionDenied):
-        return Failure(
-            f"not allowed: {details}", "use a token that may do this", ExitCode.UNAUTHENTICATED
-        )
+    for kind, (what, fix, code) in _FIXED_ANSWERS.items():
+        if isinstance(error, kind):
+            names = {"target": target, "details": details, "command": context.command}
+            return Failure(what.format(**names), fix.format(program=PROGRAM, **names), code)
     if isinstance(error, errors.FailedPrecondition):
         job = context.job_id or "JOB"
         what, fix = _what_and_fix(details)
