@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import threading
 from typing import Any
 
@@ -26,6 +27,8 @@ from ssdrbm.events import (
     StateEvent,
     to_jsonable,
 )
+
+MAX_PAGE_SIZE = 1000  # the service's largest page
 
 FINAL_EXIT_CODES = {
     JobState.SUCCEEDED: ExitCode.OK,
@@ -67,7 +70,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
 
     jobs = commands.add_parser("jobs", parents=parents, help="list jobs, newest first")
     jobs.add_argument("--state", choices=[s.value for s in JobState if s.value != "unspecified"])
-    jobs.add_argument("--limit", type=int, default=50, help="at most this many (0 = all)")
+    add_limit_option(jobs)
     jobs.add_argument("--json", action="store_true", help="print a JSON list")
     jobs.set_defaults(run=run_jobs)
 
@@ -372,17 +375,25 @@ def run_watch(args: argparse.Namespace) -> ExitCode:
         return follow(client, args.job, as_json=args.json, after=args.after)
 
 
+def add_limit_option(parser: argparse.ArgumentParser) -> None:
+    """``--limit N`` of the listing commands (``jobs``, ``sweeps``)."""
+    parser.add_argument("--limit", type=int, default=50, help="at most this many (0 = all)")
+
+
+def limited_page_size(limit: int) -> int:
+    """The page size to fetch the first ``--limit`` items (0: all) with; refuses a negative
+    limit (before anything is sent)."""
+    if limit < 0:
+        raise UsageError("--limit must be 0 (all) or more")
+    return min(limit, MAX_PAGE_SIZE) if limit else MAX_PAGE_SIZE
+
+
 def run_jobs(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm jobs``: a table (or JSON list) of jobs."""
-    if args.limit < 0:
-        raise UsageError("--limit must be 0 (all) or more")
+    page_size = limited_page_size(args.limit)
     with client_from_args(args) as client:
-        jobs: list[Job] = []
-        page_size = min(args.limit, 1000) if args.limit else 1000
-        for job in client.list_jobs(args.state, page_size=page_size):
-            jobs.append(job)
-            if args.limit and len(jobs) >= args.limit:
-                break
+        listing = client.list_jobs(args.state, page_size=page_size)
+        jobs = list(itertools.islice(listing, args.limit or None))
     if args.json:
         print_json(jobs)
     elif jobs:

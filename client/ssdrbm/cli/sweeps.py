@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,13 @@ from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.data import submit_and_follow
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
-from ssdrbm.cli.jobs import _add_training_options, _pairs, training_kwargs
+from ssdrbm.cli.jobs import (
+    _add_training_options,
+    _pairs,
+    add_limit_option,
+    limited_page_size,
+    training_kwargs,
+)
 from ssdrbm.cli.output import format_number, print_json
 from ssdrbm.cli.tables import render_table
 from ssdrbm.client import Client
@@ -86,7 +93,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     sweep.set_defaults(run=run_sweep)
 
     listing = commands.add_parser("sweeps", parents=parents, help="list sweeps, newest first")
-    listing.add_argument("--limit", type=int, default=50, help="at most this many (0 = all)")
+    add_limit_option(listing)
     listing.add_argument("--json", action="store_true", help="print a JSON list")
     listing.set_defaults(run=run_sweeps)
 
@@ -222,14 +229,9 @@ def leaderboard(sweep: Sweep) -> str:
 
 def run_sweeps(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm sweeps``: a table (or JSON list) of sweeps."""
-    if args.limit < 0:
-        raise UsageError("--limit must be 0 (all) or more")
+    page_size = limited_page_size(args.limit)
     with client_from_args(args) as client:
-        sweeps: list[Sweep] = []
-        for sweep in client.list_sweeps(page_size=min(args.limit, 1000) if args.limit else 1000):
-            sweeps.append(sweep)
-            if args.limit and len(sweeps) >= args.limit:
-                break
+        sweeps = list(itertools.islice(client.list_sweeps(page_size=page_size), args.limit or None))
     if args.json:
         print_json(sweeps)
     elif sweeps:
