@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import threading
 from typing import Any
 
 from ssdrbm import spec
@@ -14,19 +13,10 @@ from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.names import find_job, job_id
 from ssdrbm.cli.output import print_json, print_result
-from ssdrbm.cli.progress import ProgressDisplay, QueueWatch, queue_changed
+from ssdrbm.cli.progress import JsonLines, ProgressDisplay, QueueWatch
 from ssdrbm.cli.tables import defaults_table, job_details, jobs_table
 from ssdrbm.client import Client
-from ssdrbm.events import (
-    BackoffEvent,
-    Job,
-    JobState,
-    MetricEvent,
-    MetricsEvent,
-    QueuePlace,
-    StateEvent,
-    to_jsonable,
-)
+from ssdrbm.events import JobState
 
 MAX_PAGE_SIZE = 1000  # the service's largest page
 
@@ -312,52 +302,6 @@ def follow(client: Client, job_id: str, *, as_json: bool, after: str | None = No
     job = client.get_job(job_id)
     display.finish(job)
     return FINAL_EXIT_CODES.get(job.state, ExitCode.ERROR)
-
-
-class JsonLines:
-    """``--watch --json``: one JSON line per event on stdout, a ``queue`` line when a queued
-    job's place changes, and the job at the end (lines from two threads, so under a lock)."""
-
-    def __init__(self, job_id: str) -> None:
-        self.job_id = job_id
-        self.state = JobState.QUEUED
-        self._place: QueuePlace | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def queued(self) -> bool:
-        return self.state is JobState.QUEUED
-
-    def start(self, job: Job) -> None:
-        self.state = job.state
-        if job.queue is not None:
-            self.on_queue(job.queue)
-
-    def on_queue(self, place: QueuePlace) -> None:
-        with self._lock:
-            if not self.queued or (
-                self._place is not None and not queue_changed(self._place, place)
-            ):
-                return
-            self._place = place
-            print_json({"event": "queue", "job_id": self.job_id, "queue": place}, lines=True)
-
-    def on_event(self, event: MetricEvent) -> None:
-        with self._lock:
-            if isinstance(event, StateEvent) and event.state is not self.state:
-                self.state, self._place = event.state, None  # a new stint in the queue: a line
-            print_json({"event": event_kind(event), **to_jsonable(event)}, lines=True)
-
-    def finish(self, job: Job) -> None:
-        with self._lock:
-            print_json({"event": "job", "job": job}, lines=True)
-
-
-def event_kind(event: MetricEvent) -> str:
-    """The ``event`` field of a JSON line: metrics, state or backoff."""
-    if isinstance(event, MetricsEvent):
-        return "metrics"
-    return "backoff" if isinstance(event, BackoffEvent) else "state"
 
 
 def run_defaults(args: argparse.Namespace) -> ExitCode:

@@ -1,4 +1,4 @@
-"""Live progress of a training job on stderr.
+"""Live progress of a training job on stderr (or, under ``--json``, as JSON lines on stdout).
 
 On a terminal a single line is redrawn in place (step/total, a bar, samples/s, ETA, the latest
 reconstruction error and log-likelihood; while the job is queued, its place in the queue);
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from ssdrbm.cli.output import format_duration, format_number, format_rate
+from ssdrbm.cli.output import format_duration, format_number, format_rate, print_json
 from ssdrbm.events import (
     BackoffEvent,
     Job,
@@ -25,6 +25,7 @@ from ssdrbm.events import (
     MetricsEvent,
     QueuePlace,
     StateEvent,
+    to_jsonable,
 )
 
 REDRAW_INTERVAL_S = 0.1  # redrawing faster than this only costs terminal bandwidth
@@ -234,6 +235,52 @@ def queue_changed(before: QueuePlace, after: QueuePlace) -> bool:
         after.no_worker,
         after.starts_in_s is None,
     )
+
+
+class JsonLines:
+    """``--watch --json``: one JSON line per event on stdout, a ``queue`` line when a queued
+    job's place changes, and the job at the end (lines from two threads, so under a lock)."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.state = JobState.QUEUED
+        self._place: QueuePlace | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def queued(self) -> bool:
+        return self.state is JobState.QUEUED
+
+    def start(self, job: Job) -> None:
+        self.state = job.state
+        if job.queue is not None:
+            self.on_queue(job.queue)
+
+    def on_queue(self, place: QueuePlace) -> None:
+        with self._lock:
+            if not self.queued or (
+                self._place is not None and not queue_changed(self._place, place)
+            ):
+                return
+            self._place = place
+            print_json({"event": "queue", "job_id": self.job_id, "queue": place}, lines=True)
+
+    def on_event(self, event: MetricEvent) -> None:
+        with self._lock:
+            if isinstance(event, StateEvent) and event.state is not self.state:
+                self.state, self._place = event.state, None  # a new stint in the queue: a line
+            print_json({"event": event_kind(event), **to_jsonable(event)}, lines=True)
+
+    def finish(self, job: Job) -> None:
+        with self._lock:
+            print_json({"event": "job", "job": job}, lines=True)
+
+
+def event_kind(event: MetricEvent) -> str:
+    """The ``event`` field of a JSON line: metrics, state or backoff."""
+    if isinstance(event, MetricsEvent):
+        return "metrics"
+    return "backoff" if isinstance(event, BackoffEvent) else "state"
 
 
 QUEUE_POLL_S = 2.0  # how often a watch asks a queued job's place (a GetJob, a few Redis reads)
