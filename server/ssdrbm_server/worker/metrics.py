@@ -13,6 +13,7 @@ Labels stay few: the model kind and the optimizer (never a job id or tenant).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -58,70 +59,63 @@ class WorkerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.samples = Counter(
+        # every collector registers in this worker's registry
+        counter = functools.partial(Counter, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+        self.samples = counter(
             "ssdrbm_training_samples",
             "Training examples processed (steps × batch size); rate() gives samples per second",
             JOB_LABELS,
-            registry=self.registry,
         )
-        self.step_seconds = Histogram(
+        self.step_seconds = histogram(
             "ssdrbm_training_step_seconds",
             "Time of one training step (each run of steps between polls, divided evenly)",
             JOB_LABELS,
             buckets=STEP_BUCKETS,
-            registry=self.registry,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = histogram(
             "ssdrbm_queue_wait_seconds",
             "From a job's submit to its first claim by a worker",
             buckets=QUEUE_WAIT_BUCKETS,
-            registry=self.registry,
         )
-        self.lease_takeovers = Counter(
+        self.lease_takeovers = counter(
             "ssdrbm_lease_takeovers",
             "Running jobs taken over after their worker's lease lapsed",
-            registry=self.registry,
         )
-        self.checkpoint_write = Histogram(
+        self.checkpoint_write = histogram(
             "ssdrbm_checkpoint_write_seconds",
             "Time to store one checkpoint in Redis (the fenced write, retries included)",
             buckets=CHECKPOINT_BUCKETS,
-            registry=self.registry,
         )
-        self.jobs_finished = Counter(
+        self.jobs_finished = counter(
             "ssdrbm_worker_jobs_finished",
             "Jobs a worker ended, by final state",
             ["state"],
-            registry=self.registry,
         )
-        self.process_failures = Counter(
+        self.process_failures = counter(
             "ssdrbm_training_process_failures",
             "Training processes that died or hung during a job (each one a retry of the job)",
-            registry=self.registry,
         )
-        self.preemptions = Counter(
+        self.preemptions = counter(
             "ssdrbm_preemptions",
             "Jobs checkpointed and put back in the queue at their time slice's end because "
             "other work waited (SSDRBM_SLICE_SECONDS)",
-            registry=self.registry,
         )
-        self.backoffs = Counter(
+        self.backoffs = counter(
             "ssdrbm_training_backoffs",
             "Blow-ups rolled back to the last good state, training going on with smaller steps",
-            registry=self.registry,
         )
         # Summed over a process's workers (one, normally) and, by Prometheus, over processes:
         # busy ÷ slots is how much of the training capacity is in use.
-        self.slots = Gauge(
+        self.slots = gauge(
             "ssdrbm_worker_slots",
             "Slots of the running workers: jobs or packs they can train at once "
             "(SSDRBM_WORKER_SLOTS)",
-            registry=self.registry,
         )
-        self.busy_slots = Gauge(
+        self.busy_slots = gauge(
             "ssdrbm_worker_busy_slots",
             "Slots training a job or pack now",
-            registry=self.registry,
         )
         for state in TERMINAL_STATES:  # every state's series exists from the first scrape on
             self.jobs_finished.labels(state=state.value)
