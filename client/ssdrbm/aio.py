@@ -171,10 +171,7 @@ class AsyncClient(calls.ClientBase):
         on_event: Callable[[MetricEvent], None] | None = None,
     ) -> Job:
         """Follow the job until it ends and return its final record."""
-        async for event in self.stream_metrics(job_id, timeout=timeout):
-            if on_event is not None:
-                on_event(event)
-        return await self.get_job(job_id)
+        return await self._run(calls.wait(self, job_id, timeout, on_event))
 
     # -- serving -------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ batches, the upload's chunks, the export's checks. :class:`ssdrbm.Client` (``cli
 performs the effects on a blocking channel, :class:`ssdrbm.aio.AsyncClient` (``aio.py``) awaits
 them on a ``grpc.aio`` channel (each about twenty lines: ``_run``, ``_iterate``, ``_perform``,
 with :class:`Walk` feeding the answers back). Every public method of either client only runs
-its call's steps (``wait`` and ``upload_dataset`` are built on other methods), so a change made
+its call's steps (``upload_dataset`` is built on ``upload_dataset_details``), so a change made
 here holds for both clients.
 
 To add a call: write its steps here, then one method in each client that runs them
@@ -353,6 +353,33 @@ def stream_metrics(
         if delay is None:
             raise Unavailable(reconnect.STREAM_KEEPS_CLOSING.format(job_id), target=client.target)
         yield Sleep(delay)
+
+
+def wait(
+    client: ClientBase,
+    job_id: str,
+    timeout: float | None,
+    on_event: Callable[[MetricEvent], None] | None,
+) -> Steps[Job]:
+    """Follow the job's events until it ends, each handed to ``on_event``; returns its final
+    record (any terminal state)."""
+    yield from _handled(stream_metrics(client, job_id, None, True, timeout), on_event)
+    return (yield from get_job(client, job_id))
+
+
+def _handled(steps: Steps[None], handle: Callable[[Any], None] | None) -> Steps[None]:
+    """Run ``steps`` as part of another call, handing what they emit to ``handle`` (None: drop
+    it) instead of to the caller."""
+    walk = Walk(steps)
+    for effect in walk:
+        if isinstance(effect, Emit):
+            if handle is not None:
+                handle(effect.item)
+            continue
+        try:
+            walk.reply = yield effect
+        except grpc.RpcError as error:
+            walk.error = error
 
 
 # -- serving --------------------------------------------------------------------------------------

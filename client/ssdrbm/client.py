@@ -214,11 +214,9 @@ class Client(calls.ClientBase):
         timeout: float | None = None,
         on_event: Callable[[MetricEvent], None] | None = None,
     ) -> Job:
-        """Follow the job until it ends and return its final record (any terminal state)."""
-        for event in self.stream_metrics(job_id, timeout=timeout):
-            if on_event is not None:
-                on_event(event)
-        return self.get_job(job_id)
+        """Follow the job until it ends and return its final record (any terminal state);
+        ``on_event`` is called with each of its events on the way."""
+        return self._run(calls.wait(self, job_id, timeout, on_event))
 
     # -- serving -------------------------------------------------------------------------------
 
