@@ -190,6 +190,9 @@ class Cluster:
             "SSDRBM_REDIS_URL": self.redis_url,
             "SSDRBM_LEASE_SECONDS": str(self.config.lease_seconds),
             "SSDRBM_TORCH_THREADS": "1",
+            # One training slot per worker process: the chaos step kills a job's worker by its
+            # process, and fairness is read against two one-job workers.
+            "SSDRBM_WORKER_SLOTS": "1",
             "SSDRBM_METRICS_PORT": "0",
             "SSDRBM_LOG_LEVEL": "WARNING",
             "SSDRBM_MAX_JOBS_PER_TENANT": str(
