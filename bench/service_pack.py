@@ -103,6 +103,7 @@ def _worker_env(redis_url: str, pack_size: int) -> dict[str, str]:
         "SSDRBM_MAX_PACK_SIZE": str(pack_size),
         "SSDRBM_WORKER_METRICS_PORT": "0",
         "SSDRBM_TORCH_THREADS": "1",  # both modes on one core each, the same for both
+        "SSDRBM_WORKER_SLOTS": "1",  # one training process: packed against one at a time
         "SSDRBM_LOG_LEVEL": "WARNING",
     }
 
