@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from bench import data as bench_data
+from bench import sklearn_race
 from bench.core import pick_device
 from bench.report import Case, Target
 
@@ -152,7 +153,8 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
             scores[name].append(score(trained.model, valid))
     results = {name: _summary(times[name], scores[name]) for name in runners}
     cases = [_case(name, plan, results) for name in runners]
-    return cases, _targets(results)
+    race_case, race_target = sklearn_race.case_and_target(quick)  # SSD's default step, CD-1
+    return [*cases, race_case], [*_targets(results), race_target]
 
 
 def _summary(times: list[float], scores: list[dict[str, float]]) -> dict[str, float]:

@@ -10,7 +10,7 @@ held-out error is at or below scikit-learn's. The ratio of record is scikit-lear
 ssdcore's training time to that point; each side runs `rounds` times (ssdcore with seeds 0, 1, …),
 the sides taking turns, medians reported.
 
-    python -m bench.sklearn_race [--rounds 3] [--max-steps 2000]
+    python -m bench.sklearn_race [--rounds 3] [--max-steps 2000]   (also part of `bench sklearn`)
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from bench import data as bench_data
+from bench.report import Case, Target
 from ssdcore import BernoulliRBM, OptimizerConfig, Trainer
 from ssdcore.evaluation.metrics import reconstruction_error
 
@@ -76,12 +77,13 @@ def ssd_time_to(
     return float("inf"), trainer.step_count
 
 
-def race(rounds: int, max_steps: int) -> Race:
+def race(rounds: int, max_steps: int, *, n_train: int = N_TRAIN, n_valid: int = N_VALID) -> Race:
+    """The race, ``rounds`` times on the first ``n_train`` + ``n_valid`` images."""
     torch.set_num_threads(1)
     from threadpoolctl import threadpool_limits
 
-    images = bench_data.mnist("binarize", limit=N_TRAIN + N_VALID)
-    train, valid = images[:N_TRAIN], images[N_TRAIN:]
+    images = bench_data.mnist("binarize", limit=n_train + n_valid)
+    train, valid = images[:n_train], images[n_train:]
     train32 = train.numpy()
     sk_seconds, sk_errors, ssd_seconds, ssd_steps = [], [], [], []
     with threadpool_limits(limits=1):
@@ -101,6 +103,33 @@ def race(rounds: int, max_steps: int) -> Race:
         ratio=sklearn_s / ssd_s,
         rounds=rounds,
     )
+
+
+def case_and_target(quick: bool) -> tuple[Case, Target]:
+    """The race as `python -m bench sklearn` reports it (quick: one round on 1,000 images)."""
+    sizes = {"n_train": 1000, "n_valid": 200} if quick else {}
+    result = race(1 if quick else 3, 2000, **sizes)
+    case = Case(
+        "sklearn",
+        "ssd-default-cd1-to-sklearn-error",
+        {"hidden": N_HIDDEN, "chunk": CHUNK, "threads": 1, **sizes},
+        {
+            "sklearn_s": result.sklearn_seconds,
+            "sklearn_recon_error": result.sklearn_error,
+            "ssd_s": result.ssd_seconds,
+            "ssd_steps": result.ssd_steps,
+        },
+        {"sooner": result.ratio},
+    )
+    target = Target(
+        "sklearn",
+        "SSD CD-1, default step, to scikit-learn's 10-epoch error: times sooner",
+        result.ratio,
+        GOAL,
+        ">=",
+        "x",
+    )
+    return case, target
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -96,6 +96,8 @@ def test_core_cases_cover_every_variant_with_ratios(quick_records):
 
 def test_sklearn_cases_score_both_implementations(quick_records):
     cases = {case["name"]: case for case in _cases(quick_records, "sklearn")}
+    race = cases.pop("ssd-default-cd1-to-sklearn-error")
+    assert _is_positive_number(race["metrics"]["sklearn_s"]) and race["metrics"]["ssd_steps"] > 0
     assert set(cases) == {"ssdcore", "sklearn-float64", "sklearn-float32"}
     for case in cases.values():
         assert _is_positive_number(case["metrics"]["s_per_epoch"])
