@@ -28,7 +28,9 @@ REDIS_URL_MEANING = (
 SLOTS_MEANING = "jobs (or packs) trained at once, one training process each (0: from the machine)"
 
 
-def parser(prog: str, description: str, settings: tuple[tuple[str, str], ...]) -> Any:
+def parser(
+    prog: str, description: str, settings: tuple[tuple[str, str], ...]
+) -> argparse.ArgumentParser:
     """The program's argument parser: its description, ``--slots`` and ``--wait-for-redis``, and
     an epilog naming ``settings`` ((field, meaning) pairs) with their defaults."""
     result = argparse.ArgumentParser(
