@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from bench import data as bench_data
-from bench import sklearn_race
 from bench.core import pick_device
 from bench.report import Case, Target
 
@@ -96,10 +95,11 @@ def train_sklearn(train: np.ndarray, epochs: int, seed: int) -> Trained:
     start = time.perf_counter()
     rbm.fit(train)
     seconds = (time.perf_counter() - start) / epochs
-    return Trained(seconds, _as_ssdcore_model(rbm))
+    return Trained(seconds, as_ssdcore_model(rbm))
 
 
-def _as_ssdcore_model(rbm) -> torch.nn.Module:
+def as_ssdcore_model(rbm) -> torch.nn.Module:
+    """A fitted scikit-learn BernoulliRBM as an ssdcore model, for scoring by ssdcore."""
     # scikit-learn stores W as (n_hidden, n_visible); ssdcore's W is (n_visible, n_hidden).
     import ssdcore
 
@@ -153,6 +153,8 @@ def run(*, quick: bool = False) -> tuple[list[Case], list[Target]]:
             scores[name].append(score(trained.model, valid))
     results = {name: _summary(times[name], scores[name]) for name in runners}
     cases = [_case(name, plan, results) for name in runners]
+    from bench import sklearn_race  # it scores scikit-learn's model with as_ssdcore_model
+
     race_case, race_target = sklearn_race.case_and_target(quick)  # SSD's default step, CD-1
     return [*cases, race_case], [*_targets(results), race_target]
 

@@ -26,6 +26,7 @@ import torch
 
 from bench import data as bench_data
 from bench.report import Case, Target
+from bench.sklearn_case import as_ssdcore_model
 from ssdcore import BernoulliRBM, OptimizerConfig, Trainer
 from ssdcore.evaluation.metrics import reconstruction_error
 
@@ -52,12 +53,7 @@ def sklearn_fit(train: np.ndarray, valid: torch.Tensor, seed: int) -> tuple[floa
     started = time.perf_counter()
     rbm.fit(train)
     seconds = time.perf_counter() - started
-    model = BernoulliRBM(train.shape[1], N_HIDDEN)
-    with torch.no_grad():
-        model.W.copy_(torch.from_numpy(rbm.components_.T.astype(np.float32)))
-        model.a.copy_(torch.from_numpy(rbm.intercept_hidden_.astype(np.float32)))
-        model.b.copy_(torch.from_numpy(rbm.intercept_visible_.astype(np.float32)))
-    return seconds, reconstruction_error(model, valid)
+    return seconds, reconstruction_error(as_ssdcore_model(rbm), valid)
 
 
 def ssd_time_to(
