@@ -16,7 +16,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,9 +42,9 @@ from ssdrbm_server.store import (
 from ssdrbm_server.store.records import worker_label
 from tests.fixtures.jobs import Follower, float_tensor, rpc_error, tiny_request
 from tests.fixtures.redis import RedisServer
+from tests.fixtures.server_process import start_python_m_worker
 from tests.fixtures.service import RunningService, make_settings
 
-REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 90.0  # a bound for a loaded 2-core machine, not a speed check
 LEASE_S = 1.5
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -164,21 +163,14 @@ def test_redis_crash_and_restart_loses_nothing_acknowledged(
 
 
 def start_worker(redis_url: str, worker_id: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "SSDRBM_REDIS_URL": redis_url,
-        "SSDRBM_WORKER_ID": worker_id,
-        "SSDRBM_LEASE_SECONDS": str(LEASE_S),
-        "SSDRBM_TORCH_THREADS": "1",
-        "SSDRBM_LOG_LEVEL": "INFO",
-    }
     with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "ssdrbm_server.worker"],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=out,
+        return start_python_m_worker(
+            redis_url,
+            output=out,
+            worker_id=worker_id,
+            lease_seconds=LEASE_S,
+            torch_threads=1,
+            log_level="INFO",
         )
 
 

@@ -8,10 +8,8 @@ Real parts: a real redis-server, the real API on loopback, and one real worker p
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,10 +20,10 @@ from ssdrbm.v1 import rbm_pb2_grpc
 
 from ssdrbm_server.store import FencedJob, JobQueue, JobStore, LeaseStore
 from tests.fixtures.jobs import tiny_request
+from tests.fixtures.server_process import start_python_m_worker
 from tests.fixtures.service import RunningService
 from tests.test_store import run, submit
 
-REPO = Path(__file__).resolve().parents[1]
 SLICE_S = 2.0
 LEASE_S = 3.0
 # Bounds for a loaded 2-core machine, not speed checks: the waiting tenant's job starts within
@@ -91,26 +89,18 @@ def start_worker(
 ) -> subprocess.Popen[str]:
     """`python -m ssdrbm_server.worker` with one job slot and short slices; its INFO logs go to
     ``log`` (a test reads them to act at the moment of a preemption)."""
-    env = {
-        **os.environ,
-        "SSDRBM_REDIS_URL": redis_url,
-        "SSDRBM_WORKER_ID": worker_id,
-        "SSDRBM_LEASE_SECONDS": str(LEASE_S),
-        "SSDRBM_HEARTBEAT_SECONDS": "0.2",
-        "SSDRBM_SLICE_SECONDS": str(SLICE_S),
-        "SSDRBM_MAX_PACK_SIZE": str(pack_size),
-        "SSDRBM_TORCH_THREADS": "1",
-        "SSDRBM_ALLOW_NO_PERSISTENCE": "1",
-        "SSDRBM_LOG_LEVEL": "INFO",
-    }
     with log.open("a") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "ssdrbm_server.worker"],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
+        return start_python_m_worker(
+            redis_url,
+            output=out,
+            worker_id=worker_id,
+            lease_seconds=LEASE_S,
+            heartbeat_seconds=0.2,
+            slice_seconds=SLICE_S,
+            max_pack_size=pack_size,
+            torch_threads=1,
+            allow_no_persistence=1,
+            log_level="INFO",
         )
 
 

@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -44,11 +43,11 @@ from ssdrbm_server.store import (
 from ssdrbm_server.store.datasets import DatasetInfo
 from ssdrbm_server.worker import Worker
 from ssdrbm_server.worker.datasets import DatasetError, Uploaded, prepare
+from tests.fixtures.server_process import start_python_m_worker
 
 logger = logging.getLogger(__name__)
 
 TENANT = "team"
-REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0  # upper bound for a job to reach a state on a loaded machine (not a speed check)
 LEASE_S = 1.5  # short leases so that a takeover happens quickly
 
@@ -381,15 +380,9 @@ def test_a_blow_up_is_rolled_back_and_trained_on_with_smaller_steps(redis_url: s
 
 def start_worker_process(redis_url: str, worker_id: str) -> subprocess.Popen[bytes]:
     """`python -m ssdrbm_server.worker` with short leases, as a separate process."""
-    env = {
-        **os.environ,
-        "SSDRBM_REDIS_URL": redis_url,
-        "SSDRBM_WORKER_ID": worker_id,
-        "SSDRBM_LEASE_SECONDS": str(LEASE_S),
-        "SSDRBM_TORCH_THREADS": "1",
-        "SSDRBM_LOG_LEVEL": "WARNING",
-    }
-    return subprocess.Popen([sys.executable, "-m", "ssdrbm_server.worker"], cwd=REPO, env=env)
+    return start_python_m_worker(
+        redis_url, worker_id=worker_id, lease_seconds=LEASE_S, torch_threads=1, log_level="WARNING"
+    )
 
 
 def training_processes_of(pid: int) -> list[int]:

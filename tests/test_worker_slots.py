@@ -9,10 +9,8 @@ slots themselves with real parts: a real redis-server, `python -m ssdrbm_server.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,9 +24,9 @@ from ssdrbm_server.store import CheckpointStore, JobRecord, JobState, JobStore
 from ssdrbm_server.worker import Worker, slots
 from ssdrbm_server.worker.runner import PROCESS_BASE_MB
 from ssdrbm_server.worker.slots import MAX_DEFAULT_SLOTS, Machine, default_slot_count
+from tests.fixtures.server_process import start_python_m_worker
 from tests.test_worker import (
     LEASE_S,
-    REPO,
     SETTINGS,
     WAIT_S,
     Harness,
@@ -160,20 +158,19 @@ async def wait_for_all(jobs: JobStore, ids: dict[str, str], done) -> dict[str, J
 
 def start_worker(redis_url: str, worker_id: str, heartbeat: Path) -> subprocess.Popen[bytes]:
     """`python -m ssdrbm_server.worker --slots 2` with these settings."""
-    settings = {
-        "redis_url": redis_url,
-        "worker_id": worker_id,
-        "lease_seconds": LEASE_S,
-        "heartbeat_seconds": 0.25,
-        "torch_threads": 1,  # as the resuming worker's, so that the runs compare bit for bit
-        "worker_heartbeat_file": heartbeat,
-        "worker_metrics_port": 0,
-        "allow_no_persistence": 1,
-        "log_level": "WARNING",
-    }
-    env = {**os.environ, **{f"SSDRBM_{k.upper()}": str(v) for k, v in settings.items()}}
-    command = [sys.executable, "-m", "ssdrbm_server.worker", "--slots", "2"]
-    return subprocess.Popen(command, cwd=REPO, env=env)
+    return start_python_m_worker(
+        redis_url,
+        "--slots",
+        "2",
+        worker_id=worker_id,
+        lease_seconds=LEASE_S,
+        heartbeat_seconds=0.25,
+        torch_threads=1,  # as the resuming worker's, so that the runs compare bit for bit
+        worker_heartbeat_file=heartbeat,
+        worker_metrics_port=0,
+        allow_no_persistence=1,
+        log_level="WARNING",
+    )
 
 
 def cpu_ticks(pid: int) -> int:
