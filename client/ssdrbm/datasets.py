@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ssdrbm.errors import InvalidArgument
-from ssdrbm.spec import message_time
+from ssdrbm.spec import from_message
 from ssdrbm.v1 import rbm_pb2
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
@@ -63,14 +63,8 @@ class Dataset:
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Dataset) -> Dataset:
-        return cls(
-            id=message.dataset_id,
-            name=message.name,
-            shape=tuple(message.shape),
-            dtype=upload_dtype(message.dtype if message.dtype in UPLOAD_DTYPES else 0).name,
-            size_bytes=message.size_bytes,
-            created_at=message_time(message, "created_at"),
-        )
+        dtype = upload_dtype(message.dtype if message.dtype in UPLOAD_DTYPES else 0).name
+        return from_message(cls, message, id=message.dataset_id, dtype=dtype)
 
 
 def load_array(source: np.ndarray | str | Path) -> np.ndarray:

@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2 as details_pb
+from google.rpc import status_pb2
 
 DETAILS_METADATA_KEY = "grpc-status-details-bin"
 
@@ -184,52 +185,44 @@ def rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
 
 def retry_delay(error: grpc.RpcError) -> float | None:
     """Seconds the service asked to wait before retrying (its RetryInfo), or None."""
-    status = rich_status(error)
-    if status is None:
-        return None
-    for detail in status.details:
-        info = error_details_pb2.RetryInfo()
-        if detail.Unpack(info):
-            return info.retry_delay.ToNanoseconds() / 1e9
-    return None
+    return from_rpc_error(error).retry_delay
+
+
+_DETAIL_TYPES = (
+    details_pb.ErrorInfo,
+    details_pb.BadRequest,
+    details_pb.QuotaFailure,
+    details_pb.PreconditionFailure,
+    details_pb.ResourceInfo,
+    details_pb.RetryInfo,
+)
+
+
+def _tuples(cls: Any, messages: Iterable[Any]) -> list[Any]:
+    """Each message as the NamedTuple ``cls`` of its same-named fields."""
+    return [cls(*(getattr(message, name) for name in cls._fields)) for message in messages]
 
 
 def _attach_details(converted: SSDRBMError, details: Iterable[Any]) -> None:
     """Set ``converted``'s attributes from the Status details it came with."""
     for detail in details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            converted.reason = info.reason
-            converted.error_info = dict(info.metadata)
-        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            converted.field_violations += [
-                FieldViolation(v.field, v.description) for v in bad.field_violations
-            ]
-        elif detail.Is(error_details_pb2.QuotaFailure.DESCRIPTOR):
-            quota = error_details_pb2.QuotaFailure()
-            detail.Unpack(quota)
-            converted.quota_violations += [
-                QuotaViolation(v.subject, v.description) for v in quota.violations
-            ]
-        elif detail.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
-            failure = error_details_pb2.PreconditionFailure()
-            detail.Unpack(failure)
-            converted.precondition_violations += [
-                PreconditionViolation(v.type, v.subject, v.description) for v in failure.violations
-            ]
-        elif detail.Is(error_details_pb2.ResourceInfo.DESCRIPTOR):
-            resource = error_details_pb2.ResourceInfo()
-            detail.Unpack(resource)
-            converted.resource = ResourceInfo(
-                resource.resource_type, resource.resource_name, resource.description
-            )
-        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            retry = error_details_pb2.RetryInfo()
-            detail.Unpack(retry)
-            converted.retry_delay = retry.retry_delay.ToNanoseconds() / 1e9
+        kind = next((kind for kind in _DETAIL_TYPES if detail.Is(kind.DESCRIPTOR)), None)
+        if kind is None:
+            continue
+        message = kind()
+        detail.Unpack(message)
+        if kind is details_pb.ErrorInfo:
+            converted.reason, converted.error_info = message.reason, dict(message.metadata)
+        elif kind is details_pb.BadRequest:
+            converted.field_violations += _tuples(FieldViolation, message.field_violations)
+        elif kind is details_pb.QuotaFailure:
+            converted.quota_violations += _tuples(QuotaViolation, message.violations)
+        elif kind is details_pb.PreconditionFailure:
+            converted.precondition_violations += _tuples(PreconditionViolation, message.violations)
+        elif kind is details_pb.ResourceInfo:
+            converted.resource = _tuples(ResourceInfo, [message])[0]
+        else:
+            converted.retry_delay = message.retry_delay.ToNanoseconds() / 1e9
 
 
 def from_rpc_error(error: grpc.RpcError, target: str | None = None) -> SSDRBMError:

@@ -11,7 +11,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ssdrbm.spec import message_dict, message_time
+from ssdrbm.spec import (
+    from_message,
+    message_dict,
+    message_time,
+    optional_message,
+    proto_enum_member,
+)
 from ssdrbm.v1 import rbm_pb2
 
 
@@ -35,16 +41,11 @@ class JobState(enum.StrEnum):
     @classmethod
     def from_proto(cls, value: int) -> JobState:
         """Map a ``ssdrbm.v1.JobState`` number to the enum (unknown numbers → UNSPECIFIED)."""
-        name = rbm_pb2.JobState.Name(value) if value in rbm_pb2.JobState.values() else ""
-        return cls.__members__.get(name.removeprefix("JOB_STATE_"), cls.UNSPECIFIED)
+        return proto_enum_member(cls, rbm_pb2.JobState, "JOB_STATE_", value)
 
     def to_proto(self) -> int:
         """The ``ssdrbm.v1.JobState`` number of this state."""
         return rbm_pb2.JobState.Value(f"JOB_STATE_{self.name}")
-
-
-def _optional(message: Any, name: str) -> float | None:
-    return getattr(message, name) if message.HasField(name) else None
 
 
 @dataclass(frozen=True)
@@ -78,26 +79,8 @@ class Metrics:
         """Build from a ``ssdrbm.v1.Metrics`` message."""
         method = rbm_pb2.LogLikelihoodMethod.Name(message.log_likelihood_method)
         method = method.removeprefix("LOG_LIKELIHOOD_METHOD_").lower()
-        return cls(
-            step=message.step,
-            total_steps=message.total_steps,
-            reconstruction_error=message.reconstruction_error,
-            spectral_norm=message.spectral_norm,
-            wall_time_s=message.wall_time_s,
-            samples_per_second=message.samples_per_second,
-            train_reconstruction_error=_optional(message, "train_reconstruction_error"),
-            free_energy_gap=_optional(message, "free_energy_gap"),
-            pseudo_log_likelihood=_optional(message, "pseudo_log_likelihood"),
-            log_likelihood=_optional(message, "log_likelihood"),
-            log_likelihood_stderr=_optional(message, "log_likelihood_stderr"),
-            log_likelihood_lower=_optional(message, "log_likelihood_lower"),
-            log_likelihood_lower_stderr=_optional(message, "log_likelihood_lower_stderr"),
-            log_likelihood_method=None if method == "unspecified" else method,
-            saturated_hidden_fraction=_optional(message, "saturated_hidden_fraction"),
-            lr=_optional(message, "lr"),
-            pt_swap_rate_min=_optional(message, "pt_swap_rate_min"),
-            pt_swap_rate_mean=_optional(message, "pt_swap_rate_mean"),
-            pt_swap_rates=tuple(message.pt_swap_rates),
+        return from_message(
+            cls, message, log_likelihood_method=None if method == "unspecified" else method
         )
 
 
@@ -156,26 +139,10 @@ def event_from_proto(message: rbm_pb2.MetricEvent) -> MetricEvent | None:
     if kind == "metrics":
         return MetricsEvent(metrics=Metrics.from_proto(message.metrics), **common)
     if kind == "state":
-        change = message.state
-        return StateEvent(
-            state=JobState.from_proto(change.state),
-            message=change.message,
-            attempt=change.attempt,
-            step=change.step,
-            **common,
-        )
+        state = JobState.from_proto(message.state.state)
+        return from_message(StateEvent, message.state, state=state, **common)
     if kind == "backoff":
-        backoff = message.backoff
-        return BackoffEvent(
-            step=backoff.step,
-            rollback_step=backoff.rollback_step,
-            reason=backoff.reason,
-            old_lr=backoff.old_lr,
-            new_lr=backoff.new_lr,
-            backoff=backoff.backoff,
-            max_backoffs=backoff.max_backoffs,
-            **common,
-        )
+        return from_message(BackoffEvent, message.backoff, **common)
     return None
 
 
@@ -203,14 +170,8 @@ class QueuePlace:
     @classmethod
     def from_proto(cls, message: rbm_pb2.QueuePlace) -> QueuePlace:
         """Build from a ``ssdrbm.v1.QueuePlace`` message."""
-        return cls(
-            position=message.position,
-            starts_in_s=_optional(message, "starts_in_seconds"),
-            basis=message.basis,
-            busy_slots=message.busy_slots,
-            slice_s=message.slice_seconds,
-            no_worker=message.no_worker,
-        )
+        starts_in_s = optional_message(message, "starts_in_seconds", float)
+        return from_message(cls, message, starts_in_s=starts_in_s, slice_s=message.slice_seconds)
 
     def summary(self) -> str:
         """``3 ahead; about 40 s`` (or why there is no estimate): the CLI's and the dashboard's
@@ -259,30 +220,14 @@ class Job:
     @classmethod
     def from_proto(cls, message: rbm_pb2.Job) -> Job:
         """Build from a ``ssdrbm.v1.Job`` message."""
-        return cls(
-            id=message.id,
-            name=message.name,
+        return from_message(
+            cls,
+            message,
             state=JobState.from_proto(message.state),
-            step=message.step,
-            total_steps=message.total_steps,
-            attempt=message.attempt,
-            error=message.error,
-            checkpoint_step=message.checkpoint_step,
-            worker=message.worker,
-            n_visible=message.n_visible,
-            created_at=message_time(message, "created_at"),
-            started_at=message_time(message, "started_at"),
-            finished_at=message_time(message, "finished_at"),
-            latest_metrics=(
-                Metrics.from_proto(message.latest_metrics)
-                if message.HasField("latest_metrics")
-                else None
-            ),
+            latest_metrics=optional_message(message, "latest_metrics", Metrics.from_proto),
             spec=message_dict(message.spec),
-            backoffs=message.backoffs,
-            training_process_failures=message.training_process_failures,
             runtime=message.runtime.summary,
-            queue=QueuePlace.from_proto(message.queue) if message.HasField("queue") else None,
+            queue=optional_message(message, "queue", QueuePlace.from_proto),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ssdrbm.spec import from_message
 from ssdrbm.v1 import rbm_pb2
 
 
@@ -20,10 +21,4 @@ class ServerInfo:
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.ServerInfo) -> ServerInfo:
-        return cls(
-            version=message.version,
-            api=message.api,
-            python_version=message.python_version,
-            torch_version=message.torch_version,
-            features=tuple(message.features),
-        )
+        return from_message(cls, message)

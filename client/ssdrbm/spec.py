@@ -11,13 +11,15 @@ is sent. Numeric ranges are checked by the service, which names the field in its
 from __future__ import annotations
 
 import base64
+import dataclasses
+import enum
 import math
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
@@ -26,6 +28,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ssdrbm.errors import InvalidArgument
 from ssdrbm.v1 import rbm_pb2
+
+T = TypeVar("T")
+E = TypeVar("E", bound=enum.Enum)
 
 
 def short_name(name: str, prefix: str) -> str:
@@ -88,12 +93,39 @@ def message_dict(message: Message) -> dict[str, Any]:
     return {field.name: _field_value(field, value) for field, value in message.ListFields()}
 
 
+def from_message(cls: type[T], message: Message, **given: Any) -> T:
+    """``cls(**given)``, each other field of dataclass ``cls`` read from ``message``'s field of
+    the same name: None where an optional field is unset, a Timestamp as an aware UTC datetime,
+    a map as a dict, a repeated field as a tuple."""
+    for name in (field.name for field in dataclasses.fields(cls) if field.name not in given):
+        descriptor, value = message.DESCRIPTOR.fields_by_name[name], getattr(message, name)
+        if descriptor.has_presence and not message.HasField(name):
+            value = None
+        elif descriptor.message_type is Timestamp.DESCRIPTOR:
+            value = message_time(message, name)
+        elif descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry:
+            value = dict(value)
+        elif descriptor.is_repeated:
+            value = tuple(value)
+        given[name] = value
+    return cls(**given)
+
+
 def message_time(message: Message, name: str) -> datetime | None:
     """Timestamp field ``name`` as an aware UTC datetime; None while it is unset."""
-    if not message.HasField(name):
-        return None
-    stamp: Timestamp = getattr(message, name)
-    return stamp.ToDatetime(tzinfo=UTC)
+    return optional_message(message, name, lambda stamp: stamp.ToDatetime(tzinfo=UTC))
+
+
+def optional_message(message: Message, name: str, convert: Callable[[Any], T]) -> T | None:
+    """``convert`` of message field ``name``; None while it is unset."""
+    return convert(getattr(message, name)) if message.HasField(name) else None
+
+
+def proto_enum_member(cls: type[E], enum_type: Any, prefix: str, value: int) -> E:
+    """The member of ``cls`` named as proto enum ``value`` without ``prefix``; an unknown number
+    is ``cls.UNSPECIFIED``."""
+    name = enum_type.Name(value) if value in enum_type.values() else ""
+    return cls.__members__.get(name.removeprefix(prefix), cls["UNSPECIFIED"])
 
 
 def _field_value(field: FieldDescriptor, value: Any) -> Any:

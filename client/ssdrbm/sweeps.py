@@ -21,7 +21,15 @@ from typing import Any
 
 from ssdrbm.errors import InvalidArgument
 from ssdrbm.events import JobState, Metrics
-from ssdrbm.spec import OPTIMIZERS, choose, message_time, new_request_id, training_request
+from ssdrbm.spec import (
+    OPTIMIZERS,
+    choose,
+    from_message,
+    new_request_id,
+    optional_message,
+    proto_enum_member,
+    training_request,
+)
 from ssdrbm.v1 import rbm_pb2
 
 # short axis names -> the request field
@@ -135,8 +143,7 @@ class SweepState(enum.StrEnum):
 
     @classmethod
     def from_proto(cls, value: int) -> SweepState:
-        name = rbm_pb2.SweepState.Name(value) if value in rbm_pb2.SweepState.values() else ""
-        return cls.__members__.get(name.removeprefix("SWEEP_STATE_"), cls.UNSPECIFIED)
+        return proto_enum_member(cls, rbm_pb2.SweepState, "SWEEP_STATE_", value)
 
 
 @dataclass(frozen=True)
@@ -158,19 +165,13 @@ class SweepRun:
     @classmethod
     def from_proto(cls, message: rbm_pb2.SweepRun) -> SweepRun:
         ranked = message.rank > 0
-        return cls(
-            job_id=message.job_id,
-            point=dict(message.point),
+        return from_message(
+            cls,
+            message,
             state=JobState.from_proto(message.state),
-            step=message.step,
-            total_steps=message.total_steps,
-            metrics=Metrics.from_proto(message.latest_metrics)
-            if message.HasField("latest_metrics")
-            else None,
+            metrics=optional_message(message, "latest_metrics", Metrics.from_proto),
             rank=message.rank if ranked else None,
             rank_value=message.rank_value if ranked else None,
-            error=message.error,
-            expired=message.expired,
         )
 
 
@@ -197,16 +198,12 @@ class Sweep:
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Sweep) -> Sweep:
-        return cls(
-            id=message.id,
-            name=message.name,
+        return from_message(
+            cls,
+            message,
             state=SweepState.from_proto(message.state),
             runs=[SweepRun.from_proto(run) for run in message.runs],
-            run_count=message.run_count,
-            best_job_id=message.best_job_id,
             rank_metric=message.request.rank_metric,
             rungs=list(message.request.early_stopping.rungs),
             reduction_factor=message.request.early_stopping.reduction_factor,
-            cancel_requested=message.cancel_requested,
-            created_at=message_time(message, "created_at"),
         )
