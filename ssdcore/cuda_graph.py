@@ -2,16 +2,14 @@
 
 Why: a CD-10 step at MNIST sizes is about 150 small kernels. On an H100 the host needs 4-10 µs
 to issue each one, so the step is bound by Python and the launch path (1.1 ms at 784×500 with
-SGD, measured) while the GPU's own work is a fraction of that. A CUDA graph records the kernels
-once and replays them all with one launch.
+SGD, measured) while the GPU's own work is a fraction of that.
 
-What a captured step must satisfy (callers decide, see ``Trainer``): no host synchronization
-(no ``.item()``, ``bool(tensor)``, data-dependent shapes), no Python-side state that changes
-from step to step, and inputs read from and outputs written to tensors that stay in place. The
-first steps run eagerly on a side stream, as CUDA graph capture requires (lazy initialization of
-cuBLAS workspaces, optimizer buffers and persistent chains happens there); the random generators
-are registered with the graph, so each replay draws fresh numbers — the same numbers, offset for
-offset, as the eager step would have drawn.
+A captured step must not synchronize with the host (no ``.item()``, ``bool(tensor)``,
+data-dependent shapes), keep no Python-side state that changes between steps, and read and
+write tensors that stay in place (callers decide: ``Trainer``, ``TrainingPack``). The first
+steps run eagerly on a side stream, as capture requires (lazy initialization of cuBLAS
+workspaces, optimizer buffers and persistent chains happens there); the random generators are
+registered with the graph, so each replay draws the numbers the eager step would have drawn.
 """
 
 from __future__ import annotations
@@ -25,6 +23,14 @@ logger = logging.getLogger(__name__)
 
 # Eager steps before capture; covers first-step branches (optimizer buffers, PCD chains).
 WARMUP_STEPS = 3
+
+
+def use_cuda_graph(requested: bool | None, obstacle: str | None) -> bool:
+    """Whether to capture a step that ``obstacle`` (None: nothing) keeps from being captured:
+    ``requested`` True insists (ValueError naming the obstacle), False never, None when it can."""
+    if requested and obstacle:
+        raise ValueError(f"cuda_graph=True but the step cannot be captured: {obstacle}")
+    return requested is not False and obstacle is None
 
 
 class GraphedStep:

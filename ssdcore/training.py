@@ -44,7 +44,7 @@ from ssdcore.blowup import (
     blowup_from_error,
 )
 from ssdcore.centering import Centering, CenteringConfig
-from ssdcore.cuda_graph import GraphedStep
+from ssdcore.cuda_graph import GraphedStep, use_cuda_graph
 from ssdcore.errors import DivergenceError
 from ssdcore.evaluation import (
     certified_log_likelihood,
@@ -77,6 +77,15 @@ DEFAULT_CD_K = 1
 EXACT_PLL_MAX_VISIBLE = 256
 # Offsets the estimator's seed from the shuffling seed so the two streams never coincide.
 _ESTIMATOR_SEED_OFFSET = 0x5EED
+
+
+def as_optimizer_config(optimizer: OptimizerConfig | str) -> OptimizerConfig:
+    """``optimizer`` as a config (a name stands for the config of that name)."""
+    if isinstance(optimizer, str):
+        return OptimizerConfig(name=optimizer)
+    if not isinstance(optimizer, OptimizerConfig):
+        raise ValueError(f"optimizer must be an OptimizerConfig or a name, got {optimizer!r}")
+    return optimizer
 
 
 def check_data(data: Tensor, n_visible: int, name: str) -> None:
@@ -133,6 +142,17 @@ def non_finite_what(named_parameters: Iterable[tuple[str, Tensor]]) -> str:
     return f"parameters {bad or '(overflowing sum)'} became NaN or Inf"
 
 
+def evaluation_spacing(steps: object, eval_every: object) -> int:
+    """Steps between the evaluations of a fit over ``steps`` (default: ten points over the
+    run); ValueError naming ``steps`` or ``eval_every`` when out of range."""
+    if not (isinstance(steps, int) and steps >= 0):
+        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+    every = eval_every if eval_every is not None else max(1, math.ceil(steps / 10))
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
+    return every
+
+
 def steps_per_epoch(n_train: int, batch_size: int) -> int:
     """Steps in one epoch of `n_train` examples: whole batches only, as the Trainer drops an
     epoch's last partial batch."""
@@ -185,10 +205,7 @@ class Trainer:
         tempering: TemperingConfig | None = None,
         centering: CenteringConfig | None = None,
     ) -> None:
-        if isinstance(optimizer, str):
-            optimizer = OptimizerConfig(name=optimizer)
-        if not isinstance(optimizer, OptimizerConfig):
-            raise ValueError(f"optimizer must be an OptimizerConfig or a name, got {optimizer!r}")
+        optimizer = as_optimizer_config(optimizer)
         check_data(train_data, model.n_visible, "train_data")
         if valid_data is not None:
             check_data(valid_data, model.n_visible, "valid_data")
@@ -232,7 +249,7 @@ class Trainer:
         self._named_parameters = list(model.named_parameters())
         self._last_good = [p.detach().clone() for _, p in self._named_parameters]
         self._last_good_step = 0
-        self.cuda_graph = self._resolve_cuda_graph(cuda_graph)
+        self.cuda_graph = use_cuda_graph(cuda_graph, self._cuda_graph_obstacle())
         self._graphed_step: GraphedStep | None = None
 
     # --- data order -----------------------------------------------------------------------
@@ -274,14 +291,6 @@ class Trainer:
                 "max_spectral_norm)"
             )
         return None
-
-    def _resolve_cuda_graph(self, requested: bool | None) -> bool:
-        if requested is False:
-            return False
-        obstacle = self._cuda_graph_obstacle()
-        if requested and obstacle:
-            raise ValueError(f"cuda_graph=True but the step cannot be captured: {obstacle}")
-        return obstacle is None
 
     def _step(self) -> None:
         """One estimate-and-update on ``self._batch``: the unit a CUDA graph captures."""
@@ -571,17 +580,13 @@ def fit(
     names the step, the metric and a suggested step size; ``model`` is then left at its last
     healthy state.
     """
-    if not (isinstance(steps, int) and steps >= 0):
-        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+    every = evaluation_spacing(steps, eval_every)
     recovery = Recovery(max_backoffs=max_backoffs, factor=backoff_factor)
-    config = OptimizerConfig(name=optimizer) if isinstance(optimizer, str) else optimizer
+    config = as_optimizer_config(optimizer)
     if lr is not None:
         config = OptimizerConfig(**{**config.to_dict(), "lr": lr})
     if config.schedule.needs_horizon:
         config = OptimizerConfig(**{**config.to_dict(), "schedule": config.schedule.for_run(steps)})
-    every = eval_every if eval_every is not None else max(1, math.ceil(steps / 10))
-    if not (isinstance(every, int) and every >= 1):
-        raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
     trainer = Trainer(
         model,
         data,

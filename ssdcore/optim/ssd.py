@@ -190,13 +190,12 @@ class SSD(OptimizerBase):
         """
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
-                factored = (
-                    group["geometry"] == "spectral"
-                    and group["method"] in FACTORED_METHODS
-                    and group["preconditioner"] is None
+                plain = group["geometry"] == "spectral" and group["preconditioner"] is None
+                return not (
+                    plain
                     and param.ndim == 2
+                    and takes_factors_only(group["method"], param.shape, factor_rank)
                 )
-                return not (factored and factor_rank < min(param.shape))
         return True
 
     def _spectral_matrix_step(
@@ -342,6 +341,13 @@ def _take_factors(param: Tensor) -> tuple[Tensor, Tensor] | None:
             f"multiply to the parameter's shape {tuple(param.shape)}"
         )
     return left, right
+
+
+def takes_factors_only(method: str, shape: tuple[int, ...], rank: int) -> bool:
+    """Whether the spectral step by ``method`` of a matrix of ``shape`` needs only the gradient's
+    factors of rank ``rank`` (thinner than the matrix), so its producer may skip the dense
+    gradient (the solo SSD's rule, which a pack follows)."""
+    return method in FACTORED_METHODS and rank < min(shape[-2:])
 
 
 def factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:

@@ -29,7 +29,7 @@ from ssdcore.blowup import (
 )
 from ssdcore.pack.pack import RunDivergence, TrainingPack
 from ssdcore.pack.state import RunState
-from ssdcore.training import DEFAULT_EVAL_EXAMPLES, run_metrics
+from ssdcore.training import DEFAULT_EVAL_EXAMPLES, evaluation_spacing, run_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +96,7 @@ def fit_pack(
     valid_data: Tensor | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Train every run of ``pack`` to ``steps``; one metric history per run (as fit's)."""
-    if not (isinstance(steps, int) and steps >= 0):
-        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
-    every = eval_every if eval_every is not None else max(1, math.ceil(steps / 10))
-    if not (isinstance(every, int) and every >= 1):
-        raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
+    every = evaluation_spacing(steps, eval_every)
     progress = [
         _RunProgress(
             Recovery(max_backoffs=max_backoffs, factor=backoff_factor, label=f"pack run {run}"),

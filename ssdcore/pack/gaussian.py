@@ -40,17 +40,19 @@ from ssdcore.models.gaussian import diagonal_kernel_tensors
 from ssdcore.pack.gradients import PackedCD
 from ssdcore.pack.models import PACKABLE_VARIANCES
 from ssdcore.pack.random import PackedRandom
-from ssdcore.sampling import GibbsChain, gibbs_sweeps, hidden_probs_
 
 
 class PackedGaussianCD(PackedCD):
     """Batched CD-k (PCD-k) for Gaussian RBMs of one variance form (see the module docstring).
 
-    ``estimate(weight, visible_bias, hidden_bias, batch, variance)`` takes the stacked variance
-    parameter ((M, V) ``log_var``, (M, 1) ``log_c``, None for ``identity``) and also fills
-    ``grad_variance``. ``dense_row_sums`` says whether the solo estimator has the dense weight
-    gradient for the variance gradient's row sums (else it takes them from the factors).
+    ``estimate(..., variance)`` takes the stacked variance parameter ((M, V) ``log_var``, (M, 1)
+    ``log_c``, None for ``identity``) and also fills ``grad_variance``. ``dense_row_sums`` says
+    whether the solo estimator has the dense weight gradient for the variance gradient's row
+    sums (else it takes them from the factors).
     """
+
+    gaussian = True
+    row_blocks = False
 
     def __init__(
         self,
@@ -105,31 +107,6 @@ class PackedGaussianCD(PackedCD):
         self.grad_variance = stack(width) if scaled else None
         # On the CPU the solo chain may collapse intermediate sweeps (see the module docstring).
         self.per_run_chains = torch.device(device).type == "cpu" and k > 1
-        self._solo_chains: dict[int, GibbsChain] = {}
-        self.factors = (self.visible.mT, self.right)
-
-    @torch.no_grad()
-    def estimate(  # type: ignore[override]
-        self,
-        weight: Tensor,
-        visible_bias: Tensor,
-        hidden_bias: Tensor,
-        batch: Tensor,
-        variance: Tensor | None = None,
-    ) -> None:
-        """Every run's gradient, ``runs_per_chunk`` runs at a time (kept in cache on the CPU,
-        as the Bernoulli estimator's chunks)."""
-        n_runs = weight.shape[0]
-        for first in range(0, n_runs, self.runs_per_chunk):
-            runs = slice(first, min(n_runs, first + self.runs_per_chunk))
-            run_variance = None if variance is None else variance[runs]
-            kernel = self._kernel(
-                runs, weight[runs], visible_bias[runs], hidden_bias[runs], run_variance
-            )
-            self._sample(runs, kernel, batch[runs])
-            self._write_gaussian_gradients(runs, kernel)
-        weighted = self.visible if self.visible_precision is None else self.visible_precision
-        self.factors = (weighted.mT, self.right)
 
     def _kernel(
         self,
@@ -141,7 +118,7 @@ class PackedGaussianCD(PackedCD):
     ) -> GibbsKernel:
         """The runs' Gibbs kernel, as :meth:`GaussianRBM.gibbs_kernel` computes it."""
         if self.variance == "identity":
-            return GibbsKernel(weight, hidden_bias, weight, visible_bias, gaussian=True)
+            return super()._kernel(runs, weight, visible_bias, hidden_bias, variance)
         assert variance is not None and self.scale is not None and self.precision is not None
         assert self.hidden_weight is not None
         scale, precision, hidden_weight = diagonal_kernel_tensors(
@@ -161,41 +138,10 @@ class PackedGaussianCD(PackedCD):
             precision=precision,
         )
 
-    def _sample(self, runs: slice, kernel: GibbsKernel, batch: Tensor) -> None:
-        """The data rows' p(h | v) and the chains' k sweeps, into the runs' rows."""
-        B = self.batch_size
-        visible_rows, probs_rows = self.visible[runs], self.hidden_probs[runs]
-        visible_rows[:, :B].copy_(batch)
-        hidden_data = probs_rows[:, :B]
-        hidden_probs_(kernel, batch, hidden_data)
-        start = self._chain_start(runs, hidden_data)
-        visible, probs = visible_rows[:, B:], probs_rows[:, B:]
-        if self.per_run_chains:
-            for offset in range(visible.shape[0]):
-                chain = self._solo_chain(runs.start + offset)
-                chain.run(
-                    kernel.of_run(offset), start[offset], self.k, visible[offset], probs[offset]
-                )
-        else:
-            draws = self.random.for_runs(runs)
-            hidden, noise = self.hidden[runs], self.noise[runs]
-            gibbs_sweeps(kernel, draws, start, self.k, visible, probs, hidden, noise)
-        self._keep_chains(runs, probs)
-
-    def _solo_chain(self, run: int) -> GibbsChain:
-        chain = self._solo_chains.get(run)
-        if chain is None:
-            V, H = self.visible.shape[-1], self.hidden.shape[-1]
-            device = self.visible.device
-            chain = GibbsChain(self.batch_size, V, H, device, self.random.source(run))
-            self._solo_chains[run] = chain
-        return chain
-
-    def _write_gaussian_gradients(self, runs: slice, kernel: GibbsKernel) -> None:
-        weighted_out = None if self.visible_precision is None else self.visible_precision[runs]
-        factors = self._write_gradients(runs, kernel.precision, weighted_out)
+    def _write_gradients(self, runs: slice, kernel: GibbsKernel) -> tuple[Tensor, Tensor]:
+        factors = super()._write_gradients(runs, kernel)
         if kernel.precision is None:
-            return
+            return factors
         assert self.centered is not None and self.grad_variance is not None
         if self.dense_row_sums:
             assert self.weight_product is not None
@@ -212,3 +158,4 @@ class PackedGaussianCD(PackedCD):
             self.centered[runs],
         )
         self.grad_variance[runs].copy_(grad if self.variance == "diagonal" else unit_sums(grad))
+        return factors

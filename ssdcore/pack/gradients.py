@@ -1,17 +1,11 @@
-"""CD-k / PCD-k gradients of M Bernoulli RBMs of one shape as batched products.
+"""CD-k / PCD-k gradients of M RBMs of one shape as batched products.
 
-The solo estimator (:class:`ssdcore.CDEstimator`) does, per run, ``addmm`` for each
-conditional and ``mm`` for the weight gradient over the 2B rows (B data rows weighted -1/B, B
-model rows weighted +1/B). Here the same functions run (:func:`ssdcore.sampling.gibbs_sweeps`,
-:func:`ssdcore.gradients.write_weight_gradients_`) on a kernel and rows with a leading run
+The solo estimator's functions (:func:`ssdcore.sampling.gibbs_sweeps`,
+:func:`ssdcore.gradients.write_weight_gradients_`) run on a kernel and rows with a leading run
 dimension, where their products are ``baddbmm`` / ``bmm``: on the CPU those give the per-run
-results bit for bit (checked in ``tests/test_pack.py``), and the draws come from each run's own
-source (:mod:`ssdcore.pack.random`), so each run's estimate is its solo estimate. What this
-module adds is the buffers' layout: each run's rows at the solo buffers' offsets.
-
-Gradients (of the negative log-likelihood, as in :mod:`ssdcore.gradients`), per run:
-``W: Σ_n w_n v_n p_nᵀ`` (V, H), ``a: Σ_n w_n p_n``, ``b: Σ_n w_n v_n``; the weight gradient
-is also given as its factors ``(visibleᵀ, right)`` (rank 2B) for the factored polar steps.
+results bit for bit (``tests/test_pack.py``), and the draws come from each run's own source
+(:mod:`ssdcore.pack.random`), so each run's estimate is its solo estimate. What this module
+adds is the buffers' layout: each run's rows at the solo buffers' offsets.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from ssdcore.batched import ALIGNMENT_BYTES, stacked_empty
 from ssdcore.gradients import weighted_visible_, write_weight_gradients_
 from ssdcore.models.base import GibbsKernel
 from ssdcore.pack.random import PackedRandom
-from ssdcore.sampling import gibbs_sweeps, hidden_probs_
+from ssdcore.sampling import GibbsChain, gibbs_sweeps, hidden_probs_
 
 # Floats in ALIGNMENT_BYTES: a row block of a multiple of this many floats ends aligned.
 _ALIGNED_FLOATS = ALIGNMENT_BYTES // 4
@@ -50,6 +44,10 @@ class PackedCD:
     ``grad_b``, ``grad_a`` and ``factors``. PCD chains are ``chains`` (M, B, H) with
     ``has_chains`` (M,) saying which runs have theirs yet (a run inserted at step 0 has none).
     """
+
+    gaussian = False
+    # Contiguous stand-ins for row blocks (see __init__); the Gaussian estimator does without.
+    row_blocks = True
 
     def __init__(
         self,
@@ -92,7 +90,8 @@ class PackedCD:
         # floats): batched products into a contiguous output take one MKL batch call, into a
         # strided slice torch falls back to one addmm per run (same results, ~1.5x the time).
         def block(width: int) -> Tensor | None:
-            return stack(B, width) if (B * width) % _ALIGNED_FLOATS == 0 else None
+            aligned = self.row_blocks and (B * width) % _ALIGNED_FLOATS == 0
+            return stack(B, width) if aligned else None
 
         self._blocks = {
             "data_hidden": block(H),
@@ -107,23 +106,49 @@ class PackedCD:
         self.grad_b = stack(V)
         self.grad_a = stack(H)
         self.factors: tuple[Tensor, Tensor] = (self.visible.mT, self.right)
+        # Gaussian scratch (PackedGaussianCD): normal draws and the rows v C⁻¹.
+        self.noise: Tensor | None = None
+        self.visible_precision: Tensor | None = None
+        self.per_run_chains = False
+        self._solo_chains: dict[int, GibbsChain] = {}
 
     @torch.no_grad()
-    def estimate(self, weight: Tensor, visible_bias: Tensor, hidden_bias: Tensor, batch: Tensor):
-        """Estimate every run's gradient, ``runs_per_chunk`` runs at a time (see __init__)."""
+    def estimate(
+        self,
+        weight: Tensor,
+        visible_bias: Tensor,
+        hidden_bias: Tensor,
+        batch: Tensor,
+        variance: Tensor | None = None,
+    ) -> None:
+        """Estimate every run's gradient, ``runs_per_chunk`` runs at a time (see __init__);
+        ``variance`` is a Gaussian model's stacked variance parameter."""
         n_runs = weight.shape[0]
         for start in range(0, n_runs, self.runs_per_chunk):
             runs = slice(start, min(n_runs, start + self.runs_per_chunk))
-            self._estimate_chunk(
-                runs, weight[runs], visible_bias[runs], hidden_bias[runs], batch[runs]
+            run_variance = None if variance is None else variance[runs]
+            kernel = self._kernel(
+                runs, weight[runs], visible_bias[runs], hidden_bias[runs], run_variance
             )
-        self.factors = (self.visible.mT, self.right)
+            self._sample(runs, kernel, batch[runs])
+            self._write_gradients(runs, kernel)
+        weighted = self.visible if self.visible_precision is None else self.visible_precision
+        self.factors = (weighted.mT, self.right)
 
-    def _estimate_chunk(
-        self, runs: slice, weight: Tensor, visible_bias: Tensor, hidden_bias: Tensor, batch: Tensor
-    ) -> None:
+    def _kernel(
+        self,
+        runs: slice,
+        weight: Tensor,
+        visible_bias: Tensor,
+        hidden_bias: Tensor,
+        variance: Tensor | None,
+    ) -> GibbsKernel:
+        """The runs' Gibbs kernel, as the model's ``gibbs_kernel`` computes it."""
+        return GibbsKernel(weight, hidden_bias, weight, visible_bias, gaussian=self.gaussian)
+
+    def _sample(self, runs: slice, kernel: GibbsKernel, batch: Tensor) -> None:
+        """The data rows' p(h | v) and the chains' k sweeps, into the runs' rows."""
         B = self.batch_size
-        kernel = GibbsKernel(weight, hidden_bias, weight, visible_bias, gaussian=False)
         visible_rows, probs_rows = self.visible[runs], self.hidden_probs[runs]
         visible_rows[:, :B].copy_(batch)
         fast_hidden = self._blocks["data_hidden"] is not None
@@ -136,14 +161,31 @@ class PackedCD:
         fast_visible = self._blocks["model_visible"] is not None
         visible = self._blocks["model_visible"][runs] if fast_visible else visible_rows[:, B:]
         probs = self._blocks["model_hidden"][runs] if fast_hidden else probs_rows[:, B:]
-        draws = self.random.for_runs(runs)
-        gibbs_sweeps(kernel, draws, start, self.k, visible, probs, self.hidden[runs], None)
+        if self.per_run_chains:
+            for offset in range(visible.shape[0]):
+                chain = self._solo_chain(runs.start + offset)
+                chain.run(
+                    kernel.of_run(offset), start[offset], self.k, visible[offset], probs[offset]
+                )
+        else:
+            draws = self.random.for_runs(runs)
+            noise = None if self.noise is None else self.noise[runs]
+            gibbs_sweeps(kernel, draws, start, self.k, visible, probs, self.hidden[runs], noise)
         if fast_visible:
             visible_rows[:, B:].copy_(visible)
         if fast_hidden:
             probs_rows[:, B:].copy_(probs)
         self._keep_chains(runs, probs)
-        self._write_gradients(runs)
+
+    def _solo_chain(self, run: int) -> GibbsChain:
+        """Run ``run``'s own solo chain over its slices (see :class:`PackedGaussianCD`)."""
+        chain = self._solo_chains.get(run)
+        if chain is None:
+            V, H = self.visible.shape[-1], self.hidden.shape[-1]
+            device = self.visible.device
+            chain = GibbsChain(self.batch_size, V, H, device, self.random.source(run))
+            self._solo_chains[run] = chain
+        return chain
 
     def _keep_chains(self, runs: slice, probs: Tensor) -> None:
         """PCD: draw the runs' persistent chains from the model rows' p(h | v_k)."""
@@ -168,15 +210,14 @@ class PackedCD:
                 self.random.bernoulli_run_(run, hidden_data[offset], out=start[offset])
         return start
 
-    def _write_gradients(
-        self, runs: slice, precision: Tensor | None = None, weighted_out: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """The solo estimator's gradients of the chunk's runs (C⁻¹ = ``precision``, a diagonal
-        per run, for a Gaussian RBM); returns ∂W's factors. ∂b takes one mv per run, as the
-        solo estimator (:func:`ssdcore.batched.mv`): the l∞ step's sign(∂b) would turn a
-        last-bit difference into a different step."""
+    def _write_gradients(self, runs: slice, kernel: GibbsKernel) -> tuple[Tensor, Tensor]:
+        """The solo estimator's gradients of the chunk's runs (C⁻¹ = ``kernel.precision``, a
+        diagonal per run, for a Gaussian RBM); returns ∂W's factors. ∂b takes one mv per run,
+        as the solo estimator (:func:`ssdcore.batched.mv`): the l∞ step's sign(∂b) would turn
+        a last-bit difference into a different step."""
+        weighted_out = None if self.visible_precision is None else self.visible_precision[runs]
         return write_weight_gradients_(
-            weighted_visible_(self.visible[runs], precision, weighted_out),
+            weighted_visible_(self.visible[runs], kernel.precision, weighted_out),
             self.hidden_probs[runs],
             self.weights,
             right=self.right[runs],

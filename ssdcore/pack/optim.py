@@ -1,22 +1,13 @@
 """Per-run optimizer steps for a pack: SGD, Nesterov, SSD (both step rules) and the hybrids.
 
-Each run's optimizer is whatever :func:`ssdcore.optim.build_optimizer` makes of its
-:class:`~ssdcore.optim.OptimizerConfig`: the pack reads the parameter groups it would build (the
-one place that turns a config into per-parameter settings) and takes the same steps with a
-leading run dimension. Runs may differ in step size, momentum, weight decay and step-size
-schedule (each run's step size is base × its schedule's factor at its own step × its backoff
-scale, the solo Trainer's expression); the *rule* of each parameter (:class:`ParameterRule`:
-Euclidean with or without Nesterov, or spectral with its polar method and step rule) must be the
-same for every run in a pack — it decides which batched kernels run.
-
-Every update is the solo optimizer's own function (:mod:`ssdcore.optim.sgd`,
-:mod:`ssdcore.optim.ssd`, :mod:`ssdcore.optim.polar`, :mod:`ssdcore.optim.step_rules`) called on
-the stack, with per-run scalars as (M, 1) / (M, 1, 1) columns (:mod:`ssdcore.batched`), so on the
-CPU a packed run's parameters are its solo parameters bit for bit (``tests/test_pack.py``). What
-this module adds is the rule of each parameter and the per-run numbers.
-
-Not supported in a pack (ValueError naming the setting): ``ssd-preconditioned``, the
-``randomized`` polar method, and ``max_spectral_norm`` — the solo trainer runs those.
+The pack reads the parameter groups :func:`ssdcore.optim.build_optimizer` would build for each
+run's :class:`~ssdcore.optim.OptimizerConfig` and takes the solo optimizer's own steps
+(:mod:`ssdcore.optim.sgd`, :mod:`ssdcore.optim.ssd`, :mod:`ssdcore.optim.polar`) on the stack,
+with per-run scalars as (M, 1) / (M, 1, 1) columns (:mod:`ssdcore.batched`). Runs may differ in
+step size, momentum, weight decay and schedule; the *rule* of each parameter
+(:class:`ParameterRule`) must be the same for every run of a pack: it decides which batched
+kernels run. Not supported (ValueError naming the setting): ``ssd-preconditioned``, the
+``randomized`` polar method and ``max_spectral_norm``.
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ from ssdcore.optim.polar import (
     polar_svd,
 )
 from ssdcore.optim.sgd import momentum_step_
-from ssdcore.optim.ssd import FACTORED_METHODS, apply_factored_, apply_polar_, linf_step_
+from ssdcore.optim.ssd import apply_factored_, apply_polar_, linf_step_, takes_factors_only
 from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, spectral_length
 from ssdcore.schedules import step_size
 
@@ -105,13 +96,6 @@ def needs_dense_weight_gradient(rule: ParameterRule, shape: tuple[int, int], ran
     return not (rule.method == "newton-schulz" and rank < min(shape))
 
 
-def solo_has_only_factors(rule: ParameterRule, shape: tuple[int, int], rank: int) -> bool:
-    """Whether the solo SSD gets W's gradient as factors only (its estimator skips the dense
-    product: :meth:`ssdcore.optim.SSD.needs_dense_gradient`), so that the normalized rule takes
-    ``‖G‖_F`` from the factors — the pack does the same, dense gradient or not."""
-    return rule.method in FACTORED_METHODS and rank < min(shape)
-
-
 class PackedOptimizer:
     """Steps for parameters stacked over M runs, with per-run step sizes and settings.
 
@@ -169,9 +153,7 @@ class PackedOptimizer:
         """Give slot ``run`` another run's settings (same rules) and forget its buffers."""
         self.settings[run] = settings
         self.lr_scales[run] = float(lr_scale)
-        for name, buffer in self.momentum_buffers.items():
-            buffer[run].zero_()
-            self.has_buffer[name][run] = False
+        self.load_run_buffers(run, {})
         self._refresh()
 
     def _column(self, values: list[float], name: str) -> Tensor:
@@ -193,7 +175,6 @@ class PackedOptimizer:
                 [-lr * m for lr, m in zip(lrs, momenta, strict=True)], name
             )
             self._momentum[name] = self._column(momenta, name)
-            self._any_momentum = any(m != 0 for m in momenta)
             has_decay = any(d != 0 for d in decays)
             self._decay[name] = (
                 self._column([1 - lr * d for lr, d in zip(lrs, decays, strict=True)], name)
@@ -223,7 +204,7 @@ class PackedOptimizer:
             elif parameter.ndim == 3:
                 self._spectral_matrix_(name, parameter, grad, weight_factors, rule)
             else:
-                self._linf_(name, parameter, grad, rule.step_rule)
+                linf_step_(parameter, grad, self._neg_lr[name], rule.step_rule)
 
     def _euclidean_(self, name: str, parameter: Tensor, grad: Tensor, rule: ParameterRule) -> None:
         momenta = [run[name].momentum for run in self.settings]
@@ -281,12 +262,9 @@ class PackedOptimizer:
         ``‖G‖_F²`` from them where it has no dense gradient."""
         shape = (stacked_shape[-2], stacked_shape[-1])
         rank = factors[0].shape[-1] if factors is not None else min(shape)
-        use_factors = grad is None or solo_has_only_factors(rule, shape, rank)
+        use_factors = grad is None or takes_factors_only(rule.method, shape, rank)
         dense = None if use_factors else grad
         return spectral_length(nuclear_norm, rule.step_rule, dense, factors, stacked_shape)
-
-    def _linf_(self, name: str, parameter: Tensor, grad: Tensor, step_rule: str) -> None:
-        linf_step_(parameter, grad, self._neg_lr[name], step_rule)
 
     # --- state ----------------------------------------------------------------------------
 
@@ -306,7 +284,3 @@ class PackedOptimizer:
                 buffer[run].zero_()
             else:
                 buffer[run].copy_(saved)
-
-    def reset_run_buffers(self, run: int) -> None:
-        """Zero run ``run``'s buffers (a diverged run's may hold NaN)."""
-        self.load_run_buffers(run, {})

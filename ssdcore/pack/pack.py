@@ -2,31 +2,23 @@
 
 Each run keeps its own model, optimizer settings and step size, data order, random source and
 step count; the pack stacks the parameters (W (M, V, H), b (M, V), a (M, H), and a Gaussian
-model's variance parameter) and runs every step's Gibbs sweeps, gradients and updates as
-batched products. A pack holds Bernoulli RBMs, or Gaussian RBMs of one variance form
-(:mod:`ssdcore.pack.models`: identity, isotropic, diagonal; each run's variances are clamped
-to its own bounds before each estimate and after each step, as ``constrain_`` does solo).
-What holds run by run:
+model's variance parameter, clamped to each run's own bounds as ``constrain_`` does) and runs
+every step's sweeps, gradients and updates as batched products. What holds run by run:
 
-- *Pack-independence and solo equivalence.* A run's batches and draws come from its own
-  seeded streams, the solo :class:`~ssdcore.Trainer`'s for the same seed, and every batched
-  kernel computes each run's slice as the solo kernel does. On the CPU a packed run's
-  trajectory is its solo trajectory bit for bit, whatever else shares the pack
-  (``tests/test_pack.py``); on CUDA, within float32 rounding (see ``docs/ARCHITECTURE.md``).
-- *Schedules are per run.* Each run follows its own step-size schedule
-  (:mod:`ssdcore.schedules`) at its own step count — a run resumed at step k joins a pack
-  mid-schedule — with the step size the solo Trainer would use: base × factor(step) × backoff
-  scale, the same float operations. A pack with any non-constant schedule is not CUDA-graphed
-  (as a solo scheduled run is not).
-- *Divergence is per run.* After every ``check_every`` steps one reduction per run checks that
-  its parameters are finite (one host sync for the pack). A run that fails is put back to its
-  last finite parameters and frozen — it stops moving and counting steps — and a
-  :class:`RunDivergence` reports it; the others carry on. The caller decides what happens next
-  (:func:`ssdcore.pack.fit_pack` applies fit's backoff per run): :meth:`TrainingPack.restore`
-  a snapshot, :meth:`TrainingPack.set_lr_scale`, and the run continues.
+- *Solo equivalence.* A run's batches and draws come from its own seeded streams, the solo
+  :class:`~ssdcore.Trainer`'s for the same seed, and every batched kernel computes each run's
+  slice as the solo kernel does: on the CPU a packed run's trajectory is its solo trajectory bit
+  for bit, whatever else shares the pack (``tests/test_pack.py``); on CUDA, within float32
+  rounding.
+- *Schedules are per run*, at the run's own step count, with the solo Trainer's step size (base
+  × factor(step) × backoff scale). A pack with any non-constant schedule is not CUDA-graphed.
+- *Divergence is per run.* Every ``check_every`` steps one reduction per run (one host sync)
+  checks its parameters; a run that fails is put back to its last finite parameters and frozen,
+  a :class:`RunDivergence` reports it and the others carry on. The caller decides what follows
+  (:func:`ssdcore.pack.fit_pack` applies fit's backoff per run).
 - *Interchangeable state.* :meth:`TrainingPack.run_state` / :meth:`TrainingPack.load_run_state`
   move one run out and in; :mod:`ssdcore.pack.exchange` turns that into a solo Trainer and its
-  ordinary checkpoint bytes, and back.
+  checkpoint bytes, and back.
 """
 
 from __future__ import annotations
@@ -41,17 +33,17 @@ import torch
 from torch import Tensor
 
 from ssdcore.batched import stacked_copy
-from ssdcore.cuda_graph import GraphedStep
+from ssdcore.cuda_graph import GraphedStep, use_cuda_graph
 from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.factory import model_from_config
 from ssdcore.models.gaussian import GaussianRBM, log_variance_bounds
 from ssdcore.optim.config import OptimizerConfig, resolve_for
+from ssdcore.optim.ssd import takes_factors_only
 from ssdcore.order import RunOrder, gather_batches
 from ssdcore.pack.gaussian import PackedGaussianCD
 from ssdcore.pack.gradients import PackedCD
 from ssdcore.pack.models import (
-    check_packable,
     model_signature,
     parameter_names,
     template_model,
@@ -64,7 +56,6 @@ from ssdcore.pack.optim import (
     needs_dense_weight_gradient,
     parameter_groups,
     rule_and_settings,
-    solo_has_only_factors,
 )
 from ssdcore.pack.random import PackedRandom
 from ssdcore.pack.state import RunState
@@ -74,6 +65,7 @@ from ssdcore.training import (
     _ESTIMATOR_SEED_OFFSET,
     DEFAULT_BATCH_SIZE,
     DEFAULT_CD_K,
+    as_optimizer_config,
     check_data,
     check_loop_settings,
     non_finite_what,
@@ -100,14 +92,6 @@ class RunDivergence:
     step: int
     restored_step: int
     what: str
-
-
-def _config(optimizer: OptimizerConfig | str) -> OptimizerConfig:
-    if isinstance(optimizer, str):
-        return OptimizerConfig(name=optimizer)
-    if not isinstance(optimizer, OptimizerConfig):
-        raise ValueError(f"optimizer must be an OptimizerConfig or a name, got {optimizer!r}")
-    return optimizer
 
 
 def run_rules(
@@ -137,9 +121,8 @@ def pack_key(
     :meth:`RBM.config` output: its kind, Gaussian variance form and shape are part of the key.
     ValueError says why a run cannot be packed at all (a full-covariance Gaussian model, an
     optimizer setting packs do not run)."""
-    check_packable(model_config)
-    template = template_model(model_config)
-    rules, _ = run_rules(resolve_for(template, _config(optimizer)), model_config, device)
+    config = resolve_for(template_model(model_config), as_optimizer_config(optimizer))
+    rules, _ = run_rules(config, model_config, device)
     return (
         *model_signature(model_config),
         int(batch_size),
@@ -204,7 +187,7 @@ class TrainingPack:
         self.parameter_names = parameter_names(self.model_configs[0])
         self.variance_name = variance_parameter(self.model_configs[0])
         self.variance_form = getattr(first, "variance", None)
-        self.configs = [resolve_for(run.model, _config(run.optimizer)) for run in runs]
+        self.configs = [resolve_for(run.model, as_optimizer_config(run.optimizer)) for run in runs]
         self.seeds = [int(run.seed) for run in runs]
         for index, config in enumerate(self.configs):
             config.schedule.require_horizon(f"runs[{index}].optimizer.schedule")
@@ -235,7 +218,7 @@ class TrainingPack:
         self._last_good = {name: stacked_copy(t) for name, t in self.parameters.items()}
         self._last_good_steps = [0] * self.n_runs
         self._scheduled = any(not schedule.is_constant for schedule in self.schedules)
-        self.cuda_graph = self._resolve_cuda_graph(cuda_graph)
+        self.cuda_graph = use_cuda_graph(cuda_graph, self._cuda_graph_obstacle())
         self._graphed_step: GraphedStep | None = None
 
     @staticmethod
@@ -264,7 +247,7 @@ class TrainingPack:
             return PackedCD(*sizes, **common)
         # The solo estimator takes the variance gradient's row sums from the dense weight
         # gradient when it forms one, else from the factors; the pack follows it.
-        dense_row_sums = not solo_has_only_factors(weight_rule, shape, rank)
+        dense_row_sums = not takes_factors_only(weight_rule.method, shape, rank)
         return PackedGaussianCD(
             *sizes, variance=self.variance_form, dense_row_sums=dense_row_sums, **common
         )
@@ -286,8 +269,7 @@ class TrainingPack:
     def _constrain(self) -> None:
         """Every run's ``constrain_``: its log variances clamped to its bounds."""
         if self._variance_bounds is not None and self.variance_name is not None:
-            low, high = self._variance_bounds
-            self.parameters[self.variance_name].clamp_(low, high)
+            self.parameters[self.variance_name].clamp_(*self._variance_bounds)
 
     def _rules_of_runs(self) -> tuple[dict[str, ParameterRule], list[dict[str, RunSettings]]]:
         rules: dict[str, ParameterRule] | None = None
@@ -307,44 +289,34 @@ class TrainingPack:
 
     # --- CUDA graphs ------------------------------------------------------------------------
 
-    def _resolve_cuda_graph(self, requested: bool | None) -> bool:
-        if requested is False:
-            return False
-        capturable = all(
+    def _cuda_graph_obstacle(self) -> str | None:
+        if self.device.type != "cuda":
+            return f"the pack is on {self.device}, not a CUDA device"
+        if not all(
             rule.geometry == "euclidean" or rule.method in ("", "newton-schulz")
             for rule in self.rules.values()
-        )
-        obstacle = None
-        if self.device.type != "cuda":
-            obstacle = f"the pack is on {self.device}, not a CUDA device"
-        elif not capturable:
-            obstacle = "exact polar steps synchronize with the host (use newton-schulz)"
-        elif self._scheduled:
-            obstacle = "a step-size schedule changes the step sizes every step"
-        if requested and obstacle:
-            raise ValueError(f"cuda_graph=True but the step cannot be captured: {obstacle}")
-        return obstacle is None
+        ):
+            return "exact polar steps synchronize with the host (use newton-schulz)"
+        if self._scheduled:
+            return "a step-size schedule changes the step sizes every step"
+        return None
 
     # --- training -------------------------------------------------------------------------
 
     def _step(self) -> None:
         """Estimate and update every run on ``self._batch``: the unit a CUDA graph captures."""
         W, b, a = (self.parameters[name] for name in ("W", "b", "a"))
-        estimator = self.estimator
-        gradients = {}
-        if isinstance(estimator, PackedGaussianCD):
-            self._constrain()  # the solo estimate constrains the model first
-            variance = self.parameters.get(self.variance_name or "")
-            estimator.estimate(W, b, a, self._batch, variance)
-            if self.variance_name is not None:
-                gradients[self.variance_name] = estimator.grad_variance
-        else:
-            estimator.estimate(W, b, a, self._batch)
-        gradients.update(
-            W=estimator.grad_W if estimator.dense_weight_grad else None,
-            b=estimator.grad_b,
-            a=estimator.grad_a,
-        )
+        estimator, variance_name = self.estimator, self.variance_name
+        self._constrain()  # the solo estimate constrains the model first
+        variance = None if variance_name is None else self.parameters[variance_name]
+        estimator.estimate(W, b, a, self._batch, variance)
+        gradients = {
+            "W": estimator.grad_W if estimator.dense_weight_grad else None,
+            "b": estimator.grad_b,
+            "a": estimator.grad_a,
+        }
+        if variance_name is not None:
+            gradients[variance_name] = estimator.grad_variance
         self.optimizer.step(self.parameters, gradients, estimator.factors)
         self._constrain()
 
@@ -408,22 +380,25 @@ class TrainingPack:
         found = []
         for run, ok in enumerate(finite):
             if ok:
-                for name, parameter in self.parameters.items():
-                    self._last_good[name][run].copy_(parameter[run])
-                self._last_good_steps[run] = self.step_counts[run]
+                self._mark_good(run)
             elif self.active[run]:
-                found.append(self._freeze(run, self._non_finite_names(run)))
+                what = non_finite_what((name, t[run]) for name, t in self.parameters.items())
+                found.append(self._freeze(run, what))
         return found
 
-    def _non_finite_names(self, run: int) -> str:
-        return non_finite_what((name, t[run]) for name, t in self.parameters.items())
+    @torch.no_grad()
+    def _mark_good(self, run: int) -> None:
+        """Run ``run``'s parameters now are its last good ones."""
+        for name, parameter in self.parameters.items():
+            self._last_good[name][run].copy_(parameter[run])
+        self._last_good_steps[run] = self.step_counts[run]
 
     def _freeze(self, run: int, what: str) -> RunDivergence:
         failed = self.step_counts[run]
         with torch.no_grad():
             for name, parameter in self.parameters.items():
                 parameter[run].copy_(self._last_good[name][run])
-        self.optimizer.reset_run_buffers(run)
+        self.optimizer.load_run_buffers(run, {})  # a diverged run's may hold NaN
         self.step_counts[run] = self._last_good_steps[run]
         self.active[run] = False
         event = RunDivergence(run, failed, self.step_counts[run], what)
@@ -437,10 +412,7 @@ class TrainingPack:
         """Stop stepping run ``run`` (e.g. it has finished) without reporting a divergence;
         :meth:`release` or :meth:`load_run_state` lets it go on."""
         self._check_run(run)
-        with torch.no_grad():
-            for name, parameter in self.parameters.items():
-                self._last_good[name][run].copy_(parameter[run])
-        self._last_good_steps[run] = self.step_counts[run]
+        self._mark_good(run)
         self.active[run] = False
 
     def release(self, run: int) -> None:
@@ -465,9 +437,6 @@ class TrainingPack:
         """Every run's schedule factor at its own step, for the step about to be taken."""
         factors = [s.factor(step) for s, step in zip(self.schedules, self.step_counts, strict=True)]
         self.optimizer.set_schedule_factors(factors)
-
-    def lr_scale(self, run: int) -> float:
-        return self.optimizer.lr_scales[run]
 
     def set_lr_scale(self, run: int, scale: float) -> None:
         """Every step size of run ``run`` = its configured value × ``scale`` (× its schedule's
