@@ -1,31 +1,19 @@
 """CD-k / PCD-k gradients of M Gaussian RBMs of one shape and variance form, batched.
 
-The solo estimator (:class:`ssdcore.CDEstimator` with a :class:`~ssdcore.GaussianRBM`) builds
-the model's Gibbs kernel (standard deviations ``exp(½ log σ²)``, precisions ``σ⁻²``, the hidden
-weights ``C⁻¹W``), runs the sweeps, and writes every gradient of :mod:`ssdcore.gradients`:
+The solo estimator's functions (:func:`ssdcore.models.gaussian.diagonal_kernel_tensors`,
+:func:`ssdcore.sampling.gibbs_sweeps`, :mod:`ssdcore.gradients`) run on tensors with a leading
+run dimension, as for the Bernoulli pack (:mod:`ssdcore.pack.gradients`). Pieces run run by run,
+each for a stated reason:
 
-    W: left @ right with left = (v C⁻¹)ᵀ (V, 2B), right = w ⊙ p (2B, H)
-    a: Σ_n w_n p_n          b: C⁻¹ Σ_n w_n v_n
-    log_var: ½ C⁻¹ Σ_n w_n (v_n - b)² - rowsum(W ⊙ ∂L/∂W)      log_c: its sum over units
-
-Here the same functions run on tensors with a leading run dimension
-(:func:`ssdcore.models.gaussian.diagonal_kernel_tensors`, :func:`ssdcore.sampling.gibbs_sweeps`,
-:func:`ssdcore.gradients.write_weight_gradients_`, :func:`~ssdcore.gradients.variance_gradient`):
-elementwise ops on the stacks, ``baddbmm`` / ``bmm`` where the solo step has ``addmm`` / ``mm``
-(bit for bit on the CPU, as for the Bernoulli pack: :mod:`ssdcore.pack.gradients`). Pieces those
-functions run run by run, each for a stated reason:
-
-- the normal draws: each run's come from its own torch generator (the solo estimator's), and a
-  generator fills one tensor per call (:meth:`ssdcore.pack.random.PackedRandom.normal_`);
+- the normal draws: each run's come from its own torch generator, and a generator fills one
+  tensor per call (:meth:`ssdcore.pack.random.PackedRandom.normal_`);
 - ``mv`` products with the row weights and the isotropic sum over units: a batched product with
   a vector takes another BLAS kernel than ``mv``, and a full reduction another summation order
-  than a batched one (:mod:`ssdcore.batched`);
-- the row sums from the gradient's factors (only where the solo step has no dense gradient).
-
-On the CPU with k ≥ 2 each run's whole chain runs through the solo
-:class:`~ssdcore.sampling.GibbsChain` on its slices: the solo chain may integrate the visible
-layer out of its intermediate sweeps (:class:`~ssdcore.sampling.CollapsedSweep`), which takes a
-Cholesky factor per run and decides on the host whether it exists.
+  (:mod:`ssdcore.batched`);
+- on the CPU with k ≥ 2, each run's whole chain, through the solo
+  :class:`~ssdcore.sampling.GibbsChain` on its slices: the solo chain may integrate the visible
+  layer out of its intermediate sweeps (:class:`~ssdcore.sampling.CollapsedSweep`), which takes
+  a Cholesky factor per run and decides on the host whether it exists.
 """
 
 from __future__ import annotations
@@ -36,7 +24,6 @@ from torch import Tensor
 from ssdcore.batched import stacked_empty
 from ssdcore.gradients import unit_sums, variance_gradient, weighted_row_sums
 from ssdcore.models.base import GibbsKernel
-from ssdcore.models.gaussian import diagonal_kernel_tensors
 from ssdcore.pack.gradients import PackedCD
 from ssdcore.pack.models import PACKABLE_VARIANCES
 from ssdcore.pack.random import PackedRandom
@@ -107,36 +94,6 @@ class PackedGaussianCD(PackedCD):
         self.grad_variance = stack(width) if scaled else None
         # On the CPU the solo chain may collapse intermediate sweeps (see the module docstring).
         self.per_run_chains = torch.device(device).type == "cpu" and k > 1
-
-    def _kernel(
-        self,
-        runs: slice,
-        weight: Tensor,
-        visible_bias: Tensor,
-        hidden_bias: Tensor,
-        variance: Tensor | None,
-    ) -> GibbsKernel:
-        """The runs' Gibbs kernel, as :meth:`GaussianRBM.gibbs_kernel` computes it."""
-        if self.variance == "identity":
-            return super()._kernel(runs, weight, visible_bias, hidden_bias, variance)
-        assert variance is not None and self.scale is not None and self.precision is not None
-        assert self.hidden_weight is not None
-        scale, precision, hidden_weight = diagonal_kernel_tensors(
-            weight,
-            variance,
-            hidden_weight_out=self.hidden_weight[runs],
-            scale_out=self.scale[runs],
-            precision_out=self.precision[runs],
-        )
-        return GibbsKernel(
-            hidden_weight,
-            hidden_bias,
-            weight,
-            visible_bias,
-            gaussian=True,
-            noise_scale=scale,
-            precision=precision,
-        )
 
     def _write_gradients(self, runs: slice, kernel: GibbsKernel) -> tuple[Tensor, Tensor]:
         factors = super()._write_gradients(runs, kernel)

@@ -16,6 +16,7 @@ from torch import Tensor
 from ssdcore.batched import ALIGNMENT_BYTES, stacked_empty
 from ssdcore.gradients import weighted_visible_, write_weight_gradients_
 from ssdcore.models.base import GibbsKernel
+from ssdcore.models.gaussian import diagonal_kernel_tensors
 from ssdcore.pack.random import PackedRandom
 from ssdcore.sampling import GibbsChain, gibbs_sweeps, hidden_probs_
 
@@ -106,9 +107,10 @@ class PackedCD:
         self.grad_b = stack(V)
         self.grad_a = stack(H)
         self.factors: tuple[Tensor, Tensor] = (self.visible.mT, self.right)
-        # Gaussian scratch (PackedGaussianCD): normal draws and the rows v C⁻¹.
+        # Gaussian scratch (PackedGaussianCD): normal draws, the rows v C⁻¹, the kernel.
         self.noise: Tensor | None = None
         self.visible_precision: Tensor | None = None
+        self.scale = self.precision = self.hidden_weight = None
         self.per_run_chains = False
         self._solo_chains: dict[int, GibbsChain] = {}
 
@@ -143,8 +145,27 @@ class PackedCD:
         hidden_bias: Tensor,
         variance: Tensor | None,
     ) -> GibbsKernel:
-        """The runs' Gibbs kernel, as the model's ``gibbs_kernel`` computes it."""
-        return GibbsKernel(weight, hidden_bias, weight, visible_bias, gaussian=self.gaussian)
+        """The runs' Gibbs kernel, as the model's ``gibbs_kernel`` computes it (a Gaussian
+        model's diagonal or isotropic ``variance`` into the Gaussian estimator's buffers)."""
+        if variance is None:
+            return GibbsKernel(weight, hidden_bias, weight, visible_bias, gaussian=self.gaussian)
+        assert self.hidden_weight is not None and self.scale is not None
+        scale, precision, hidden_weight = diagonal_kernel_tensors(
+            weight,
+            variance,
+            hidden_weight_out=self.hidden_weight[runs],
+            scale_out=self.scale[runs],
+            precision_out=self.precision[runs],
+        )
+        return GibbsKernel(
+            hidden_weight,
+            hidden_bias,
+            weight,
+            visible_bias,
+            gaussian=True,
+            noise_scale=scale,
+            precision=precision,
+        )
 
     def _sample(self, runs: slice, kernel: GibbsKernel, batch: Tensor) -> None:
         """The data rows' p(h | v) and the chains' k sweeps, into the runs' rows."""
