@@ -1,24 +1,20 @@
 """The spectral step's two ingredients for a gradient matrix G: the polar factor U Vᵀ and ‖σ(G)‖₁.
 
-The S∞ steepest-descent step of Stochastic Spectral Descent is ``W -= lr * ‖σ(G)‖₁ * U Vᵀ`` where
-``G = U Σ Vᵀ`` is the thin SVD. Each function below computes the pair a different way; all return
-a :class:`Polar` (or, for the fused optimizer path, a :class:`FactoredPolar`).
+The S∞ step of Stochastic Spectral Descent is ``W -= lr * ‖σ(G)‖₁ * U Vᵀ`` with ``G = U Σ Vᵀ``
+the thin SVD. Each function below computes the pair a different way, as a :class:`Polar` (or,
+for the fused optimizer path, a :class:`FactoredPolar`).
 
-Direction convention: U Vᵀ is taken over G's *numerical range* only, i.e. singular values below
-``max(m, n) * eps * σ_max`` count as zero and their (arbitrary) singular vectors are dropped.
-A CD gradient has rank ≤ 2B, far below min(m, n) for MNIST-sized models; a full-rank U Vᵀ would
-add unit steps along directions that are pure rounding noise. This is the minimum-norm minimiser
-of the S∞ upper bound and the one every method here agrees on.
-
-Nuclear norm convention: ``‖σ(G)‖₁ = ⟨G, U Vᵀ⟩``, which is exact for an exact polar factor and
-gives a consistent, never-overestimating value for the approximate ones (Newton–Schulz,
-randomized).
+Direction: U Vᵀ over G's *numerical range* only (singular values below
+``max(m, n) * eps * σ_max`` count as zero). A CD gradient has rank ≤ 2B, far below min(m, n);
+a full-rank U Vᵀ would add unit steps along pure rounding noise. This is the minimum-norm
+minimiser of the S∞ upper bound, and every method here agrees on it. Nuclear norm:
+``‖σ(G)‖₁ = ⟨G, U Vᵀ⟩``, exact for an exact polar factor and never an overestimate for the
+approximate ones (Newton–Schulz, randomized).
 
 Stacks: :func:`polar_svd`, :func:`polar_gram_factors`, :func:`polar_newton_schulz` and
-:func:`polar_newton_schulz_factors` also take a stack of M gradients (M, m, n), one per run of a
-pack (:mod:`ssdcore.pack`), and give each run's result bit for bit as for its matrix alone (on the
-CPU; see :mod:`ssdcore.batched`). In a stack, a run whose gradient is not finite gets a NaN
-nuclear norm, and so a non-finite step, instead of failing the batched ``eigh`` for every run.
+:func:`polar_newton_schulz_factors` also take a stack (M, m, n), one gradient per run of a pack,
+and give each run's solo result bit for bit on the CPU (:mod:`ssdcore.batched`). A run whose
+gradient is not finite gets a NaN nuclear norm, instead of failing the batched ``eigh`` for all.
 """
 
 from __future__ import annotations
@@ -72,21 +68,30 @@ def _kept(singular_values: Tensor, shape: tuple[int, ...]) -> Tensor:
     return singular_values > largest * max(shape[-2:]) * torch.finfo(singular_values.dtype).eps
 
 
-def polar_svd(grad: Tensor) -> Polar:
-    """Exact polar factor from ``torch.linalg.svd``: the reference, O(m n min(m, n)).
+def _as_matrix(factored: FactoredPolar) -> Polar:
+    return Polar(matmul(factored.left, factored.right), factored.nuclear_norm)
 
-    Use when the gradient has no low-rank factors (e.g. the GRBM's full precision matrix) or as
-    the ground truth for the other methods.
-    """
+
+def _svd_factors(grad: Tensor) -> FactoredPolar:
     u, s, vh = torch.linalg.svd(grad, full_matrices=False)  # (m, k), (k,), (k, n)
-    direction = matmul(u * _kept(s, grad.shape).unsqueeze(-2), vh)
-    return Polar(direction, s.sum(dim=-1))
+    return FactoredPolar(u * _kept(s, grad.shape).unsqueeze(-2), vh, s.sum(dim=-1))
 
 
-def _kept_squares(eigenvalues: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """:func:`_kept` for the eigenvalues λ = σ² of the Gram matrix of a ``dtype`` matrix."""
+def polar_svd(grad: Tensor) -> Polar:
+    """Exact polar factor from ``torch.linalg.svd``: the reference, O(m n min(m, n)), for
+    gradients without low-rank factors (e.g. the GRBM's full precision matrix)."""
+    return _as_matrix(_svd_factors(grad))
+
+
+def _inverse_roots(
+    eigenvalues: Tensor, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(λ^{-1/2}, ‖σ‖₁)`` for the eigenvalues λ = σ² of the float64 Gram matrix of a ``dtype``
+    matrix of ``shape``: λ^{-1/2} over the eigenvalues :func:`_kept` keeps (as σ), 0 elsewhere."""
     tolerance = (max(shape[-2:]) * torch.finfo(dtype).eps) ** 2 * eigenvalues.amax(-1, True)
-    return eigenvalues > tolerance
+    kept = eigenvalues > tolerance
+    inverse_root = torch.where(kept, torch.where(kept, eigenvalues, 1.0).rsqrt(), 0.0)
+    return inverse_root, _nuclear_norm(eigenvalues, shape)
 
 
 def _nuclear_norm(eigenvalues: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -102,40 +107,31 @@ def _nuclear_norm(eigenvalues: Tensor, shape: tuple[int, ...]) -> Tensor:
 def _inverse_square_root(
     gram: Tensor, shape: tuple[int, ...], dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """``(S, ‖σ‖₁)`` for a float64 Gram matrix ``GᵀG`` of a ``dtype`` matrix G of ``shape``.
+    """``(S, ‖σ‖₁)`` for a float64 Gram matrix ``GᵀG`` of a ``dtype`` matrix G of ``shape``:
+    ``S = Q Λ^{-1/2} Qᵀ`` (:func:`_inverse_roots`), so ``G S`` is G's polar factor.
 
-    ``S = Q Λ^{-1/2} Qᵀ`` over the eigenvalues kept by :func:`_kept_squares`, so ``G S`` is G's
-    polar factor over its numerical range. ``‖σ‖₁ = Σ sqrt(λ)`` sums, like :func:`polar_svd`,
-    every singular value, dropped ones included, down to the float64 rounding noise of the Gram
-    matrix (``max(m, n) · eps64 · λ_max``), below which sqrt(λ) would be noise, not a σ.
     In a stack, a run's non-finite Gram matrix is decomposed as the identity and gets a NaN
-    ``‖σ‖₁``, so that it fails alone, not the batched ``eigh`` for every run (LAPACK decomposes
-    each matrix on its own copy, so a batched call gives each run's solo result); a single
-    matrix's failure is its caller's (the Trainer reports it as a divergence).
+    ``‖σ‖₁``, so that it fails alone (LAPACK decomposes each matrix on its own copy, so a batched
+    call gives each run's solo result); a single matrix's failure is its caller's.
     """
     finite = torch.isfinite(gram).flatten(-2).all(dim=-1) if gram.ndim > 2 else None
     if finite is not None:
         identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
         gram = torch.where(finite[..., None, None], gram, identity)
     eigenvalues, vectors = torch.linalg.eigh(gram)
-    kept = _kept_squares(eigenvalues, shape, dtype)
-    nuclear_norm = _nuclear_norm(eigenvalues, shape)
+    inverse_root, nuclear_norm = _inverse_roots(eigenvalues, shape, dtype)
     if finite is not None:
         nuclear_norm = torch.where(finite, nuclear_norm, torch.nan)
-    safe = torch.where(kept, eigenvalues, 1.0)
-    inverse_root = torch.where(kept, safe.rsqrt(), 0.0)
     return matmul(vectors * inverse_root.unsqueeze(-2), vectors.mT), nuclear_norm
 
 
 def _gram_is_exact_enough(dtype: torch.dtype) -> bool:
     """Whether float64 Gram matrices resolve every singular value a ``dtype`` matrix keeps.
 
-    An eigenvalue λ = σ² of a Gram matrix formed and decomposed in float64 is accurate to about
-    ``eps64 · λ_max``, so σ has relative error about ``eps64 (σ_max / σ)² / 2``. Singular values
-    are kept down to ``max(m, n) · eps · σ_max``; for float32 (eps ≈ 1.2e-7) and any side up to
-    ~1e4 that error stays below ``eps64 / (1e4 · eps32)² ≈ 1e-10``, far below float32 precision.
-    For float64 matrices squaring the condition number would lose the small singular values, so
-    they take the QR / SVD routes.
+    An eigenvalue λ = σ² of a float64 Gram matrix is accurate to about ``eps64 · λ_max``, so σ
+    has relative error about ``eps64 (σ_max / σ)² / 2``; for float32 and sides up to ~1e4 that
+    is below ``eps64 / (1e4 · eps32)² ≈ 1e-10`` at the smallest kept σ. For float64 matrices
+    squaring the condition number would lose the small singular values (QR / SVD routes).
     """
     return dtype != torch.float64 and torch.finfo(dtype).eps >= torch.finfo(torch.float32).eps
 
@@ -143,15 +139,13 @@ def _gram_is_exact_enough(dtype: torch.dtype) -> bool:
 def polar_gram_factors(grad: Tensor) -> FactoredPolar:
     """Exact polar factor of a thin matrix from its small Gram matrix, as ``left @ right``.
 
-    Why: for G of shape (m, n) with n ≪ m (e.g. 784×50), ``GᵀG = Q Λ Qᵀ`` (n×n, float64) gives
+    For G (m, n) with n ≪ m (e.g. 784×50), ``GᵀG = Q Λ Qᵀ`` (n×n, float64) gives
     ``U Vᵀ = G · Q Λ^{-1/2} Qᵀ`` and ``‖σ‖₁ = Σ sqrt(λ)``: one O(m n²) product and an n×n
-    eigendecomposition instead of an SVD of G, and the step fuses into one addmm. The factors
-    are ``(G, S)`` for tall G and ``(S, G)`` for wide G. Float64 inputs use :func:`polar_svd`
-    (see :func:`_gram_is_exact_enough`).
+    eigendecomposition instead of an SVD, and the step fuses into one addmm. The factors are
+    ``(G, S)`` for tall G, ``(S, G)`` for wide G; float64 inputs take the SVD.
     """
     if not _gram_is_exact_enough(grad.dtype):
-        u, s, vh = torch.linalg.svd(grad, full_matrices=False)
-        return FactoredPolar(u * _kept(s, grad.shape).unsqueeze(-2), vh, s.sum(dim=-1))
+        return _svd_factors(grad)
     wide = grad.shape[-2] < grad.shape[-1]
     if grad.ndim == 2:
         g64 = grad.to(torch.float64)
@@ -171,8 +165,7 @@ def polar_gram_factors(grad: Tensor) -> FactoredPolar:
 
 def polar_gram(grad: Tensor) -> Polar:
     """Exact polar factor of a thin matrix (see :func:`polar_gram_factors`), as a matrix."""
-    factored = polar_gram_factors(grad)
-    return Polar(factored.left @ factored.right, factored.nuclear_norm)
+    return _as_matrix(polar_gram_factors(grad))
 
 
 # Largest condition number of a factor's float64 Gram matrix whose Cholesky / eigenvector
@@ -261,9 +254,7 @@ def _mixing_matrix(
         return None
     core = root.factor.mT @ (root.other_gram @ root.factor)  # T (r, r)
     eigenvalues, vectors = torch.linalg.eigh(core)
-    kept = _kept_squares(eigenvalues, shape, dtype)
-    nuclear_norm = _nuclear_norm(eigenvalues, shape)
-    inverse_root = torch.where(kept, torch.where(kept, eigenvalues, 1.0).rsqrt(), 0.0)
+    inverse_root, nuclear_norm = _inverse_roots(eigenvalues, shape, dtype)
     left_half = (root.factor @ vectors) * inverse_root  # D Q Λ^{-1/2}
     mixing = left_half @ root.apply_inverse_transposed(vectors).mT  # (k, k)
     return (mixing.mT if root.transposed else mixing), nuclear_norm
@@ -301,15 +292,13 @@ def _gram64(factor: Tensor, columns: bool) -> Tensor:
 def polar_lowrank_factors(left: Tensor, right: Tensor) -> FactoredPolar:
     """Exact polar factor of ``G = left @ right`` without ever forming or decomposing G.
 
-    Why: the CD gradient is ``(Vdᵀ Pd - Vmᵀ Pm) / B``, a product of an (m, k) and a (k, n)
-    factor with k = 2B. From the two k×k float64 Gram matrices ``LᵀL`` and ``R Rᵀ``, a
-    Cholesky root and one k×k eigendecomposition give a k×k matrix X with
-    ``U Vᵀ = L X R`` (see :func:`_mixing_matrix`); X is multiplied into the shorter factor,
-    so the step is the same (m, k)×(k, n) addmm that SGD's gradient costs, plus O((m + n) k²)
-    products and two k×k factorizations (run on one CPU thread, see
-    :mod:`ssdcore.optim.threads`). Rank-deficient factors (duplicate samples) fall back from
-    Cholesky to an eigenvector root that drops their null space; factors too ill-conditioned
-    for float64 Gram matrices, and float64 inputs, take :func:`polar_lowrank_qr`.
+    The CD gradient is a product of an (m, k) and a (k, n) factor with k = 2B. From the k×k
+    float64 Gram matrices ``LᵀL`` and ``R Rᵀ``, a Cholesky root and one k×k eigendecomposition
+    give X with ``U Vᵀ = L X R`` (:func:`_mixing_matrix`); X goes into the shorter factor, so the
+    step is the (m, k)×(k, n) addmm SGD's gradient costs, plus O((m + n) k²) products and two k×k
+    factorizations on one CPU thread (:mod:`ssdcore.optim.threads`). Rank-deficient factors
+    (duplicate samples) take an eigenvector root that drops their null space; factors too
+    ill-conditioned for float64 Gram matrices, and float64 inputs, take :func:`polar_lowrank_qr`.
     """
     dtype = torch.promote_types(left.dtype, right.dtype)
     if not _gram_is_exact_enough(dtype):
@@ -332,11 +321,9 @@ def polar_lowrank_factors(left: Tensor, right: Tensor) -> FactoredPolar:
 def polar_lowrank_qr(left: Tensor, right: Tensor) -> FactoredPolar:
     """Exact polar factor of ``G = left @ right`` by QR of both factors, for any conditioning.
 
-    Thin QR of both factors, ``left = Ql Rl`` and ``rightᵀ = Qr Rr``, gives
-    ``G = Ql (Rl Rrᵀ) Qrᵀ``; the SVD of the small core ``Rl Rrᵀ = Uc Σ Vcᵀ`` is G's SVD with
-    ``U = Ql Uc`` and ``V = Qr Vc``. Householder QR is backward stable and never squares the
-    condition number, so this is exact to the working precision whatever the factors; it costs
-    more than :func:`polar_lowrank_factors` (LAPACK QR and SVD are slow per flop).
+    ``left = Ql Rl`` and ``rightᵀ = Qr Rr`` give ``G = Ql (Rl Rrᵀ) Qrᵀ``, and the SVD of the small
+    core ``Rl Rrᵀ = Uc Σ Vcᵀ`` is G's with ``U = Ql Uc``, ``V = Qr Vc``. Householder QR never
+    squares the condition number; it costs more than :func:`polar_lowrank_factors`.
     """
     with one_cpu_thread(left.device):
         q_left, r_left = torch.linalg.qr(left)  # (m, r'), (r', r)
@@ -352,8 +339,7 @@ def polar_lowrank_qr(left: Tensor, right: Tensor) -> FactoredPolar:
 
 def polar_lowrank(left: Tensor, right: Tensor) -> Polar:
     """Exact polar factor of ``left @ right`` (see :func:`polar_lowrank_factors`), as a matrix."""
-    factored = polar_lowrank_factors(left, right)
-    return Polar(factored.left @ factored.right, factored.nuclear_norm)
+    return _as_matrix(polar_lowrank_factors(left, right))
 
 
 def _spectral_norm_estimate(matvec, rmatvec, n: int, like: Tensor, iterations: int) -> Tensor:
@@ -378,21 +364,16 @@ def polar_randomized(
 ) -> Polar:
     """Approximate polar factor from a randomized rank-``rank`` SVD (Halko et al. 2011).
 
-    Why: costs O(m n (rank + oversample)) per power iteration instead of a full SVD, for large
-    gradients without known factors. The randomized range finder ``Y = (G Gᵀ)^q G Ω`` (QR after
-    every product for stability) captures the top singular subspace; the SVD of the small
-    ``Qᵀ G`` gives ``U Λ Vᵀ``.
+    O(m n (rank + oversample)) per power iteration instead of a full SVD, for large gradients
+    without known factors: the range finder ``Y = (G Gᵀ)^q G Ω`` (QR after every product)
+    captures the top singular subspace, and the SVD of the small ``Qᵀ G`` gives ``U Λ Vᵀ``.
 
-    Residual correction, as in the paper (Fan, §"Computation complexity"), which writes
-    ``ΔX = ‖λ‖₁ U Vᵀ + ‖λ‖₁ (X − U Λ Vᵀ) / ‖X − U Λ Vᵀ‖_S∞``. We read X as the gradient G being
-    decomposed (the parameter plays no role in its SVD): the residual ``R = G − U Λ Vᵀ`` holds
-    the singular values the sketch missed, and when that tail is flat, ``R / ‖R‖_S∞`` is exactly
-    its polar factor. So the direction is ``U Vᵀ + R / ‖R‖_S∞``. For the scale we use
-    ``⟨G, direction⟩ = ‖λ‖₁ + ‖R‖_F² / ‖R‖_S∞``, which equals the paper's ‖λ‖₁ when the sketch
-    captures all of G and, for a flat tail, adds the tail's nuclear norm that ‖λ‖₁ omits — so the
-    step equals the exact S∞ step in both limits. ``‖R‖_S∞`` comes from a few power iterations
-    on R applied implicitly; a residual below ``sqrt(eps) ‖G‖_F`` is rounding noise and gets no
-    correction (it would otherwise add unit steps along noise directions).
+    Residual correction, as in the paper (Fan, §"Computation complexity"), with X read as the
+    gradient G: ``R = G − U Λ Vᵀ`` holds the singular values the sketch missed, and for a flat
+    tail ``R / ‖R‖_S∞`` is exactly its polar factor, so the direction is ``U Vᵀ + R / ‖R‖_S∞``
+    and the scale ``⟨G, direction⟩ = ‖λ‖₁ + ‖R‖_F² / ‖R‖_S∞``: the exact S∞ step both when the
+    sketch captures all of G and for a flat tail. ``‖R‖_S∞`` comes from power iterations on R;
+    a residual below ``sqrt(eps) ‖G‖_F`` is rounding noise and gets no correction.
     """
     m, n = grad.shape
     sketch = min(rank + oversample, m, n)
@@ -427,13 +408,11 @@ def polar_newton_schulz_factors(
 ) -> FactoredPolar:
     """:func:`polar_newton_schulz` of ``G = left @ right``, iterated in the r×r factor space.
 
-    Why: the CD weight gradient has rank r = 2B (200 at batch 100), below both sides of a
-    784×500 W. Every Newton–Schulz iterate keeps the form ``X = L Y R``: with ``Q = LᵀL`` and
-    ``P = R Rᵀ`` (r×r), ``X XᵀX = L (Z Y) R`` for ``Z = Y P Yᵀ Q``, so the quintic step
-    ``X ← aX + bX XᵀX + cX(XᵀX)²`` becomes ``Y ← (aI + bZ + cZ²) Y``. The same polynomial of
-    the same singular values as the dense iteration, at r×r instead of n×n per product: about
-    10× cheaper at 784×500 on the CPU, and a handful of tiny kernels on a GPU. Starts from
-    ``Y = I / ‖G‖_F`` (``‖G‖_F² = ⟨Q, P⟩``); ``‖σ‖₁ ≈ ⟨G, X⟩ = ⟨Q Y, P⟩``.
+    The CD weight gradient has rank r = 2B, below both sides of a 784×500 W. Every iterate keeps
+    the form ``X = L Y R``: with ``Q = LᵀL`` and ``P = R Rᵀ``, ``X XᵀX = L (Z Y) R`` for
+    ``Z = Y P Yᵀ Q``, so the quintic step becomes ``Y ← (aI + bZ + cZ²) Y``: the same polynomial
+    of the same singular values, at r×r per product (about 10× cheaper at 784×500 on the CPU).
+    Starts from ``Y = I / ‖G‖_F`` (``‖G‖_F² = ⟨Q, P⟩``); ``‖σ‖₁ ≈ ⟨G, X⟩ = ⟨Q Y, P⟩``.
     """
     q = matmul(left.mT, left)  # (r, r)
     p = matmul(right, right.mT)  # (r, r)
@@ -450,13 +429,11 @@ def polar_newton_schulz_factors(
 def polar_newton_schulz(grad: Tensor, *, fast_steps: int = 5, polish_steps: int = 3) -> Polar:
     """Approximate polar factor by quintic Newton–Schulz iteration (as in the Muon optimizer).
 
-    Why: only matrix products, so it runs at full speed on a GPU where SVD is slow. G is scaled
-    by its Frobenius norm so every singular value is ≤ 1, then the odd polynomial
-    ``X ← a X + (b A + c A²) X`` with ``A = X Xᵀ`` acts on each singular value separately:
-    ``fast_steps`` with Muon's coefficients lift small values towards 1, ``polish_steps`` with the
-    convergent order-5 coefficients settle them at 1. Singular values below about
-    ``1e-4 ‖G‖_F`` are not fully lifted; they carry a negligible share of ‖σ(G)‖₁.
-    The nuclear norm is ``⟨G, X⟩``.
+    Only matrix products, so it runs at full speed on a GPU where SVD is slow. G scaled by its
+    Frobenius norm has every singular value ≤ 1; the odd polynomial ``X ← a X + (b A + c A²) X``
+    (``A = X Xᵀ``) acts on each separately: ``fast_steps`` with Muon's coefficients lift small
+    values towards 1, ``polish_steps`` settle them at 1. Values below about ``1e-4 ‖G‖_F`` are
+    not fully lifted (a negligible share of ‖σ(G)‖₁). The nuclear norm is ``⟨G, X⟩``.
     """
     transposed = grad.shape[-2] > grad.shape[-1]
     x = grad.mT if transposed else grad  # (small, large): the Gram matrix A is small
