@@ -2,75 +2,39 @@
 
 Divergence is more than NaN/Inf: a Gaussian RBM on Frey Face at SSD lr 0.01 ends with a
 reconstruction error of 4e26 and ‖W‖₂ = 4.5e12, all finite. :class:`BlowUpDetector` watches
-the metric dicts of :meth:`ssdcore.Trainer.evaluate` and says when a run has blown up, with a
-:class:`BlowUp` naming the step, the metric, its value and the reference it was compared to.
-:class:`Recovery` answers a blow-up. The rule, the same wherever a run trains (``ssdcore.fit``,
-``ssdcore.pack.fit_pack`` per run, the service's training process for a job alone or packed):
+the metric dicts of :meth:`ssdcore.Trainer.evaluate` and reports a :class:`BlowUp` (step,
+metric, value, reference). :class:`Recovery` answers it, by the same rule wherever a run trains:
 
-- *Blow-up*: an evaluation the detector flags (the criteria below), or a step that turns a
-  parameter NaN/Inf (the trainer's :class:`~ssdcore.DivergenceError`, read by
-  :func:`blowup_from_error`). Every evaluation goes through the detector, the one before
-  training included.
-- *Rollback point*: the run's state at its last evaluation that passed the detector (its start
-  before any has). The service also checkpoints that state before it records the backoff,
-  unless a restart resumes there anyway (its last checkpoint, or step 0 when it has none), so a
-  job resumed after a crash resumes from the same point with the same backoff count.
-- *Resume*: a checkpoint keeps :meth:`Recovery.state_dict` (the detector's references, plain
-  JSON) beside the trainer's state, and a run resumed from it takes them back
-  (:meth:`Recovery.resume`): its evaluation at the resume point is judged against them without
-  being added to them, so every later evaluation meets the references of the uninterrupted run
-  and a growth it would flag is flagged at the same step. The backoff count is the caller's to
-  keep (the service's job record, written with each backoff). Limits: a checkpoint written
-  before these references were kept restarts them at the resume point (as before, logged); and
-  a job stopped on request resumes from the step it stopped at, which need not be an
-  evaluation, and rolls back there until its next healthy evaluation (where the uninterrupted
-  run would roll back to the evaluation before it).
-- *Step sizes*: after the n-th backoff every step size is its configured value ×
-  ``factor``⁻ⁿ (absolute, :meth:`ssdcore.Trainer.set_lr_scale`; a schedule's factor still
-  applies). ``factor`` is :data:`BACKOFF_FACTOR` unless the caller gives another (``fit``'s
-  ``backoff_factor``, the job's ``training.backoff_factor``, whose default is this one).
-- *Budget*: at most ``max_backoffs`` backoffs per run (:data:`DEFAULT_MAX_BACKOFFS`; 0 turns
-  backoff off). The next blow-up ends the run at its rollback point with a
-  :class:`~ssdcore.blowup.BlowUpError` whose message names the step, the metric, the step size
-  that blew up and :func:`suggested_lr` of it (one more backoff).
-- *Events*: each backoff is one :class:`BackoffEvent` (step, rolled_back_to, old_lr, new_lr,
-  lr_scale, backoff, max_backoffs, reason); ``fit``'s history entries are its
+- *Blow-up*: an evaluation the detector flags (every evaluation goes through it, the one before
+  training included), or a step that turns a parameter NaN/Inf (:func:`blowup_from_error`).
+- *Rollback point*: the run's state at its last evaluation that passed (its start before any).
+  The service checkpoints that state before it records the backoff, so a job resumed after a
+  crash resumes from the same point with the same backoff count.
+- *Resume*: a checkpoint keeps :meth:`Recovery.state_dict` (the detector's references), and a
+  run resumed from it judges its resume point against them without adding it
+  (:meth:`Recovery.resume`), so later evaluations meet the uninterrupted run's references.
+- *Step sizes*: after the n-th backoff every step size is its configured value × ``factor``⁻ⁿ
+  (absolute, :meth:`ssdcore.Trainer.set_lr_scale`; a schedule's factor still applies).
+- *Budget*: at most ``max_backoffs`` backoffs per run (0 turns backoff off); the next blow-up
+  ends the run at its rollback point with a :class:`~ssdcore.blowup.BlowUpError` naming the
+  step, the metric, the step size and :func:`suggested_lr` of it.
+- *Events*: each backoff is one :class:`BackoffEvent`; ``fit``'s history entries are its
   :meth:`~BackoffEvent.history_entry` and the service's ``Backoff`` messages carry its fields.
 
-Criteria, in the order they are checked:
+Criteria, in the order they are checked: a metric is NaN or Inf; the reconstruction error is
+RECONSTRUCTION_GROWTH times its best so far (the value before training included); ‖W‖₂ is
+SPECTRAL_NORM_GROWTH times its reference (the first ‖W‖₂, at least SPECTRAL_NORM_FLOOR); at
+least STUCK_FRACTION of the hidden units are stuck while ‖W‖₂ is STUCK_NORM_GROWTH times its
+reference.
 
-1. a metric is NaN or Inf;
-2. the reconstruction error is RECONSTRUCTION_GROWTH times its best so far (the best includes
-   the value before training, so a run that blows up in its first steps is caught);
-3. ‖W‖₂ is SPECTRAL_NORM_GROWTH times its reference: the first ‖W‖₂ observed, or
-   SPECTRAL_NORM_FLOOR when that is smaller (the default initialization gives 0.15-0.5);
-4. at least STUCK_FRACTION of the hidden units are stuck (``saturated_hidden_fraction``) while
-   ‖W‖₂ is STUCK_NORM_GROWTH times its reference.
-
-Calibration (``tests/test_step_sizes.py`` and ``tests/test_blowup.py`` repeat short versions).
-Good runs: 118 runs at the step-size table's values as they were before 2026-11-28 (at the
-values since chosen by measurement, docs/RESULTS.md §9, the paper rule's runs raised no alarm
-and the normalized rule's Gaussian-diagonal value backed off once, in one of 12 cases), on
-every built-in dataset with the
-service's preprocessing × {Bernoulli, Gaussian of every variance form} × {sgd, nesterov, ssd,
-ssd-preconditioned}, n_hidden 32 and 200 for 200-1,000 steps (3,000 for one), and MNIST at
-n_hidden 500 for 500-1,500 steps, evaluated every 25-75 steps: no alarm. Their reconstruction
-error rose at most 6.2× over its best so far (the Gaussian SSD run's slow late drift on
-standardized MNIST at n_hidden 500, 291 → 1,805 by step 1,500; every other run 2.4× or less),
-‖W‖₂ reached at most 141 (preconditioned SSD, Bernoulli, Frey Face, n_hidden 200, 1,000 steps),
-and the runs with 90% or more of their units stuck (Bernoulli RBMs on binarized Frey Face with
-SGD or Nesterov, whose hidden units all settle "on" at any step size) had ‖W‖₂ of 16 at most.
-Bad runs: the 24 dataset × model (Bernoulli, Gaussian diagonal) × optimizer combinations at
-n_hidden 32 for 300 steps, at 100× and 10⁴× the table's value and at lr 10⁶. All 48 runs at
-10⁴× and 10⁶ are caught at their first evaluation (step 25), or earlier by the trainer's NaN
-check: Gaussian errors 10³-10²⁶× their best, Bernoulli ‖W‖₂ from 7·10³ to 2.6·10⁹ (a
-Bernoulli RBM's error is bounded by its number of pixels and grew at most 3×). At 100×, 15
-of 24 are caught (errors 11-10⁹× their best, or most units stuck at ‖W‖₂ 59-476); the nine
-others show no blow-up in these metrics: five Gaussian runs end below their starting error
-(preconditioned SSD on each dataset, SGD and SSD on the binary synthetic data), and four
-Bernoulli runs on MNIST settle at 1.5-2.6× the error of the table's step (54-89 against 34-37)
-with ‖W‖₂ 320-760, within 6× of healthy runs, whose ‖W‖₂ keeps growing with training.
-
+Calibration (``tests/test_step_sizes.py`` and ``tests/test_blowup.py`` repeat short versions):
+118 good runs (every built-in dataset × {Bernoulli, Gaussian of every variance form} × {sgd,
+nesterov, ssd, ssd-preconditioned}, n_hidden 32 to 500, 200-3,000 steps) raised no alarm: their
+error rose at most 6.2× over its best, ‖W‖₂ reached at most 141, and the runs with 90% or more
+of their units stuck had ‖W‖₂ of 16 at most. Of 72 bad runs (24 combinations at 100× and 10⁴×
+the step-size table's value and at lr 10⁶) all 48 at 10⁴× and 10⁶ are caught at their first
+evaluation, and 15 of 24 at 100×; the nine others end below their starting error or within 6×
+of healthy runs' ‖W‖₂.
 """
 
 from __future__ import annotations
@@ -351,24 +315,17 @@ class BackoffEvent:
 
 class Recoverable(Protocol):
     """What :class:`Recovery` acts on: a :class:`~ssdcore.Trainer`, or one run of a pack
-    (:class:`ssdcore.pack.RunInPack`)."""
+    (:class:`ssdcore.pack.RunInPack`). ``restore`` leaves the snapshot usable for another
+    rollback; ``set_lr_scale`` is absolute (configured value × ``scale``)."""
 
     @property
-    def lr(self) -> float:
-        """The step size in effect now (configured × schedule × backoff scale)."""
-        ...
+    def lr(self) -> float: ...
 
-    def snapshot(self) -> Any:
-        """Everything a rollback restores, as it is now."""
-        ...
+    def snapshot(self) -> Any: ...
 
-    def restore(self, snapshot: Any) -> None:
-        """Go back to ``snapshot``, which stays usable for another rollback."""
-        ...
+    def restore(self, snapshot: Any) -> None: ...
 
-    def set_lr_scale(self, scale: float) -> None:
-        """Every step size = its configured value × ``scale`` (absolute)."""
-        ...
+    def set_lr_scale(self, scale: float) -> None: ...
 
 
 class Recovery:
@@ -426,12 +383,9 @@ class Recovery:
         self, state: Mapping[str, Any], metrics: Mapping[str, Any], run: Recoverable
     ) -> BlowUp | None:
         """:meth:`check` for the evaluation of a run resumed from a checkpoint that kept
-        ``state`` (:meth:`state_dict` as it was then): the detector takes its references back
-        and judges ``metrics`` against them without adding them, since the checkpointed step is
-        an evaluation they hold already (or, for a run stopped between two evaluations, one the
-        uninterrupted run never made). Every later evaluation thus meets the references it
-        would have met had the run never stopped. ``ValueError`` when ``state`` is not
-        :meth:`state_dict` output."""
+        ``state`` (:meth:`state_dict` then): ``metrics`` are judged against the references
+        without being added to them (the checkpointed step is an evaluation they hold already,
+        or one the uninterrupted run never made). ``ValueError`` for a foreign ``state``."""
         self.load_state_dict(state)
         blowup = self.detector.judge(metrics)
         if blowup is None:
@@ -443,9 +397,8 @@ class Recovery:
         self.healthy_step = int(metrics.get("step", 0))
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint of the run keeps of this rule, as plain JSON types: the
-        detector's references. The rollback point is the checkpoint itself, and the backoffs
-        taken are counted by the caller (``backoffs``; the service's job record)."""
+        """What a checkpoint of the run keeps of this rule (plain JSON): the detector's
+        references; the backoffs taken are the caller's to count."""
         return {"detector": self.detector.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -2,47 +2,34 @@
 ``from sklearn.neural_network import BernoulliRBM`` with no other edit.
 
 :class:`BernoulliRBM` takes scikit-learn's constructor parameters with its defaults (read from the
-installed scikit-learn's signature: ``n_components``, ``learning_rate``, ``batch_size``, ``n_iter``
-in epochs, ``verbose``, ``random_state``), its methods (``fit``, ``partial_fit``, ``transform``,
-``fit_transform``, ``gibbs``, ``score_samples``, ``get_feature_names_out``), its fitted attributes
-with its dtypes (``components_``, ``intercept_hidden_``, ``intercept_visible_``, ``h_samples_``,
-``n_features_in_``, ``feature_names_in_``) and the inputs it takes (dense or CSR/CSC sparse, any
-numeric dtype). It trains through :class:`ssdcore.Trainer`, so it gets ssdcore's optimizers
-(Stochastic Spectral Descent by default), CD-k / PCD-k and divergence checks, chosen by extra
-keyword parameters (``optimizer``, ``method``, ``cd_k``, ``persistent``, ``max_spectral_norm``,
-``device``). :class:`GaussianRBM` is the same for real-valued features (standardize them first).
-``SSDBernoulliRBM`` and ``SSDGaussianRBM`` are the earlier names of the same two classes.
+installed scikit-learn), its methods, its fitted attributes with their dtypes and the inputs it
+takes (dense or CSR/CSC sparse, any numeric dtype). It trains through :class:`ssdcore.Trainer`,
+with ssdcore's optimizers (SSD by default), CD-k / PCD-k and divergence checks chosen by extra
+keyword parameters. :class:`GaussianRBM` is the same for real-valued features (standardize them
+first). ``SSDBernoulliRBM`` and ``SSDGaussianRBM`` are the earlier names of the two classes.
 
-``learning_rate`` is in scikit-learn's units. The step taken is the step-size table's value for
-the model and optimizer (:mod:`ssdcore.step_sizes`) times ``learning_rate / 0.1``, 0.1 being
-scikit-learn's default: that default gives the table's tuned step for whichever optimizer runs
-(3e-3 for SSD on the Bernoulli model, where 0.1 itself would be about 30 times too long), and a
-value tuned for scikit-learn scales it in proportion (its digits example's 0.06 gives 0.6 times
-the table's step). For the Bernoulli model with ``optimizer="sgd"`` the table's value is
-scikit-learn's 0.1, so the step is ``learning_rate`` itself: scikit-learn's semantics.
-``learning_rate_`` holds the step taken.
+``learning_rate`` is in scikit-learn's units: the step taken (``learning_rate_``) is the
+step-size table's value for the model and optimizer (:mod:`ssdcore.step_sizes`) times
+``learning_rate / 0.1``, 0.1 being scikit-learn's default. That default gives the table's tuned
+step for whichever optimizer runs (for SSD on the Bernoulli model 0.1 itself would be about 30
+times too long); for the Bernoulli model with ``optimizer="sgd"`` the table's value is 0.1, so
+the step is ``learning_rate`` itself, scikit-learn's semantics.
 
 Where it differs from scikit-learn's estimator, on purpose:
 
-- CD-k (``persistent=False``) by default, as in ssdcore and the service; scikit-learn always runs
-  PCD-1 (``persistent=True, cd_k=1``).
-- An epoch's last partial batch is dropped (ssdcore's rule, :func:`ssdcore.steps_per_epoch`), and
-  a batch larger than the data is cut to the data. ``partial_fit`` is one epoch over its rows
-  (scikit-learn's is one step on all of them: the same when they fit in one batch), and returns
-  the estimator (scikit-learn's returns None).
-- :meth:`~_RBMEstimator.score_samples` of the Bernoulli model is the exact pseudo-log-likelihood
-  Σᵢ log p(vᵢ | v₋ᵢ) (every unit flipped in turn): deterministic, and the expectation of
-  scikit-learn's estimate, which flips one random unit and multiplies by the number of units. The
-  Gaussian model has no pseudo-likelihood; it scores ``-F(v)``, the log-likelihood up to the
-  constant ``log Z``.
-- The model computes in float32 (ssdcore's models and Trainer); results and fitted attributes
-  come back in scikit-learn's dtypes (float64 in gives float64 out, float32 gives float32), so a
-  float64 input is rounded to float32 on the way in. Sparse input is made dense for the model.
-- ``h_samples_`` holds the persistent chains' hidden states under PCD, as scikit-learn's does; CD-k
-  keeps no chains, so it then holds the hidden states of ``cd_k`` Gibbs sweeps started from the
-  first batch of the training rows.
-- Binary visible units given values outside [0, 1] (which scikit-learn takes silently) raise a
-  :class:`UnitIntervalWarning` and are used as given.
+- CD-k (``persistent=False``) by default; scikit-learn always runs PCD-1.
+- An epoch's last partial batch is dropped (:func:`ssdcore.steps_per_epoch`), and a batch
+  larger than the data is cut to the data. ``partial_fit`` is one epoch over its rows (one step
+  when they fit in one batch, as scikit-learn's) and returns the estimator.
+- ``score_samples`` of the Bernoulli model is the exact pseudo-log-likelihood (every unit flipped
+  in turn): the expectation of scikit-learn's one-random-unit estimate. The Gaussian model scores
+  ``-F(v)``, the log-likelihood up to the constant ``log Z``.
+- The model computes in float32; results and fitted attributes come back in scikit-learn's
+  dtypes, so a float64 input is rounded to float32 on the way in. Sparse input is made dense.
+- ``h_samples_`` holds the persistent chains under PCD; under CD-k, the hidden states of ``cd_k``
+  Gibbs sweeps started from the first batch of the training rows.
+- Binary visible units given values outside [0, 1] raise a :class:`UnitIntervalWarning` and are
+  used as given.
 """
 
 from __future__ import annotations
@@ -214,28 +201,24 @@ class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstim
     def _check_training_parameters(self) -> None:
         """ValueError naming the estimator parameter, before ssdcore names its own field."""
         name = type(self).__name__
-        if not _is_int(self.n_components, minimum=1):
-            raise ValueError(
-                f"{name}: n_components must be an integer >= 1, got {self.n_components!r}"
-            )
-        if not _is_int(self.n_iter, minimum=0):
-            raise ValueError(
-                f"{name}: n_iter (epochs) must be an integer >= 0, got {self.n_iter!r}"
-            )
-        if not _is_int(self.batch_size, minimum=1):
-            raise ValueError(f"{name}: batch_size must be an integer >= 1, got {self.batch_size!r}")
-        if not _is_int(self.cd_k, minimum=1):
-            raise ValueError(
-                f"{name}: cd_k (Gibbs sweeps) must be an integer >= 1, got {self.cd_k!r}"
-            )
-        if self.optimizer not in OPTIMIZER_NAMES:
-            raise ValueError(
-                f"{name}: optimizer {self.optimizer!r} is unknown; choose one of {OPTIMIZER_NAMES}"
-            )
-        if self.method not in CONFIG_METHODS:
-            raise ValueError(
-                f"{name}: method {self.method!r} is unknown; choose one of {CONFIG_METHODS}"
-            )
+        counts = (
+            ("n_components", "", 1),
+            ("n_iter", " (epochs)", 0),
+            ("batch_size", "", 1),
+            ("cd_k", " (Gibbs sweeps)", 1),
+        )
+        for parameter, meaning, minimum in counts:
+            value = getattr(self, parameter)
+            if not _is_int(value, minimum=minimum):
+                raise ValueError(
+                    f"{name}: {parameter}{meaning} must be an integer >= {minimum}, got {value!r}"
+                )
+        for parameter, choices in (("optimizer", OPTIMIZER_NAMES), ("method", CONFIG_METHODS)):
+            value = getattr(self, parameter)
+            if value not in choices:
+                raise ValueError(
+                    f"{name}: {parameter} {value!r} is unknown; choose one of {choices}"
+                )
         if not (
             isinstance(self.learning_rate, numbers.Real)
             and not isinstance(self.learning_rate, bool)
@@ -275,14 +258,16 @@ class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstim
         """
         check_is_fitted(self)
         data, dtype = self._input(X, reset=False, dtype="numeric")
-        with torch.no_grad():
-            scores = torch.cat([self._score_rows(rows) for rows in data.split(_SCORE_ROWS)])
         # scikit-learn's sparse path computes in float64 whatever the dtype.
-        return self._output(scores, np.dtype(np.float64) if sp.issparse(X) else dtype)
+        return self._output(self._scores(data), np.dtype(np.float64) if sp.issparse(X) else dtype)
 
     def score(self, X: Any, y: Any = None) -> float:
         """Mean of :meth:`score_samples`, so a search can rank models on unlabelled data."""
         return float(np.mean(self.score_samples(X)))
+
+    @torch.no_grad()
+    def _scores(self, data: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self._score_rows(rows) for rows in data.split(_SCORE_ROWS)])
 
     def _score_rows(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -354,12 +339,10 @@ class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstim
     def _report(self, epoch: int, data: torch.Tensor, seconds: float) -> None:
         if not self.verbose:
             return
-        with torch.no_grad():
-            score = torch.cat([self._score_rows(rows) for rows in data.split(_SCORE_ROWS)])
         # verbose output goes to stdout, as scikit-learn's estimators print it.
         print(
             f"[{type(self).__name__}] Iteration {epoch}, "
-            f"{self._score_name} = {float(score.mean()):.2f}, time = {seconds:.2f}s"
+            f"{self._score_name} = {float(self._scores(data).mean()):.2f}, time = {seconds:.2f}s"
         )
 
     def __sklearn_tags__(self):  # type: ignore[no-untyped-def]
@@ -370,11 +353,9 @@ class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstim
 
 
 class BernoulliRBM(_RBMEstimator):
-    """Bernoulli RBM (binary visible and hidden units) trained by ssdcore.
-
+    """Bernoulli RBM (binary visible and hidden units) trained by ssdcore:
     ``sklearn.neural_network.BernoulliRBM`` with the same parameters, methods and fitted
-    attributes, trained by :class:`ssdcore.Trainer`; see the module docstring for what differs.
-    Features belong in [0, 1] (values outside it raise a :class:`UnitIntervalWarning`).
+    attributes (see the module docstring for what differs). Features belong in [0, 1].
 
     Parameters:
         n_components: hidden units.
@@ -449,14 +430,10 @@ class BernoulliRBM(_RBMEstimator):
 class GaussianRBM(_RBMEstimator):
     """Gaussian RBM (real-valued visible units, binary hidden units) trained by ssdcore.
 
-    The same parameters as :class:`BernoulliRBM`, plus ``variance`` (the covariance form:
-    "identity", "isotropic", "diagonal", "full") and ``min_variance`` (the floor of the learned
-    variances). Parameters start as ssdcore's (zero biases, unit variances), so standardize the
-    features first (e.g. ``StandardScaler`` in a Pipeline), as the service does by default.
-    ``learning_rate`` is relative to scikit-learn's default as for :class:`BernoulliRBM`: 0.1
-    takes the step-size table's step for the Gaussian model and the optimizer.
-    ``score_samples`` is -F(v): the log-likelihood up to the constant log Z; ``gibbs`` returns
-    real-valued samples.
+    The parameters of :class:`BernoulliRBM`, plus ``variance`` (the covariance form: "identity",
+    "isotropic", "diagonal", "full") and ``min_variance`` (the floor of the learned variances).
+    Parameters start at zero biases and unit variances, so standardize the features first (e.g.
+    ``StandardScaler`` in a Pipeline). ``score_samples`` is -F(v); ``gibbs`` returns real values.
     """
 
     _score_name = "-free energy"
