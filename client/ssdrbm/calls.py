@@ -49,7 +49,7 @@ from ssdrbm.retry import Backoff, RetryPolicy, is_retryable
 from ssdrbm.server_info import ServerInfo
 from ssdrbm.spec import TrainingDefaults, training_request
 from ssdrbm.sweeps import Sweep, sweep_request
-from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES
+from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES, from_tensor, to_tensor
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -165,14 +165,11 @@ class ClientBase:
 # -- the plumbing of every call -------------------------------------------------------------------
 
 
-def _start(client: ClientBase, method: str, request: Any, timeout: float | None) -> Steps[Any]:
-    """One attempt of a call: its response, or its RpcError raised."""
-    return (yield Call(method, request, timeout, client.connection.metadata()))
-
-
-def _open(client: ClientBase, method: str, request: Any, timeout: float | None) -> Steps[Any]:
-    """Start a server stream: the call, to read with :class:`Next` and cancel when done."""
-    return (yield Open(method, request, timeout, client.connection.metadata()))
+def _start(
+    client: ClientBase, method: str, request: Any, timeout: float | None, effect: type = Call
+) -> Steps[Any]:
+    """One attempt of a call: its response (``Open``: the call), or its RpcError raised."""
+    return (yield effect(method, request, timeout, client.connection.metadata()))
 
 
 def _retried(client: ClientBase, attempt: Callable[[], Steps[T]]) -> Steps[T]:
@@ -297,7 +294,8 @@ def stream_sweep(client: ClientBase, sweep_id: str, timeout: float | None) -> St
     backoff = reconnect.Reconnect(client.retry, client.reconnect_s)
     request = rbm_pb2.StreamSweepRequest(sweep_id=sweep_id)
     while True:
-        call = yield from _open(client, "StreamSweep", request, reconnect.remaining(deadline))
+        timeout = reconnect.remaining(deadline)
+        call = yield from _start(client, "StreamSweep", request, timeout, Open)
         try:
             while (message := (yield Next(call))) is not None:
                 backoff.reset()
@@ -326,7 +324,8 @@ def stream_metrics(
     backoff = reconnect.Reconnect(client.retry, client.reconnect_s)
     while True:
         request = rbm_pb2.StreamMetricsRequest(job_id=job_id, after=token, history_only=not follow)
-        call = yield from _open(client, "StreamMetrics", request, reconnect.remaining(deadline))
+        timeout = reconnect.remaining(deadline)
+        call = yield from _start(client, "StreamMetrics", request, timeout, Open)
         received = 0
         try:
             while (message := (yield Next(call))) is not None:
@@ -386,28 +385,27 @@ def _handled(steps: Steps[None], handle: Callable[[Any], None] | None) -> Steps[
 
 
 def _batched(
-    client: ClientBase,
-    x: np.ndarray,
-    method: str,
-    build: Callable[[np.ndarray, int], Any],
-    same: bool,
+    client: ClientBase, x: np.ndarray, method: str, fixed: Any, seed: int, same_shape: bool
 ) -> Steps[np.ndarray]:
-    """Send ``x`` in requests under ``client.max_batch_bytes`` (halved while the service
-    answers RESOURCE_EXHAUSTED) and join their outputs."""
+    """Send ``x`` in requests under ``client.max_batch_bytes`` (halved while the service answers
+    RESOURCE_EXHAUSTED) and join their outputs; ``fixed`` holds each request's other fields."""
     plan = serving.BatchPlan.for_input(x, client.max_batch_bytes)
     outputs: list[np.ndarray] = []
     start = 0
     while start < plan.batch.shape[0]:
         rows = plan.next_slice(start)
+        # A distinct, reproducible seed per request (0, "random", stays 0).
+        request = type(fixed)(input=to_tensor(plan.batch[rows]), seed=seed + start if seed else 0)
+        request.MergeFrom(fixed)
         try:
-            response = yield from unary(client, method, build(plan.batch[rows], start))
+            response = yield from unary(client, method, request)
         except ResourceExhausted:
             if plan.shrink():
                 continue
             raise
-        outputs.append(serving.output_array(response))
+        outputs.append(from_tensor(response.output))
         start = rows.stop
-    return plan.assemble(outputs, same_shape=same)
+    return plan.assemble(outputs, same_shape=same_shape)
 
 
 def reconstruct(
@@ -419,34 +417,19 @@ def reconstruct(
     seed: int,
     checkpoint_step: int,
 ) -> Steps[np.ndarray]:
-    def build(rows: np.ndarray, start: int) -> rbm_pb2.ReconstructRequest:
-        return serving.reconstruct_request(
-            job_id,
-            rows,
-            k=k,
-            mean_field=mean_field,
-            seed=serving.chunk_seed(seed, start),
-            checkpoint_step=checkpoint_step,
-        )
-
-    return (yield from _batched(client, x, "Reconstruct", build, same=True))
+    fixed = rbm_pb2.ReconstructRequest(
+        job_id=job_id, k=k, mean_field=mean_field, checkpoint_step=checkpoint_step
+    )
+    return (yield from _batched(client, x, "Reconstruct", fixed, seed, same_shape=True))
 
 
 def sample_hidden(
     client: ClientBase, job_id: str, x: np.ndarray, mode: str, seed: int, checkpoint_step: int
 ) -> Steps[np.ndarray]:
-    mode_number = serving.hidden_mode(mode)
-
-    def build(rows: np.ndarray, start: int) -> rbm_pb2.SampleHiddenRequest:
-        return serving.sample_hidden_request(
-            job_id,
-            rows,
-            mode=mode_number,
-            seed=serving.chunk_seed(seed, start),
-            checkpoint_step=checkpoint_step,
-        )
-
-    return (yield from _batched(client, x, "SampleHidden", build, same=False))
+    fixed = rbm_pb2.SampleHiddenRequest(
+        job_id=job_id, mode=serving.hidden_mode(mode), checkpoint_step=checkpoint_step
+    )
+    return (yield from _batched(client, x, "SampleHidden", fixed, seed, same_shape=False))
 
 
 # -- datasets and models --------------------------------------------------------------------------
@@ -493,7 +476,7 @@ def _download(
     )
 
     def attempt() -> Steps[export.ModelDownload]:
-        call = yield from _open(client, "ExportModel", request, client.connection.timeout)
+        call = yield from _start(client, "ExportModel", request, client.connection.timeout, Open)
         messages = []
         try:
             while (message := (yield Next(call))) is not None:

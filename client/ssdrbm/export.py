@@ -65,36 +65,6 @@ class ModelDownload:
     data: bytes
     format: int = rbm_pb2.EXPORT_FORMAT_SAFETENSORS
 
-    @classmethod
-    def from_parts(
-        cls,
-        header: rbm_pb2.ModelExportHeader | None,
-        chunks: list[bytes],
-        expected_format: int = rbm_pb2.EXPORT_FORMAT_SAFETENSORS,
-    ):
-        """Check format, size and sha256 of the received bytes against the header."""
-        if header is None:
-            raise IntegrityError("model export: the stream carried no header")
-        # A service older than the format field leaves it unset and sends safetensors.
-        received_format = header.format or rbm_pb2.EXPORT_FORMAT_SAFETENSORS
-        if received_format != expected_format:
-            raise IntegrityError(
-                f"model export: asked for {_format_name(expected_format)} but the service sent "
-                f"{_format_name(received_format)}; a service this old cannot export "
-                f"{_format_name(expected_format)} — upgrade it"
-            )
-        data = b"".join(chunks)
-        if header.size_bytes and len(data) != header.size_bytes:
-            raise IntegrityError(
-                f"model export: received {len(data)} bytes, expected {header.size_bytes}"
-            )
-        digest = hashlib.sha256(data).hexdigest()
-        if header.sha256 and digest != header.sha256.lower():
-            raise IntegrityError("model export: sha256 of the received bytes does not match")
-        return cls(
-            config_json=header.config_json, step=header.step, data=data, format=received_format
-        )
-
     @property
     def config(self) -> dict[str, Any]:
         """The model's config (kind, sizes, variance) from the header."""
@@ -106,43 +76,29 @@ class ModelDownload:
         config = json.loads(self.config_json) if self.config_json else None
         return ExportedModel.from_bytes(self.data, config=config, step=self.step)
 
-    def write(self, directory: str | Path) -> Path:
-        """Write ``model.safetensors`` and ``config.json`` into ``directory`` (made if missing)."""
-        self._require(rbm_pb2.EXPORT_FORMAT_SAFETENSORS)
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / SAFETENSORS_NAME).write_bytes(self.data)
-        config = self.config
-        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        return directory
-
-    def write_onnx(self, path: str | Path) -> Path:
-        """Write the ONNX graph to the file ``path`` (its folder is made if missing)."""
-        self._require(rbm_pb2.EXPORT_FORMAT_ONNX)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(self.data)
-        return path
-
-    def write_triton(self, repository: str | Path, model_name: str) -> Path:
-        """Write ``<repository>/<model_name>/config.pbtxt`` and ``.../1/model.onnx``; returns the
-        model's folder."""
-        check_model_name(model_name)
-        self._require(rbm_pb2.EXPORT_FORMAT_ONNX)
-        config = self.config
-        model_dir = Path(repository) / model_name
-        self.write_onnx(model_dir / TRITON_VERSION / ONNX_NAME)
-        text = triton_config(model_name, int(config["n_visible"]), int(config["n_hidden"]))
-        (model_dir / TRITON_CONFIG_NAME).write_text(text)
-        return model_dir
-
     def save(self, path: str | Path, format: str, *, model_name: str = "") -> Path:
-        """Write as ``format`` (see the module docstring); returns the directory or file."""
-        if format == "onnx":
-            return self.write_onnx(path)
+        """Write as ``format`` (see the module docstring), making folders where missing; returns
+        the directory (for Triton, the model's folder) or the file."""
+        path = Path(path)
+        if format not in ("onnx", "triton"):
+            self._require(rbm_pb2.EXPORT_FORMAT_SAFETENSORS)
+            path.mkdir(parents=True, exist_ok=True)
+            (path / SAFETENSORS_NAME).write_bytes(self.data)
+            config = json.dumps(self.config, indent=2, sort_keys=True) + "\n"
+            (path / CONFIG_NAME).write_text(config)
+            return path
         if format == "triton":
-            return self.write_triton(path, model_name)
-        return self.write(path)
+            check_model_name(model_name)
+        self._require(rbm_pb2.EXPORT_FORMAT_ONNX)
+        model_dir = path / model_name
+        file = path if format == "onnx" else model_dir / TRITON_VERSION / ONNX_NAME
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_bytes(self.data)
+        if format == "onnx":
+            return file
+        sizes = int(self.config["n_visible"]), int(self.config["n_hidden"])
+        (model_dir / TRITON_CONFIG_NAME).write_text(triton_config(model_name, *sizes))
+        return model_dir
 
     def _require(self, wanted: int) -> None:
         if self.format != wanted:
@@ -184,14 +140,33 @@ def triton_config(model_name: str, n_visible: int, n_hidden: int) -> str:
 def collect_export(
     messages: Any, expected_format: int = rbm_pb2.EXPORT_FORMAT_SAFETENSORS
 ) -> ModelDownload:
-    """Gather an ExportModel stream (header first, then chunks)."""
+    """Gather an ExportModel stream (header first, then chunks) and check the format, size and
+    sha256 of the received bytes against the header."""
     header, chunks = None, []
     for message in messages:
         if message.WhichOneof("part") == "header":
             header = message.header
         else:
             chunks.append(message.chunk)
-    return ModelDownload.from_parts(header, chunks, expected_format)
+    if header is None:
+        raise IntegrityError("model export: the stream carried no header")
+    # A service older than the format field leaves it unset and sends safetensors.
+    received_format = header.format or rbm_pb2.EXPORT_FORMAT_SAFETENSORS
+    if received_format != expected_format:
+        raise IntegrityError(
+            f"model export: asked for {_format_name(expected_format)} but the service sent "
+            f"{_format_name(received_format)}; a service this old cannot export "
+            f"{_format_name(expected_format)} — upgrade it"
+        )
+    data = b"".join(chunks)
+    if header.size_bytes and len(data) != header.size_bytes:
+        raise IntegrityError(
+            f"model export: received {len(data)} bytes, expected {header.size_bytes}"
+        )
+    digest = hashlib.sha256(data).hexdigest()
+    if header.sha256 and digest != header.sha256.lower():
+        raise IntegrityError("model export: sha256 of the received bytes does not match")
+    return ModelDownload(header.config_json, header.step, data, received_format)
 
 
 def _format_name(value: int) -> str:

@@ -1,4 +1,4 @@
-"""Serving requests (Reconstruct, SampleHidden): split large batches, build and decode messages.
+"""Serving requests (Reconstruct, SampleHidden): their hidden modes, and large batches split.
 
 Shared by the blocking and the asyncio clients.
 """
@@ -6,12 +6,11 @@ Shared by the blocking and the asyncio clients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from ssdrbm.errors import InvalidArgument
-from ssdrbm.tensors import as_batch, from_tensor, rows_per_chunk, to_tensor
+from ssdrbm.tensors import as_batch, rows_per_chunk
 from ssdrbm.v1 import rbm_pb2
 
 HIDDEN_MODES = {
@@ -69,36 +68,3 @@ class BatchPlan:
         if same_shape and len(self.original_shape) > 2:
             return result.reshape(self.original_shape)
         return result
-
-
-def reconstruct_request(
-    job_id: str, rows: np.ndarray, *, k: int, mean_field: bool, seed: int, checkpoint_step: int
-) -> rbm_pb2.ReconstructRequest:
-    """One Reconstruct request for a chunk of rows."""
-    return rbm_pb2.ReconstructRequest(
-        job_id=job_id,
-        input=to_tensor(rows),
-        k=k,
-        mean_field=mean_field,
-        seed=seed,
-        checkpoint_step=checkpoint_step,
-    )
-
-
-def sample_hidden_request(
-    job_id: str, rows: np.ndarray, *, mode: int, seed: int, checkpoint_step: int
-) -> rbm_pb2.SampleHiddenRequest:
-    """One SampleHidden request for a chunk of rows."""
-    return rbm_pb2.SampleHiddenRequest(
-        job_id=job_id, input=to_tensor(rows), mode=mode, seed=seed, checkpoint_step=checkpoint_step
-    )
-
-
-def output_array(response: Any) -> np.ndarray:
-    """The output tensor of a Reconstruct or SampleHidden response."""
-    return from_tensor(response.output)
-
-
-def chunk_seed(seed: int, start: int) -> int:
-    """A distinct, reproducible seed per request of a split batch (0, "random", stays 0)."""
-    return seed + start if seed else 0

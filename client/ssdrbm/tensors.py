@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 
 from ssdrbm.v1 import rbm_pb2
@@ -53,9 +51,3 @@ def as_batch(x: np.ndarray, name: str = "x") -> np.ndarray:
 def rows_per_chunk(row_bytes: int, max_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> int:
     """How many rows of ``row_bytes`` fit in ``max_bytes`` (at least one)."""
     return max(1, max_bytes // max(row_bytes, 1))
-
-
-def row_chunks(n_rows: int, chunk_rows: int) -> Iterator[slice]:
-    """Consecutive slices of at most ``chunk_rows`` rows covering ``range(n_rows)``."""
-    for start in range(0, n_rows, chunk_rows):
-        yield slice(start, min(start + chunk_rows, n_rows))
