@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from ssdrbm.cli.context import client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
-from ssdrbm.cli.output import print_json, print_result
+from ssdrbm.cli.output import format_time, print_json, print_listing, print_result
 from ssdrbm.cli.tables import render_table
 from ssdrbm.client import Client
 from ssdrbm.datasets import Dataset
@@ -52,12 +52,8 @@ def run_datasets(args: argparse.Namespace) -> ExitCode:
     """``ssdrbm datasets``: a table (or JSON list) of the caller's datasets."""
     with client_from_args(args) as client:
         datasets = list(client.list_datasets())
-    if args.json:
-        print_json(datasets)
-    elif datasets:
-        print(datasets_table(datasets))
-    else:
-        print("no datasets yet — upload one with 'ssdrbm upload FILE'")
+    empty = "no datasets yet — upload one with 'ssdrbm upload FILE'"
+    print_listing(datasets, args.json, datasets_table, empty)
     return ExitCode.OK
 
 
@@ -70,7 +66,7 @@ def datasets_table(datasets: list[Dataset]) -> str:
             "x".join(str(n) for n in dataset.shape),
             dataset.dtype,
             str(dataset.size_bytes),
-            dataset.created_at.strftime("%Y-%m-%d %H:%M:%S") if dataset.created_at else "-",
+            format_time(dataset.created_at),
         ]
         for dataset in datasets
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 from typing import Any
 
@@ -12,7 +13,7 @@ from ssdrbm.cli.data import submit_and_follow
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.names import find_job, job_id
-from ssdrbm.cli.output import print_json, print_result
+from ssdrbm.cli.output import print_listing, print_result
 from ssdrbm.cli.progress import JsonLines, ProgressDisplay, QueueWatch
 from ssdrbm.cli.tables import defaults_table, job_details, jobs_table
 from ssdrbm.client import Client
@@ -235,49 +236,18 @@ def _tempering(value: str | None) -> dict[str, Any]:
 
 
 def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The :meth:`Client.start_training` arguments given on the command line."""
-    return {
-        "model": args.model,
-        "variance": args.variance,
-        "min_variance": args.min_variance,
-        "n_hidden": args.n_hidden,
-        "optimizer": args.optimizer,
-        "method": args.method,
-        "preconditioner": args.preconditioner,
-        "lr": args.lr,
-        "momentum": args.momentum,
-        "weight_decay": args.weight_decay,
-        "max_spectral_norm": args.max_spectral_norm,
-        "rank": args.rank,
+    """The :meth:`Client.start_training` arguments given on the command line: each parameter of
+    :func:`ssdrbm.spec.training_request` is the option of the same name (None where there is
+    none), but for those parsed here; ``validate_only`` is the submit's own."""
+    parsed = {
         "per_parameter": _pairs(args.per_parameter, "--per-parameter") or None,
         "per_parameter_lr": _step_sizes(args.per_parameter_lr) or None,
-        "step_rule": args.step_rule,
-        "schedule": args.schedule,
-        "warmup_steps": args.warmup_steps,
-        "cd_k": args.cd_k,
-        "persistent": args.persistent,
-        "centered": args.centered,
-        "centering_sliding_factor": args.centering_sliding_factor,
         **_tempering(args.tempering),
-        "batch_size": args.batch_size,
-        "steps": args.steps,
-        "epochs": args.epochs,
-        "seed": args.seed,
-        "checkpoint_every": args.checkpoint_every,
-        "max_backoffs": args.max_backoffs,
-        "backoff_factor": args.backoff_factor,
-        "eval_every": args.eval_every,
-        "ais": args.ais,
-        "ais_chains": args.ais_chains,
-        "ais_betas": args.ais_betas,
-        "validation_fraction": args.validation_fraction,
-        "dataset": args.dataset,
-        "dataset_id": args.dataset_id,
         "dataset_options": _pairs(args.option, "--option") or None,
-        "preprocess": args.preprocess,
-        "request_id": args.request_id,
-        "name": args.name,
     }
+    names = inspect.signature(spec.training_request).parameters
+    given = {name: getattr(args, name, None) for name in names if name != "validate_only"}
+    return {**given, **parsed}
 
 
 def run_train(args: argparse.Namespace) -> ExitCode:
@@ -338,14 +308,10 @@ def run_jobs(args: argparse.Namespace) -> ExitCode:
     with client_from_args(args) as client:
         listing = client.list_jobs(args.state, page_size=page_size)
         jobs = list(itertools.islice(listing, args.limit or None))
-    if args.json:
-        print_json(jobs)
-    elif jobs:
-        print(jobs_table(jobs))
-    elif args.state:
-        print(f"no {args.state} jobs — 'ssdrbm jobs' lists them all")
-    else:
-        print("no jobs yet — start one with 'ssdrbm train'")
+    empty = "no jobs yet — start one with 'ssdrbm train'"
+    if args.state:
+        empty = f"no {args.state} jobs — 'ssdrbm jobs' lists them all"
+    print_listing(jobs, args.json, jobs_table, empty)
     return ExitCode.OK
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, TextIO, TypeVar
 
 import numpy as np
@@ -39,6 +40,21 @@ def print_result(value: T, as_json: bool, render: Callable[[T], str]) -> None:
         print_json(value)
     else:
         print(render(value))
+
+
+def print_listing(
+    items: list[T], as_json: bool, table: Callable[[list[T]], str], empty: str
+) -> None:
+    """A listing command's result: a JSON list, the ``table`` of the items, or ``empty``."""
+    if as_json:
+        print_json(items)
+    else:
+        print(table(items) if items else empty)
+
+
+def format_time(value: datetime | None) -> str:
+    """``2024-05-01 12:00:00`` (a listing's CREATED column); "-" when unknown."""
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
 
 def format_number(value: float | None, digits: int = 4) -> str:

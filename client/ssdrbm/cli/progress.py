@@ -159,16 +159,14 @@ def render_summary(job: Job) -> str:
     return line
 
 
-class ProgressDisplay:
-    """Draws a job's progress on ``stream`` (stderr by default) as its events arrive, and its
-    place in the queue as QueueWatch reads it (from another thread: hence the lock)."""
+class _Follower:
+    """What both ways of showing a followed job share: its state so far, and the lock that keeps
+    apart the lines of the event stream and of QueueWatch (another thread). Each shows a queue
+    reading (``_show_queue``), an event (``_show_event``) and the job at its end (``_show_end``)
+    in its own way."""
 
-    def __init__(self, job_id: str, stream: TextIO | None = None, tty: bool | None = None):
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
+    def __init__(self, job_id: str) -> None:
         self.progress = ProgressState(job_id)
-        self._last_draw = 0.0
-        self._drawn = False
         self._lock = threading.Lock()
 
     def start(self, job: Job) -> None:
@@ -185,25 +183,44 @@ class ProgressDisplay:
         return self.progress.state is JobState.QUEUED
 
     def on_queue(self, place: QueuePlace) -> None:
-        """A new reading of the job's place: redrawn (TTY), or a line when its position or the
-        reason for no estimate changed (logs get no line per reading)."""
+        """A new reading of the job's place (ignored once it started meanwhile)."""
         with self._lock:
-            if not self.queued:
-                return  # it started meanwhile
-            before, self.progress.queue = self.progress.queue, place
-            if self.tty:
-                self._draw()
-            elif before is None or queue_changed(before, place):
-                line = f"{self.progress.job_id} queued: {place.summary()}"
-                print(line, file=self.stream, flush=True)
+            if self.queued:
+                before, self.progress.queue = self.progress.queue, place
+                self._show_queue(place, before is None or queue_changed(before, place))
 
     def on_event(self, event: MetricEvent) -> None:
-        """Update with one event: redraw the line (TTY) or print a log line."""
+        """Update with one event and show it."""
         with self._lock:
-            self._on_event(event)
+            self.progress.update(event)
+            self._show_event(event)
 
-    def _on_event(self, event: MetricEvent) -> None:
-        self.progress.update(event)
+    def finish(self, job: Job) -> None:
+        """Show the job as it ended."""
+        with self._lock:
+            self._show_end(job)
+
+
+class ProgressDisplay(_Follower):
+    """Draws a job's progress on ``stream`` (stderr by default) as its events arrive, and its
+    place in the queue as QueueWatch reads it."""
+
+    def __init__(self, job_id: str, stream: TextIO | None = None, tty: bool | None = None):
+        super().__init__(job_id)
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self._last_draw = 0.0
+        self._drawn = False
+
+    def _show_queue(self, place: QueuePlace, changed: bool) -> None:
+        # Redrawn on a terminal; in logs, a line only when the position or the reason for no
+        # estimate changed (not one per reading).
+        if self.tty:
+            self._draw()
+        elif changed:
+            print(f"{self.progress.job_id} queued: {place.summary()}", file=self.stream, flush=True)
+
+    def _show_event(self, event: MetricEvent) -> None:
         if self.tty and isinstance(event, BackoffEvent):  # worth a line of its own
             self.stream.write("\r\x1b[2K" + render_backoff(self.progress.job_id, event) + "\n")
         if not self.tty:
@@ -220,12 +237,11 @@ class ProgressDisplay:
         self.stream.flush()
         self._drawn = True
 
-    def finish(self, job: Job) -> None:
-        """Replace the live line with the one-line summary."""
-        with self._lock:
-            if self.tty and self._drawn:
-                self.stream.write("\r\x1b[2K")
-            print(render_summary(job), file=self.stream, flush=True)
+    def _show_end(self, job: Job) -> None:
+        # The one-line summary replaces the live line.
+        if self.tty and self._drawn:
+            self.stream.write("\r\x1b[2K")
+        print(render_summary(job), file=self.stream, flush=True)
 
 
 def queue_changed(before: QueuePlace, after: QueuePlace) -> bool:
@@ -237,43 +253,20 @@ def queue_changed(before: QueuePlace, after: QueuePlace) -> bool:
     )
 
 
-class JsonLines:
+class JsonLines(_Follower):
     """``--watch --json``: one JSON line per event on stdout, a ``queue`` line when a queued
-    job's place changes, and the job at the end (lines from two threads, so under a lock)."""
+    job's place changes, and the job at the end."""
 
-    def __init__(self, job_id: str) -> None:
-        self.job_id = job_id
-        self.state = JobState.QUEUED
-        self._place: QueuePlace | None = None
-        self._lock = threading.Lock()
+    def _show_queue(self, place: QueuePlace, changed: bool) -> None:
+        if changed:
+            queue = {"event": "queue", "job_id": self.progress.job_id, "queue": place}
+            print_json(queue, lines=True)
 
-    @property
-    def queued(self) -> bool:
-        return self.state is JobState.QUEUED
+    def _show_event(self, event: MetricEvent) -> None:
+        print_json({"event": event_kind(event), **to_jsonable(event)}, lines=True)
 
-    def start(self, job: Job) -> None:
-        self.state = job.state
-        if job.queue is not None:
-            self.on_queue(job.queue)
-
-    def on_queue(self, place: QueuePlace) -> None:
-        with self._lock:
-            if not self.queued or (
-                self._place is not None and not queue_changed(self._place, place)
-            ):
-                return
-            self._place = place
-            print_json({"event": "queue", "job_id": self.job_id, "queue": place}, lines=True)
-
-    def on_event(self, event: MetricEvent) -> None:
-        with self._lock:
-            if isinstance(event, StateEvent) and event.state is not self.state:
-                self.state, self._place = event.state, None  # a new stint in the queue: a line
-            print_json({"event": event_kind(event), **to_jsonable(event)}, lines=True)
-
-    def finish(self, job: Job) -> None:
-        with self._lock:
-            print_json({"event": "job", "job": job}, lines=True)
+    def _show_end(self, job: Job) -> None:
+        print_json({"event": "job", "job": job}, lines=True)
 
 
 def event_kind(event: MetricEvent) -> str:

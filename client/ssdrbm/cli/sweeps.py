@@ -27,7 +27,7 @@ from ssdrbm.cli.jobs import (
     limited_page_size,
     training_kwargs,
 )
-from ssdrbm.cli.output import format_number, print_json
+from ssdrbm.cli.output import format_number, format_time, print_json, print_listing
 from ssdrbm.cli.tables import render_table
 from ssdrbm.client import Client
 from ssdrbm.errors import NotFound
@@ -232,24 +232,24 @@ def run_sweeps(args: argparse.Namespace) -> ExitCode:
     page_size = limited_page_size(args.limit)
     with client_from_args(args) as client:
         sweeps = list(itertools.islice(client.list_sweeps(page_size=page_size), args.limit or None))
-    if args.json:
-        print_json(sweeps)
-    elif sweeps:
-        rows = [
-            [
-                sweep.id,
-                sweep.name or "-",
-                sweep.state.value,
-                str(sweep.run_count),
-                sweep.best_job_id or "-",
-                sweep.created_at.strftime("%Y-%m-%d %H:%M:%S") if sweep.created_at else "-",
-            ]
-            for sweep in sweeps
-        ]
-        print(render_table(("ID", "NAME", "STATE", "RUNS", "BEST JOB", "CREATED"), rows))
-    else:
-        print("no sweeps yet — start one with 'ssdrbm sweep'")
+    print_listing(sweeps, args.json, sweeps_table, "no sweeps yet — start one with 'ssdrbm sweep'")
     return ExitCode.OK
+
+
+def sweeps_table(sweeps: list[Sweep]) -> str:
+    """One row per sweep: id, name, state, runs, best job, creation time."""
+    rows = [
+        [
+            sweep.id,
+            sweep.name or "-",
+            sweep.state.value,
+            str(sweep.run_count),
+            sweep.best_job_id or "-",
+            format_time(sweep.created_at),
+        ]
+        for sweep in sweeps
+    ]
+    return render_table(("ID", "NAME", "STATE", "RUNS", "BEST JOB", "CREATED"), rows)
 
 
 def run_sweep_show(args: argparse.Namespace) -> ExitCode:

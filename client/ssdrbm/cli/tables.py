@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ssdrbm.cli.output import format_number
+from ssdrbm.cli.output import format_number, format_time
 from ssdrbm.events import Job
 from ssdrbm.spec import TrainingDefaults
 
@@ -29,7 +29,6 @@ QUEUE_HEADER = "QUEUE"  # only when a listed job is queued: its place and expect
 def job_row(job: Job) -> list[str]:
     """One row of the ``ssdrbm jobs`` table."""
     metrics = job.latest_metrics
-    created = job.created_at.strftime("%Y-%m-%d %H:%M:%S") if job.created_at else "-"
     return [
         job.id,
         job.name or "-",
@@ -37,7 +36,7 @@ def job_row(job: Job) -> list[str]:
         f"{job.step}/{job.total_steps}",
         format_number(metrics.reconstruction_error if metrics else None),
         format_number(metrics.log_likelihood if metrics else None),
-        created,
+        format_time(job.created_at),
     ]
 
 
