@@ -18,8 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from ssdrbm_server.errors import FailedPreconditionError, NotFoundError
-from ssdrbm_server.keys import Keys
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import Store
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +80,8 @@ _RESUME_FIELDS = ("trainer_state", "trainer_sha256", "recovery_state", "recovery
 _ALL_FIELDS = (*_MODEL_FIELDS, *_RESUME_FIELDS)
 
 
-class CheckpointStore:
+class CheckpointStore(Store):
     """Reads a job's retained checkpoints, verifying each."""
-
-    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
-        self.redis = redis
-        self.keys = keys or Keys()
 
     async def list_steps(self, job_id: str) -> list[int]:
         """Steps of the retained checkpoints, oldest first."""
@@ -101,7 +96,7 @@ class CheckpointStore:
         steps = await self.list_steps(job_id)
         for step in reversed(steps):
             try:
-                return await self._load(job_id, step, with_trainer_state)
+                return await self.get(job_id, step, with_trainer_state=with_trainer_state)
             except CorruptCheckpointError as exc:
                 logger.error("job %s: %s; falling back to the previous checkpoint", job_id, exc)
             except NotFoundError:
@@ -122,9 +117,6 @@ class CheckpointStore:
     async def get(self, job_id: str, step: int, *, with_trainer_state: bool = False) -> Checkpoint:
         """The checkpoint at `step`; NotFoundError if not retained, CorruptCheckpointError
         (FAILED_PRECONDITION) if its bytes fail the sha256 check."""
-        return await self._load(job_id, step, with_trainer_state)
-
-    async def _load(self, job_id: str, step: int, with_trainer_state: bool) -> Checkpoint:
         names = _ALL_FIELDS if with_trainer_state else _MODEL_FIELDS
         values = await self.redis.hmget(self.keys.checkpoint(job_id, step), list(names))
         raw = dict(zip(names, values, strict=True))

@@ -10,14 +10,17 @@ client splits by node.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
+
+from ssdrbm_server.keys import Keys
 
 # Short enough that an RPC answers UNAVAILABLE promptly when Redis is down, long enough for a
 # checkpoint write of a few megabytes on a busy machine.
@@ -28,6 +31,34 @@ CONNECT_TIMEOUT_S = 2.0
 RedisClient = aioredis.Redis | RedisCluster
 
 T = TypeVar("T")
+
+
+class Store:
+    """A store on one client and key layout; its Lua scripts run with ``run``."""
+
+    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+        self._scripts: dict[str, AsyncScript] = {}
+
+    async def run(self, script: str, keys: list[str], args: Sequence[object] = ()) -> Any:
+        """Run a Lua script, given by its source (registered on first use: EVALSHA after)."""
+        if script not in self._scripts:
+            self._scripts[script] = self.redis.register_script(script)
+        return await self._scripts[script](keys=keys, args=args)
+
+    def job_and_events(self, job_id: str) -> list[str]:
+        """The KEYS of a script on the job's hash and event stream (its own slot)."""
+        return [self.keys.job(job_id), self.keys.events(job_id)]
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def pairs(fields: Mapping[str, object]) -> list:
+    """A mapping as the flat field/value list of HSET and of a script's ARGV."""
+    return [part for item in fields.items() for part in item]
 
 
 async def cancellable(call: Awaitable[T]) -> T:

@@ -61,7 +61,7 @@ from ssdrbm_server.errors import (
     tenant_subject,
 )
 from ssdrbm_server.keys import Keys, is_dataset_id
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import RedisClient, Store
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def check_array(shape: Sequence[int], dtype: str, size_bytes: int | None) -> tup
     return dims
 
 
-class DatasetStore:
+class DatasetStore(Store):
     """Stores and loads uploaded arrays, scoped to the tenants that uploaded them."""
 
     def __init__(
@@ -219,17 +219,10 @@ class DatasetStore:
         idle_seconds: float = DEFAULT_IDLE_SECONDS,
         tenant_quota: int = DEFAULT_TENANT_QUOTA,
     ) -> None:
-        self.redis = redis
-        self.keys = keys or Keys()
+        super().__init__(redis, keys=keys)
         self.chunk_bytes = chunk_bytes
         self.idle_ms = max(1, int(idle_seconds * 1000))
         self.tenant_quota = tenant_quota
-        self._commit = redis.register_script(_COMMIT)
-        self._seal = redis.register_script(_SEAL)
-        self._complete = redis.register_script(_COMPLETE)
-        self._add = redis.register_script(_ADD)
-        self._remove = redis.register_script(_REMOVE)
-        self._release = redis.register_script(_RELEASE)
 
     def begin(
         self,
@@ -329,7 +322,8 @@ class DatasetStore:
         """Drop the tenant's dataset; its bytes go once no tenant references them.
         DatasetInUseError while the tenant's queued or running jobs hold it."""
         info = await self.info(tenant, dataset_id)
-        status, *users = await self._remove(
+        status, *users = await self.run(
+            _REMOVE,
             keys=[
                 self.keys.tenant_datasets(tenant),
                 self.keys.tenant_dataset_bytes(tenant),
@@ -344,7 +338,8 @@ class DatasetStore:
         return info
 
     async def _drop_reference(self, tenant: str, dataset_id: str) -> None:
-        blob = await self._release(
+        blob = await self.run(
+            _RELEASE,
             keys=[self.keys.dataset(dataset_id), self.keys.dataset_tenants(dataset_id)],
             args=[tenant],
         )
@@ -483,7 +478,7 @@ class Upload:
         """Step 1; while another upload of the same bytes is committing, wait for it."""
         args = [self.upload_id, self.tenant, PENDING_STALE_MS, *self._record(value_range)]
         for _ in range(BUSY_TRIES):
-            outcome, replaced = await self.store._commit(keys=dataset_keys, args=args)
+            outcome, replaced = await self.store.run(_COMMIT, keys=dataset_keys, args=args)
             if outcome != b"busy":
                 break
             await asyncio.sleep(BUSY_WAIT_S)
@@ -507,9 +502,9 @@ class Upload:
     async def _seal_and_complete(self, new_id: str, dataset_keys: list[str]) -> None:
         store = self.store
         self._kept = True
-        sealed = await store._seal(keys=[self._key], args=[self._chunks])
-        completed = sealed and await store._complete(
-            keys=dataset_keys, args=[self.upload_id, self.tenant]
+        sealed = await store.run(_SEAL, keys=[self._key], args=[self._chunks])
+        completed = sealed and await store.run(
+            _COMPLETE, keys=dataset_keys, args=[self.upload_id, self.tenant]
         )
         if not completed:
             await store.redis.unlink(self._key)
@@ -522,7 +517,8 @@ class Upload:
     async def _add_for_tenant(self, new_id: str) -> None:
         store, keys = self.store, self.store.keys
         entry = json.dumps({"name": self.name, "created_at": time.time()})
-        code, used = await store._add(
+        code, used = await store.run(
+            _ADD,
             keys=[keys.tenant_datasets(self.tenant), keys.tenant_dataset_bytes(self.tenant)],
             args=[new_id, entry, self.size_bytes, store.tenant_quota],
         )

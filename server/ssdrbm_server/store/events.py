@@ -17,7 +17,7 @@ from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server.errors import InvalidArgumentError
 from ssdrbm_server.keys import Keys
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import RedisClient, Store, text
 from ssdrbm_server.store.records import JobState
 
 METRICS = "metrics"
@@ -97,14 +97,13 @@ def token_order(token: str) -> tuple[int, int]:
     return int(millis), int(sequence)
 
 
-class EventStore:
+class EventStore(Store):
     """Reads a job's event stream (replay from a token, or follow it live)."""
 
     def __init__(
         self, redis: RedisClient, *, keys: Keys | None = None, blocking: RedisClient | None = None
     ) -> None:
-        self.redis = redis
-        self.keys = keys or Keys()
+        super().__init__(redis, keys=keys)
         # Blocking reads hold a connection for up to a second each: with their own pool (sized
         # to the stream limit) they cannot use up the connections of ordinary calls.
         self.blocking = blocking if blocking is not None else redis
@@ -124,17 +123,13 @@ class EventStore:
         block = min(block_ms, MAX_BLOCK_MS) if block_ms and block_ms > 0 else None
         client = self.blocking if block is not None else self.redis
         reply = await client.xread({self.keys.events(job_id): start}, count=count, block=block)
-        events: list[tuple[str, str, bytes]] = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                token = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                events.append((token, fields[b"kind"].decode(), fields[b"data"]))
-        return events
+        return [
+            (text(entry_id), fields[b"kind"].decode(), fields[b"data"])
+            for _stream, entries in reply or []
+            for entry_id, fields in entries
+        ]
 
     async def last_token(self, job_id: str) -> str:
         """Token of the newest event, "" if the stream is empty."""
         newest = await self.redis.xrevrange(self.keys.events(job_id), count=1)
-        if not newest:
-            return ""
-        entry_id = newest[0][0]
-        return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        return text(newest[0][0]) if newest else ""

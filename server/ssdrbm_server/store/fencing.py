@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from redis.exceptions import ResponseError
 
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.checkpoints import DEFAULT_KEEP, checkpoint_fields
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import RedisClient, Store, pairs
 from ssdrbm_server.store.events import (
     backoff_event_fields,
     event_values,
@@ -147,7 +148,7 @@ class LeaseLostError(Exception):
     """The job is no longer RUNNING under this attempt: another worker took over, or it ended."""
 
 
-class FencedJob:
+class FencedJob(Store):
     """All writes of one worker attempt on one job."""
 
     def __init__(
@@ -158,38 +159,27 @@ class FencedJob:
         keys: Keys | None = None,
         retention: Retention | None = None,
     ) -> None:
-        self.redis = redis
+        super().__init__(redis, keys=keys)
         self.lease = lease
-        self.keys = keys or Keys()
         self.index = JobIndex(redis, self.keys)
         self.lifecycle = JobLifecycle(redis, self.keys, retention)
         self.job_id = lease.job_id
         self.attempt = lease.attempt
         self.tenant = lease.record.tenant
-        self._heartbeat = redis.register_script(_HEARTBEAT)
-        self._update = redis.register_script(_UPDATE)
-        self._metrics = redis.register_script(_METRICS)
-        self._backoff = redis.register_script(_BACKOFF)
-        self._checkpoint = redis.register_script(_CHECKPOINT)
-        self._finish = redis.register_script(_FINISH)
-        self._release = redis.register_script(_RELEASE)
 
-    async def _run(self, script, keys: list[str], args: list):
+    async def _run(self, script: str, keys: list[str], args: list) -> Any:
         """Run a fenced script: the attempt and the RUNNING state go first."""
         try:
-            return await script(keys=keys, args=[self.attempt, JobState.RUNNING.value, *args])
+            return await self.run(script, keys, [self.attempt, JobState.RUNNING.value, *args])
         except ResponseError as exc:
             if str(exc).startswith("STALE"):
                 raise LeaseLostError(f"job {self.job_id}: {exc}") from None
             raise
 
-    def _job_and_events(self) -> list[str]:
-        return [self.keys.job(self.job_id), self.keys.events(self.job_id)]
-
     async def heartbeat(self) -> bool:
         """Extend the lease by its length; returns True when a cancel was requested."""
         flag, deadline = await self._run(
-            self._heartbeat, [self.keys.job(self.job_id)], [self.lease.lease_ms]
+            _HEARTBEAT, [self.keys.job(self.job_id)], [self.lease.lease_ms]
         )
         await self.index.follow(
             self.job_id, self.tenant, JobState.RUNNING, self.attempt, lease_deadline=int(deadline)
@@ -198,16 +188,13 @@ class FencedJob:
 
     async def update(self, **fields: int | str) -> None:
         """Set job fields (e.g. n_visible, total_steps once the dataset is loaded, runtime)."""
-        args: list[int | str] = []
-        for name, value in fields.items():
-            args += [name, value]
-        await self._run(self._update, [self.keys.job(self.job_id)], args)
+        await self._run(_UPDATE, [self.keys.job(self.job_id)], pairs(fields))
 
     async def publish_metrics(self, step: int, metrics: bytes) -> bool:
         """Append a metric event; False (dropped) if this step was already published."""
         event = metrics_event_fields(metrics, attempt=self.attempt)
         published = await self._run(
-            self._metrics, self._job_and_events(), [step, *event_values(event)]
+            _METRICS, self.job_and_events(self.job_id), [step, *event_values(event)]
         )
         return published == 1
 
@@ -217,7 +204,7 @@ class FencedJob:
         again, not dropped as repeats), and one more on its `backoffs` counter."""
         event = backoff_event_fields(event_data, attempt=self.attempt)
         await self._run(
-            self._backoff, self._job_and_events(), [rollback_step, *event_values(event)]
+            _BACKOFF, self.job_and_events(self.job_id), [rollback_step, *event_values(event)]
         )
         logger.info(
             "job %s backed off to step %d (attempt %d)", self.job_id, rollback_step, self.attempt
@@ -257,10 +244,7 @@ class FencedJob:
             self.keys.checkpoint(self.job_id, step),
             *(self.keys.checkpoint(self.job_id, old) for old in drop),
         ]
-        args: list[int | str | bytes] = [step, *drop]
-        for name, value in fields.items():
-            args += [name, value]
-        await self._run(self._checkpoint, keys, args)
+        await self._run(_CHECKPOINT, keys, [step, *drop, *pairs(fields)])
 
     async def finish(
         self, state: JobState, *, step: int, error: str = "", message: str = ""
@@ -276,9 +260,9 @@ class FencedJob:
         existing = [int(member) for member in await self.redis.zrange(index, 0, -1)]
         drop = steps_to_drop(existing, self.lifecycle.retention.checkpoints_kept)
         await self._run(
-            self._finish,
+            _FINISH,
             [
-                *self._job_and_events(),
+                *self.job_and_events(self.job_id),
                 index,
                 *(self.keys.checkpoint(self.job_id, old) for old in drop),
             ],
@@ -297,7 +281,9 @@ class FencedJob:
             JobState.QUEUED, attempt=self.attempt, step=step, message=message
         )
         await self._run(
-            self._release, self._job_and_events(), [JobState.QUEUED.value, *event_values(event)]
+            _RELEASE,
+            self.job_and_events(self.job_id),
+            [JobState.QUEUED.value, *event_values(event)],
         )
         # A death before this step leaves the lease entry, which lapses and leads a worker to
         # claim the job: the same outcome as the queue entry this step adds.

@@ -50,7 +50,7 @@ the claim is right.
 from __future__ import annotations
 
 from ssdrbm_server.keys import Keys
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import RedisClient, Store
 from ssdrbm_server.store.records import JobState
 
 # A missing job's version: above any real one, so no late step can index it again.
@@ -142,6 +142,8 @@ def schedule_script(only: str = "") -> str:
     return NOW_MS + f"redis.call('ZADD', KEYS[1], {flag}now + tonumber(ARGV[1]), ARGV[2])\n"
 
 
+_RESERVE_LEASE = schedule_script("LT")
+
 # KEYS: a set of times on this node's clock. ARGV: grace ms, limit. Members whose time passed
 # more than the grace ago, each followed by its time.
 DUE = (
@@ -168,17 +170,11 @@ def index_version(state: JobState, attempt: int) -> int:
     return 3 * attempt + _RANK.get(state, _TERMINAL_RANK)
 
 
-class JobIndex:
+class JobIndex(Store):
     """Brings the shared indexes in line with a state the job hash has already taken."""
 
     def __init__(self, redis: RedisClient, keys: Keys) -> None:
-        self.redis = redis
-        self.keys = keys
-        self._sync = redis.register_script(_SYNC)
-        self._reserve_lease = redis.register_script(schedule_script("LT"))
-        self._lapsed = redis.register_script(DUE)
-        self._tombstone = redis.register_script(_TOMBSTONE)
-        self._leave_active = redis.register_script(_LEAVE_ACTIVE)
+        super().__init__(redis, keys=keys)
 
     def _global_keys(self) -> list[str]:
         states = [self.keys.jobs_in_state(state.value) for state in JobState]
@@ -206,7 +202,8 @@ class JobIndex:
         at the back of its list or, `front`, at its front; a sweep's run goes into the
         tenant's list of sweep runs (store/queue.py)."""
         queue_keys = [] if enqueue_for is None else self._queue_keys(enqueue_for, sweep_run)
-        await self._sync(
+        await self.run(
+            _SYNC,
             keys=[*self._global_keys(), *queue_keys],
             args=[
                 job_id,
@@ -252,13 +249,14 @@ class JobIndex:
         keys = [self.keys.tenant_active(tenant), self.keys.tenant_job_datasets(tenant)]
         if unlist:
             keys.append(self.keys.tenant_jobs(tenant))
-        await self._leave_active(keys=keys, args=[job_id])
+        await self.run(_LEAVE_ACTIVE, keys=keys, args=[job_id])
 
     async def forget(self, job_id: str) -> None:
         """Drop a job whose hash is gone (expired unfinished submit, lost data) from the shared
         indexes for good."""
         await self._apply(job_id, FORGOTTEN, 0, None, None)
-        await self._tombstone(
+        await self.run(
+            _TOMBSTONE,
             keys=[self.keys.index_versions(), self.keys.forgotten()],
             args=[job_id, TOMBSTONE_MS, _TOMBSTONE_PRUNE],
         )
@@ -266,9 +264,9 @@ class JobIndex:
     async def reserve_lease(self, job_id: str, lease_ms: int) -> None:
         """Make sure the lease index holds the job with a deadline no later than a claim made
         now would set; called before the claim, so no RUNNING job is ever missing from it."""
-        await self._reserve_lease(keys=[self.keys.leases()], args=[lease_ms, job_id])
+        await self.run(_RESERVE_LEASE, keys=[self.keys.leases()], args=[lease_ms, job_id])
 
     async def lapsed(self, limit: int) -> list[str]:
         """Ids whose indexed lease deadline has passed (the claim decides on the hash's)."""
-        flat = await self._lapsed(keys=[self.keys.leases()], args=[0, limit])
+        flat = await self.run(DUE, keys=[self.keys.leases()], args=[0, limit])
         return [job_id.decode() for job_id in flat[::2]]  # without their deadlines

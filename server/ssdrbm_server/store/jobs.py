@@ -27,18 +27,13 @@ a listing entry that ListJobs skips. The limit check and the active set are one 
 so the limit holds on Cluster without a race window; a removal from the active set that a
 crash lost can only refuse a submit early, never admit one beyond the limit.
 
-A request id answers the job it created, in any state, for `idempotency_ttl_s` (the tenant's
-idempotency key). Once that job is deleted (DeleteJob, or a finished job's expiry) the request
-id names no job and a repeat creates a new job, as the first request did: the request id makes
-retries of one submission safe, and deleting its job is the client's own word that the
-submission is over (a refusal would leave the id unusable until its TTL, for nothing). On
-Cluster the key and the job are in different slots, so this holds by the order of the steps: a
-delete releases the key (lifecycle.py, step 2) before it removes any key of the job, and a
-repeat reads the key (in step 2 above), then the job, then the key again. When the key still
-names the job, the job existed at that last read, and the record read is the answer; otherwise
-(its delete began meanwhile, or the job is gone, whose key the repeat then releases) the
-reservation runs again and makes a new job. So a repeat racing a delete answers the job as it
-was before the delete began, or a new job; never a job already gone, and never an error.
+A request id answers the job it created, in any state, for `idempotency_ttl_s`; once that job
+is deleted, a repeat creates a new job (deleting it is the client's word that the submission is
+over). On Cluster this holds by the order of the steps: a delete releases the key (lifecycle.py,
+step 2) before it removes any key of the job, and a repeat reads the key, then the job, then the
+key again: when the key still names the job, the record read is the answer; otherwise the
+reservation runs again. So a repeat racing a delete answers the job as it was before the delete
+began, or a new job; never a job already gone, and never an error.
 
 An accepted job holds its uploaded dataset: the reference (`tenant:{<t>}:job_datasets`, job ->
 dataset) is taken in step 2, so a DeleteDataset (one script on the same slot, datasets.py)
@@ -46,20 +41,17 @@ either runs first, and the submit answers NOT_FOUND, or after, and is refused na
 goes when the job leaves the active set (indexes.py `leave_active`: its end, or its delete), so
 a sweep's runs, which are submitted here too, hold their dataset the same way.
 
-Cancel decides on the job hash alone (one script); the indexes follow (indexes.py).
-
-Delete (and retention when a job ends: checkpoints trimmed, finished jobs expiring) is in
-lifecycle.py, with the order of its steps. A job QUEUED or RUNNING is deleted only with `force`:
-it is cancelled first (a queued one at once; a running one is flagged), then removed at once, and
-a worker still training it finds the hash gone at its next fenced write and stops. Nothing waits
-for the worker, so a forced delete answers within one round of writes.
+Cancel decides on the job hash alone (one script); the indexes follow (indexes.py). Delete and
+retention are in lifecycle.py; a QUEUED or RUNNING job is deleted only with `force`: cancelled,
+then removed at once without waiting for its worker, which finds the hash gone at its next
+fenced write and stops.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
 from ssdrbm.v1 import rbm_pb2
@@ -73,7 +65,7 @@ from ssdrbm_server.errors import (
     tenant_subject,
 )
 from ssdrbm_server.keys import Keys, is_job_id, new_id
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import RedisClient, Store, pairs
 from ssdrbm_server.store.datasets import dataset_not_found
 from ssdrbm_server.store.events import event_values, state_event_fields, xadd_event
 from ssdrbm_server.store.indexes import JobIndex
@@ -179,19 +171,7 @@ _LIST_BATCH = 200
 _RESERVED, _REPEATED, _AT_LIMIT, _AT_QUOTA, _NO_DATASET = 1, 0, -1, -2, -3
 
 
-@dataclass
-class _Reservation:
-    """What step 2 decided: `status` (a reply of _RESERVE), the job reserved or found, the
-    reserved job's listing position, and for a repeated request id the job it answers."""
-
-    status: int
-    job_id: str
-    seq: int
-    existing: JobRecord | None = None
-
-
-@dataclass
-class _Found:
+class _Found(NamedTuple):
     """What a repair needs to know of a job the tenant's keys name."""
 
     state: JobState | None  # None: the hash is gone
@@ -213,23 +193,15 @@ def _not_found(job_id: str) -> NotFoundError:
     return NotFoundError.for_id("job", job_id, "check the id (ListJobs shows your jobs)")
 
 
-class JobStore:
+class JobStore(Store):
     """Client-facing job operations; every method is scoped to a tenant where it reads a job."""
 
     def __init__(
         self, redis: RedisClient, *, keys: Keys | None = None, retention: Retention | None = None
     ) -> None:
-        self.redis = redis
-        self.keys = keys or Keys()
+        super().__init__(redis, keys=keys)
         self.index = JobIndex(redis, self.keys)
         self.lifecycle = JobLifecycle(redis, self.keys, retention)
-        self._create = redis.register_script(_CREATE)
-        self._reserve = redis.register_script(_RESERVE)
-        self._admit = redis.register_script(_ADMIT)
-        self._cancel = redis.register_script(_CANCEL)
-
-    def _job_keys(self, job_id: str) -> list[str]:
-        return [self.keys.job(job_id), self.keys.events(job_id)]
 
     async def submit(
         self,
@@ -270,16 +242,15 @@ class JobStore:
         )
         fields[REQUEST_ID_FIELD] = request_id or ""  # a delete removes its idempotency key
         event = state_event_fields(JobState.QUEUED, attempt=0, step=0, message="submitted")
-        args: list[bytes | str | int | float] = [ADMISSION_TTL_S, *event_values(event)]
-        for field, value in fields.items():
-            args += [field, value]
-        await self._create(keys=self._job_keys(job_id), args=args)
+        args = [ADMISSION_TTL_S, *event_values(event), *pairs(fields)]
+        await self.run(_CREATE, keys=self.job_and_events(job_id), args=args)
         limits = (max_active, max_records, idempotency_ttl_s)
         dataset_id = uploaded_dataset(spec)
-        reservation = await self._reserve_job(tenant, job_id, request_id, limits, dataset_id)
-        status = reservation.status
+        status, seq, existing = await self._reserve_job(
+            tenant, job_id, request_id, limits, dataset_id
+        )
         if status != _RESERVED:
-            await self.redis.delete(*self._job_keys(job_id))  # else it expires by itself
+            await self.redis.delete(*self.job_and_events(job_id))  # else it expires by itself
         if status == _NO_DATASET:
             raise dataset_not_found(dataset_id)  # deleted since the request was checked
         if status == _AT_LIMIT:
@@ -296,10 +267,10 @@ class JobStore:
                 limit="max_job_records_per_tenant",
                 subject=tenant_subject(tenant),
             )
-        if reservation.existing is not None:
-            logger.info("repeated request id for tenant %s: job %s", tenant, reservation.job_id)
-            return reservation.existing, False
-        await self._admit_job(tenant, job_id, reservation.seq, sweep_run=bool(sweep_id))
+        if existing is not None:
+            logger.info("repeated request id for tenant %s: job %s", tenant, existing.id)
+            return existing, False
+        await self._admit_job(tenant, job_id, seq, sweep_run=bool(sweep_id))
         logger.info("job %s submitted by tenant %s", job_id, tenant)
         return await self.get(tenant, job_id), True
 
@@ -310,10 +281,10 @@ class JobStore:
         request_id: str | None,
         limits: tuple[int, int, int],
         dataset_id: str,
-    ) -> _Reservation:
-        """Step 2, after repairing what stood in the way: a full tenant whose active set holds
-        ended or vanished jobs, or a request id whose job is gone or expired before it was
-        admitted; a repeated request id comes with the job it answers."""
+    ) -> tuple[int, int, JobRecord | None]:
+        """Step 2 (status, listing position, and for a repeated request id the job it answers),
+        after repairing what stood in the way: a full tenant whose active set holds ended or
+        vanished jobs, or a request id whose job is gone or expired before it was admitted."""
         keys = [
             self.keys.idempotency(tenant, request_id or ""),
             self.keys.tenant_active(tenant),
@@ -324,18 +295,13 @@ class JobStore:
         ]
         args = [job_id, "1" if request_id else "0", *limits, dataset_id]
         for _ in range(_SUBMIT_ROUNDS):
-            status, found_id, seq = await self._reserve(keys=keys, args=args)
-            reservation = _Reservation(status, found_id.decode(), seq)
-            if status == _AT_LIMIT:
-                if not await self._repair_active(tenant):
-                    return reservation
-            elif status == _REPEATED:
-                existing = await self._answer(tenant, reservation.job_id, request_id or "")
-                reservation.existing = existing
-                if reservation.existing is not None:
-                    return reservation
-            else:
-                return reservation
+            status, found_id, seq = await self.run(_RESERVE, keys=keys, args=args)
+            if status == _REPEATED:
+                existing = await self._answer(tenant, found_id.decode(), request_id or "")
+                if existing is not None:
+                    return status, seq, existing
+            elif status != _AT_LIMIT or not await self._repair_active(tenant):
+                return status, seq, None
         raise UnavailableError(f"tenant {tenant}'s jobs changed while submitting; retry")
 
     async def _answer(self, tenant: str, job_id: str, request_id: str) -> JobRecord | None:
@@ -359,7 +325,7 @@ class JobStore:
         await self.index.follow(
             job_id, tenant, JobState.QUEUED, 0, enqueue=True, sweep_run=sweep_run
         )
-        if not await self._admit(keys=self._job_keys(job_id), args=[seq]):
+        if not await self.run(_ADMIT, keys=self.job_and_events(job_id), args=[seq]):
             raise UnavailableError(f"job {job_id} expired before it was admitted; submit again")
 
     async def _probe(self, job_ids: list[str]) -> list[_Found]:
@@ -482,8 +448,9 @@ class JobStore:
             if record.state is JobState.QUEUED:
                 # before the end: see lifecycle
                 await self.lifecycle.expire_later(job_id, tenant, record.sweep_id)
-            outcome = await self._cancel(
-                keys=self._job_keys(job_id),
+            outcome = await self.run(
+                _CANCEL,
+                keys=self.job_and_events(job_id),
                 args=[
                     record.attempt,
                     repr(time.time()),

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from ssdrbm_server.keys import Keys, is_job_id
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import RedisClient, Store
 from ssdrbm_server.store.events import event_values, state_event_fields, xadd_event
 from ssdrbm_server.store.indexes import NOW_MS, JobIndex
 from ssdrbm_server.store.records import JobRecord, JobState, record_from_hash, worker_label
@@ -71,14 +71,12 @@ class Lease:
     record: JobRecord  # the job as it was when claimed (state RUNNING, this attempt)
 
 
-class LeaseStore:
+class LeaseStore(Store):
     """Claims jobs and finds jobs whose lease lapsed."""
 
     def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
-        self.redis = redis
-        self.keys = keys or Keys()
+        super().__init__(redis, keys=keys)
         self.index = JobIndex(redis, self.keys)
-        self._claim = redis.register_script(_CLAIM)
 
     async def load(self, job_id: str) -> JobRecord | None:
         """The job's record whatever its tenant (workers act for every tenant)."""
@@ -96,8 +94,9 @@ class LeaseStore:
                 await self._settle(job_id, record)
                 return None
             await self.index.reserve_lease(job_id, lease_ms)
-            outcome, deadline = await self._claim(
-                keys=[self.keys.job(job_id), self.keys.events(job_id)],
+            outcome, deadline = await self.run(
+                _CLAIM,
+                keys=self.job_and_events(job_id),
                 args=[
                     record.attempt,
                     worker_id,

@@ -55,14 +55,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ssdrbm_server.errors import UnavailableError
 from ssdrbm_server.keys import Keys, is_job_id
 from ssdrbm_server.outage import REDIS_OUTAGE
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import RedisClient, Store
 from ssdrbm_server.store.indexes import DUE, NOW_MS, JobIndex, schedule_script
 from ssdrbm_server.store.records import ACTIVE_STATES, JobState
 
@@ -76,6 +75,10 @@ SWEEP_BATCH = 100
 _PURGE_RETRIES = 5
 # The job hash field holding its StartTraining request_id, which names its idempotency key.
 REQUEST_ID_FIELD = "request_id"
+
+# On the `{jobs}` node's clock, as the sweep. A sweep's expiry moves later only, so it stands at
+# the latest time ever asked: its last run's end plus the TTL.
+_SCHEDULE, _SCHEDULE_LATER = schedule_script(), schedule_script("GT")
 
 # KEYS: a schedule. ARGV: member, its time as read, delay ms (0: remove the entry). Acts only
 # while the entry still has the time read, so a later schedule made meanwhile stands.
@@ -187,23 +190,13 @@ def split_member(member: bytes | str) -> tuple[str, str]:
     return item_id, tenant
 
 
-class JobLifecycle:
+class JobLifecycle(Store):
     """Retention when a job ends; deleting a job (now or when it expires); the sweeper."""
 
     def __init__(self, redis: RedisClient, keys: Keys, retention: Retention | None = None) -> None:
-        self.redis = redis
-        self.keys = keys
+        super().__init__(redis, keys=keys)
         self.retention = retention or Retention()
         self.index = JobIndex(redis, keys)
-        # On the `{jobs}` node's clock, as the sweep. A sweep's expiry moves later only, so it
-        # stands at the latest time ever asked: its last run's end plus the TTL.
-        self._schedule = redis.register_script(schedule_script())
-        self._schedule_later = redis.register_script(schedule_script("GT"))
-        self._due = redis.register_script(DUE)
-        self._settle = redis.register_script(_SETTLE)
-        self._delete = redis.register_script(_DELETE)
-        self._retain = redis.register_script(_RETAIN)
-        self._release_request_id = redis.register_script(_RELEASE_REQUEST_ID)
 
     # --- retention ------------------------------------------------------------------------
 
@@ -216,7 +209,8 @@ class JobLifecycle:
         delay_ms = self.retention.job_ttl_s * 1000
         await self.schedule(job_id, tenant, delay_ms=delay_ms)
         if sweep_id:
-            await self._schedule_later(
+            await self.run(
+                _SCHEDULE_LATER,
                 keys=[self.keys.sweep_purge_schedule()],
                 args=[delay_ms, schedule_member(sweep_id, tenant)],
             )
@@ -224,7 +218,7 @@ class JobLifecycle:
     async def ended(self, job_id: str) -> None:
         """After a job's end is written: trim its checkpoints and set its keys' expiry."""
         kept, ttl_s = self.retention.checkpoints_kept, self.retention.job_ttl_s
-        if await self._on_job_slot(job_id, self._retain, kept, ttl_s) is None:
+        if await self._on_job_slot(job_id, _RETAIN, kept, ttl_s) is None:
             logger.warning("job %s: checkpoints kept changing; retention skipped", job_id)
 
     # --- deletion -------------------------------------------------------------------------
@@ -232,8 +226,10 @@ class JobLifecycle:
     async def schedule(self, job_id: str, tenant: str, *, delay_ms: int) -> None:
         """Step 1: the job is to be deleted `delay_ms` from now (by the sweeper, if nobody
         deletes it sooner)."""
-        await self._schedule(
-            keys=[self.keys.purge_schedule()], args=[delay_ms, schedule_member(job_id, tenant)]
+        await self.run(
+            _SCHEDULE,
+            keys=[self.keys.purge_schedule()],
+            args=[delay_ms, schedule_member(job_id, tenant)],
         )
 
     async def purge(self, job_id: str, tenant: str, *, allow_active: bool = False) -> bool:
@@ -268,7 +264,7 @@ class JobLifecycle:
             request_id = raw.decode() if raw else ""
         if request_id:
             idempotency = self.keys.idempotency(tenant, request_id)
-            await self._release_request_id(keys=[idempotency], args=[job_id])
+            await self.run(_RELEASE_REQUEST_ID, keys=[idempotency], args=[job_id])
 
     async def drop_from_tenant(self, tenant: str, job_id: str) -> None:
         """Step 4: the tenant's active set (with the job's dataset reference) and listing."""
@@ -276,14 +272,12 @@ class JobLifecycle:
 
     async def _delete_job_keys(self, job_id: str, tenant: str, allow_active: bool) -> str:
         """Step 3, read again while a worker writes a checkpoint in between."""
-        outcome = await self._on_job_slot(job_id, self._delete, tenant, int(allow_active))
+        outcome = await self._on_job_slot(job_id, _DELETE, tenant, int(allow_active))
         if outcome is None:
             raise UnavailableError(f"job {job_id} kept writing checkpoints while deleted; retry")
         return outcome.decode()
 
-    async def _on_job_slot(
-        self, job_id: str, script: AsyncScript, *args: str | int
-    ) -> bytes | None:
+    async def _on_job_slot(self, job_id: str, script: str, *args: str | int) -> bytes | None:
         """One of the job-slot scripts (`_SAME_CHECKPOINTS`) on the job's own keys, its
         checkpoints as read now (oldest first) included, with ``args``, QUEUED, RUNNING and
         their steps; read again while a worker writes a checkpoint in between. Its outcome, or
@@ -294,7 +288,7 @@ class JobLifecycle:
             keys = [self.keys.job(job_id), self.keys.events(job_id), index]
             keys += [self.keys.checkpoint(job_id, step) for step in steps]
             states = (JobState.QUEUED.value, JobState.RUNNING.value)
-            outcome = await script(keys=keys, args=[*args, *states, *steps])
+            outcome = await self.run(script, keys, [*args, *states, *steps])
             if outcome != b"retry":
                 return outcome
         return None
@@ -306,13 +300,13 @@ class JobLifecycle:
 
     async def due(self, schedule: str, *, grace_ms: int, limit: int) -> list[tuple[bytes, int]]:
         """Entries of ``schedule`` more than ``grace_ms`` overdue, with their times (ms)."""
-        flat = await self._due(keys=[schedule], args=[grace_ms, limit])
+        flat = await self.run(DUE, keys=[schedule], args=[grace_ms, limit])
         return [(flat[i], int(float(flat[i + 1]))) for i in range(0, len(flat), 2)]
 
     async def settle(self, schedule: str, member: bytes, due_ms: int, *, later_ms: int = 0) -> bool:
         """Remove an entry read as due at ``due_ms`` (or move it ``later_ms`` from now), unless
         it was scheduled again meanwhile; True when it acted."""
-        return await self._settle(keys=[schedule], args=[member, due_ms, later_ms]) == 1
+        return await self.run(_SETTLE, keys=[schedule], args=[member, due_ms, later_ms]) == 1
 
     async def sweep(self, *, limit: int = SWEEP_BATCH, grace_ms: int = SWEEP_GRACE_MS) -> int:
         """Delete the jobs whose schedule entry is `grace_ms` overdue (expired jobs, and deletes

@@ -19,52 +19,39 @@ number of round trips whatever the queue's length.
 
 from __future__ import annotations
 
-import logging
-
-from ssdrbm_server.keys import Keys
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import Store, text
 from ssdrbm_server.store.indexes import NOW_MS
-
-logger = logging.getLogger(__name__)
+from ssdrbm_server.store.queue import take_keys, tenant_lists
 
 SCAN_PER_TENANT = 256  # queued jobs of one tenant looked at for riders (from the oldest)
 SCAN_TENANTS = 64  # tenants looked at for riders, in rotation order
 
-# KEYS: rotation, taken, ready, the tenant's list, its sweep runs' list. ARGV: tenant, job id,
-# worker. Returns the taken entry, or '' when the job is in neither list (someone took it).
+# KEYS: as queue.py's take (`take_keys`; served is not touched). ARGV: tenant, job id, worker.
+# Returns the taken entry, or '' when the job is in neither list (someone took it).
 _TAKE_JOB = (
     NOW_MS
     + """
-if redis.call('LREM', KEYS[4], 1, ARGV[2]) + redis.call('LREM', KEYS[5], 1, ARGV[2]) == 0 then
+if redis.call('LREM', KEYS[5], 1, ARGV[2]) + redis.call('LREM', KEYS[6], 1, ARGV[2]) == 0 then
   return ''
 end
-if redis.call('LLEN', KEYS[4]) + redis.call('LLEN', KEYS[5]) == 0 then
+if redis.call('LLEN', KEYS[5]) + redis.call('LLEN', KEYS[6]) == 0 then
   redis.call('ZREM', KEYS[1], ARGV[1])
 end
-if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[3]) end
+if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[4]) end
 local entry = ARGV[2] .. ' ' .. ARGV[3]
-redis.call('ZADD', KEYS[2], now, entry)
+redis.call('ZADD', KEYS[3], now, entry)
 return entry
 """
 )
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-class PackClaims:
+class PackClaims(Store):
     """Finds and takes queued jobs with a given pack key."""
-
-    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
-        self.redis = redis
-        self.keys = keys or Keys()
-        self._take_job = redis.register_script(_TAKE_JOB)
 
     async def tenants_in_order(self, first: str) -> list[str]:
         """``first``, then the tenants with queued jobs in rotation order (next served first)."""
         rotation = await self.redis.zrange(self.keys.queue_rotation(), 0, SCAN_TENANTS - 1)
-        others = [_text(t) for t in rotation if _text(t) != first]
+        others = [text(t) for t in rotation if text(t) != first]
         return [first, *others]
 
     async def matching(self, tenant: str, pack_key: str, limit: int) -> list[str]:
@@ -73,10 +60,10 @@ class PackClaims:
         if limit <= 0 or not pack_key:
             return []
         job_ids: list[str] = []
-        for key in (self.keys.tenant_queue(tenant), self.keys.tenant_sweep_queue(tenant)):
+        for key in tenant_lists(self.keys, tenant):
             room = SCAN_PER_TENANT - len(job_ids)
             if room > 0:
-                job_ids += [_text(j) for j in await self.redis.lrange(key, 0, room - 1)]
+                job_ids += [text(j) for j in await self.redis.lrange(key, 0, room - 1)]
         if not job_ids:
             return []
         # One key per call (job hashes live in their own slots): a pipeline, not a script.
@@ -84,20 +71,12 @@ class PackClaims:
             for job_id in job_ids:
                 pipe.hget(self.keys.job(job_id), "pack_key")
             keys = await pipe.execute()
-        found = [j for j, k in zip(job_ids, keys, strict=True) if k and _text(k) == pack_key]
+        found = [j for j, k in zip(job_ids, keys, strict=True) if k and text(k) == pack_key]
         return found[:limit]
 
     async def take(self, tenant: str, job_id: str, consumer: str) -> str | None:
         """Take one queued job by id; its taken entry, or None when it is no longer queued."""
-        entry = await self._take_job(
-            keys=[
-                self.keys.queue_rotation(),
-                self.keys.queue_taken(),
-                self.keys.queue_ready(),
-                self.keys.tenant_queue(tenant),
-                self.keys.tenant_sweep_queue(tenant),
-            ],
-            args=[tenant, job_id, consumer],
+        entry = await self.run(
+            _TAKE_JOB, keys=take_keys(self.keys, tenant), args=[tenant, job_id, consumer]
         )
-        entry = _text(entry)
-        return entry or None
+        return text(entry) or None

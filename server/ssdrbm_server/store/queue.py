@@ -50,16 +50,10 @@ only take the preempted job back (its own tenant is next, with nothing of higher
 queued) is not worth a preemption: the job keeps its worker and its slice starts over.
 
 A queued job's place (`places`, for GetJob, ListJobs and the dashboard; read-only): its
-position is the number of jobs queued now that the rotation above serves before it — with
-the job i-th (from 0) in its tenant's order (plain jobs, then sweep runs), its tenant is served
-i more times first, and each tenant before it in the rotation i + 1 times, each after it i
-times, each at most as often as it has jobs (`served_before`). Its start is estimated from the
-slots busy now (`running_slots`: live leases, one slot per worker id): a slot frees when its
-jobs end at their pace so far or, when the rotation would serve other work
-(`would_serve_other`), at its slice's end at the latest; each job ahead then holds a slot for
-one slice at most (`estimate_start`). Jobs that run now and come back preempted, and jobs
-queued later by tenants served less recently, can still go ahead of it: the position is the
-queue as it stands, the estimate a forecast.
+position among the jobs queued now, by the rotation's rule (`served_before`), and its start
+estimated from the slots busy now (`running_slots`, `slot_frees_in`, `estimate_start`). Jobs
+that come back preempted, or are queued later by tenants served less recently, can still go
+ahead of it: the position is the queue as it stands, the estimate a forecast.
 """
 
 from __future__ import annotations
@@ -73,7 +67,7 @@ from dataclasses import dataclass
 from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server.keys import Keys
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import Store, text
 from ssdrbm_server.store.indexes import NOW_MS
 
 logger = logging.getLogger(__name__)
@@ -177,14 +171,22 @@ return 0
 _NOW = NOW_MS + "return now\n"
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _pair(entry: bytes | str) -> tuple[str, str]:
     """(entry id, job id) of a taken entry."""
-    entry = _text(entry)
+    entry = text(entry)
     return entry, entry[:_JOB_ID_CHARS]
+
+
+def tenant_lists(keys: Keys, tenant: str) -> list[str]:
+    """The tenant's two lists, in the order its turns take them: plain jobs, sweep runs."""
+    return [keys.tenant_queue(tenant), keys.tenant_sweep_queue(tenant)]
+
+
+def take_keys(keys: Keys, tenant: str) -> list[str]:
+    """The KEYS of the scripts that take a job of ``tenant``: rotation, served, taken, ready,
+    then its two lists."""
+    shared = [keys.queue_rotation(), keys.queue_served(), keys.queue_taken(), keys.queue_ready()]
+    return [*shared, *tenant_lists(keys, tenant)]
 
 
 def served_before(index: int, rank: int, lengths: Sequence[int]) -> int:
@@ -270,16 +272,8 @@ def _number(value: bytes | None) -> int:
     return int(value) if value not in (None, b"") else 0
 
 
-class JobQueue:
+class JobQueue(Store):
     """Taking and acknowledging queued jobs as one worker (`consumer`)."""
-
-    def __init__(self, redis: RedisClient, *, keys: Keys | None = None) -> None:
-        self.redis = redis
-        self.keys = keys or Keys()
-        self._take = redis.register_script(_TAKE)
-        self._retake = redis.register_script(_RETAKE)
-        self._serves_other = redis.register_script(_SERVES_OTHER)
-        self._now = redis.register_script(_NOW)
 
     async def read(self, consumer: str, *, block_ms: int, count: int = 1) -> list[tuple[str, str]]:
         """Up to `count` jobs, each from the least recently served tenant with work, waiting up to
@@ -306,17 +300,9 @@ class JobQueue:
             first = await self.redis.zrange(self.keys.queue_rotation(), 0, 0)
             if not first:
                 return None
-            tenant = _text(first[0])
-            status, entry = await self._take(
-                keys=[
-                    self.keys.queue_rotation(),
-                    self.keys.queue_served(),
-                    self.keys.queue_taken(),
-                    self.keys.queue_ready(),
-                    self.keys.tenant_queue(tenant),
-                    self.keys.tenant_sweep_queue(tenant),
-                ],
-                args=[tenant, consumer, SERVED_KEPT],
+            tenant = text(first[0])
+            status, entry = await self.run(
+                _TAKE, keys=take_keys(self.keys, tenant), args=[tenant, consumer, SERVED_KEPT]
             )
             if status == _TAKEN:
                 return _pair(entry)
@@ -325,7 +311,7 @@ class JobQueue:
         return None  # the rotation kept changing under us: the next round tries again
 
     async def _now_ms(self) -> int:
-        return int(await self._now(keys=[self.keys.queue_rotation()]))
+        return int(await self.run(_NOW, keys=[self.keys.queue_rotation()]))
 
     async def would_serve_other(self, running: dict[str, bool]) -> int:
         """What the rotation would serve were the running jobs put back at the front of their
@@ -338,21 +324,23 @@ class JobQueue:
         keys = [self.keys.queue_rotation(), self.keys.queue_served()]
         keys += [self.keys.tenant_queue(tenant) for tenant in tenants]
         args = [part for t in tenants for part in (t, "1" if running[t] else "0")]
-        return int(await self._serves_other(keys=keys, args=args))
+        return int(await self.run(_SERVES_OTHER, keys=keys, args=args))
 
     async def pending(self, consumer: str, *, count: int = 10) -> list[tuple[str, str]]:
         """Entries taken by `consumer` earlier and never acknowledged (after a restart)."""
         suffix = f" {consumer}"
         entries = await self.redis.zrange(self.keys.queue_taken(), 0, -1)
-        mine = [_pair(entry) for entry in entries if _text(entry)[_JOB_ID_CHARS:] == suffix]
+        mine = [_pair(entry) for entry in entries if text(entry)[_JOB_ID_CHARS:] == suffix]
         return mine[:count]
 
     async def autoclaim(
         self, consumer: str, *, min_idle_ms: int, count: int = 10
     ) -> list[tuple[str, str]]:
         """Take over entries other consumers took and left unacknowledged that long."""
-        moved = await self._retake(
-            keys=[self.keys.queue_taken()], args=[consumer, min_idle_ms, count, _JOB_ID_CHARS]
+        moved = await self.run(
+            _RETAKE,
+            keys=[self.keys.queue_taken()],
+            args=[consumer, min_idle_ms, count, _JOB_ID_CHARS],
         )
         return [_pair(entry) for entry in moved]
 
@@ -362,32 +350,28 @@ class JobQueue:
 
     async def length(self) -> int:
         """Jobs queued or taken and not yet acknowledged."""
-        tenants = [_text(t) for t in await self.redis.zrange(self.keys.queue_rotation(), 0, -1)]
-        lists = [self.keys.tenant_queue(t) for t in tenants]
-        lists += [self.keys.tenant_sweep_queue(t) for t in tenants]
-        queued = [await self.redis.llen(key) for key in lists]
+        tenants = await self.rotation()
+        queued = [await self.redis.llen(key) for t in tenants for key in tenant_lists(self.keys, t)]
         return sum(queued) + int(await self.redis.zcard(self.keys.queue_taken()))
 
     async def positions(self, tenant: str, job_ids: Sequence[str]) -> dict[str, int]:
         """Each of the tenant's queued ``job_ids``' position (`served_before`); a job not in its
         tenant's lists (being taken, or not queued) is left out. Bounded reads: the first
         PLACE_TENANTS_READ tenants of the rotation, their lists' lengths, the tenant's lists."""
-        rotation = await self.redis.zrange(self.keys.queue_rotation(), 0, PLACE_TENANTS_READ - 1)
-        tenants = [_text(name) for name in rotation]
+        tenants = await self.rotation(PLACE_TENANTS_READ)
         if tenant not in tenants and len(tenants) == PLACE_TENANTS_READ:
             return dict.fromkeys(job_ids, PLACE_TENANTS_READ)  # past the tenants read: at least
         if tenant not in tenants or not job_ids:
             return {}
-        plain, sweep = self.keys.tenant_queue(tenant), self.keys.tenant_sweep_queue(tenant)
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in tenants:
-                pipe.llen(self.keys.tenant_queue(name))
-                pipe.llen(self.keys.tenant_sweep_queue(name))
-            pipe.lrange(plain, 0, -1)
-            pipe.lrange(sweep, 0, -1)
+                for key in tenant_lists(self.keys, name):
+                    pipe.llen(key)
+            for key in tenant_lists(self.keys, tenant):
+                pipe.lrange(key, 0, -1)
             replies = await pipe.execute()
         lengths = [replies[i] + replies[i + 1] for i in range(0, 2 * len(tenants), 2)]
-        order = [_text(job) for job in replies[-2] + replies[-1]]  # the tenant's turns take
+        order = [text(job) for job in replies[-2] + replies[-1]]  # the tenant's turns take
         index_of = {job: index for index, job in reversed(list(enumerate(order)))}
         rank = tenants.index(tenant)
         return {
@@ -405,14 +389,14 @@ class JobQueue:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
             for job in running:
-                pipe.hmget(self.keys.job(_text(job)), _RUNNING_FIELDS)
+                pipe.hmget(self.keys.job(text(job)), _RUNNING_FIELDS)
             rows = await pipe.execute()
         slots: dict[str, tuple[dict[str, bool], list[float | None]]] = {}
         for tenant, worker, sweep_id, step, total, metrics in rows:
             if not worker or not tenant:  # deleted meanwhile
                 continue
-            tenants, remaining = slots.setdefault(_text(worker), ({}, []))
-            name = _text(tenant)
+            tenants, remaining = slots.setdefault(text(worker), ({}, []))
+            name = text(tenant)
             tenants[name] = tenants.get(name, True) and bool(sweep_id)
             remaining.append(_remaining_s(_number(step), _number(total), metrics or b""))
         return [
@@ -435,7 +419,7 @@ class JobQueue:
         waited = {}
         for job, newest in zip(job_ids, replies, strict=True):
             if newest:
-                entry_ms = int(_text(newest[0][0]).split("-", 1)[0])
+                entry_ms = int(text(newest[0][0]).split("-", 1)[0])
                 waited[job] = max(now_ms - entry_ms, 0) / 1000
         return waited
 
@@ -443,20 +427,19 @@ class JobQueue:
         """Each tenant with queued jobs (the first PLACE_TENANTS_READ of the rotation) -> its
         queued jobs and the longest wait among the heads of its two lists (the job its next
         turn takes, and its oldest sweep run)."""
-        rotation = await self.redis.zrange(self.keys.queue_rotation(), 0, PLACE_TENANTS_READ - 1)
-        tenants = [_text(tenant) for tenant in rotation]
+        tenants = await self.rotation(PLACE_TENANTS_READ)
         async with self.redis.pipeline(transaction=False) as pipe:
             for tenant in tenants:
-                for key in (self.keys.tenant_queue(tenant), self.keys.tenant_sweep_queue(tenant)):
+                for key in tenant_lists(self.keys, tenant):
                     pipe.llen(key)
                     pipe.lindex(key, 0)
             replies = await pipe.execute()
-        heads = [_text(job) for job in replies[1::2] if job]
+        heads = [text(job) for job in replies[1::2] if job]
         waited = await self.queued_for(heads) if heads else {}
         backlog = {}
         for i, tenant in enumerate(tenants):
             depth_plain, head_plain, depth_sweep, head_sweep = replies[4 * i : 4 * i + 4]
-            waits = [waited.get(_text(head), 0.0) for head in (head_plain, head_sweep) if head]
+            waits = [waited.get(text(head), 0.0) for head in (head_plain, head_sweep) if head]
             backlog[tenant] = (depth_plain + depth_sweep, max(waits, default=0.0))
         return backlog
 
@@ -503,7 +486,7 @@ class JobQueue:
             places[job] = QueuePlace(position, starts_in, basis, len(slots), slice_s)
         return places
 
-    async def rotation(self) -> list[str]:
-        """Tenants with queued jobs, the next to be served first."""
-        tenants = await self.redis.zrange(self.keys.queue_rotation(), 0, -1)
-        return [_text(tenant) for tenant in tenants]
+    async def rotation(self, limit: int = 0) -> list[str]:
+        """Tenants with queued jobs, the next to be served first (the first ``limit``; 0: all)."""
+        tenants = await self.redis.zrange(self.keys.queue_rotation(), 0, limit - 1)
+        return [text(tenant) for tenant in tenants]

@@ -23,7 +23,7 @@ from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.rank_metrics import metric_value, signed_value
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import RedisClient, Store
 from ssdrbm_server.store.records import JobRecord
 
 # KEYS: the rung's sorted set, the sweep's decisions, the sweep. ARGV: job id, step, signed
@@ -46,13 +46,12 @@ return answer
 """
 
 
-class RungGate:
+class RungGate(Store):
     """The ASHA decisions of one run (a job): a no-op for jobs outside sweeps or sweeps
     without early stopping. ``stop_reason`` is set once the run is told to stop."""
 
     def __init__(self, redis: RedisClient, keys: Keys, record: JobRecord) -> None:
-        self.redis = redis
-        self.keys = keys
+        super().__init__(redis, keys=keys)
         self.job_id = record.id
         self.tenant = record.tenant
         self.sweep_id = record.sweep_id
@@ -61,7 +60,6 @@ class RungGate:
         self._rungs: list[int] = []
         self._eta = 0
         self._metric = ""
-        self._decide = redis.register_script(_DECIDE)
 
     async def _load(self) -> None:
         if self._loaded or not self.sweep_id:
@@ -83,7 +81,8 @@ class RungGate:
             return False
         value = metric_value(pb.Metrics.FromString(metrics), self._metric)
         signed = "inf" if value is None else repr(signed_value(value, self._metric))
-        answer = await self._decide(
+        answer = await self.run(
+            _DECIDE,
             keys=[
                 self.keys.sweep_rung(self.tenant, self.sweep_id, step),
                 self.keys.sweep_decisions(self.tenant, self.sweep_id),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ssdrbm_server.errors import InvalidArgumentError, NotFoundError
 from ssdrbm_server.keys import Keys, is_job_id, new_id
-from ssdrbm_server.store.connection import RedisClient
+from ssdrbm_server.store.connection import RedisClient, Store, pairs
 from ssdrbm_server.store.page_tokens import decode_page_token, encode_page_token
 
 # KEYS: sweep hash, tenant listing, tenant sequence. ARGV: sweep id, then field/value pairs.
@@ -79,15 +79,11 @@ def _not_found(sweep_id: str) -> NotFoundError:
     return NotFoundError.for_id("sweep", sweep_id, "check the id (ListSweeps shows your sweeps)")
 
 
-class SweepStore:
+class SweepStore(Store):
     """Sweep records of each tenant."""
 
     def __init__(self, redis: RedisClient, keys: Keys) -> None:
-        self.redis = redis
-        self.keys = keys
-        self._create = redis.register_script(_CREATE)
-        self._add_run = redis.register_script(_ADD_RUN)
-        self._delete = redis.register_script(_DELETE)
+        super().__init__(redis, keys=keys)
 
     async def reserve_id(self, tenant: str, request_id: str, ttl_s: int) -> tuple[str, bool]:
         """(sweep id, new): a fresh id, or the one an earlier StartSweep with this request_id
@@ -130,23 +126,21 @@ class SweepStore:
             "cancel_requested": 0,
             "error": "",
         }
-        args: list[bytes | str | int] = [sweep_id]
-        for field, value in fields.items():
-            args += [field, value]
-        await self._create(
+        await self.run(
+            _CREATE,
             keys=[
                 self.keys.sweep(tenant, sweep_id),
                 self.keys.tenant_sweeps(tenant),
                 self.keys.tenant_sweep_sequence(tenant),
             ],
-            args=args,
+            args=[sweep_id, *pairs(fields)],
         )
 
     async def add_run(self, tenant: str, sweep_id: str, index: int, job_id: str) -> bool:
         """Record the job of point ``index`` (appended once, in point order); False when the
         sweep is gone (a DeleteSweep while it was being created)."""
         keys = [self.keys.sweep_runs(tenant, sweep_id), self.keys.sweep(tenant, sweep_id)]
-        return await self._add_run(keys=keys, args=[index, job_id]) != -1
+        return await self.run(_ADD_RUN, keys=keys, args=[index, job_id]) != -1
 
     async def mark(self, tenant: str, sweep_id: str, *, cancel: bool, error: str = "") -> None:
         """Flag the sweep cancelled (and why, when it could not be created whole)."""
@@ -170,7 +164,7 @@ class SweepStore:
             self.keys.sweep_decisions(tenant, sweep_id),
             *(self.keys.sweep_rung(tenant, sweep_id, int(s)) for s in rungs.split(",") if s),
         ]
-        existed, runs = await self._delete(keys=keys, args=[sweep_id])
+        existed, runs = await self.run(_DELETE, keys=keys, args=[sweep_id])
         if not existed:
             raise _not_found(sweep_id)
         return [job_id.decode() for job_id in runs]
