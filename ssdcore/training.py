@@ -1,26 +1,18 @@
 """The training loop: minibatches, CD/PCD gradients, an optimizer step, divergence checks, metrics.
 
-:class:`Trainer` owns everything a run needs to resume exactly: the model, the CD estimator (its
-chains and random state), the optimizer (its state), a seeded generator that shuffles the data
-each epoch on the data's device, and the position in the current permutation.
-:func:`fit` is the one-call entry point around it.
+:class:`Trainer` owns everything a run needs to resume exactly (model, CD estimator with its
+chains and random state, optimizer state, data order); :func:`fit` is the one-call entry point.
 
-Divergence: after every ``check_every`` steps (default 1) the trainer sums every parameter into a
-single scalar — NaN or Inf anywhere makes that sum non-finite, so one reduction and one host sync
-check the whole model — and keeps a copy of the parameters that passed. When a check fails the
-model is put back to the last parameters that passed and :class:`~ssdcore.DivergenceError` is
-raised; the optimizer state and chains are not rolled back, so treat the run as ended and use
-the restored model (or the last checkpoint) from there.
-
-Blow-ups that stay finite (a reconstruction error of 1e26, ‖W‖₂ of 1e12) are caught between
+Divergence: every ``check_every`` steps one reduction over all parameters (one host sync) must
+be finite; the trainer keeps a copy of the parameters that passed, and when a check fails puts
+the model back to them and raises :class:`~ssdcore.DivergenceError` (optimizer state and chains
+are not rolled back: treat the run as ended). Blow-ups that stay finite are caught between
 evaluations by :class:`~ssdcore.blowup.BlowUpDetector`; :func:`fit` answers them with
-:class:`~ssdcore.blowup.Recovery`, the rule the service's training process follows too: back to
-the last healthy evaluation (:meth:`Trainer.snapshot`, :meth:`Trainer.restore`) with every step
-size scaled down (:meth:`Trainer.set_lr_scale`).
+:class:`~ssdcore.blowup.Recovery`, the service's rule too.
 
-On a CUDA device each step (estimate, optimizer step, constraints) is replayed as one CUDA
-graph when it can be captured (:mod:`ssdcore.cuda_graph`); the data batch is gathered into a
-fixed buffer before each replay, and the divergence check stays outside the graph.
+On a CUDA device each step is replayed as one CUDA graph when it can be captured
+(:mod:`ssdcore.cuda_graph`); the batch is gathered into a fixed buffer before each replay, and
+the divergence check stays outside the graph.
 """
 
 from __future__ import annotations
@@ -165,28 +157,23 @@ class Trainer:
     Args:
         model: the RBM; parameters are updated in place.
         train_data: (N, V) float tensor; moved to the model's device as float32.
-        optimizer: an :class:`~ssdcore.optim.OptimizerConfig` (or just its name). Step sizes
-            it leaves unset come from the step-size table for ``model``
-            (:mod:`ssdcore.step_sizes`); ``optimizer_config`` holds the resolved copy.
+        optimizer: an :class:`~ssdcore.optim.OptimizerConfig` (or its name); unset step sizes
+            come from the step-size table (:mod:`ssdcore.step_sizes`), resolved into
+            ``optimizer_config``.
         batch_size: examples per step; each epoch is a fresh permutation, the last partial
             batch of an epoch is dropped.
         cd_k: Gibbs sweeps per gradient estimate.
         persistent: PCD-k (persistent chains) instead of CD-k.
-        tempering: parallel tempering of the persistent chains over this ladder of inverse
-            temperatures (:mod:`ssdcore.tempering`; needs ``persistent=True``); the metrics
-            then carry the swap rates ``pt_swap_rate_min``, ``pt_swap_rate_mean`` and
-            ``pt_swap_rates``. None (default): plain PCD.
+        tempering: parallel tempering of the persistent chains over this ladder
+            (:mod:`ssdcore.tempering`; needs ``persistent=True``); the metrics then carry
+            ``pt_swap_rate_min``, ``pt_swap_rate_mean`` and ``pt_swap_rates``.
         seed: seeds the shuffling and the estimator's random draws.
         valid_data: optional (M, V) held-out data for the validation metrics.
         check_every: steps between divergence checks (1 = every step).
-        cuda_graph: replay each step as one CUDA graph (see :mod:`ssdcore.cuda_graph`). None
-            (default) uses one on a CUDA device whenever the step allows it: a Bernoulli or a
-            Gaussian RBM without full covariance, with SGD/Nesterov, or SSD whose matrices take
-            the Newton–Schulz step, and no ‖W‖₂ bound. True insists (ValueError if it cannot);
-            False never uses one.
+        cuda_graph: replay each step as one CUDA graph (:mod:`ssdcore.cuda_graph`); None
+            (default) whenever the step allows it, True insists (ValueError if it cannot).
         centering: a :class:`~ssdcore.centering.CenteringConfig` trains the model as a
-            centered RBM (offsets in the trainer's state, the stored model stays ordinary; see
-            :mod:`ssdcore.centering`); None (default) trains it uncentered.
+            centered RBM (the stored model stays ordinary; :mod:`ssdcore.centering`).
     """
 
     def __init__(
@@ -252,22 +239,10 @@ class Trainer:
         self.cuda_graph = use_cuda_graph(cuda_graph, self._cuda_graph_obstacle())
         self._graphed_step: GraphedStep | None = None
 
-    # --- data order -----------------------------------------------------------------------
-
     @property
     def epoch(self) -> int:
         """Completed passes over the training data (the data order's epoch)."""
         return self.order.epoch
-
-    @property
-    def generator(self) -> torch.Generator:
-        """The seeded generator that shuffles the training data."""
-        return self.order.generator
-
-    def _next_batch(self) -> Tensor:
-        """The next minibatch, gathered into a reused buffer; reshuffles at each epoch's end."""
-        index = self.order.next_indices()
-        return torch.index_select(self.train_data, 0, index, out=self._batch)
 
     # --- CUDA graphs ------------------------------------------------------------------------
 
@@ -320,11 +295,8 @@ class Trainer:
 
     @property
     def lr(self) -> float:
-        """The current step size of the configuration's optimizer: its ``lr`` × the schedule's
-        factor at this step × ``lr_scale``.
-
-        (Per-parameter step sizes of a hybrid are scaled alike; the groups hold them.)
-        """
+        """The configuration's ``lr`` × the schedule's factor at this step × ``lr_scale`` (a
+        hybrid's per-parameter step sizes are scaled alike)."""
         return self._step_size(float(self.optimizer_config.lr))
 
     def _step_size(self, base: float) -> float:
@@ -336,13 +308,9 @@ class Trainer:
             group["lr"] = self._step_size(base)
 
     def set_lr_scale(self, scale: float) -> None:
-        """Set every parameter group's step size to its configured value × ``scale`` (× the
-        schedule's factor at this step: the two compose, see :mod:`ssdcore.schedules`).
-
-        Absolute, not cumulative: ``set_lr_scale(0.01)`` after two backoffs of 10 gives the same
-        step sizes however often it is called, before or after loading a checkpoint (which
-        restores the scale it was saved with).
-        """
+        """Set every group's step size to its configured value × ``scale`` (× the schedule's
+        factor). Absolute, not cumulative: the same step sizes however often it is called,
+        before or after loading a checkpoint (which restores the scale it was saved with)."""
         if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
         self.lr_scale = float(scale)
@@ -366,7 +334,8 @@ class Trainer:
             for _ in range(n):
                 if not self.schedule.is_constant:
                     self._apply_step_sizes()
-                self._next_batch()  # into self._batch, the buffer a captured step reads
+                # into self._batch, the buffer a captured step reads
+                torch.index_select(self.train_data, 0, self.order.next_indices(), out=self._batch)
                 self._run_step()
                 self.step_count += 1
                 if self.step_count % self.check_every == 0:
@@ -428,22 +397,15 @@ class Trainer:
     ) -> dict[str, Any]:
         """Metrics of the current model, keyed as the service's ``Metrics`` message.
 
-        Validation metrics use ``valid_data`` when given, else the training data. At most
-        ``max_examples`` rows of each set are used. ``log_likelihood`` is ``"none"``,
-        ``"exact"`` (enumerates hidden states: n_hidden ≤ 24) or ``"ais"``.
-
-        Always present: ``step``, ``reconstruction_error`` (validation),
-        ``train_reconstruction_error``, ``lr`` (the step size in effect, :attr:`lr`),
-        ``spectral_norm`` (‖W‖₂), ``saturated_hidden_fraction``
-        (on the validation rows: the fraction of hidden units whose p(h = 1 | v) is within
-        1e-6 of 0 or 1 on every row, i.e. stuck; see
-        :func:`~ssdcore.evaluation.saturated_hidden_fraction`), ``wall_time_s``,
-        ``samples_per_second``, ``log_likelihood_method``. With validation data:
-        ``free_energy_gap``; for a Bernoulli RBM: ``pseudo_log_likelihood``; with a
-        log-likelihood method: ``log_likelihood`` and ``log_likelihood_stderr``, and for
-        ``"ais"`` the certified pair (:func:`~ssdcore.evaluation.certified_log_likelihood`):
-        ``log_likelihood`` is AIS's optimistic estimate, ``log_likelihood_lower`` (with
-        ``log_likelihood_lower_stderr``) reverse AIS's conservative one.
+        Validation metrics use ``valid_data`` when given, else the training data, at most
+        ``max_examples`` rows of each. ``log_likelihood`` is ``"none"``, ``"exact"``
+        (enumerates hidden states) or ``"ais"``. Always present: :func:`run_metrics`' keys,
+        ``lr``, ``samples_per_second``, ``log_likelihood_method``. With validation data:
+        ``free_energy_gap``; for a Bernoulli RBM: ``pseudo_log_likelihood``; with a method:
+        ``log_likelihood`` and ``log_likelihood_stderr``, and for ``"ais"`` the certified pair
+        (:func:`~ssdcore.evaluation.certified_log_likelihood`): AIS's optimistic estimate as
+        ``log_likelihood``, reverse AIS's conservative one as ``log_likelihood_lower`` (with
+        ``log_likelihood_lower_stderr``).
         """
         if log_likelihood not in LOG_LIKELIHOOD_METHODS:
             raise ValueError(
@@ -564,21 +526,14 @@ def fit(
 
     Metrics are taken at step 0, every ``eval_every`` steps (default: ten points over the run)
     and at the end; each dict also carries ``total_steps``. ``callback`` receives each metric
-    dict; returning ``False`` stops training early. ``lr`` overrides the config's step size;
-    None leaves it to the config, and a config without one takes the step-size table's value
-    for ``model`` (:mod:`ssdcore.step_sizes`).
+    dict; returning ``False`` stops training early. ``lr`` overrides the config's step size.
 
-    Blow-ups follow :class:`~ssdcore.blowup.Recovery`'s rule (the service's too): every
-    evaluation goes through the blow-up detector; on a blow-up (or a
-    :class:`~ssdcore.DivergenceError` from a step) the trainer goes back to its state at the
-    last healthy evaluation, every step size is divided by ``backoff_factor`` once more,
-    training continues, and the history gets the
-    :meth:`~ssdcore.blowup.BackoffEvent.history_entry` ``{"event": "backoff", "step",
-    "rolled_back_to", "old_lr", "new_lr", "lr_scale", "backoff", "max_backoffs", "reason"}``
-    (not passed to ``callback``). Once ``max_backoffs`` backoffs are spent (at once for 0), the
-    next blow-up raises :class:`~ssdcore.blowup.BlowUpError`, a DivergenceError whose message
-    names the step, the metric and a suggested step size; ``model`` is then left at its last
-    healthy state.
+    Blow-ups follow :class:`~ssdcore.blowup.Recovery`'s rule: on a blow-up (or a
+    :class:`~ssdcore.DivergenceError` from a step) the trainer goes back to its last healthy
+    evaluation, every step size is divided by ``backoff_factor`` once more, and the history
+    gets the :meth:`~ssdcore.blowup.BackoffEvent.history_entry` (not passed to ``callback``).
+    Once ``max_backoffs`` are spent the next blow-up raises
+    :class:`~ssdcore.blowup.BlowUpError`, with ``model`` left at its last healthy state.
     """
     every = evaluation_spacing(steps, eval_every)
     recovery = Recovery(max_backoffs=max_backoffs, factor=backoff_factor)
