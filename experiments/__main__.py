@@ -24,6 +24,7 @@ EXPERIMENTS = (
     "large",
     "convergence",
     "defaults",
+    "schedules",
 )
 # The experiments that pack compatible runs (experiments/packed.py) and take --sequential.
 PACKED = ("tuning",)

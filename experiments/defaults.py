@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -305,30 +306,32 @@ def grouped(runs: list[dict[str, Any]]) -> dict[tuple[Model, int, str], dict[flo
     return groups
 
 
-def execute(todo: list[Case], workers: int, journal: Path) -> list[dict[str, Any]]:
-    """Trains every case in ``workers`` processes (each with one torch thread), appending each
-    finished run to ``journal`` (JSON lines); cases found there are not trained again, so an
-    interrupted run resumes where it stopped."""
+def execute(
+    todo: list[Any], workers: int, journal: Path, train: Callable[[Any], dict] = train_case
+) -> list[dict[str, Any]]:
+    """Trains every case with ``train`` in ``workers`` processes (each with one torch thread),
+    appending each finished run to ``journal`` (JSON lines); cases found there are not trained
+    again, so an interrupted run resumes where it stopped."""
     done = load_journal(journal)
     missing = [case for case in todo if key_of(case) not in done]
     logger.info("%d runs, %d of them in %s already", len(todo), len(todo) - len(missing), journal)
     with journal.open("a") as handle:
         if workers <= 1:
-            finished = (train_case(case) for case in missing)
+            finished = (train(case) for case in missing)
             for result in finished:
                 done[key_of(result["case"])] = record(handle, result)
         else:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                futures = [pool.submit(train_case, case) for case in missing]
+                futures = [pool.submit(train, case) for case in missing]
                 for future in as_completed(futures):
                     result = future.result()
                     done[key_of(result["case"])] = record(handle, result)
     return [done[key_of(case)] for case in todo]
 
 
-def key_of(case: Case | dict[str, Any]) -> str:
-    """A case as one JSON string (what the journal is keyed by)."""
-    return json.dumps(asdict(case) if isinstance(case, Case) else case, sort_keys=True)
+def key_of(case: Any) -> str:
+    """A case (a dataclass or its dict) as one JSON string (what the journal is keyed by)."""
+    return json.dumps(case if isinstance(case, dict) else asdict(case), sort_keys=True)
 
 
 def record(handle: Any, result: dict[str, Any]) -> dict[str, Any]:

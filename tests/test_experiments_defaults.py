@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import defaults
+from experiments import defaults, schedules
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +72,7 @@ def test_cells_within_15_percent_and_the_worst_ratio():
     assert defaults.ratio(math.inf, math.inf) == 1.0
 
 
-def test_quick_run_writes_its_tables(tmp_path: Path):
+def test_quick_runs_write_their_tables_and_the_schedules_are_scored_per_cell(tmp_path: Path):
     summary = defaults.run(tmp_path, quick=True)
     directory = tmp_path / defaults.NAME
     grid = json.loads((directory / "grid.json").read_text())
@@ -85,3 +85,16 @@ def test_quick_run_writes_its_tables(tmp_path: Path):
     target = json.loads((directory / "target_ssd.json").read_text())
     assert len(target) == len(setup.models) * len(setup.sizes) * len(setup.horizons)
     assert all(row["ratio"] >= 1 for row in target)
+
+    # the decaying and self-adjusting alternatives, scored against the grids just written:
+    # cosine once per horizon (a run as long as the job), grow at every horizon of one run
+    alternatives = schedules.run(tmp_path, quick=True)
+    rows = json.loads((tmp_path / schedules.NAME / "target.json").read_text())
+    cells = len(setup.models) * len(setup.sizes) * len(setup.horizons)
+    assert {rule: sum(r["rule"] == rule for r in rows) for rule in schedules.RULES} == {
+        rule: cells for rule in schedules.RULES
+    }
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows)
+    assert alternatives["met"] == {
+        rule: sum(r["met"] for r in rows if r["rule"] == rule) for rule in schedules.RULES
+    }
