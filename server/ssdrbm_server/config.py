@@ -252,11 +252,13 @@ class Settings:
         """Raise ConfigError for values that would only fail later and less clearly."""
         if self.auth_mode not in ("none", "token"):
             raise ConfigError(f"SSDRBM_AUTH_MODE must be 'none' or 'token', not {self.auth_mode!r}")
-        if not 0 <= self.http_port <= 65535:
-            raise ConfigError(
-                "SSDRBM_HTTP_PORT must be a TCP port (0 turns the HTTP front off), not "
-                f"{self.http_port}"
-            )
+        ports = (("http_port", "the HTTP front"), ("worker_metrics_port", "the endpoint"))
+        for name, what in ports:
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ConfigError(
+                    f"SSDRBM_{name.upper()} must be a TCP port (0 turns {what} off), not {port}"
+                )
         for name in ("http_header_timeout_s", "http_body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"SSDRBM_{name.upper()} must be above 0 (seconds)")
@@ -267,11 +269,6 @@ class Settings:
         if self.tracing not in ("off", "console", "otlp"):
             raise ConfigError(
                 f"SSDRBM_TRACING must be 'off', 'console' or 'otlp', not {self.tracing!r}"
-            )
-        if not 0 <= self.worker_metrics_port <= 65535:
-            raise ConfigError(
-                "SSDRBM_WORKER_METRICS_PORT must be a TCP port (0 turns the endpoint off), not "
-                f"{self.worker_metrics_port}"
             )
         positive = [
             "max_message_bytes",

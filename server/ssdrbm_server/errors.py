@@ -213,17 +213,6 @@ _REDIS_UNAVAILABLE = (
 )
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and client-facing message for an exception raised by a handler."""
-    if isinstance(exc, ServiceError):
-        return exc.code, exc.message
-    if isinstance(exc, _REDIS_UNAVAILABLE):
-        return grpc.StatusCode.UNAVAILABLE, REDIS_UNAVAILABLE_MESSAGE
-    if isinstance(exc, redis.exceptions.OutOfMemoryError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, REDIS_FULL_MESSAGE
-    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
-
-
 def _as_service_error(exc: BaseException) -> ServiceError:
     """``exc`` itself, or the domain error that stands for it on the wire."""
     if isinstance(exc, ServiceError):
@@ -233,6 +222,12 @@ def _as_service_error(exc: BaseException) -> ServiceError:
     if isinstance(exc, redis.exceptions.OutOfMemoryError):
         return ResourceExhaustedError(REDIS_FULL_MESSAGE, retry_after_s=RETRY_STORE_FULL_S)
     return ServiceError(INTERNAL_MESSAGE)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and client-facing message for an exception raised by a handler."""
+    error = _as_service_error(exc)
+    return error.code, error.message
 
 
 def _specific_details(error: ServiceError) -> list[Message]:
@@ -262,12 +257,6 @@ def _specific_details(error: ServiceError) -> list[Message]:
     return []
 
 
-def _retry_info(seconds: float) -> error_details_pb2.RetryInfo:
-    delay = duration_pb2.Duration()
-    delay.FromNanoseconds(round(seconds * 1e9))
-    return error_details_pb2.RetryInfo(retry_delay=delay)
-
-
 def _without_descriptions(details: list[Message]) -> None:
     """Empty the descriptions, which repeat the status message, to make room."""
     for detail in details:
@@ -291,7 +280,7 @@ def rich_status(exc: BaseException) -> status_pb2.Status:
     the one place where errors become status details. Over ``MAX_STATUS_BYTES`` the details
     lose their descriptions (the message says the same)."""
     error = _as_service_error(exc)
-    code, message = status_for(exc)
+    code, message = error.code, error.message
     metadata = dict(error.metadata)
     if isinstance(error, ResourceExhaustedError | FailedPreconditionError) and error.subject:
         metadata.setdefault("subject", error.subject)
@@ -300,7 +289,9 @@ def rich_status(exc: BaseException) -> status_pb2.Status:
     ]
     details += _specific_details(error)
     if error.retry_after_s is not None:
-        details.append(_retry_info(error.retry_after_s))
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(round(error.retry_after_s * 1e9))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
     status = _packed(code, message, details)
     if status.ByteSize() > MAX_STATUS_BYTES:
         _without_descriptions(details)
@@ -385,11 +376,6 @@ def _checked(request_or_iterator: Any) -> Any:
     return request_or_iterator
 
 
-def _is_passthrough(exc: BaseException) -> bool:
-    # An explicit context.abort() already carries its status; cancellation must propagate.
-    return isinstance(exc, grpc.aio.AbortError)
-
-
 class ErrorMappingInterceptor(ServiceInterceptor):
     """Maps domain and Redis errors raised by any handler to their gRPC status (the one place)."""
 
@@ -404,9 +390,9 @@ def _mapped(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMetho
         async def mapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 return await behavior(_checked(request_or_iterator), context)
+            except grpc.aio.AbortError:
+                raise  # an explicit context.abort() already carries its status
             except Exception as exc:
-                if _is_passthrough(exc):
-                    raise
                 _answer_for(exc, context, method)
 
         return mapped
@@ -419,9 +405,9 @@ def _mapped(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMetho
                 request = _checked(request_or_iterator)
                 async for response in iterate_responses(behavior, request, context):
                     yield response
+            except grpc.aio.AbortError:
+                raise
             except Exception as exc:
-                if _is_passthrough(exc):
-                    raise
                 _answer_for(exc, context, method)
 
         return mapped

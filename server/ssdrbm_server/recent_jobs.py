@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from ssdrbm_server.store.records import JobRecord
 
@@ -48,6 +48,16 @@ class RecentJobs:
         if self._clock() >= expires:
             del self._records[(tenant, job_id)]
             return None
+        return record
+
+    async def read(
+        self, tenant: str, job_id: str, load: Callable[[str, str], Awaitable[JobRecord]]
+    ) -> JobRecord:
+        """The record kept for ``job_id``, else ``load(tenant, job_id)``'s, then kept."""
+        record = self.get(tenant, job_id)
+        if record is None:
+            record = await load(tenant, job_id)
+            self.put(tenant, record)
         return record
 
     def forget(self, tenant: str, job_id: str) -> None:

@@ -7,6 +7,7 @@ lookup is scoped by it, so another tenant's job or dataset is NOT_FOUND.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -133,11 +134,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self, request: pb.StartTrainingRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartTrainingResponse:
         tenant = current_tenant()
-
-        async def find_upload(dataset_id: str) -> DatasetInfo:
-            return await self.stores.datasets.info(tenant, dataset_id)
-
-        job = await resolver.resolve(request, self.settings, find_upload)
+        job = await resolver.resolve(
+            request, self.settings, functools.partial(self.stores.datasets.info, tenant)
+        )
         if request.validate_only:
             return pb.StartTrainingResponse(job=_unsubmitted(job), created=False)
         record, created = await self.stores.jobs.submit(
@@ -164,8 +163,9 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                 job.total_steps,
                 extra={"job_id": record.id},  # a field of its own in JSON logs
             )
-        else:
-            _check_same_spec(record, job.spec)
+        else:  # a reused request_id must come with the spec it was first used with
+            first = pb.StartTrainingRequest.FromString(record.spec)
+            resolver.check_same_request(first, job.spec, f"job {record.id}")
         return pb.StartTrainingResponse(job=convert.job_to_proto(record), created=created)
 
     async def GetTrainingDefaults(
@@ -372,12 +372,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         """The job for a serving call: a record read in the last moment (see RecentJobs) or a
         fresh read, which also decides NOT_FOUND and FAILED_PRECONDITION."""
         _check_id(job_id, "job_id")
-        tenant = current_tenant()
-        record = self.recent_jobs.get(tenant, job_id)
-        if record is None:
-            record = await self.stores.jobs.get(tenant, job_id)
-            self.recent_jobs.put(tenant, record)
-        return record
+        return await self.recent_jobs.read(current_tenant(), job_id, self.stores.jobs.get)
 
     def _input(self, tensor: pb.Tensor) -> np.ndarray:
         return tensor_to_array(
@@ -511,10 +506,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         self, request: pb.StartSweepRequest, context: grpc.aio.ServicerContext
     ) -> pb.Sweep:
         tenant = current_tenant()
-
-        async def find_upload(dataset_id: str) -> DatasetInfo:
-            return await self.stores.datasets.info(tenant, dataset_id)
-
+        find_upload = functools.partial(self.stores.datasets.info, tenant)
         return await self.sweeps.start(request, tenant, find_upload)
 
     async def GetSweep(
@@ -588,12 +580,6 @@ def _unsubmitted(job: resolver.ResolvedJob) -> pb.Job:
         n_visible=job.n_visible,
         checkpoint_step=-1,
     )
-
-
-def _check_same_spec(record: JobRecord, spec: pb.StartTrainingRequest) -> None:
-    """A reused request_id must come with the spec it was first used with."""
-    first = pb.StartTrainingRequest.FromString(record.spec)
-    resolver.check_same_request(first, spec, f"job {record.id}")
 
 
 def _paging(

@@ -42,24 +42,17 @@ class ModelNames:
         _check_name(name)
         if is_job_id(name):
             try:
-                return await self._by_id(tenant, name)
+                return await self.recent_jobs.read(tenant, name, self.jobs.get)
             except NotFoundError:
                 pass  # a name may look like an id; try it as one
         job_id = self._alias(tenant, name) or await self._find_name(tenant, name)
-        return await self._by_id(tenant, job_id)
+        return await self.recent_jobs.read(tenant, job_id, self.jobs.get)
 
     async def versions(self, job: JobRecord) -> list[int]:
         """The checkpoint steps that can be served (retained), oldest first."""
         if job.checkpoint_step < 0:
             return []
         return await self.checkpoints.list_steps(job.id)
-
-    async def _by_id(self, tenant: str, job_id: str) -> JobRecord:
-        record = self.recent_jobs.get(tenant, job_id)
-        if record is None:
-            record = await self.jobs.get(tenant, job_id)
-            self.recent_jobs.put(tenant, record)
-        return record
 
     def _alias(self, tenant: str, name: str) -> str | None:
         entry = self._aliases.get((tenant, name))

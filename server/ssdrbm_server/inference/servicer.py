@@ -10,9 +10,6 @@ errors and read the tenant with ``current_tenant()``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
-
 import grpc
 import redis.asyncio as aioredis
 from ssdrbm.inference.v2 import open_inference_pb2 as oip
@@ -31,8 +28,6 @@ from ssdrbm_server.recent_jobs import RecentJobs
 from ssdrbm_server.servicer import Stores
 from ssdrbm_server.serving import Caller, ModelServer
 from ssdrbm_server.tenancy import current_tenant
-
-Method = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 class InferenceServicer:
@@ -99,29 +94,14 @@ class InferenceServicer:
 
 def inference_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
     """The generic handler serving ``servicer`` on ``inference.GRPCInferenceService``."""
-    methods: dict[str, tuple[Method, type, type]] = {
-        "ServerLive": (servicer.ServerLive, oip.ServerLiveRequest, oip.ServerLiveResponse),
-        "ServerReady": (servicer.ServerReady, oip.ServerReadyRequest, oip.ServerReadyResponse),
-        "ModelReady": (servicer.ModelReady, oip.ModelReadyRequest, oip.ModelReadyResponse),
-        "ServerMetadata": (
-            servicer.ServerMetadata,
-            oip.ServerMetadataRequest,
-            oip.ServerMetadataResponse,
-        ),
-        "ModelMetadata": (
-            servicer.ModelMetadata,
-            oip.ModelMetadataRequest,
-            oip.ModelMetadataResponse,
-        ),
-        "ModelInfer": (servicer.ModelInfer, oip.ModelInferRequest, oip.ModelInferResponse),
-    }
+    methods = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata")
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            method,
-            request_deserializer=request_type.FromString,
-            response_serializer=response_type.SerializeToString,
+            getattr(servicer, name),
+            request_deserializer=getattr(oip, f"{name}Request").FromString,
+            response_serializer=getattr(oip, f"{name}Response").SerializeToString,
         )
-        for name, (method, request_type, response_type) in methods.items()
+        for name in (*methods, "ModelInfer")
     }
     return grpc.method_handlers_generic_handler(INFERENCE_SERVICE_NAME, handlers)
 
