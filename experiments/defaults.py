@@ -187,19 +187,7 @@ def train_case(case: Case) -> dict[str, Any]:
     name, rule = OPTIMIZERS[case.optimizer]
     config = OptimizerConfig(name, lr=case.lr, step_rule=rule)
     started = time.perf_counter()
-    gave_up = False
-    try:
-        history = ssdcore.fit(
-            model,
-            train,
-            steps=case.steps,
-            optimizer=config,
-            eval_every=case.eval_every,
-            valid_data=valid,
-            seed=0,
-        )
-    except ssdcore.DivergenceError as error:  # a BlowUpError: every backoff spent
-        history, gave_up = getattr(error, "history", []), True
+    history, gave_up = fit_or_give_up(model, train, valid, config, case.steps, case.eval_every)
     curve, backoffs = computed_steps(history)
     if gave_up:  # it failed at the evaluation after its last healthy one, or sooner
         backoffs.append({"step": None, "spent": curve[-1][1] + case.eval_every, "wasted": 0})
@@ -224,6 +212,19 @@ def train_case(case: Case) -> dict[str, Any]:
         "seconds": seconds,
         "table_default": current_default(case.model, case.optimizer),  # as it was at the run
     }
+
+
+def fit_or_give_up(
+    model: Any, train: torch.Tensor, valid: torch.Tensor, config: Any, steps: int, every: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """``ssdcore.fit``'s history (seed 0), and whether it gave up (every backoff spent)."""
+    try:
+        history = ssdcore.fit(
+            model, train, steps=steps, optimizer=config, eval_every=every, valid_data=valid, seed=0
+        )
+        return history, False
+    except ssdcore.DivergenceError as error:  # a BlowUpError: every backoff spent
+        return getattr(error, "history", []), True
 
 
 def computed_steps(

@@ -88,27 +88,13 @@ def train_case(case: Case) -> dict[str, Any]:
     if case.rule == "cosine":
         schedule = Schedule("cosine", floor=COSINE_FLOOR)
         config = OptimizerConfig(lr=COSINE_PEAK * lr, schedule=schedule)
-        history, gave_up = _fit(rbm, train, valid, config, case)
+        history, gave_up = defaults.fit_or_give_up(
+            rbm, train, valid, config, case.steps, case.eval_every
+        )
     else:
         history, gave_up = _grow(rbm, train, valid, OptimizerConfig(lr=lr), case)
     curve, backoffs = defaults.computed_steps(history)
     return {"case": asdict(case), "curve": curve, "backoffs": backoffs, "gave_up": gave_up}
-
-
-def _fit(rbm: Any, train: Any, valid: Any, config: OptimizerConfig, case: Case) -> tuple:
-    try:
-        history = ssdcore.fit(
-            rbm,
-            train,
-            steps=case.steps,
-            optimizer=config,
-            eval_every=case.eval_every,
-            valid_data=valid,
-            seed=0,
-        )
-        return history, False
-    except ssdcore.DivergenceError as error:
-        return getattr(error, "history", []), True
 
 
 def _grow(rbm: Any, train: Any, valid: Any, config: OptimizerConfig, case: Case) -> tuple:
