@@ -1,48 +1,33 @@
 """Parallel tempering (PT) for the PCD negative phase.
 
-The tempered family is the standard tempering of the whole energy (Desjardins et al. 2010;
-Cho, Raiko & Ilin 2010): p_β(v, h) ∝ exp(-β E(v, h)), i.e. W, b and a all scaled by β. It is
-chosen over AIS's base-model interpolation (:mod:`ssdcore.evaluation.annealing`) because it
-needs no base model fitted to data statistics, its conditionals are the model's own with
-scaled inputs (so one batched product serves every temperature), and β → 0 flattens the
-landscape uniformly, which is what lets the hot chains cross between modes.
+The tempered family scales the whole energy (Desjardins et al. 2010; Cho, Raiko & Ilin 2010):
+p_β(v, h) ∝ exp(-β E(v, h)). Unlike AIS's base-model interpolation
+(:mod:`ssdcore.evaluation.annealing`) it needs no base model fitted to data, its conditionals
+are the model's own with scaled inputs (one batched product serves every temperature), and
+β → 0 flattens the landscape uniformly, which lets the hot chains cross between modes.
 
-Conditionals at inverse temperature β (x = vᵀC⁻¹W + a, m = b + Wh; C = I for the BRBM):
+With x = vᵀC⁻¹W + a and m = b + Wh (C = I for the BRBM): p_β(h_j = 1 | v) = σ(β x_j);
+BRBM p_β(v_i = 1 | h) = σ(β m_i); GRBM p_β(v | h) = N(m, C/β). The visible marginal, with
+q(v) = -bᵀv (BRBM) or ½(v - b)ᵀC⁻¹(v - b) (GRBM) and S(β, x) = Σ_j softplus(β x_j), is
 
-    p_β(h_j = 1 | v) = σ(β x_j)
-    BRBM:  p_β(v_i = 1 | h) = σ(β m_i)
-    GRBM:  p_β(v | h) = N(m, C/β)          (the precision scaled by β: well defined for β > 0)
+    log p̃_β(v) = -β q(v) + S(β, x(v)),
 
-The visible marginal, with q(v) = -bᵀv (BRBM) or ½(v - b)ᵀC⁻¹(v - b) (GRBM), is
+which is *not* exp(-β F(v)) (softplus(βx) ≠ β softplus(x)): the textbook swap rule holds for
+joint states, not with F in place of E. Here the chains swap their visible states v, and each
+temperature then draws h ~ p_β(h | v) afresh. Swapping v_i (at β_i) and v_j (at β_j) targets
+p_βi(v_i) p_βj(v_j), so Metropolis accepts with
 
-    log p̃_β(v) = -β q(v) + Σ_j softplus(β x_j(v)).
-
-This is *not* exp(-β F(v)) with F the free energy at β = 1 (softplus(βx) ≠ β softplus(x)), so
-the textbook swap rule min(1, exp((β_i - β_j)(E_i - E_j))) holds for joint states (v, h) but
-not with F in place of E. Here the chains swap their visible states v, and each temperature
-then draws h ~ p_β(h | v) afresh (the half-sweep PCD ends with anyway). Swapping v between
-temperatures i and j (chains holding v_i, v_j) targets the product p_βi(v_i) p_βj(v_j), so
-Metropolis accepts with
-
-    log A = min(0, log p̃_βi(v_j) + log p̃_βj(v_i) - log p̃_βi(v_i) - log p̃_βj(v_j))
-          = min(0, (β_i - β_j)(q(v_i) - q(v_j))
+    log A = min(0, (β_i - β_j)(q(v_i) - q(v_j))
                    + S(β_i, x(v_j)) + S(β_j, x(v_i)) - S(β_i, x(v_i)) - S(β_j, x(v_j))),
 
-S(β, x) = Σ_j softplus(β x_j). The normalizers cancel, so this is exact (up to float32 rounding
-of the energies; the uniform it is compared with is float64). The Gibbs sweeps at each β leave
-p_β(v) invariant and the swap leaves the product invariant, so the β = 1 chain samples the
-model, and its visible states (with p(h | v) at β = 1) are the negative phase.
+exact up to float32 rounding (the normalizers cancel), so the β = 1 chain samples the model.
 
-One PCD step: k sweeps at every temperature (the K·M chains stacked as one (K·M, ·) matrix, so
-each half-sweep is one product), then swaps between neighbours: even pairs (0,1), (2,3), ... on
-even steps, odd pairs on odd steps; the pairs of one step are disjoint, so they are applied at
-once. The alternation's parity and the swap rates are device tensors: a step needs no host sync
-(and can be captured as a CUDA graph). Swap rates are per neighbour pair: the mean acceptance
-over that pair's first SWAP_RATE_WINDOW attempts, then an exponential average with that window.
-
-With K = 1 there is nothing to swap and the step is plain PCD, draw for draw (Bernoulli RBM;
-a Gaussian RBM's PCD integrates the visibles out of intermediate sweeps on the CPU, which this
-sampler does not, so there the two agree in distribution only).
+One PCD step: k sweeps at every temperature (the K·M chains stacked as one matrix), then swaps
+between neighbours, even pairs on even steps and odd pairs on odd steps (disjoint, so applied at
+once). The parity and the swap rates are device tensors: no host sync. Swap rates are per pair:
+the mean acceptance over its first SWAP_RATE_WINDOW attempts, then an exponential average.
+With K = 1 the step is plain PCD, draw for draw (Bernoulli RBM; a Gaussian RBM's PCD on the CPU
+integrates the visibles out of intermediate sweeps, so there they agree in distribution only).
 """
 
 from __future__ import annotations
@@ -248,12 +233,7 @@ class ParallelTempering:
             self.source.bernoulli_(out.sigmoid_(), out=out)
             return
         # N(m, C/β): the β = 1 noise, scaled by 1/sqrt(β) per row.
-        noise = self.source.normal_(buf.noise)
-        if kernel.noise_transform is not None:
-            noise = noise @ kernel.noise_transform
-        elif kernel.noise_scale is not None:
-            noise = noise.mul_(kernel.noise_scale)
-        out.addcmul_(noise, buf.row_noise_scale)
+        out.addcmul_(kernel.correlate_(self.source.normal_(buf.noise)), buf.row_noise_scale)
 
     def _swap(self, buf: _Buffers, K: int, M: int) -> None:
         """Metropolis exchanges of v (and its hidden input) between neighbours of this parity."""

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ssdcore.models.base import RBM, GibbsKernel
+from ssdcore.models.base import RBM
 from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.sampling import RandomSource
@@ -128,7 +128,7 @@ class GaussianPath:
         """N(0, C) rows."""
         weight = self.kernel.weight
         eps = torch.empty(n, weight.shape[0], device=weight.device, dtype=weight.dtype)
-        return _correlated(self.source.normal_(eps), self.kernel)
+        return self.kernel.correlate_(self.source.normal_(eps))
 
     def sample_base(self, n: int) -> torch.Tensor:
         return self._noise(n).add_(self.kernel.visible_bias)
@@ -148,12 +148,3 @@ class GaussianPath:
 
     def log_f1(self, v: torch.Tensor) -> torch.Tensor:
         return -self.model.free_energy(v).double()
-
-
-def _correlated(eps: torch.Tensor, kernel: GibbsKernel) -> torch.Tensor:
-    """N(0, C) rows from standard normal rows `eps`, as a new tensor."""
-    if kernel.noise_transform is not None:
-        return eps @ kernel.noise_transform
-    if kernel.noise_scale is not None:
-        return eps * kernel.noise_scale
-    return eps.clone()

@@ -39,6 +39,10 @@ class GibbsKernel:
         """Wᵀ (H, V) as a view, made once per kernel rather than once per sweep."""
         return self.weight.mT
 
+    def correlate_(self, noise: torch.Tensor) -> torch.Tensor:
+        """N(0, C) rows from standard normal rows ``noise`` (scaled in place for a diagonal C)."""
+        return correlate_(noise, self.noise_scale, self.noise_transform)
+
     def of_run(self, run: int) -> GibbsKernel:
         """Run ``run``'s kernel, from a pack's kernel (tensors with a leading run axis)."""
 
@@ -55,6 +59,16 @@ class GibbsKernel:
             pick(self.noise_transform),
             pick(self.precision),
         )
+
+
+def correlate_(
+    noise: torch.Tensor, scale: torch.Tensor | None, transform: torch.Tensor | None
+) -> torch.Tensor:
+    """N(0, C) rows from standard normal rows: ``noise @ transform`` (full C), ``noise`` scaled
+    by the standard deviations ``scale`` in place (diagonal C), or ``noise`` itself (C = I)."""
+    if transform is not None:
+        return noise @ transform
+    return noise if scale is None else noise.mul_(scale)
 
 
 def check_visible(v: torch.Tensor, n_visible: int, name: str = "v") -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssdcore.models.base import RBM, GibbsKernel, check_visible
+from ssdcore.models.base import RBM, GibbsKernel, check_visible, correlate_
 
 # Each variance form -> the name of the parameter that holds it (None: C = I, nothing to learn).
 VARIANCE_PARAMETERS: dict[str, str | None] = {
@@ -138,22 +138,13 @@ class GaussianRBM(RBM):
     ) -> torch.Tensor:
         mean = self.visible_mean(h)
         eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-        return mean + self._correlate_noise(eps)
+        return mean + correlate_(eps, *self._noise_factors())
 
     def free_energy(self, v: torch.Tensor) -> torch.Tensor:
         check_visible(v, self.n_visible)
         centered = v - self.b
         quadratic = 0.5 * (self.apply_precision(centered) * centered).sum(dim=1)
         return quadratic - F.softplus(self.hidden_input(v)).sum(dim=1)
-
-    def _correlate_noise(self, eps: torch.Tensor) -> torch.Tensor:
-        """Turn standard normal rows (B, V) into N(0, C) rows."""
-        kernel_scale, kernel_transform = self._noise_factors()
-        if kernel_transform is not None:
-            return eps @ kernel_transform
-        if kernel_scale is not None:
-            return eps * kernel_scale
-        return eps
 
     def _noise_factors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(scale, transform): noise = eps * scale, or eps @ transform for the full covariance.
