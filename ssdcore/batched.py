@@ -1,27 +1,22 @@
 """Linear algebra written once for one matrix or a stack of M: the solo step's kernels and the
 packed step's (:mod:`ssdcore.pack`) are the same functions.
 
-A solo run's tensors are (m, n); a pack's are (M, m, n), run ``i`` in slice ``i``. The math of
-the polar factors, step rules, optimizer steps and gradients is written once over tensors with
-an optional leading run axis (``...``, ``dim=-1``, ``.mT``); the few operations that differ by
-rank go through the helpers here:
+A solo run's tensors are (m, n); a pack's are (M, m, n), run ``i`` in slice ``i``. The math is
+written over tensors with an optional leading run axis (``...``, ``dim=-1``, ``.mT``); the few
+operations whose kernel depends on the rank go through the helpers here, which keep each run's
+result in a stack bit for bit its solo result on the CPU (``tests/test_pack.py``):
 
 - :func:`matmul` / :func:`addmm`: ``mm`` / ``addmm`` for a matrix, ``bmm`` / ``baddbmm`` into an
-  aligned stack for a stack. On the CPU the batched kernels give each run's product bit for bit
-  as the solo kernel gives it (``tests/test_pack.py``).
-- :func:`per_matrix` and :func:`mv`: an operation run matrix by matrix where a batched call
-  would not repeat the solo result: full reductions (torch splits a large one across threads
-  in its own way, so a batched ``sum(dim=(-2, -1))`` of a 784×64 matrix differs in the last bit
-  on two threads) and ``mv`` (a batched product with a vector takes another BLAS kernel).
-- :func:`add_scaled_`, :func:`add_scaled_product_`, :func:`add_product_`: an update scaled by a
-  step size that is a number for a run and per-run values for a stack.
-- :func:`over_rows`, :func:`per_matrix_scalar`: per-column and per-matrix values shaped to
-  broadcast; a run's vector or number broadcasts as it is, so the solo path gains no tensor op.
-- :func:`stacked_empty`: stacks whose run slices start on 64-byte boundaries. BLAS kernels
-  (MKL's gemv and gemm on the CPU) take different code paths for output buffers of different
-  alignment, which changes the last bit of some results; a solo run writes into freshly
-  allocated (aligned) buffers, so padding each run's slice to a 64-byte multiple puts every
-  run's outputs at the solo run's alignment, whatever the model's shape.
+  aligned stack for a stack;
+- :func:`per_matrix` and :func:`mv`: run matrix by matrix where a batched call would differ in
+  the last bit: full reductions (torch splits a large one across threads in its own way) and
+  ``mv`` (a batched product with a vector takes another BLAS kernel);
+- :func:`add_scaled_`, :func:`add_scaled_product_`, :func:`add_product_`: updates scaled by a
+  number for a run and per-run values for a stack;
+- :func:`stacked_empty`: run slices on 64-byte boundaries. BLAS kernels (MKL's gemv and gemm)
+  take different code paths for outputs of different alignment, which changes the last bit; a
+  solo run writes into freshly allocated (aligned) buffers, so each run's slice is padded to a
+  64-byte multiple.
 """
 
 from __future__ import annotations
@@ -55,16 +50,10 @@ def stacked_empty(
     return storage.as_strided((n_runs, *shape), (run_stride, *reversed(strides)))
 
 
-def stacked_like(tensor: Tensor) -> Tensor:
-    """:func:`stacked_empty` of ``tensor``'s shape, dtype and device."""
-    return stacked_empty(
-        tensor.shape[0], tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
-    )
-
-
 def stacked_copy(tensor: Tensor) -> Tensor:
     """An aligned copy of a stacked tensor."""
-    return stacked_like(tensor).copy_(tensor)
+    shape, options = tuple(tensor.shape[1:]), {"dtype": tensor.dtype, "device": tensor.device}
+    return stacked_empty(tensor.shape[0], shape, **options).copy_(tensor)
 
 
 def over_rows(values: Tensor) -> Tensor:

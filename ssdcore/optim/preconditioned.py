@@ -1,17 +1,14 @@
 """Preconditioned SSD: RMSprop- or Adam-style diagonal rescaling around the spectral step.
 
-Following Carlson et al.'s preconditioned spectral descent (NIPS 2015, "RMSspectral"), the
-spectral step is taken in the geometry of the rescaled norm ``‖D^{1/2} ⊙ Δ‖_S∞``, where
-``D = sqrt(v̂) + eps`` and ``v̂`` is the (bias-corrected) running mean of ``g ⊙ g``. Substituting
-``Y = D^{1/2} ⊙ Δ`` into ``⟨G, Δ⟩ + c ‖D^{1/2} ⊙ Δ‖²_S∞`` gives the plain S∞ problem for the
-rescaled gradient ``D^{-1/2} ⊙ G``, hence
+Following Carlson et al.'s preconditioned spectral descent (NIPS 2015, "RMSspectral"), the step
+is taken in the geometry of ``‖D^{1/2} ⊙ Δ‖_S∞`` with ``D = sqrt(v̂) + eps`` (``v̂`` the
+bias-corrected running mean of ``g ⊙ g``, floored at ``damping`` times its mean). Substituting
+``Y = D^{1/2} ⊙ Δ`` gives the plain S∞ problem for the rescaled gradient, hence
 
     Δ = -lr * D^{-1/2} ⊙ (‖σ(D^{-1/2} ⊙ G)‖₁ · U Vᵀ),   U Σ Vᵀ = svd(D^{-1/2} ⊙ G)
 
-and likewise ``D^{-1/2} ⊙ (‖D^{-1/2} ⊙ g‖₁ sign(g))`` for vectors. ``D`` is floored at
-``damping`` times its mean (see ``damping`` below). With ``"adam"`` the gradient
-is first replaced by its bias-corrected running mean (momentum before the geometry, as in Adam).
-The rescaled gradient is full-rank, so ``method="lowrank"`` is refused; ``"svd"`` is the default.
+and likewise in l∞ for vectors. ``"adam"`` first replaces the gradient by its bias-corrected
+running mean. The rescaled gradient is full-rank, so ``method="lowrank"`` is refused.
 """
 
 from __future__ import annotations
@@ -33,13 +30,10 @@ class PreconditionedSSD(SSD):
         lr: step size, > 0.
         preconditioner: ``"rmsprop"`` or ``"adam"``.
         method: polar method for matrices: ``"svd"``, ``"randomized"`` or ``"newton-schulz"``.
-        betas: decay of the first moment (Adam only) and of the second moment.
-        eps: added to ``sqrt(v̂)`` before the square-root scaling.
-        damping: relative floor: ``sqrt(v̂)`` is raised to at least ``damping`` times its mean
-            over the parameter, so rarely active coordinates cannot take steps more than
-            ``damping^{-1/2}`` times larger than the rest (0 turns the floor off).
-        **kwargs: the remaining :class:`~ssdcore.optim.SSD` settings; ``betas``, ``eps`` and
-            ``damping`` above are among them and keep SSD's defaults.
+        **kwargs: the remaining :class:`~ssdcore.optim.SSD` settings, among them ``betas``
+            (first moment, Adam only, and second moment decay), ``eps`` (added to ``sqrt(v̂)``)
+            and ``damping`` (relative floor of ``sqrt(v̂)``: rarely active coordinates step at
+            most ``damping^{-1/2}`` times further than the rest; 0 turns it off).
     """
 
     def __init__(

@@ -1,26 +1,19 @@
 """Stochastic Spectral Descent (Carlson, Cevher & Carin 2015; Fan): steepest descent in S∞ / l∞.
 
-Matrices take the S∞ step ``W -= lr * ‖σ(G)‖₁ * U Vᵀ``; vectors the l∞ step
-``x -= lr * ‖g‖₁ * sign(g)``. Both minimise the paper's upper bound
-``⟨G, Δ⟩ + c ‖Δ‖²`` in the respective norm (its Theorem "SSD"). Per parameter group,
-``geometry="euclidean"`` makes the group take a plain SGD step instead, so the paper's hybrids
-(SSD_W/SGD, SGD_W/SSD) are a matter of grouping. ``step_rule="normalized"`` keeps the direction
-and takes the SGD step's Euclidean length, so that one ``lr`` transfers across model sizes
+Matrices take the S∞ step ``W -= lr * ‖σ(G)‖₁ * U Vᵀ``, vectors the l∞ step
+``x -= lr * ‖g‖₁ * sign(g)``: the minimisers of the paper's bound ``⟨G, Δ⟩ + c ‖Δ‖²`` in each
+norm. ``geometry="euclidean"`` makes a group take a plain SGD step, so the paper's hybrids are a
+matter of grouping; ``step_rule="normalized"`` keeps the direction at the SGD step's length
 (:mod:`ssdcore.optim.step_rules`).
 
 Low-rank gradients: an estimator may attach ``param.grad_factors = (left, right)`` with
-``param.grad == left @ right`` (the CD weight gradient has rank ≤ 2B). ``method="lowrank"`` then
-takes the exact step from the factors (see :func:`ssdcore.optim.polar.polar_lowrank_factors`) when
-their rank is below both sides of the matrix, and otherwise from the small Gram matrix of the dense
-gradient (:func:`ssdcore.optim.polar.polar_gram_factors`); either way the update is one addmm.
-``method="newton-schulz"`` likewise iterates in the factors' r×r space
-(:func:`ssdcore.optim.polar.polar_newton_schulz_factors`) when it is given factors only.
-The optimizer consumes the factors (sets the attribute to ``None``) every step, so factors can
-never be reused for a later gradient; when ``param.grad`` is also present, a one-vector probe
-``grad @ x == left @ (right @ x)`` guards against factors that no longer describe it. Missing or
-stale factors fall back to the exact Gram route on the dense gradient. An estimator may also
-leave ``param.grad`` as ``None`` and give only the factors, which saves forming the dense
-gradient.
+``param.grad == left @ right`` (the CD weight gradient has rank ≤ 2B), and may leave
+``param.grad`` None. ``method="lowrank"`` then takes the exact step from the factors
+(:func:`~ssdcore.optim.polar.polar_lowrank_factors`) when their rank is below both sides, else
+from the dense gradient's small Gram matrix; ``"newton-schulz"`` iterates in the factors' space
+when it has factors only. The optimizer consumes the factors every step, and with a dense
+gradient present a one-vector probe ``grad @ x == left @ (right @ x)`` guards against stale
+ones (which fall back to the dense Gram route).
 """
 
 from __future__ import annotations
@@ -80,10 +73,8 @@ class SSD(OptimizerBase):
     Args:
         params: parameters or parameter groups (dicts may override any keyword below).
         lr: step size, > 0.
-        method: how matrices get ``U Vᵀ`` and ``‖σ(G)‖₁``: ``"lowrank"`` (exact, from
-            ``grad_factors``, or from the dense gradient's small Gram matrix when the factors'
-            rank is not below both sides or there are none), ``"svd"``,
-            ``"randomized"`` or ``"newton-schulz"``.
+        method: how matrices get ``U Vᵀ`` and ``‖σ(G)‖₁``: ``"lowrank"`` (exact, see the module
+            docstring), ``"svd"``, ``"randomized"`` or ``"newton-schulz"``.
         geometry: ``"spectral"`` (the SSD step) or ``"euclidean"`` (a plain SGD step).
         momentum, nesterov: SGD momentum, for ``geometry="euclidean"`` groups only (a momentum
             buffer is full-rank, which would defeat the exact low-rank spectral step).
@@ -91,9 +82,7 @@ class SSD(OptimizerBase):
             so that it stays low-rank.
         max_spectral_norm: project matrices onto ``‖W‖₂ ≤ R`` after each step (the paper's R).
         rank: sketch rank for ``"randomized"``; 0 means 64, or the factors' rank if smaller.
-        step_rule: ``"paper"`` (the steps above) or ``"normalized"`` (the same direction at the
-            SGD step's Euclidean length, so that one ``lr`` holds across model sizes; see
-            :mod:`ssdcore.optim.step_rules`).
+        step_rule: ``"paper"`` or ``"normalized"`` (:mod:`ssdcore.optim.step_rules`).
     """
 
     def __init__(
@@ -173,21 +162,15 @@ class SSD(OptimizerBase):
             self._linf_step_(param, grad, group["lr"], group["step_rule"])
 
     def capturable(self) -> bool:
-        """Whether :meth:`step` can be captured in a CUDA graph (see :mod:`ssdcore.cuda_graph`).
-
-        Only the Newton–Schulz polar step is made of tensor operations alone: the exact
-        methods check ranks and conditioning on the host, the randomized one reseeds its sketch
-        from a step counter, the preconditioners keep bias-correction counts in Python, and the
-        ‖W‖₂ projection decides on the host whether to take an SVD.
-        """
+        """Whether :meth:`step` can be captured in a CUDA graph (:mod:`ssdcore.cuda_graph`):
+        only the Newton–Schulz polar step is tensor operations alone (the exact methods check
+        ranks on the host, the randomized one reseeds from a step counter, the preconditioners
+        count steps in Python, the ‖W‖₂ projection decides on the host)."""
         return all(_group_capturable(group) for group in self.param_groups)
 
     def needs_dense_gradient(self, param: Tensor, factor_rank: int) -> bool:
-        """Whether :meth:`step` reads ``param.grad`` when given factors of rank ``factor_rank``.
-
-        False only for an exact low-rank spectral step with thin factors: the gradient's producer
-        may then skip forming the dense gradient and attach just ``grad_factors``.
-        """
+        """Whether :meth:`step` reads ``param.grad`` when given factors of rank ``factor_rank``
+        (if not, the producer may attach just ``grad_factors``)."""
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
                 plain = group["geometry"] == "spectral" and group["preconditioner"] is None
