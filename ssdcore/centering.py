@@ -1,53 +1,29 @@
 """Centered RBM training (Montavon & Müller 2012; Melchior, Fischer & Wiskott 2016).
 
-A centered RBM measures its units from offsets: a visible offset μ (V,) and a hidden offset
-λ (H,). For the Bernoulli RBM the energy is
-
-    E_c(v, h) = -(v - μ)ᵀ W (h - λ) - b_cᵀ (v - μ) - a_cᵀ (h - λ).
-
-Expanding it gives an ordinary RBM with the same W and
+A centered RBM measures its units from offsets, μ (V,) for the visibles and λ (H,) for the
+hidden units: E_c(v, h) = -(x - μ)ᵀ W (h - λ) - b_cᵀ (v - μ) - a_cᵀ (h - λ), with x = v for the
+Bernoulli RBM and x = C⁻¹v for the Gaussian one (whose quadratic form ½(v - b_c)ᵀC⁻¹(v - b_c)
+takes the term vᵀC⁻¹Wλ). Either way it is an ordinary RBM with the same W and
 
     b = b_c - W λ,        a = a_c - Wᵀ μ                                           (1)
 
-(constants in neither v nor h cancel in the normalization). The stored and served model stays
-that ordinary RBM; centering lives only in training, as offset state plus a change of
-coordinates for the optimizer step.
+(C appears in neither map, so the variance gradients are the same in both coordinates). The
+stored and served model stays that ordinary RBM; centering lives only in training.
 
-Gaussian RBM (E = -vᵀC⁻¹Wh + ½(v - b)ᵀC⁻¹(v - b) - aᵀh). The hidden units read C⁻¹v, so the
-visible offset centres the C⁻¹-scaled visibles:
+Gradients, by the chain rule through (1):
 
-    E_c(v, h) = -(C⁻¹v - μ)ᵀ W (h - λ) + ½(v - b_c)ᵀC⁻¹(v - b_c) - a_cᵀ (h - λ).
+    ∇W_c = ∇W - ∇b λᵀ - μ ∇aᵀ = Σ_n w_n (x_n - μ)(p_n - λ)ᵀ,   ∇b_c = ∇b,   ∇a_c = ∇a     (2)
 
-The term vᵀC⁻¹Wλ joins the quadratic form's linear part, so again b = b_c - W λ and
-a = a_c - Wᵀ μ, with μ the offset of C⁻¹v. Neither map involves C, so the variance parameters'
-gradients are the same in both coordinates.
+for the CD estimate (w_n = -1/B on data rows, +1/B_model on model rows, Σ_n w_n = 0): still of
+rank ≤ 2B, with factors (x_n - μ) and w_n (p_n - λ), so SSD's exact low-rank step needs no
+dense product. :meth:`Centering.step` moves the biases into centered coordinates (b += Wλ,
+a += Wᵀμ), lets the optimizer step on (2) (its momentum and SSD state live in centered
+coordinates), and moves back with the new W.
 
-Gradients. By the chain rule through (1), with ∇W, ∇b, ∇a the ordinary gradients of the loss,
-
-    ∇W_c = ∇W - ∇b λᵀ - μ ∇aᵀ,        ∇b_c = ∇b,        ∇a_c = ∇a.                  (2)
-
-For the CD estimate ∇W = Σ_n w_n x_n p_nᵀ (x_n = v_n, or C⁻¹v_n for the GRBM; p_n = p(h | v_n);
-w_n = -1/B on data rows and +1/B_model on model rows, Σ_n w_n = 0), ∇b = Σ_n w_n x_n and
-∇a = Σ_n w_n p_n, so (2) is
-
-    ∇W_c = Σ_n w_n (x_n - μ)(p_n - λ)ᵀ,
-
-the centered statistics: still of rank ≤ 2B, with factors (x_n - μ) and w_n (p_n - λ), so an
-exact low-rank spectral step needs no dense product. SSD's polar step is taken on ∇W_c.
-
-The step. The optimizer updates the centered parameters (W, b_c, a_c): :meth:`Centering.step`
-moves the biases into centered coordinates (b += Wλ, a += Wᵀμ), lets the optimizer step on the
-gradients (2) (momentum and SSD state are therefore kept in centered coordinates), and moves
-back with the new W (b -= W'λ, a -= W'ᵀμ). For plain SGD this is the gradient transformation
-
-    ΔW = -η ∇W_c,   Δb = -η (∇b - ∇W_c λ),   Δa = -η (∇a - ∇W_cᵀ μ).
-
-Offsets. μ starts at the data mean of x and λ at the mean hidden probability over the data;
-after each step both slide towards the batch's data-phase means,
-μ ← (1 - ν) μ + ν ⟨x⟩_batch and λ ← (1 - ν) λ + ν ⟨p⟩_batch (ν = ``sliding_factor``; 0 keeps
-them fixed). A centered model reparameterizes its biases when an offset moves, so that the
-distribution is unchanged (b_c += W(λ' - λ), a_c += Wᵀ(μ' - μ)); in the ordinary
-parameterization kept here that is the identity, so an offset update never changes the model.
+Offsets: μ starts at the data mean of x and λ at the mean hidden probability over the data;
+after each step both slide towards the batch's data-phase means by ``sliding_factor`` (0 keeps
+them fixed). In the ordinary parameterization kept here, the reparameterization a centered model
+makes when an offset moves is the identity, so an offset update never changes the model.
 """
 
 from __future__ import annotations
@@ -59,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ssdcore.gradients import CDStats
+from ssdcore.gradients import CDStats, row_weights
 from ssdcore.models.base import RBM
 from ssdcore.models.gaussian import GaussianRBM
 
@@ -170,10 +146,7 @@ class Centering:
         key = (n_data, n_model)
         weights = self._row_weights.get(key)
         if weights is None:
-            weights = torch.cat(
-                [torch.full((n_data,), -1.0 / n_data), torch.full((n_model,), 1.0 / n_model)]
-            ).to(device=like.device, dtype=like.dtype)
-            self._row_weights[key] = weights
+            weights = self._row_weights[key] = row_weights(n_data, n_model, like.device, like.dtype)
         return weights
 
     def _slide_offsets(self, stats: CDStats) -> None:

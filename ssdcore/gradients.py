@@ -58,9 +58,7 @@ class _Workspace:
         self.visible = torch.empty(n_rows, V, **f32)  # unscaled v rows
         self.hidden_probs = torch.empty(n_rows, H, **f32)  # unscaled p rows
         self.right = torch.empty(n_rows, H, **f32)  # w_n · p_n
-        self.weights = torch.cat(
-            [torch.full((n_data,), -1.0 / n_data), torch.full((n_model,), 1.0 / n_model)]
-        ).to(**f32)
+        self.weights = row_weights(n_data, n_model, device)
         self.hidden_start = torch.empty(n_data, H, **f32)
         self.chain = GibbsChain(n_model, V, H, device, source)
         gaussian = isinstance(model, GaussianRBM)
@@ -72,21 +70,15 @@ class _Workspace:
 class CDEstimator:
     """Contrastive divergence CD-k, or persistent CD (PCD-k) with `persistent=True`.
 
-    `estimate(v)` writes `.grad` of every model parameter (the gradient of the negative
-    log-likelihood, so optimizers descend) and sets `model.W.grad_factors = (left, right)`,
-    `left` (V, B + B_model), `right` (B + B_model, H), with `model.W.grad == left @ right`
-    (computed as that product). Gradients are overwritten, never accumulated, so callers need
-    no `zero_grad()`.
+    `estimate(v)` overwrites `.grad` of every model parameter (the negative log-likelihood's
+    gradient; no `zero_grad()` needed) and sets `model.W.grad_factors = (left, right)`, `left`
+    (V, B + B_model), `right` (B + B_model, H), with `model.W.grad == left @ right`.
 
-    Persistent chains are kept as binary hidden states (one chain per row of the first batch,
-    started from the data), which saves one hidden pass per update; a sweep then goes h → v → h.
-    Random draws come from this estimator's own seeded source (`seed`, or drawn from
-    `generator`, or from torch's global generator); `state_dict()` holds the chains and the
-    source's state for an exact resume.
-
-    ``tempering`` (PCD only) runs the chains as parallel tempering over that ladder of inverse
-    temperatures (:mod:`ssdcore.tempering`): the β = 1 chains are the negative phase, and
-    ``self.tempering`` holds every temperature's chains and the swap rates.
+    Persistent chains are binary hidden states (one per row of the first batch, started from
+    the data), so a sweep goes h → v → h. Draws come from the estimator's own seeded source
+    (`seed`, else drawn from `generator` or torch's global generator); `state_dict()` holds the
+    chains and the source's state for an exact resume. ``tempering`` (PCD only) runs the chains
+    as parallel tempering (:mod:`ssdcore.tempering`), the β = 1 chains being the negative phase.
     """
 
     def __init__(
@@ -271,6 +263,14 @@ class CDEstimator:
 
 
 # --- the gradients' arithmetic, for one run's rows or a pack's (leading run axis) ---------------
+
+
+def row_weights(
+    n_data: int, n_model: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """w_n: -1/B on the data rows, +1/B_model on the model rows, rounded to ``dtype``."""
+    data, model = torch.full((n_data,), -1.0 / n_data), torch.full((n_model,), 1.0 / n_model)
+    return torch.cat([data, model]).to(device=device, dtype=dtype)
 
 
 def weighted_visible_(visible: Tensor, precision: Tensor | None, out: Tensor | None) -> Tensor:

@@ -1,18 +1,12 @@
 """Fast random draws and block-Gibbs sweeps for CD/PCD, with preallocated buffers.
 
-On small CD-k steps the CPU time goes to random-number generation and per-op overhead, not to
-FLOPs: torch's CPU `uniform_` costs about 3-4 ns per float (a serial Mersenne Twister) and
-`torch.bernoulli` several times more. So on CPU the random bits come from numpy's SFC64
-generator (`random_raw`, about 0.5 ns per 16 bits), used as follows:
-
-- Bernoulli draws compare p with a uniform on the 16-bit grid {0, 1, ..., 65535} / 65536, so P(1)
-  equals p rounded up to a multiple of 2⁻¹⁶ (an error below 1.6e-5, far under the CD noise);
-- standard normals come from torch's `normal_` (vectorized Box-Muller, faster than building one
-  from the bits with separate torch ops).
-
-On CUDA the device's own Philox generator is fast, so `uniform_` + compare is used there.
-The public model methods (`sample_hidden`, ...) keep plain torch sampling; this module serves the
-training loop, where the draws dominate the cost.
+On small CD-k steps the CPU time goes to random numbers and per-op overhead, not FLOPs: torch's
+CPU ``uniform_`` costs 3-4 ns per float (a serial Mersenne Twister), ``torch.bernoulli`` several
+times more. So on the CPU the bits come from numpy's SFC64 (``random_raw``, about 0.5 ns per 16
+bits): a Bernoulli draw compares p with a uniform on the 16-bit grid k / 65536, so P(1) is p
+rounded up to a multiple of 2⁻¹⁶ (an error below 1.6e-5, far under the CD noise); normals come
+from torch's ``normal_``. On CUDA the device's Philox generator is fast: ``uniform_`` + compare.
+The models' own sampling methods keep plain torch sampling; this module serves training.
 """
 
 from __future__ import annotations
@@ -95,18 +89,10 @@ class RandomSource:
         scratch.flat.copy_(torch.from_numpy(self.bits16(scratch.flat.numel())))
         return bits_below_(scratch.uniform, probs, self._offset, scratch.threshold, out)
 
-    @property
-    def uses_bits(self) -> bool:
-        """Whether Bernoulli draws come from the CPU bit stream (:meth:`bits16`), not uniform_."""
-        return self._bits is not None
-
     def bits16(self, n: int) -> np.ndarray:
-        """The next ``n`` signed 16-bit integers of the CPU bit stream (int16 array).
-
-        Exactly what :meth:`bernoulli_` compares against for ``n`` draws, consuming the stream
-        the same way, so a caller that thresholds them itself (the packed trainer, which draws
-        for many runs at once) reproduces this source's draws.
-        """
+        """The next ``n`` signed 16-bit integers of the CPU bit stream: what :meth:`bernoulli_`
+        compares against for ``n`` draws, so a caller that thresholds them itself (a pack, for
+        many runs at once) reproduces this source's draws."""
         if self._bits is None:
             raise RuntimeError("bits16 is for CPU sources; a CUDA source draws with uniform_")
         words = self._bits.random_raw((n + 3) // 4)
@@ -143,13 +129,9 @@ class RandomSource:
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore a state from `state_dict()`.
-
-        A state saved on the other kind of device (CPU vs CUDA: different generators) cannot
-        continue the same stream; the source then reseeds from a hash of the saved state, so a
-        run moved between a CPU and a GPU worker goes on deterministically, statistically the
-        same but not bit for bit.
-        """
+        """Restore a state from `state_dict()`. A state saved on the other kind of device (CPU
+        vs CUDA generators) reseeds from a hash of itself: a run moved between a CPU and a GPU
+        worker goes on deterministically, statistically the same but not bit for bit."""
         if "generator" not in state:
             raise ValueError(
                 "random state lacks 'generator'; pass RandomSource.state_dict() output"
@@ -299,11 +281,8 @@ def collapsed_sweep(kernel: GibbsKernel, n_chains: int, sweeps: int) -> Collapse
 
 
 class GibbsChain:
-    """Block-Gibbs sweeps h → v → h for a fixed number of chains, all buffers preallocated.
-
-    `run` writes into caller-provided output buffers so that the CD estimator can place the
-    final visible states and hidden probabilities directly where its gradient step reads them.
-    """
+    """Block-Gibbs sweeps h → v → h for a fixed number of chains, all buffers preallocated;
+    `run` writes into the caller's buffers (where the CD estimator's gradient step reads)."""
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ssdcore.batched import ALIGNMENT_BYTES, stacked_empty
-from ssdcore.gradients import weighted_visible_, write_weight_gradients_
+from ssdcore.gradients import row_weights, weighted_visible_, write_weight_gradients_
 from ssdcore.models.base import GibbsKernel
 from ssdcore.models.gaussian import diagonal_kernel_tensors
 from ssdcore.pack.random import PackedRandom
@@ -82,9 +82,7 @@ class PackedCD:
         self.visible = stack(2 * B, V)  # rows [0, B) data, [B, 2B) model
         self.hidden_probs = stack(2 * B, H)
         self.right = stack(2 * B, H)  # w_n · p_n
-        # The solo estimator's weights, in float32 exactly as it builds them.
-        weights = torch.cat([torch.full((B,), -1.0 / B), torch.full((B,), 1.0 / B)])
-        self.weights = weights.to(device=device, dtype=torch.float32)
+        self.weights = row_weights(B, B, device)  # the solo estimator's
 
         # Contiguous stand-ins for the (B, ·) row blocks of those buffers, used when a block's
         # size keeps every run's block at the solo block's alignment (a multiple of 16
