@@ -38,7 +38,7 @@ from ssdrbm_server.metrics import LatencyInterceptor, ServiceMetrics, refresh_jo
 from ssdrbm_server.readiness import LIVENESS, READINESS, follow_redis
 from ssdrbm_server.redis_checks import RedisWatch, WriteGate
 from ssdrbm_server.servicer import RBMServicer, Stores
-from ssdrbm_server.serving import ModelServer, ServingLimits
+from ssdrbm_server.serving import ModelServer
 from ssdrbm_server.store import CheckpointStore, DatasetStore, EventStore, JobStore, connect
 from ssdrbm_server.store.lifecycle import Retention, repeat_forever
 from ssdrbm_server.sweeps.expiry import SweepExpiry
@@ -95,18 +95,7 @@ class Service:
             ),
         )
         self.metrics = metrics or ServiceMetrics()
-        self.models = ModelServer(
-            self.stores.checkpoints,
-            threads=settings.serving_threads,
-            cache_size=settings.model_cache_size,
-            limits=ServingLimits(
-                max_output_elements=settings.max_serving_output_elements,
-                chunk_rows=settings.serving_chunk_rows,
-                calls_per_tenant=settings.max_serving_calls_per_tenant,
-                wait_s=settings.serving_wait_seconds,
-            ),
-            metrics=self.metrics,
-        )
+        self.models = ModelServer(self.stores.checkpoints, settings, self.metrics)
         self.health = health.aio.HealthServicer()
         self.auth = AuthInterceptor(settings)  # also the HTTP front's
         # Checked at start and every SSDRBM_REDIS_CHECK_INTERVAL_S (redis_checks.py); an

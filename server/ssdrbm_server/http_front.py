@@ -1,46 +1,22 @@
-"""The service's one HTTP front: health, the Open Inference Protocol's REST form, and the
-dashboard's mount point, served by uvicorn on the gRPC server's own asyncio loop.
+"""The service's one HTTP front: health, the Open Inference Protocol's REST form
+(inference/rest.py) and the dashboard's mount point, served by uvicorn on the gRPC server's own
+asyncio loop (a connection costs a coroutine, not a thread).
 
 ``app.Service`` starts and stops it with the gRPC server (``SSDRBM_HTTP_ADDRESS``:
-``SSDRBM_HTTP_PORT``, 127.0.0.1:8080 by default; port 0 turns it off; beyond loopback it follows
-the gRPC address's rules, exposure.py). A connection costs a coroutine, not a thread, and a route
-awaits the engine directly. With ``SSDRBM_TLS_CERT_FILE`` set it speaks HTTPS with the gRPC
-listener's certificate (and client CA, for mTLS).
+``SSDRBM_HTTP_PORT``, port 0 turns it off; beyond loopback it follows the gRPC address's rules,
+exposure.py), with the gRPC listener's TLS settings. The framework is Starlette, the ASGI toolkit
+of uvicorn's maintainers, for only what the front uses (routing, mounts, requests, JSON
+responses); the protocol's free-form JSON tensors gain nothing from FastAPI's pydantic layer.
+``/v2/health/live`` and ``/v2/health/ready`` are open, as probes need: ready follows the
+``readiness`` health entry (readiness.py), 503 while it is not SERVING and during shutdown.
 
-The framework is Starlette: the ASGI toolkit uvicorn is developed beside, by the same
-maintainers, and only what the front uses (routing, mounts, requests, JSON responses), with no
-models, templates or dependency injection to carry; the protocol's free-form JSON tensors gain
-nothing from FastAPI's pydantic layer on top of it.
-
-Routes:
-
-- ``GET /v2/health/live`` and ``GET /v2/health/ready``: open, as probes need, like gRPC health.
-  Live is 200 while the loop answers; ready is 200 while the service's ``readiness`` health entry
-  is SERVING (readiness.py: Redis answers and keeps what it acknowledges, the in-process worker
-  runs), 503 otherwise and during shutdown.
-- The Open Inference Protocol's REST form (inference/rest.py), behind bearer tokens.
-- ``DASHBOARD_PATH``: where ``HttpFront.mount_dashboard`` mounts an ASGI app: the service mounts
-  the dashboard there (ssdrbm_server/dashboard/), its own routes behind ``RequestGate`` and its
-  event streams in the servicer's stream slots.
-
-Limits against slow and hostile clients (``SSDRBM_HTTP_*``, config.py), which uvicorn alone
-lacks, or counts before authentication:
-
-- Header and body deadlines (``DeadlineProtocol``): a connection that has not sent its request
-  line and headers ``http_header_timeout_s`` after opening (or after its last answer), or its
-  whole body ``http_body_timeout_s`` after its headers, is closed; nobody else waits meanwhile.
-- Connections: at most ``http_max_connections`` (uvicorn's ``limit_concurrency``: a request over
-  it is answered 503; a connection over it is closed as it opens), the kernel's queue ``BACKLOG``.
-- Bodies: at most ``http_max_body_bytes``, checked from Content-Length before a byte is read and
-  while a chunked body arrives (413, before any parsing).
-- Requests in progress: ``http_max_requests`` for the server and ``http_max_requests_per_tenant``
-  for each tenant (call_slots.py), taken after authentication, so clients without a token never
-  hold a tenant's slot; over either, 429.
-- JSON: malformed, or nested deeper than ``MAX_JSON_DEPTH``, is 400, never 500.
-
-Errors are ``{"error": message}`` with the HTTP status of their gRPC code; an answer given before
-the request's body was read closes the connection, so the unread rest is never taken for a
-request.
+Limits against slow and hostile clients (``SSDRBM_HTTP_*``, each one's reason in config.py),
+which uvicorn alone lacks or counts before authentication: header and body deadlines
+(``DeadlineProtocol``), a connection cap, a body size checked before any parsing (413), request
+slots per server and per tenant taken after authentication (``RequestGate``: 429), and JSON
+malformed or nested deeper than ``MAX_JSON_DEPTH`` answered 400, never 500. Errors are
+``{"error": message}`` with the HTTP status of their gRPC code; an answer given before the
+request's body was read closes the connection, so the unread rest is never taken for a request.
 """
 
 from __future__ import annotations

@@ -1,28 +1,21 @@
 """Redis must keep what the service acknowledged: checked at start and again while running.
 
-A job acknowledged (StartTraining answered OK) or a checkpoint recorded must survive a Redis
-crash. Three settings break that silently:
-
-- an evicting `maxmemory-policy` (e.g. allkeys-lru) drops jobs' hashes when memory runs short;
-- no append-only file (`appendonly no`): RDB snapshots alone lose every write since the last
-  snapshot (minutes) when Redis is killed, so acknowledged jobs vanish and a running job's
-  record goes back to an older checkpoint;
-- `appendfsync no`: the AOF reaches the disk when the OS decides (about 30 s on Linux), so a
-  host crash loses that much. `everysec` loses at most about a second on a host crash and
-  nothing when only Redis dies (each write reaches the OS before its reply); `always` loses
-  nothing.
+A job acknowledged or a checkpoint recorded must survive a Redis crash. Three settings break
+that silently: an evicting `maxmemory-policy` drops jobs' hashes when memory runs short; without
+an append-only file (`appendonly no`) a killed Redis loses every write since its last RDB
+snapshot; with `appendfsync no` the AOF reaches the disk when the OS decides (about 30 s on
+Linux), so a host crash loses that much (`everysec` loses at most about a second, and nothing
+when only Redis dies; `always` loses nothing).
 
 Every process that writes (the API and each worker) refuses to start on any of them, with the
 fix in the message, and checks again every SSDRBM_REDIS_CHECK_INTERVAL_S, since `CONFIG SET`
 changes them at run time. While Redis is unfit the API reports readiness NOT_SERVING and refuses
-the calls that create work (`WRITE_METHODS`: FAILED_PRECONDITION naming the setting and the
-fix), and a worker claims no new job (the one it runs goes on), each logging an ERROR every
-check; both resume once a check finds the setting fixed.
-
-No AOF and `appendfsync no` may be waived for development and tests
-(SSDRBM_ALLOW_NO_PERSISTENCE=1): then logged as a WARNING at start and every minute. Eviction is
-never waived. On Redis Cluster every node the client knows (primaries and replicas) is asked.
-Managed Redis often forbids CONFIG: then the checks are skipped with a warning.
+`WRITE_METHODS` (FAILED_PRECONDITION naming the setting and the fix), and a worker claims no new
+job, each logging an ERROR every check; both resume once a check finds the setting fixed. No AOF
+and `appendfsync no` may be waived for development and tests (SSDRBM_ALLOW_NO_PERSISTENCE=1,
+then warned at start and every minute); eviction never is. On Redis Cluster every node the
+client knows is asked; where CONFIG is forbidden (managed Redis) the checks are skipped with a
+warning.
 """
 
 from __future__ import annotations
@@ -190,19 +183,14 @@ class RedisWatch:
         """Raise RedisConfigError on an unfit Redis (the process must not start). Unreachable,
         the process still starts (readiness NOT_SERVING, UNAVAILABLE until Redis is back) and
         the first check once Redis answers judges it."""
-        nodes = await self._ask(at_start=True)
-        if nodes is not None:
-            self.verdict = judge(nodes, allow_no_persistence=self.settings.allow_no_persistence)
-            if not self.fit:
-                raise RedisConfigError(self.verdict.reason())
+        if await self._judged(at_start=True) and not self.fit:
+            raise RedisConfigError(self.verdict.reason())
 
     async def check(self) -> None:
         """Ask Redis again; log what changed, and an ERROR every check while unfit."""
-        nodes = await self._ask(at_start=False)
-        if nodes is None:
-            return  # the verdict stands until Redis tells
         was_fit = self.fit
-        self.verdict = judge(nodes, allow_no_persistence=self.settings.allow_no_persistence)
+        if not await self._judged(at_start=False):
+            return  # the verdict stands until Redis tells
         if not self.fit:
             logger.error(
                 "Redis would lose acknowledged work: %s. Until it is fixed %s",
@@ -212,15 +200,15 @@ class RedisWatch:
         elif not was_fit:
             logger.info("Redis keeps acknowledged work again: resuming")
 
-    async def _ask(self, *, at_start: bool) -> dict[str, dict[str, str]] | None:
-        """Each node's settings, or None when Redis cannot tell now: unreachable (an outage,
+    async def _judged(self, *, at_start: bool) -> bool:
+        """Judge each node's settings; False when Redis cannot tell now: unreachable (an outage,
         which readiness reports) or CONFIG refused (managed Redis: warned once)."""
         try:
             nodes = await read_config(self.client)
         except _UNREACHABLE as exc:
             if at_start:
                 logger.warning("cannot reach Redis to check its configuration (%s) yet", exc)
-            return None
+            return False
         except redis.exceptions.ResponseError as exc:  # e.g. CONFIG renamed or not permitted
             self._answered = True
             if self._config_readable:
@@ -232,9 +220,10 @@ class RedisWatch:
                     SAFE_POLICY,
                 )
             self._config_readable = False
-            return None
+            return False
         self._answered = self._config_readable = True
-        return nodes
+        self.verdict = judge(nodes, allow_no_persistence=self.settings.allow_no_persistence)
+        return True
 
     async def run(
         self, interval_s: float | None = None, warning_interval_s: float = WARNING_INTERVAL_S

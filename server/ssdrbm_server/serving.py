@@ -1,20 +1,17 @@
 """Model serving: Reconstruct and SampleHidden against a job's checkpoints.
 
 Models are loaded from checkpoints (safetensors, never pickle) into an LRU cache keyed by job id
-and checkpoint step, so a steady stream of requests costs one Redis read per new checkpoint, not
-one per request. Large computations run in a thread pool (torch releases the GIL, and the event
-loop stays free for other calls); tiny ones run inline, because handing a batch-1 request to the
-pool (a queue, a thread wake-up, a cross-thread future, GIL hand-offs) costs more CPU than its
-matrix products.
+and checkpoint step: one Redis read per new checkpoint, not one per request. Large computations
+run in a thread pool (torch releases the GIL); tiny ones run inline, because handing a batch-1
+request to the pool (a queue, a thread wake-up, a cross-thread future, GIL hand-offs) costs more
+CPU than its matrix products.
 
-Every call is budgeted before it computes: its output elements (B·H for SampleHidden, B·V·k for
-Reconstruct) against ``max_serving_output_elements``. A pooled call computes its rows in chunks of
-``serving_chunk_rows`` into one preallocated output and, between chunks, stops when its caller
-has gone (the handler was cancelled) or its deadline has passed, so a client that gave up no
-longer holds a pool thread. Each tenant has at most ``max_serving_calls_per_tenant`` calls in the
-pool; a further one waits up to ``serving_wait_seconds`` (or its deadline, if sooner) for a slot
-and is then RESOURCE_EXHAUSTED: a short burst is smoothed over, while one tenant's flood cannot
-occupy every pool thread for long.
+Every call's output elements are checked against ``max_serving_output_elements`` before it
+computes. A pooled call computes its rows in chunks of ``serving_chunk_rows`` and, between
+chunks, stops once its caller has gone or its deadline has passed, so a client that gave up no
+longer holds a pool thread. A tenant has at most ``max_serving_calls_per_tenant`` calls in the
+pool; a further one waits up to ``serving_wait_seconds`` (or its deadline) for a slot, so a short
+burst is smoothed over while one tenant's flood cannot hold every pool thread for long.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ import numpy as np
 import torch
 
 from ssdrbm_server.call_slots import CallSlots, SlotCap
+from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -202,16 +200,6 @@ def _hidden(
 
 
 @dataclass(frozen=True)
-class ServingLimits:
-    """The serving side of ``Settings`` (see config.py for each one's reason)."""
-
-    max_output_elements: int = 16 * 1024 * 1024
-    chunk_rows: int = 256
-    calls_per_tenant: int = 4
-    wait_s: float = 1.0
-
-
-@dataclass(frozen=True)
 class Caller:
     """Who asks, and how long they wait (seconds; None: no deadline)."""
 
@@ -225,21 +213,20 @@ class ModelServer:
     def __init__(
         self,
         checkpoints: CheckpointStore,
-        *,
-        threads: int,
-        cache_size: int,
-        limits: ServingLimits | None = None,
+        settings: Settings,
         metrics: ServiceMetrics | None = None,
     ) -> None:
         self.checkpoints = checkpoints
-        self.cache = ModelCache(cache_size)
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="serving")
-        self.limits = limits or ServingLimits()
+        self.settings = settings
+        self.cache = ModelCache(settings.model_cache_size)
+        self.pool = ThreadPoolExecutor(
+            max_workers=settings.serving_threads, thread_name_prefix="serving"
+        )
         self.metrics = metrics
         self.slots = CallSlots(  # no server cap: the pool's threads are that bound
             None,
             SlotCap(
-                self.limits.calls_per_tenant,
+                settings.max_serving_calls_per_tenant,
                 "max_serving_calls_per_tenant",
                 "tenant {tenant!r} already has {count} serving calls computing "
                 "(SSDRBM_MAX_SERVING_CALLS_PER_TENANT={limit}) and none finished within "
@@ -341,7 +328,7 @@ class ModelServer:
 
     def _check_output(self, elements: int, formula: str, v: np.ndarray) -> None:
         """Refuse before computing: the output (and its intermediates) would be this big."""
-        limit = self.limits.max_output_elements
+        limit = self.settings.max_serving_output_elements
         if elements > limit:
             rows = max(limit * v.shape[0] // elements, 0)
             raise ResourceExhaustedError(
@@ -362,11 +349,13 @@ class ModelServer:
         holding one of the tenant's slots and stopped between chunks when the caller left."""
         if multiply_adds <= INLINE_MAX_MULTIPLY_ADDS:
             # Same chunks as in the pool, so a seeded call answers alike either way.
-            return function(*args, Chunking(self.limits.chunk_rows))
+            return function(*args, Chunking(self.settings.serving_chunk_rows))
         remaining = caller.time_remaining
         deadline = None if remaining is None else time.monotonic() + remaining
-        chunking = Chunking(self.limits.chunk_rows, deadline, self.metrics)
-        wait_s = self.limits.wait_s if remaining is None else min(self.limits.wait_s, remaining)
+        chunking = Chunking(self.settings.serving_chunk_rows, deadline, self.metrics)
+        wait_s = self.settings.serving_wait_seconds
+        if remaining is not None:
+            wait_s = min(wait_s, remaining)
         async with self.slots.hold_waiting(caller.tenant, wait_s):
             loop = asyncio.get_running_loop()
             try:

@@ -1,38 +1,26 @@
 """The dashboard's routes, mounted by the HTTP front under ``DASHBOARD_PATH`` (http_front.py).
 
-Pages (no data in them, so open): ``/`` the jobs and sweeps lists, ``/jobs/{id}`` a job's live
-curves and its model's filters, ``/sweeps/{id}`` a sweep's leaderboard and its runs' curves; all
-are ``static/index.html``, whose script (``static/dashboard.js``) draws what the JSON routes
-answer. The JSON routes pass the front's ``RequestGate`` (bearer token, request slot):
+The pages (``/``, ``/jobs/{id}``, ``/sweeps/{id}``) hold no data, so they are open: all are
+``static/index.html``, whose script (``static/dashboard.js``) draws what the JSON routes under
+``/api`` answer behind the front's ``RequestGate`` (bearer token, request slot). The lists
+answer the tenant's newest ``LIST_LIMIT`` jobs or sweeps, and the pages poll them and a sweep's
+leaderboard every two seconds: one small request, where a stream per job listed would take the
+stream slots. A job's ``history`` is a replay of the servicer's own metric stream
+(``history_only``, at most ``HISTORY_LIMIT`` events) in one of the tenant's stream slots, held
+only while it reads; ``filters.png`` loads the latest checkpoint through the serving cache (412
+without one).
 
-- ``GET /api/jobs``: the tenant's newest ``LIST_LIMIT`` jobs (the list page asks again every
-  two seconds: one small request, where a stream per job listed would take the stream slots).
-- ``GET /api/jobs/{id}``: one job; another tenant's is 404, worded like a missing one.
-- ``POST /api/jobs/{id}/ticket``: a stream ticket (tickets.py) for the job's event stream.
-- ``GET /api/jobs/{id}/history?metric=...&after=...``: the job's points of a rank metric (see
-  rank_metrics.py) after a resume token, at most ``HISTORY_LIMIT`` events read: a replay of the
-  servicer's own metric stream (``history_only``) in one of the tenant's stream slots, held
-  only while it reads. A sweep's page asks for each run's new points as it polls the sweep.
-- ``GET /api/jobs/{id}/filters.png``: the latest checkpoint's filters (filters.py), the model
-  loaded through the serving cache (``ModelServer.model_for``); 412 without a checkpoint.
-- ``GET /api/sweeps``: the tenant's newest ``LIST_LIMIT`` sweeps, without their runs.
-- ``GET /api/sweeps/{id}``: the sweep's leaderboard, as GetSweep and StreamSweep read it
-  (``SweepService.get``: runs ranked by the rank metric, best first). The page polls it every
-  two seconds, as the jobs list, rather than holding a stream slot for as long as it is open.
+``/api/jobs/{id}/events?ticket=...&after=...`` is the job's metric events as server-sent events
+(``id:`` the resume token, ``event:`` metrics, state or backoff, ``data:`` JSON), then ``event:
+end`` once the job has ended, or ``event: failed`` with the error's message (e.g. at shutdown;
+the page reconnects from its last id). An EventSource cannot send a bearer header, so it shows
+a ticket (tickets.py). It is the servicer's own metric stream (``RBMServicer.metric_events``), so
+a browser counts against ``SSDRBM_MAX_STREAMS_PER_TENANT`` as a StreamMetrics call does, and a
+refusal is answered before the stream starts.
 
-``GET /api/jobs/{id}/events?ticket=...&after=...`` is the job's metric events as server-sent
-events (``id:`` the resume token, ``event:`` metrics, state or backoff, ``data:`` JSON), then
-``event: end`` once the job has ended, or ``event: failed`` with the error's message (e.g. at
-shutdown; the page reconnects from its last id). It is the servicer's own metric stream
-(``RBMServicer.metric_events``: the replay, then the job's shared follower, in one of the
-tenant's stream slots), so a browser counts against ``SSDRBM_MAX_STREAMS_PER_TENANT`` as a
-StreamMetrics call does, and a refusal is answered before the stream starts.
-
-A running job's ETA (``eta_s``, and ``eta`` as text) comes with the job's JSON and with each
-metrics event, computed here as ``ssdrbm watch`` computes it (``ProgressState.eta_s``: the steps
-left at the average training pace so far), so the page and the CLI agree and the page only
-shows it. A state event that preempted a job, or that resumed it from a checkpoint, says so in
-``marker`` (the page draws it on the curves beside the backoffs).
+A running job's ETA comes with its JSON and each metrics event, computed as ``ssdrbm watch``
+computes it (``ProgressState.eta_s``), so the page and the CLI agree; a state event that
+preempted or resumed a job says so in ``marker``, which the page draws on the curves.
 """
 
 from __future__ import annotations
