@@ -1,16 +1,10 @@
 """Checkpoints as safetensors: tensors in the body, JSON config and scalars in the metadata.
 
 Nothing here unpickles: a checkpoint can come from storage or over the network, and loading it
-must never run code. Two kinds:
-
-- model checkpoints (:func:`model_to_bytes`): the model's ``state_dict`` plus its JSON config
-  under the metadata key ``config`` — enough to rebuild it with ``model_from_config``;
-- trainer checkpoints (:func:`trainer_to_bytes`): the model, plus the trainer's settings and its
-  full state (optimizer state, estimator chains and random state, data order and position,
-  step), so a resumed run continues bit for bit like an uninterrupted one.
-
-Nested state (the optimizer's ``state_dict`` and the like) is stored as JSON whose tensors are
-replaced by references ``{"tensor": name}`` to entries of the safetensors body.
+must never run code. Model checkpoints (:func:`model_to_bytes`) hold the ``state_dict`` and the
+JSON config (``model_from_config`` rebuilds it); trainer checkpoints (:func:`trainer_to_bytes`)
+add the trainer's settings and full state, so a resumed run continues bit for bit. Nested state
+is stored as JSON whose tensors are references ``{"tensor": name}`` into the body.
 """
 
 from __future__ import annotations
@@ -44,8 +38,7 @@ _STATE_PREFIX = "state."
 def _encode(value: Any, name: str, tensors: dict[str, Tensor]) -> Any:
     """JSON-able form of ``value``; tensors go to ``tensors`` under unique names."""
     if isinstance(value, Tensor):
-        # Own, contiguous CPU copies: safetensors refuses views that share storage.
-        tensors[name] = value.detach().to("cpu", copy=True).contiguous()
+        tensors[name] = value.detach().to("cpu", copy=True).contiguous()  # see _model_tensors
         return {"tensor": name}
     if isinstance(value, dict):
         return {
@@ -94,13 +87,22 @@ def _read(data: bytes, expected_format: str) -> tuple[dict[str, Tensor], dict[st
 # --- models ---------------------------------------------------------------------------------
 
 
+def _model_tensors(model: RBM, prefix: str = "") -> dict[str, Tensor]:
+    # Own, contiguous CPU copies: safetensors refuses views that share storage.
+    return {
+        prefix + name: t.detach().to("cpu", copy=True).contiguous()
+        for name, t in model.state_dict().items()
+    }
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
 def model_to_bytes(model: RBM) -> bytes:
     """The model's parameters as safetensors, its config JSON under metadata ``config``."""
-    tensors = {
-        name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()
-    }
-    metadata = {"format": MODEL_FORMAT, "config": json.dumps(model.config(), sort_keys=True)}
-    return save_tensors(tensors, metadata=metadata)
+    metadata = {"format": MODEL_FORMAT, "config": _json(model.config())}
+    return save_tensors(_model_tensors(model), metadata=metadata)
 
 
 def model_from_bytes(data: bytes, *, device: str | torch.device | None = None) -> RBM:
@@ -132,46 +134,40 @@ def _trainer_settings(trainer: Trainer) -> dict[str, Any]:
         "persistent": trainer.persistent,
         "seed": trainer.seed,
         "check_every": trainer.check_every,
-        # Only with tempering on, so other checkpoints keep the settings they always had.
-        **({"tempering": trainer.tempering.to_dict()} if trainer.tempering else {}),
     }
-    # Only when on, so checkpoints of uncentered runs keep the settings they always had.
-    if trainer.centering is not None:
-        settings["centering"] = trainer.centering.config.to_dict()
+    # Only when on, so other checkpoints keep the settings they always had.
+    centering = trainer.centering and trainer.centering.config
+    for name, config in (("tempering", trainer.tempering), ("centering", centering)):
+        if config:
+            settings[name] = config.to_dict()
     return settings
 
 
 def trainer_to_bytes(trainer: Trainer) -> bytes:
     """The model, the trainer's settings and its full state, as safetensors."""
-    tensors = {
-        _MODEL_PREFIX + name: t.detach().to("cpu", copy=True).contiguous()
-        for name, t in trainer.model.state_dict().items()
-    }
+    tensors = _model_tensors(trainer.model, _MODEL_PREFIX)
     state = _encode(trainer.state_dict(), _STATE_PREFIX.rstrip("."), tensors)
     metadata = {
         "format": TRAINER_FORMAT,
-        "config": json.dumps(trainer.model.config(), sort_keys=True),
-        "settings": json.dumps(_trainer_settings(trainer), sort_keys=True),
+        "config": _json(trainer.model.config()),
+        "settings": _json(_trainer_settings(trainer)),
         "state": json.dumps(state),
     }
     return save_tensors(tensors, metadata=metadata)
 
 
 def load_trainer_state(trainer: Trainer, data: bytes) -> None:
-    """Load :func:`trainer_to_bytes` output into ``trainer`` (built with the same settings).
-
-    Raises ``ValueError`` when the checkpoint's model config or settings differ from the
-    trainer's, since resuming then would not continue the same run.
-    """
+    """Load :func:`trainer_to_bytes` output into ``trainer`` (built with the same settings);
+    ``ValueError`` when the checkpoint's model config or settings differ from the trainer's."""
     tensors, metadata = _read(data, TRAINER_FORMAT)
     config = json.loads(metadata["config"])
-    if config != json.loads(json.dumps(trainer.model.config(), sort_keys=True)):
+    if config != json.loads(_json(trainer.model.config())):
         raise ValueError(
             f"checkpoint is for model {config}, not {trainer.model.config()}; build the trainer "
             "with the checkpoint's model config (or use trainer_from_bytes)"
         )
     settings = json.loads(metadata["settings"])
-    if settings != json.loads(json.dumps(_trainer_settings(trainer), sort_keys=True)):
+    if settings != json.loads(_json(_trainer_settings(trainer))):
         raise ValueError(
             f"checkpoint was trained with settings {settings}, not {_trainer_settings(trainer)}"
         )

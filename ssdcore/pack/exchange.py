@@ -1,13 +1,10 @@
 """A pack's run ⇄ the solo :class:`~ssdcore.Trainer` ⇄ ordinary checkpoint bytes.
 
-A run taken out of a pack becomes a Trainer built exactly as the service builds one (same
-model kind and shape, optimizer configuration, batch size, CD-k, persistence, seed,
-``check_every``) with the run's parameters, momentum buffers, persistent chains, random
-states, data order and position, step, step-size scale and wall time loaded; its
-:func:`~ssdcore.checkpoint.trainer_to_bytes` is an ordinary single-model checkpoint, which
-resumes solo with :func:`~ssdcore.checkpoint.trainer_from_bytes`. The other way, any solo
-Trainer (or its checkpoint) with the pack's settings and a compatible optimizer can be put
-into a pack slot.
+A run taken out of a pack becomes a Trainer built as the service builds one, with the run's
+parameters, momentum buffers, chains, random states, data order, step, step-size scale and wall
+time loaded; its :func:`~ssdcore.checkpoint.trainer_to_bytes` is an ordinary solo checkpoint.
+The other way, any solo Trainer (or its checkpoint) with the pack's settings and a compatible
+optimizer can be put into a pack slot.
 """
 
 from __future__ import annotations

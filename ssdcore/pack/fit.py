@@ -1,12 +1,10 @@
 """``fit`` for a pack: train every run to ``steps`` under :func:`ssdcore.fit`'s blow-up rule.
 
-Each run has its own :class:`~ssdcore.blowup.Recovery` (detector, rollback point, backoff
-count), acting on the run through :class:`RunInPack`. A run that blows up (a metric, or its
-parameters turning non-finite) is rolled back to its last healthy evaluation with every step
-size divided by the backoff factor, while the other runs go on; once its ``max_backoffs`` are
-spent it is held where its last healthy evaluation left it and its history ends with a
-``{"event": "failed", ...}`` entry (fit would raise that BlowUpError there). A run that reaches
-``steps`` is held while the others catch up.
+Each run has its own :class:`~ssdcore.blowup.Recovery`, acting on it through
+:class:`RunInPack`: a run that blows up is rolled back with smaller steps while the others go
+on; once its backoffs are spent it is held at its last healthy evaluation and its history ends
+with a ``{"event": "failed", ...}`` entry (where fit would raise). A run that reaches ``steps``
+is held while the others catch up.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ class PackedCD:
         for offset, has in enumerate(has_chains):
             if not has:
                 run = runs.start + offset
-                self.random.bernoulli_run_(run, hidden_data[offset], out=start[offset])
+                self.random.source(run).bernoulli_(hidden_data[offset], out=start[offset])
         return start
 
     def _write_gradients(self, runs: slice, kernel: GibbsKernel) -> tuple[Tensor, Tensor]:

@@ -1,15 +1,11 @@
 """Bernoulli draws for a pack of runs, each run from its own random source.
 
 Every run keeps the :class:`~ssdcore.sampling.RandomSource` a solo :class:`~ssdcore.Trainer`
-with the same seed would have, and each packed draw takes that run's numbers from it exactly as
-the solo estimator's ``bernoulli_`` of the same shape would. A run's draws therefore do not
-depend on which other runs share the pack, and they are the solo run's draws.
-
-On the CPU the per-run part is one ``random_raw`` call per run (numpy, well under a microsecond
-of work at these sizes); the comparison itself is one torch op for the whole pack. On CUDA each
-run fills its slice with ``uniform_`` from its own Philox generator: one kernel per run and
-draw, which is what ``independent=False`` saves (one generator for the whole pack, one kernel
-per draw; the draws then depend on the pack's composition, see ``docs/ARCHITECTURE.md``).
+with the same seed would have, and each packed draw takes that run's numbers exactly as the
+solo ``bernoulli_`` of the same shape would: a run's draws are its solo draws, whatever shares
+the pack. On the CPU that is one ``random_raw`` call per run and one torch comparison for the
+pack; on CUDA one ``uniform_`` kernel per run and draw, which ``independent=False`` saves (one
+generator for the pack; a run's draws then depend on the pack's composition).
 """
 
 from __future__ import annotations
@@ -79,10 +75,6 @@ class PackedRandom:
             np.concatenate([source.bits16(per_run) for source in sources], out=bits)
             uniform.view(-1).copy_(torch.from_numpy(bits))
         return bits_below_(uniform, probs, self._offset, threshold, out)
-
-    def bernoulli_run_(self, run: int, probs: Tensor, out: Tensor) -> Tensor:
-        """Draws for one run only (``probs`` and ``out`` are its rows), from its own source."""
-        return self.source(run).bernoulli_(probs, out=out)
 
     def source(self, run: int) -> RandomSource:
         """The source run ``run``'s draws come from (the shared one for a shared stream)."""
