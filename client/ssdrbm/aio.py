@@ -24,6 +24,7 @@ import numpy as np
 
 from ssdrbm import calls
 from ssdrbm.calls import DEFAULT_PAGE_SIZE
+from ssdrbm.client import Client
 from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, Dataset, UploadedDataset
 from ssdrbm.events import Job, JobState, MetricEvent
 from ssdrbm.model_file import ExportedModel
@@ -40,8 +41,7 @@ class AsyncClient(calls.ClientBase):
     Create it inside a running event loop (``async with AsyncClient(...) as client``).
     """
 
-    def _open_channel(self) -> grpc.aio.Channel:
-        return self.connection.aio_channel()
+    _grpc = grpc.aio
 
     async def close(self) -> None:
         """Close the channel; calls in flight are cancelled."""
@@ -91,63 +91,48 @@ class AsyncClient(calls.ClientBase):
     # -- jobs ----------------------------------------------------------------------------------
 
     async def start_training(self, **kwargs: Any) -> Job:
-        """Submit a training job; see :meth:`ssdrbm.Client.start_training` for the arguments."""
         return await self._run(calls.start_training(self, **kwargs))
 
     async def server_info(self) -> ServerInfo:
-        """The service's version, API and optional features (``GetServerInfo``)."""
         return await self._run(calls.server_info(self))
 
     async def training_defaults(self) -> TrainingDefaults:
-        """The defaults the service fills into unset fields: step sizes per model and
-        optimizer, and a minimal request resolved (every other default)."""
         return await self._run(calls.training_defaults(self))
 
     async def get_job(self, job_id: str) -> Job:
-        """The job's current record."""
         return await self._run(calls.get_job(self, job_id))
 
     def list_jobs(
         self, state: JobState | str | None = None, *, page_size: int = DEFAULT_PAGE_SIZE
     ) -> AsyncIterator[Job]:
-        """Every job of the caller, newest first, page by page."""
         return self._iterate(calls.list_jobs(self, state, page_size))
 
     async def cancel(self, job_id: str) -> Job:
-        """Ask the job to stop; returns its record."""
         return await self._run(calls.cancel(self, job_id))
 
     async def delete_job(self, job_id: str, *, force: bool = False) -> None:
-        """Delete a finished job and all it stored; ``force`` cancels an unfinished one first."""
         await self._run(calls.delete_job(self, job_id, force))
 
     # -- sweeps (ssdrbm/sweeps.py) --------------------------------------------------------------
 
     async def start_sweep(self, **kwargs: Any) -> Sweep:
-        """Start a sweep; see :meth:`ssdrbm.Client.start_sweep` for the arguments."""
         return await self._run(calls.start_sweep(self, **kwargs))
 
     async def get_sweep(self, sweep_id: str) -> Sweep:
-        """The sweep with its leaderboard (runs best first)."""
         return await self._run(calls.get_sweep(self, sweep_id))
 
     def list_sweeps(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> AsyncIterator[Sweep]:
-        """Every sweep of the caller, newest first (without their runs)."""
         return self._iterate(calls.list_sweeps(self, page_size))
 
     async def cancel_sweep(self, sweep_id: str) -> Sweep:
-        """Cancel every queued or running run of the sweep."""
         return await self._run(calls.cancel_sweep(self, sweep_id))
 
     async def delete_sweep(
         self, sweep_id: str, *, force: bool = False, keep_runs: bool = False
     ) -> int:
-        """Delete the sweep and its runs' jobs; returns how many jobs were deleted. ``force``
-        cancels unfinished runs first; ``keep_runs`` keeps the jobs."""
         return await self._run(calls.delete_sweep(self, sweep_id, force, keep_runs))
 
     def stream_sweep(self, sweep_id: str, *, timeout: float | None = None) -> AsyncIterator[Sweep]:
-        """The live leaderboard until the sweep ends; see the blocking client."""
         return self._iterate(calls.stream_sweep(self, sweep_id, timeout))
 
     # -- metrics -------------------------------------------------------------------------------
@@ -160,7 +145,6 @@ class AsyncClient(calls.ClientBase):
         follow: bool = True,
         timeout: float | None = None,
     ) -> AsyncIterator[MetricEvent]:
-        """The job's events, resuming after dropped connections; see the blocking client."""
         return self._iterate(calls.stream_metrics(self, job_id, after, follow, timeout))
 
     async def wait(
@@ -170,7 +154,6 @@ class AsyncClient(calls.ClientBase):
         timeout: float | None = None,
         on_event: Callable[[MetricEvent], None] | None = None,
     ) -> Job:
-        """Follow the job until it ends and return its final record."""
         return await self._run(calls.wait(self, job_id, timeout, on_event))
 
     # -- serving -------------------------------------------------------------------------------
@@ -185,7 +168,6 @@ class AsyncClient(calls.ClientBase):
         seed: int = 0,
         checkpoint_step: int = 0,
     ) -> np.ndarray:
-        """Visible vectors after ``k`` Gibbs steps (or mean field); same shape as ``x``."""
         steps = calls.reconstruct(self, job_id, x, k, mean_field, seed, checkpoint_step)
         return await self._run(steps)
 
@@ -198,7 +180,6 @@ class AsyncClient(calls.ClientBase):
         seed: int = 0,
         checkpoint_step: int = 0,
     ) -> np.ndarray:
-        """Hidden probabilities (``"probs"``) or samples (``"sample"``) of ``x``."""
         steps = calls.sample_hidden(self, job_id, x, mode, seed, checkpoint_step)
         return await self._run(steps)
 
@@ -211,7 +192,6 @@ class AsyncClient(calls.ClientBase):
         name: str = "",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> str:
-        """Upload an array (or a ``.npy`` file) and return its dataset id."""
         details = await self.upload_dataset_details(data, name=name, chunk_bytes=chunk_bytes)
         return details.id
 
@@ -222,21 +202,16 @@ class AsyncClient(calls.ClientBase):
         name: str = "",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> UploadedDataset:
-        """Upload and return the id with shape, size and whether the content was new."""
         steps = calls.upload_dataset(self, data, name, chunk_bytes)
         return await self._run(steps)
 
     def list_datasets(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> AsyncIterator[Dataset]:
-        """The caller's uploaded datasets, ordered by id, page by page."""
         return self._iterate(calls.list_datasets(self, page_size))
 
     async def delete_dataset(self, dataset_id: str) -> None:
-        """Remove a dataset from the caller's datasets (FailedPrecondition while a queued or
-        running job of the caller trains on it)."""
         await self._run(calls.delete_dataset(self, dataset_id))
 
     async def fetch_model(self, job_id: str, *, checkpoint_step: int = 0) -> ExportedModel:
-        """The job's model as numpy tensors plus its config."""
         return await self._run(calls.fetch_model(self, job_id, checkpoint_step))
 
     async def export_model(
@@ -248,7 +223,11 @@ class AsyncClient(calls.ClientBase):
         format: str = "safetensors",
         model_name: str | None = None,
     ) -> Path:
-        """Write the job's model to ``path`` as ``"safetensors"`` (directory), ``"onnx"`` (file)
-        or ``"triton"`` (model repository directory); see :meth:`ssdrbm.Client.export_model`."""
         steps = calls.export_model(self, job_id, path, checkpoint_step, format, model_name)
         return await self._run(steps)
+
+
+# Each method does what the blocking client's does, awaited: its documentation is that method's.
+for _name, _method in vars(AsyncClient).items():
+    if not _name.startswith("_"):
+        _method.__doc__ = getattr(Client, _name).__doc__

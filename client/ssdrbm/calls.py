@@ -132,7 +132,10 @@ class Walk(Generic[T]):
 
 class ClientBase:
     """What both clients hold: the resolved connection, the retry policy, the serving batch
-    limit, the streams' reconnect budget, and the stub on the channel the client opens."""
+    limit, the streams' reconnect budget, and the stub on a channel of ``_grpc`` (blocking, or
+    ``grpc.aio``)."""
+
+    _grpc: Any = grpc
 
     def __init__(
         self,
@@ -149,12 +152,8 @@ class ClientBase:
         self.retry = retry or RetryPolicy()
         self.max_batch_bytes = max_batch_bytes
         self.reconnect_s = reconnect_s
-        self._channel = self._open_channel()
+        self._channel = self.connection.channel(self._grpc)
         self._stub = rbm_pb2_grpc.RBMServiceStub(self._channel)
-
-    def _open_channel(self) -> Any:
-        """The channel the client's calls go through: blocking or ``grpc.aio``."""
-        raise NotImplementedError
 
     @property
     def target(self) -> str:

@@ -50,9 +50,6 @@ class Client(calls.ClientBase):
         reconnect_s: how long a metric stream tries to reconnect after losing its connection.
     """
 
-    def _open_channel(self) -> grpc.Channel:
-        return self.connection.sync_channel()
-
     def close(self) -> None:
         """Close the channel; calls in flight are cancelled."""
         self._channel.close()

@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -124,17 +125,11 @@ class Connection:
         """Call metadata: the bearer token, when there is one."""
         return (bearer_metadata(self.token),) if self.token else ()
 
-    def sync_channel(self) -> grpc.Channel:
-        """A blocking channel to the target."""
+    def channel(self, kind: Any = grpc) -> Any:
+        """A channel to the target: blocking, or asyncio with ``kind=grpc.aio``."""
         if self.tls is None:
-            return grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
-        return grpc.secure_channel(self.target, self.tls.credentials(), options=CHANNEL_OPTIONS)
-
-    def aio_channel(self) -> grpc.aio.Channel:
-        """An asyncio channel to the target."""
-        if self.tls is None:
-            return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
-        return grpc.aio.secure_channel(self.target, self.tls.credentials(), options=CHANNEL_OPTIONS)
+            return kind.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return kind.secure_channel(self.target, self.tls.credentials(), options=CHANNEL_OPTIONS)
 
 
 def bearer_metadata(token: str) -> tuple[str, str]:

@@ -30,6 +30,15 @@ from ssdrbm.client import Client
 from ssdrbm.errors import DeadlineExceeded
 from ssdrbm.events import Job, JobState
 
+# The parameters named as scikit-learn names them, by their start_training keyword; every other
+# parameter but target and timeout is the keyword of the same name.
+_TRAINING_NAMES = {
+    "n_components": "n_hidden",
+    "learning_rate": "lr",
+    "n_iter": "epochs",
+    "random_state": "seed",
+}
+
 
 class TrainingFailed(RuntimeError):
     """The training job ended FAILED or CANCELLED; ``job`` is its final record."""
@@ -122,21 +131,11 @@ class RemoteRBM(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator
                 f"RemoteRBM: random_state must be an integer seed or None (the service's "
                 f"default seed), got {self.random_state!r}"
             )
-        arguments = {
-            "n_hidden": self.n_components,
-            "model": self.model,
-            "variance": self.variance,
-            "lr": self.learning_rate,
-            "batch_size": self.batch_size,
-            "epochs": self.n_iter,
-            "seed": self.random_state,
-            "optimizer": self.optimizer,
-            "method": self.method,
-            "cd_k": self.cd_k,
-            "persistent": self.persistent,
-            "validation_fraction": self.validation_fraction,
+        return {
+            _TRAINING_NAMES.get(name, name): value
+            for name, value in self.get_params().items()
+            if value is not None and name not in ("target", "timeout")
         }
-        return {name: value for name, value in arguments.items() if value is not None}
 
     def fit(self, X: Any, y: Any = None) -> RemoteRBM:
         """Upload X, train a job on it and wait for it; raises :class:`TrainingFailed` when the

@@ -12,11 +12,12 @@ from datetime import datetime
 from typing import Any
 
 from ssdrbm.spec import (
+    enum_member,
+    enum_name,
     from_message,
     message_dict,
     message_time,
     optional_message,
-    proto_enum_member,
 )
 from ssdrbm.v1 import rbm_pb2
 
@@ -41,7 +42,7 @@ class JobState(enum.StrEnum):
     @classmethod
     def from_proto(cls, value: int) -> JobState:
         """Map a ``ssdrbm.v1.JobState`` number to the enum (unknown numbers → UNSPECIFIED)."""
-        return proto_enum_member(cls, rbm_pb2.JobState, "JOB_STATE_", value)
+        return enum_member(cls, rbm_pb2.JobState, value)
 
     def to_proto(self) -> int:
         """The ``ssdrbm.v1.JobState`` number of this state."""
@@ -77,11 +78,8 @@ class Metrics:
     @classmethod
     def from_proto(cls, message: rbm_pb2.Metrics) -> Metrics:
         """Build from a ``ssdrbm.v1.Metrics`` message."""
-        method = rbm_pb2.LogLikelihoodMethod.Name(message.log_likelihood_method)
-        method = method.removeprefix("LOG_LIKELIHOOD_METHOD_").lower()
-        return from_message(
-            cls, message, log_likelihood_method=None if method == "unspecified" else method
-        )
+        method = enum_name(rbm_pb2.LogLikelihoodMethod, message.log_likelihood_method)
+        return from_message(cls, message, log_likelihood_method=method)
 
 
 @dataclass(frozen=True)

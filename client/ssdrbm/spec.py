@@ -40,23 +40,36 @@ def short_name(name: str, prefix: str) -> str:
     return name.removeprefix(prefix).lower().replace("_", "-")
 
 
-def enum_choices(enum_type: Any, prefix: str) -> dict[str, int]:
-    """Lower-case, dash-separated names of a proto enum's values (UNSPECIFIED left out)."""
-    choices = {}
-    for name, number in enum_type.items():
-        if name.removeprefix(prefix) != "UNSPECIFIED":
-            choices[short_name(name, prefix)] = number
-    return choices
+def _prefix(enum: Any) -> str:
+    """A proto enum's prefix: the name of its value 0 (always ..._UNSPECIFIED) up to UNSPECIFIED."""
+    return enum.DESCRIPTOR.values_by_number[0].name.removesuffix("UNSPECIFIED")
 
 
-MODELS = enum_choices(rbm_pb2.ModelKind, "MODEL_KIND_")
-VARIANCES = enum_choices(rbm_pb2.VarianceKind, "VARIANCE_KIND_")
-OPTIMIZERS = enum_choices(rbm_pb2.OptimizerKind, "OPTIMIZER_KIND_")
-METHODS = enum_choices(rbm_pb2.PolarMethod, "POLAR_METHOD_")
-PRECONDITIONERS = enum_choices(rbm_pb2.Preconditioner, "PRECONDITIONER_")
-PREPROCESSING = enum_choices(rbm_pb2.Preprocess, "PREPROCESS_")
-STEP_RULES = enum_choices(rbm_pb2.StepRule, "STEP_RULE_")
-SCHEDULES = enum_choices(rbm_pb2.ScheduleKind, "SCHEDULE_KIND_")
+def enum_choices(enum: Any) -> dict[str, int]:
+    """The :func:`short_name` of each of a proto enum's values but UNSPECIFIED, and its number."""
+    return {short_name(name, _prefix(enum)): number for name, number in enum.items() if number}
+
+
+def enum_name(enum: Any, number: int) -> str | None:
+    """The :func:`short_name` of a proto enum's value; None for UNSPECIFIED."""
+    return short_name(enum.Name(number), _prefix(enum)) if number else None
+
+
+def enum_member(cls: type[E], enum: Any, number: int) -> E:
+    """The member of ``cls`` named as proto enum value ``number`` without the enum's prefix; an
+    unknown number is ``cls.UNSPECIFIED``."""
+    name = enum.Name(number) if number in enum.values() else ""
+    return cls.__members__.get(name.removeprefix(_prefix(enum)), cls["UNSPECIFIED"])
+
+
+MODELS = enum_choices(rbm_pb2.ModelKind)
+VARIANCES = enum_choices(rbm_pb2.VarianceKind)
+OPTIMIZERS = enum_choices(rbm_pb2.OptimizerKind)
+METHODS = enum_choices(rbm_pb2.PolarMethod)
+PRECONDITIONERS = enum_choices(rbm_pb2.Preconditioner)
+PREPROCESSING = enum_choices(rbm_pb2.Preprocess)
+STEP_RULES = enum_choices(rbm_pb2.StepRule)
+SCHEDULES = enum_choices(rbm_pb2.ScheduleKind)
 # What "KIND,X,Y" sets in a schedule given as text, per kind (the CLI's --schedule).
 SCHEDULE_TEXT_FIELDS = {
     "constant": (),
@@ -76,12 +89,6 @@ def choose(field: str, value: str | None, choices: Mapping[str, int]) -> int:
             f"{field}: unknown value {value!r}; choose one of {', '.join(choices)}"
         )
     return choices[key]
-
-
-def enum_name(enum_type: Any, prefix: str, number: int) -> str | None:
-    """The lower-case, dash-separated name of an enum value; None for UNSPECIFIED."""
-    name = enum_type.Name(number)
-    return None if name.removeprefix(prefix) == "UNSPECIFIED" else short_name(name, prefix)
 
 
 def message_dict(message: Message) -> dict[str, Any]:
@@ -119,13 +126,6 @@ def message_time(message: Message, name: str) -> datetime | None:
 def optional_message(message: Message, name: str, convert: Callable[[Any], T]) -> T | None:
     """``convert`` of message field ``name``; None while it is unset."""
     return convert(getattr(message, name)) if message.HasField(name) else None
-
-
-def proto_enum_member(cls: type[E], enum_type: Any, prefix: str, value: int) -> E:
-    """The member of ``cls`` named as proto enum ``value`` without ``prefix``; an unknown number
-    is ``cls.UNSPECIFIED``."""
-    name = enum_type.Name(value) if value in enum_type.values() else ""
-    return cls.__members__.get(name.removeprefix(prefix), cls["UNSPECIFIED"])
 
 
 def _field_value(field: FieldDescriptor, value: Any) -> Any:
@@ -187,21 +187,18 @@ class TrainingDefaults:
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.TrainingDefaults) -> TrainingDefaults:
-        return cls(
-            step_sizes=[
-                StepSizeDefault(
-                    model=enum_name(rbm_pb2.ModelKind, "MODEL_KIND_", entry.model) or "",
-                    variance=enum_name(rbm_pb2.VarianceKind, "VARIANCE_KIND_", entry.variance),
-                    optimizer=enum_name(rbm_pb2.OptimizerKind, "OPTIMIZER_KIND_", entry.optimizer)
-                    or "",
-                    lr=entry.lr,
-                    source=entry.source,
-                    step_rule=enum_name(rbm_pb2.StepRule, "STEP_RULE_", entry.step_rule),
-                )
-                for entry in message.step_sizes
-            ],
-            example=message_dict(message.example),
-        )
+        step_sizes = [
+            StepSizeDefault(
+                model=enum_name(rbm_pb2.ModelKind, entry.model) or "",
+                variance=enum_name(rbm_pb2.VarianceKind, entry.variance),
+                optimizer=enum_name(rbm_pb2.OptimizerKind, entry.optimizer) or "",
+                lr=entry.lr,
+                source=entry.source,
+                step_rule=enum_name(rbm_pb2.StepRule, entry.step_rule),
+            )
+            for entry in message.step_sizes
+        ]
+        return cls(step_sizes=step_sizes, example=message_dict(message.example))
 
     def lr(
         self, model: str, optimizer: str, variance: str | None = None, step_rule: str = "paper"
@@ -253,7 +250,7 @@ def _check_unsigned(**values: Any) -> None:
             raise InvalidArgument(f"{field}: must be a non-negative integer, got {value!r}")
 
 
-def _set(message: Any, **values: Any) -> Any:
+def set_given(message: Any, **values: Any) -> Any:
     """Set the fields whose value is not None; the others stay unset (the server's default)."""
     for field, value in values.items():
         if value is not None:
@@ -331,15 +328,15 @@ def training_request(
     if dataset is not None and dataset_id is not None:
         raise InvalidArgument("dataset, dataset_id: give one of them, not both")
     request = rbm_pb2.StartTrainingRequest(request_id=request_id or new_request_id())
-    _set(request, name=name, validate_only=validate_only)
-    _set(
+    set_given(request, name=name, validate_only=validate_only)
+    set_given(
         request.model,
         kind=_choice("model", model, MODELS),
         variance=_choice("variance", variance, VARIANCES),
         n_hidden=n_hidden,
         min_variance=min_variance,
     )
-    _set(
+    set_given(
         request.optimizer,
         kind=_choice("optimizer", optimizer, OPTIMIZERS),
         lr=lr,
@@ -356,9 +353,9 @@ def training_request(
         )
     for parameter, value in (per_parameter_lr or {}).items():
         request.optimizer.per_parameter_lr[str(parameter)] = float(value)
-    _set(request.optimizer, step_rule=_choice("step_rule", step_rule, STEP_RULES))
+    set_given(request.optimizer, step_rule=_choice("step_rule", step_rule, STEP_RULES))
     _set_schedule(request.optimizer.schedule, schedule, warmup_steps)
-    _set(
+    set_given(
         request.training,
         cd_k=cd_k,
         persistent=persistent,
@@ -376,15 +373,15 @@ def training_request(
         )
     if centered:
         request.training.centering.SetInParent()  # on, the sliding factor left to the server
-        _set(request.training.centering, sliding_factor=centering_sliding_factor)
+        set_given(request.training.centering, sliding_factor=centering_sliding_factor)
     if tempering is not None or tempering_min_beta is not None:
         request.training.parallel_tempering.SetInParent()  # on, even with every count default
-        _set(
+        set_given(
             request.training.parallel_tempering,
             temperatures=tempering,
             min_beta=tempering_min_beta,
         )
-    _set(
+    set_given(
         request.eval,
         every=eval_every,
         ais=ais,
@@ -393,7 +390,7 @@ def training_request(
         validation_fraction=validation_fraction,
     )
     _set_dataset(request.dataset, dataset, dataset_id, dataset_options)
-    _set(request.dataset, preprocess=_choice("preprocess", preprocess, PREPROCESSING))
+    set_given(request.dataset, preprocess=_choice("preprocess", preprocess, PREPROCESSING))
     return request
 
 
@@ -414,7 +411,7 @@ def _set_schedule(
         raise InvalidArgument(f"schedule: unknown fields {unknown}")
     _check_unsigned(**{k: fields.get(k) for k in ("decay_steps", "horizon", "warmup_steps")})
     message.SetInParent()
-    _set(message, kind=_choice("schedule", kind, SCHEDULES), **fields)
+    set_given(message, kind=_choice("schedule", kind, SCHEDULES), **fields)
 
 
 def _choice(field: str, value: str | None, choices: Mapping[str, int]) -> int | None:

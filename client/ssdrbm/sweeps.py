@@ -24,10 +24,11 @@ from ssdrbm.events import JobState, Metrics
 from ssdrbm.spec import (
     OPTIMIZERS,
     choose,
+    enum_member,
     from_message,
     new_request_id,
     optional_message,
-    proto_enum_member,
+    set_given,
     training_request,
 )
 from ssdrbm.v1 import rbm_pb2
@@ -101,17 +102,11 @@ def sweep_request(
     base = training_request(**training)
     base.request_id = ""  # the sweep's request_id covers its runs
     request = rbm_pb2.StartSweepRequest(base=base, request_id=request_id or new_request_id())
-    for axis_name, values in (axes or {}).items():
-        request.axes.append(_axis(axis_name, values))
-    if seeds is not None:
-        request.seeds = seeds
+    request.axes.extend(_axis(axis_name, values) for axis_name, values in (axes or {}).items())
+    set_given(request, seeds=seeds, samples=random, seed=sample_seed, rank_metric=rank_by)
+    set_given(request, name=name, validate_only=validate_only)
     if random is not None:
         request.mode = rbm_pb2.SWEEP_MODE_RANDOM
-        request.samples = random
-    if sample_seed is not None:
-        request.seed = sample_seed
-    if rank_by is not None:
-        request.rank_metric = rank_by
     if early_stop is not None:
         first, *rest = [early_stop] if isinstance(early_stop, int) else list(early_stop)
         request.early_stopping.min_steps = int(first)
@@ -119,10 +114,6 @@ def sweep_request(
             request.early_stopping.reduction_factor = int(rest[0])
     if rungs:
         request.early_stopping.rungs.extend(int(step) for step in rungs)
-    if name is not None:
-        request.name = name
-    if validate_only is not None:
-        request.validate_only = validate_only
     return request
 
 
@@ -143,7 +134,7 @@ class SweepState(enum.StrEnum):
 
     @classmethod
     def from_proto(cls, value: int) -> SweepState:
-        return proto_enum_member(cls, rbm_pb2.SweepState, "SWEEP_STATE_", value)
+        return enum_member(cls, rbm_pb2.SweepState, value)
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ def wait_for_service(connection: Connection, seconds: float, stream: TextIO | No
     Said on stderr once the connection takes longer than a running service would, so a command
     never sits silent; the command's own call then reports a service that did not come up.
     """
-    channel = connection.sync_channel()
+    channel = connection.channel()
     ready = grpc.channel_ready_future(channel)
     try:
         try:
@@ -117,10 +117,10 @@ def client_from_args(args: argparse.Namespace) -> Client:
         started = time.monotonic()
         wait_for_service(connection, wait)
         wait -= time.monotonic() - started
-    return Client(
-        connection.target,
-        token=connection.token,
-        tls=connection.tls if connection.tls is not None else False,
-        timeout=connection.timeout,
-        retry=RetryPolicy.waiting(wait),
-    )
+    return client_for(connection, connection.timeout, RetryPolicy.waiting(wait))
+
+
+def client_for(connection: Connection, timeout: float, retry: RetryPolicy) -> Client:
+    """A :class:`~ssdrbm.Client` on ``connection``'s target, token and TLS."""
+    tls = connection.tls if connection.tls is not None else False
+    return Client(connection.target, token=connection.token, tls=tls, timeout=timeout, retry=retry)

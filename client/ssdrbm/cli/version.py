@@ -12,10 +12,9 @@ import sys
 import grpc
 
 from ssdrbm import __version__
-from ssdrbm.cli.context import connection_from_args
+from ssdrbm.cli.context import client_for, connection_from_args
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import Context, describe
-from ssdrbm.client import Client
 from ssdrbm.errors import SSDRBMError
 from ssdrbm.retry import NO_RETRY
 
@@ -29,13 +28,7 @@ def run_version(args: argparse.Namespace) -> ExitCode:
     connection = connection_from_args(args)
     timeout = args.timeout if getattr(args, "timeout", None) else VERSION_TIMEOUT_S
     try:
-        with Client(
-            connection.target,
-            token=connection.token,
-            tls=connection.tls if connection.tls is not None else False,
-            timeout=timeout,
-            retry=NO_RETRY,
-        ) as client:
+        with client_for(connection, timeout, NO_RETRY) as client:
             info = client.server_info()
     except SSDRBMError as error:
         reason = describe(error, Context(command="--version", target=connection.target)).what
