@@ -1,18 +1,11 @@
 """Annealed importance sampling (AIS) estimate of log Z (Neal 2001; Salakhutdinov & Murray 2008).
 
-Chains start from the tractable base model (β = 0) and follow the annealing path of
-`annealing.py` to the model (β = 1): at each temperature the chain's importance weight gains
-log f_βk(v) - log f_βk-1(v), then one Gibbs sweep leaves p_βk invariant. Then
-log Z ≈ log Z_0 + log mean_n w_n.
-
-The estimate of Z is unbiased, so log Ẑ is a stochastic *lower* bound of log Z (Jensen) and a
-log-likelihood computed from it, -F(v) - log Ẑ, a stochastic *upper* bound of log p(v). Its
-conservative partner is reverse AIS (`reverse_ais.py`); `certified.py` reports both.
-
-The standard error is the delta-method estimate std(w)/(√n·mean(w)) on the weights (computed
-relative to the largest, which cancels). It is itself noisy and understates the error when a
-few chains dominate; it does not cover the bias of a poor base model, which is why a BRBM's
-base must come from the data (`data_base_rates`).
+Chains start from the base model (β = 0) and follow the path of `annealing.py` to the model:
+at each temperature a chain's weight gains log f_βk(v) - log f_βk-1(v), then one Gibbs sweep
+leaves p_βk invariant; log Z ≈ log Z_0 + log mean_n w_n. The estimate of Z is unbiased, so
+log Ẑ errs low and a log-likelihood from it errs high (Jensen); reverse AIS is its conservative
+partner (`certified.py` reports both). The standard error std(w)/(√n·mean(w)) is itself noisy,
+understates the error when a few chains dominate, and does not cover a poor base model's bias.
 """
 
 from __future__ import annotations

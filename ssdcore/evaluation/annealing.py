@@ -1,24 +1,17 @@
 """The annealing path from a tractable base model (β = 0) to an RBM (β = 1), shared by forward
-AIS (`ais.py`, an estimate of log Z) and reverse AIS (`reverse_ais.py`, a conservative estimate
-of log p(v)).
+AIS (`ais.py`, log Z) and reverse AIS (`reverse_ais.py`, a conservative log p(v)).
 
-Along the path the unnormalized visible marginals are
+The unnormalized visible marginals along the path are
 
     Bernoulli: log f_β(v) = ((1-β)·b_A + β·b)ᵀv + Σ_j softplus(β·(vᵀW + a)_j)
     Gaussian:  log f_β(v) = -½(v - b)ᵀC⁻¹(v - b) + Σ_j softplus(β·(vᵀC⁻¹W + a)_j)
 
-so f_1(v) = exp(-F(v)). The base models are the visible-bias-only model with bias b_A for the
-BRBM and the h-free Gaussian N(b, C) for the GRBM; their hidden units are uniform, so
-
-    log Z_0 = Σ_i softplus(b_A,i) + H·log 2,    or    (V/2)·log 2π + ½·log|C| + H·log 2.
-
-`transition(v, β)` is one block-Gibbs sweep (h ~ p_β(h|v), then v ~ p_β(v|h)). Marginalized
-over h it is reversible with respect to p_β(v), which is what lets reverse AIS run the same
-sweeps backwards from a data point.
-
-The BRBM base bias b_A should be the logit of the data's mean (`data_base_rates`): a base close
-to the data keeps the importance weights even. With the model's own visible bias as base, AIS
-on trained MNIST models misses log Z by several nats while reporting a small standard error.
+so f_1(v) = exp(-F(v)); the bases (bias-only model with bias b_A, or N(b, C), uniform hidden
+units) have log Z_0 = Σ_i softplus(b_A,i) + H·log 2, or (V/2)·log 2π + ½·log|C| + H·log 2.
+`transition(v, β)` is one block-Gibbs sweep, reversible for p_β(v), which lets reverse AIS run
+it backwards. A BRBM's b_A should be the logit of the data's mean (`data_base_rates`): with the
+model's own visible bias, AIS on trained MNIST models misses log Z by several nats while
+reporting a small standard error.
 """
 
 from __future__ import annotations

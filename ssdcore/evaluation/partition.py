@@ -1,26 +1,18 @@
 """Exact log partition function by enumerating the binary states of one layer.
 
-Bernoulli RBM: summing out the other layer in closed form,
-    log Z = logsumexp_h [aᵀh + Σ_i softplus(b + Wh)_i]     (or the same over v with a, b swapped),
-over the 2^n states of the smaller layer (n ≤ 28). Two things make n = 25 cheap:
-- the enumerated units are split into low and high bits, h = (l, u), so the pre-activation
-  b + W_l l + W_u u is a broadcast of two small tables, not a (2^n × n) @ (n × V) product;
-- Σ_i log(1 + e^x_i) is taken as log Π_i (1 + e^x_i): with tables of e^(b + W_l l) and e^(W_u u),
-  each visible unit costs one multiply and one add, and one log serves a whole group of units.
-  Each factor is scaled by e^-max(0, largest x_i), and the groups are sized from the range of
-  each unit's pre-activation over all states, so that no product leaves the dtype's range; a
-  unit above 40 in every state is linear (softplus(x) = x to float64 rounding) and is summed in
-  closed form. Only a unit whose pre-activation spans more than half the dtype's log-range
-  (Σ_j |W_ij| ≳ 350 in float64) falls back to one softplus per unit, about 10× slower.
-On one core of a 2-core AVX2 machine, float64, V = 100: n = 18 in 0.05 s, n = 22 in 0.6 s,
-n = 25 in 5 s (15 s for an SSD-trained model whose wide pre-activations allow only two factors
-per log; the softplus-per-unit sum took 0.5 s at n = 18); every further unit doubles the
-cost (n = 28: ~40 s). float32 arithmetic (`dtype=torch.float32`) agreed with float64 to
-2e-9–2.2e-7 of |log Z| on 100 × 18–20 models and is only ~1.3× faster: float64 is the default.
-Gaussian RBM: the visible integral is Gaussian,
-    ∫ exp(-E(v, h)) dv = (2π)^(V/2) |C|^(1/2) exp(aᵀh + bᵀC⁻¹Wh + ½ hᵀWᵀC⁻¹Wh),
-so only the hidden states are enumerated (n_hidden ≤ 28), at O(2^H · H) cost (n_hidden = 25:
-about a second).
+Bernoulli RBM: log Z = logsumexp_h [aᵀh + Σ_i softplus(b + Wh)_i] (or over v with a, b swapped),
+over the 2^n states of the smaller layer (n ≤ 28). What makes n = 25 cheap: the enumerated
+units are split into low and high bits, so the pre-activations are a broadcast of two small
+tables; and Σ_i log(1 + e^x_i) is taken as log Π_i (1 + e^x_i), one multiply and add per unit
+and one log per group of units, each factor scaled by e^-max(0, largest x_i) and the groups
+sized from each unit's pre-activation range so no product leaves the dtype's range (a unit
+above 40 in every state is linear and summed in closed form; only a unit spanning more than
+half the log-range falls back to one softplus per unit, about 10× slower). On one core, float64,
+V = 100: n = 18 in 0.05 s, n = 22 in 0.6 s, n = 25 in 5 s, each further unit doubling it.
+float32 agreed with float64 to 2e-9–2.2e-7 of |log Z| and is only ~1.3× faster.
+
+Gaussian RBM: ∫ exp(-E(v, h)) dv = (2π)^(V/2) |C|^(1/2) exp(aᵀh + bᵀC⁻¹Wh + ½ hᵀWᵀC⁻¹Wh), so
+only the hidden states are enumerated (n_hidden ≤ 28), at O(2^H · H) (n_hidden = 25: ~1 s).
 """
 
 from __future__ import annotations

@@ -1,32 +1,23 @@
 """Reverse AIS (RAISE; Burda, Grosse & Salakhutdinov 2015): a conservative log p(v) estimate.
 
-Forward AIS defines a generative model of its own: draw v_0 from the base, apply the Gibbs
-sweeps T_1 … T_K of the annealing path (`annealing.py`), output v_K. Call its distribution
-p_ann. Starting from a data point v_K = v and running the same sweeps backwards
-(v_k-1 ~ T_k(·|v_k), valid because each sweep is reversible for its p_βk) gives an unbiased
-estimate of p_ann(v):
+Forward AIS is a generative model of its own (base draw, then the sweeps T_1 … T_K of the
+annealing path, `annealing.py`) with distribution p_ann. Running the same sweeps backwards from
+a data point (each is reversible for its p_βk) gives an unbiased estimate of p_ann(v):
 
     ŵ(v) = f_1(v) / Z_0 · Π_{k=0}^{K-1} f_βk(v_k) / f_βk+1(v_k)
 
-so log mean ŵ over chains is a stochastic *lower* bound of log p_ann(v) (Jensen).
+so log mean ŵ is a stochastic *lower* bound of log p_ann(v). p_ann can fit the data better than
+the RBM when the sweeps at β = 1 mix slowly (an MNIST 784×16 Nesterov model: 0.7 nats above the
+exact log p at 1 000 temperatures). Appending S sweeps at β = 1 (in reverse: before annealing
+down, with no weight) gives p_ann,S with KL(p_ann,S ‖ p) non-increasing in S; on that model
+S = 200 took the gap to +0.03. `equilibration_sweeps` sets S (default: one per temperature).
+The estimate then errs low where AIS's errs high, and the two bracket log p(v) (`certified.py`),
+in expectation, with standard errors.
 
-That bounds the annealing model, not the RBM. p_ann can fit the data *better* than the RBM: on
-an MNIST 784×16 model trained with Nesterov, whose sweeps at β = 1 mix slowly, reverse AIS with
-1 000 temperatures landed 0.7 nats above the exact log p. The remedy follows from the sweep at
-β = 1 leaving p invariant: appending S more of them to the forward process (in reverse, S sweeps
-from the data point before annealing down, with no weight) gives an annealing model p_ann,S with
-KL(p_ann,S ‖ p) non-increasing in S, so p_ann,S → p. On that model S = 200 took the gap to
-+0.03 and S = 2 000 to -0.92 (the Jensen gap of one chain). `equilibration_sweeps` sets S; the
-default, one per temperature, doubles the cost. With it the estimate errs low where AIS's
-log-likelihood errs high, and the two bracket log p(v) (`certified.py`). Neither is a
-deterministic bound: both hold in expectation, and they come with standard errors.
-
-Cost: one chain per (test example, repeat), K sweeps each; `max_examples` evaluates a seeded
-random subset of the test rows. log p(v) = -F(v) - log Z varies by hundreds of nats between
-examples, but -F(v) is exact and cheap for every row; what reverse AIS estimates is the
-per-example offset c(v) = log p̂(v) + F(v) (an estimate of -log Z_ann), which varies little.
-So the mean over the whole test set is mean_all(-F) + mean_subset(c), and its standard error,
-std(c)/√n, covers the chains' noise and the choice of the subset.
+Cost: one chain per (test example, repeat); `max_examples` evaluates a seeded random subset.
+-F(v) is exact and cheap for every row; what reverse AIS estimates is the per-example offset
+c(v) = log p̂(v) + F(v), which varies little, so the mean is mean_all(-F) + mean_subset(c) with
+standard error std(c)/√n (the chains' noise and the choice of the subset).
 """
 
 from __future__ import annotations

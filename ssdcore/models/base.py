@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
@@ -45,20 +45,9 @@ class GibbsKernel:
 
     def of_run(self, run: int) -> GibbsKernel:
         """Run ``run``'s kernel, from a pack's kernel (tensors with a leading run axis)."""
-
-        def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor[run]
-
-        return GibbsKernel(
-            self.hidden_weight[run],
-            self.hidden_bias[run],
-            self.weight[run],
-            self.visible_bias[run],
-            self.gaussian,
-            pick(self.noise_scale),
-            pick(self.noise_transform),
-            pick(self.precision),
-        )
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        picked = {k: v[run] if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        return GibbsKernel(**picked)
 
 
 def correlate_(
