@@ -281,7 +281,7 @@ async def serve(
     service, _port = await create_server(settings)
     warning = asyncio.create_task(keep_warning(settings))  # exposure, repeated each minute
     if settings.metrics_port:
-        metrics_port = service.metrics.start_http(settings.metrics_port, settings.metrics_address)
+        metrics_port = service.metrics.http.start(settings.metrics_port, settings.metrics_address)
         logger.info(
             "Prometheus metrics on http://%s:%d/metrics", settings.metrics_address, metrics_port
         )
@@ -305,7 +305,7 @@ async def serve(
     await asyncio.gather(*stopping, return_exceptions=True)
     waiters[0].cancel()
     warning.cancel()
-    service.metrics.stop_http()
+    service.metrics.http.stop()
     if worker_failed:
         # A process without its worker would accept jobs it never runs: fail loudly instead.
         assert worker_task is not None

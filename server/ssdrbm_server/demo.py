@@ -18,27 +18,20 @@ import uuid
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.tensors import from_tensor, to_tensor
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
+from ssdrbm_server.healthcheck import check
 from ssdrbm_server.readiness import READINESS
 
 HEALTH_WAIT_S = 60.0
 
 
-def wait_until_serving(channel: grpc.Channel, timeout_s: float = HEALTH_WAIT_S) -> None:
+def wait_until_serving(target: str, timeout_s: float = HEALTH_WAIT_S) -> None:
     """Block until the server is ready (its readiness health entry answers SERVING)."""
-    stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=READINESS), timeout=2)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
+    while not check(target, service=READINESS, timeout_s=2):
         if time.monotonic() > deadline:
             raise SystemExit(f"the service did not become healthy within {timeout_s:.0f} s")
         time.sleep(0.2)
@@ -135,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="127.0.0.1:50051", help="host:port of the service")
     parser.add_argument("--steps", type=int, default=400, help="training steps")
     args = parser.parse_args(argv)
+    wait_until_serving(args.target)
     with grpc.insecure_channel(args.target) as channel:
-        wait_until_serving(channel)
         stub = rbm_pb2_grpc.RBMServiceStub(channel)
         started = time.monotonic()
         job = start_job(stub, args.steps)

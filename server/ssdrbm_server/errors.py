@@ -1,17 +1,12 @@
 """Domain errors of the service and their one mapping to gRPC statuses.
 
-Every layer (validation, store, serving, worker) raises these exceptions; only
-``ErrorMappingInterceptor`` turns them into gRPC statuses, so the mapping lives in one place.
-Redis connection failures become UNAVAILABLE and anything unexpected becomes INTERNAL with a
-generic message (the traceback goes to the log, never to the client).
-
-Each refusal also carries a ``google.rpc.Status`` in the trailing metadata
-(``grpc-status-details-bin``, the gRPC rich error model), built here by :func:`rich_status`
-from what the error knew where it was raised: an ``ErrorInfo`` on every refusal (a stable
-UPPER_SNAKE ``reason``, domain ``ssdrbm``), a ``BadRequest`` field violation for a bad field,
-a ``QuotaFailure`` for a limit, a ``RetryInfo`` where retrying later helps, a
-``PreconditionFailure`` for a state that must change first and a ``ResourceInfo`` for what was
-not found. The status code and message are the same as without the details.
+Every layer raises these; only ``ErrorMappingInterceptor`` turns them into statuses: Redis
+connection failures become UNAVAILABLE, anything unexpected INTERNAL with a generic message (the
+traceback goes to the log, never to the client). Each refusal also carries a ``google.rpc.Status``
+(``grpc-status-details-bin``, the gRPC rich error model) built by :func:`rich_status` from what
+the error knew where it was raised: an ``ErrorInfo`` (a stable UPPER_SNAKE ``reason``, domain
+``ssdrbm``) and, by kind, a BadRequest, QuotaFailure, RetryInfo, PreconditionFailure or
+ResourceInfo. The status code and message are the same as without the details.
 """
 
 from __future__ import annotations

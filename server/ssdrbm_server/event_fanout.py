@@ -1,15 +1,12 @@
 """One live follower per job: a single XREAD BLOCK loop whose events all live subscribers share.
 
-A StreamMetrics call replays a job's stream by itself, then, once it has read up to the live
-end, attaches to that job's ``JobFollower`` instead of blocking on Redis on its own. The
-follower reads each new batch once (one Redis reply, one protobuf decode) and queues it for
-every attached ``Subscription``. Queues are bounded: a subscriber that falls more than
-``buffer_events`` behind is detached and goes back to reading Redis itself from its last token,
-so one slow client can neither grow the server's memory nor hold the others back.
-
-The follower task starts with the first live subscriber of a job and ends when the last one
-leaves, when the job's stream has ended (terminal state event delivered, or the job found
-ended), on a Redis error (handed to every subscriber, which raises it), or at shutdown.
+A StreamMetrics call replays a job's stream by itself, then, caught up, attaches to the job's
+``JobFollower``, which reads each new batch once (one Redis reply, one protobuf decode) and
+queues it for every ``Subscription``. A subscriber that falls more than ``buffer_events`` behind
+is detached and reads Redis itself from its last token, so one slow client can neither grow the
+server's memory nor hold the others back. The follower runs from the first live subscriber of a
+job until the last one leaves, the job's stream ends, a Redis error (which every subscriber
+raises) or shutdown.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class ServiceMetrics:
         # Set by the servicer (it owns the queue's reads); read by the periodic refresh.
         self.queue_backlog: Callable[[], Awaitable[QueueBacklog]] | None = None
         self._queue_tenants: set[str] = set()
-        self._http = MetricsEndpoint(self.registry)
+        self.http = MetricsEndpoint(self.registry)  # /metrics, when the server serves it
         self.set_job_counts({})  # every state's series exists from the first scrape on
         self.set_queue_backlog({})
 
@@ -104,14 +104,6 @@ class ServiceMetrics:
         for tenant, (depth, wait) in named.items():
             self.queue_depth.labels(tenant=tenant).set(depth)
             self.queue_wait.labels(tenant=tenant).set(wait)
-
-    def start_http(self, port: int, address: str) -> int:
-        """Serve /metrics over HTTP in a thread; returns the bound port."""
-        return self._http.start(port, address)
-
-    def stop_http(self) -> None:
-        """Stop the /metrics HTTP server if it runs."""
-        self._http.stop()
 
     def exposition(self) -> bytes:
         """The current metrics in the Prometheus text format."""

@@ -1,21 +1,18 @@
 """Health entries a prober asks for, and the worker's heartbeat file.
 
-grpc.health.v1 entries this server registers (Kubernetes gRPC probes name them in
-``service:``; ``python -m ssdrbm_server.healthcheck --live/--ready`` asks for them):
+grpc.health.v1 entries this server registers (``python -m ssdrbm_server.healthcheck`` and
+Kubernetes gRPC probes name them):
 
-- ``""`` (the whole server) and ``liveness``: SERVING while the process runs. The health service
-  answers from the event loop, so an answer at all proves the loop is not stuck; a failing
-  liveness probe means "restart me".
-- ``readiness``: SERVING while Redis, the system of record, answers a PING and keeps what it
-  acknowledged (AOF on, no eviction: redis_checks.py) and, where this process runs a worker,
-  that worker is alive; NOT_SERVING otherwise. A failing readiness probe means "route calls
-  elsewhere", not "restart me": a restart does not bring Redis back (nor fix its settings).
+- ``""`` and ``liveness``: SERVING while the process runs; the health service answers from the
+  event loop, so an answer at all proves the loop is not stuck ("restart me" when it fails).
+- ``readiness``: SERVING while Redis answers a PING and keeps what it acknowledged
+  (redis_checks.py) and this process's worker, if any, is alive; a failing readiness probe means
+  "route calls elsewhere", not "restart me", which brings neither Redis back nor fixes it.
 - ``ssdrbm.v1.RBMService``: follows Redis alone (its calls fail UNAVAILABLE without it).
 
-A worker alone (``python -m ssdrbm_server.worker``) serves no gRPC: it touches its heartbeat file
-(``SSDRBM_WORKER_HEARTBEAT_FILE``) every heartbeat interval from its event loop, and removes it
-on stop; ``python -m ssdrbm_server.healthcheck --worker`` checks the file is younger than a
-lease length, the time after which the worker's job would be taken over anyway.
+A worker alone serves no gRPC: it touches its heartbeat file (``SSDRBM_WORKER_HEARTBEAT_FILE``)
+every heartbeat from its event loop, which ``healthcheck --worker`` checks is younger than a
+lease length, after which the worker's job would be taken over anyway.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """OpenTelemetry tracing, optional: the one module that imports opentelemetry.
 
-Without the ``tracing`` extra (opentelemetry-api and -sdk) or with ``SSDRBM_TRACING=off`` (the
-default) every function here is a cheap no-op, so the service runs the same with or without it.
-
-What is traced: StartTraining, Reconstruct and SampleHidden on the server (an incoming W3C
-``traceparent`` metadata entry makes them children of the caller's trace); the job's time in the
-queue, the worker's claim, its training attempt and each checkpoint write. A job crosses
-processes through Redis: StartTraining stores its span's ``traceparent`` in the job record and
-the worker starts its spans from it, so one trace runs from the submit to the last checkpoint.
-The training child process has no spans of its own: the worker's attempt span covers it.
+Without the ``tracing`` extra or with ``SSDRBM_TRACING=off`` (the default) every function here is
+a cheap no-op. Traced: StartTraining, Reconstruct and SampleHidden (children of an incoming W3C
+``traceparent``), the job's time in the queue, the worker's claim, its training attempt and each
+checkpoint write. StartTraining stores its span's ``traceparent`` in the job record and the
+worker starts its spans from it, so one trace runs from the submit to the last checkpoint.
 
 The tracer is this module's, not OpenTelemetry's global one: tests install an in-memory
 exporter per test (``install``), which the global provider (settable once) would not allow.
