@@ -289,12 +289,10 @@ def delete_sweep(client: ClientBase, sweep_id: str, force: bool, keep_runs: bool
 def stream_sweep(client: ClientBase, sweep_id: str, timeout: float | None) -> Steps[None]:
     """Emit the sweep on every change until it ends. Each update is whole, so a dropped
     connection is simply opened again."""
-    deadline = reconnect.deadline_after(timeout)
-    backoff = reconnect.Reconnect(client.retry, client.reconnect_s)
+    backoff = reconnect.Reconnect(client.retry, client.reconnect_s, timeout)
     request = rbm_pb2.StreamSweepRequest(sweep_id=sweep_id)
     while True:
-        timeout = reconnect.remaining(deadline)
-        call = yield from _start(client, "StreamSweep", request, timeout, Open)
+        call = yield from _start(client, "StreamSweep", request, backoff.remaining(), Open)
         try:
             while (message := (yield Next(call))) is not None:
                 backoff.reset()
@@ -319,12 +317,10 @@ def stream_metrics(
     connection is re-opened from the last event's resume token, so the events come exactly
     once and in order."""
     token = after or ""
-    deadline = reconnect.deadline_after(timeout)
-    backoff = reconnect.Reconnect(client.retry, client.reconnect_s)
+    backoff = reconnect.Reconnect(client.retry, client.reconnect_s, timeout)
     while True:
         request = rbm_pb2.StreamMetricsRequest(job_id=job_id, after=token, history_only=not follow)
-        timeout = reconnect.remaining(deadline)
-        call = yield from _start(client, "StreamMetrics", request, timeout, Open)
+        call = yield from _start(client, "StreamMetrics", request, backoff.remaining(), Open)
         received = 0
         try:
             while (message := (yield Next(call))) is not None:

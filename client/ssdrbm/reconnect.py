@@ -13,29 +13,23 @@ DEFAULT_RECONNECT_S = 60.0  # how long a metric stream keeps trying to reconnect
 STREAM_KEEPS_CLOSING = "the metric stream of job {} kept closing before the job ended"
 
 
-def deadline_after(timeout: float | None) -> float | None:
-    """A ``time.monotonic()`` deadline ``timeout`` seconds from now (None: no deadline)."""
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def remaining(deadline: float | None) -> float | None:
-    """Seconds left until a ``time.monotonic()`` deadline (None: no deadline)."""
-    if deadline is None:
-        return None
-    return max(deadline - time.monotonic(), 0.0)
-
-
 class Reconnect:
-    """Backoff between reconnection attempts of a stream, within a time budget.
+    """Backoff between reconnection attempts of a stream, within a time budget, and the whole
+    stream's deadline ``timeout`` seconds from now (None: no deadline).
 
     The budget restarts whenever an event arrives, so a long stream survives many separate
     outages but gives up on one that lasts longer than ``budget_s``.
     """
 
-    def __init__(self, policy: RetryPolicy, budget_s: float) -> None:
+    def __init__(self, policy: RetryPolicy, budget_s: float, timeout: float | None = None) -> None:
         self.policy = policy
         self.budget_s = budget_s
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.reset()
+
+    def remaining(self) -> float | None:
+        """Seconds left until the stream's deadline (None: no deadline)."""
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
     def reset(self) -> None:
         """Start a fresh budget: the stream made progress."""

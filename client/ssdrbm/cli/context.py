@@ -7,7 +7,8 @@ import contextlib
 import os
 import sys
 import time
-from typing import TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import grpc
 
@@ -34,6 +35,35 @@ _CONNECTION_OPTIONS: list[tuple[str, str, dict]] = [
     ("wait", "--wait", {"type": float, "metavar": "S", "help": "wait S s for the service [0]"}),
     ("debug", "--debug", {"action": "store_true", "help": "show tracebacks"}),
 ]
+
+
+Argument = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def argument(*flags: str, **keywords: Any) -> Argument:
+    """One argument of :func:`add_command`, as ``add_argument`` takes it."""
+    return flags, keywords
+
+
+def json_flag(help: str) -> Argument:
+    """``--json``: the result printed as JSON (``help`` says how)."""
+    return argument("--json", action="store_true", help=help)
+
+
+def add_command(
+    commands: argparse._SubParsersAction,
+    parents: list,
+    name: str,
+    help: str,
+    run: Callable[[argparse.Namespace], int],
+    *arguments: Argument,
+) -> argparse.ArgumentParser:
+    """Add command ``name``, which ``run`` runs, with ``arguments`` in their order."""
+    parser = commands.add_parser(name, parents=parents, help=help)
+    for flags, keywords in arguments:
+        parser.add_argument(*flags, **keywords)
+    parser.set_defaults(run=run)
+    return parser
 
 
 def add_connection_options(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ssdrbm.cli.context import client_from_args
+from ssdrbm.cli.context import add_command, argument, client_from_args, json_flag
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.output import format_time, print_json, print_listing, print_result
 from ssdrbm.cli.tables import render_table
@@ -21,23 +21,20 @@ T = TypeVar("T")
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
     """Add the data commands to the ``ssdrbm`` parser."""
-    upload = commands.add_parser(
-        "upload", parents=parents, help="upload a .npy array and print its dataset id"
-    )
+    add = functools.partial(add_command, commands, parents)
+    upload = add("upload", "upload a .npy array and print its dataset id", run_upload)
     upload.add_argument("file", metavar="FILE", help=".npy of shape (N, features) or (N, H, W)")
     upload.add_argument("--name", default="", help="label stored with the dataset")
     upload.add_argument("--json", action="store_true", help="print id, shape and size as JSON")
-    upload.set_defaults(run=run_upload)
-    listing = commands.add_parser("datasets", parents=parents, help="list your uploaded datasets")
-    listing.add_argument("--json", action="store_true", help="print them as a JSON list")
-    listing.set_defaults(run=run_datasets)
-    delete = commands.add_parser(
-        "delete-dataset",
-        parents=parents,
-        help="delete an uploaded dataset (refused while a queued or running job uses it)",
+    add(
+        "datasets",
+        "list your uploaded datasets",
+        run_datasets,
+        json_flag("print them as a JSON list"),
     )
-    delete.add_argument("dataset", metavar="ID", help="dataset id from 'ssdrbm upload'")
-    delete.set_defaults(run=run_delete_dataset)
+    delete_help = "delete an uploaded dataset (refused while a queued or running job uses it)"
+    dataset = argument("dataset", metavar="ID", help="dataset id from 'ssdrbm upload'")
+    add("delete-dataset", delete_help, run_delete_dataset, dataset)
 
 
 def run_upload(args: argparse.Namespace) -> ExitCode:

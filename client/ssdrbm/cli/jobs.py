@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import itertools
 from typing import Any
 
 from ssdrbm import spec
-from ssdrbm.cli.context import client_from_args
+from ssdrbm.cli.context import add_command, argument, client_from_args, json_flag
 from ssdrbm.cli.data import submit_and_follow
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
@@ -32,11 +33,14 @@ FINAL_EXIT_CODES = {
 JOB_HELP = "a job id, or the name of one of your jobs"
 
 
+JOB = argument("job", metavar="JOB", help=JOB_HELP)
+JSON_JOB = json_flag("print the job as JSON")
+
+
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
     """Add the job commands to the ``ssdrbm`` parser."""
-    train = commands.add_parser(
-        "train", parents=parents, help="submit a training job and print its id"
-    )
+    add = functools.partial(add_command, commands, parents)
+    train = add("train", "submit a training job and print its id", run_train)
     _add_training_options(train)
     train.add_argument("--watch", action="store_true", help="follow the job until it ends")
     train.add_argument(
@@ -45,42 +49,19 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
         help="resolve and check the job on the server and show it, without creating it",
     )
     train.add_argument("--json", action="store_true", help="print the job as JSON")
-    train.set_defaults(run=run_train)
-
-    defaults = commands.add_parser(
-        "defaults", parents=parents, help="show the server's defaults for unset training options"
-    )
-    defaults.add_argument("--json", action="store_true", help="print them as JSON")
-    defaults.set_defaults(run=run_defaults)
-
-    watch = commands.add_parser("watch", parents=parents, help="follow a job's progress live")
-    watch.add_argument("job", metavar="JOB", help=JOB_HELP)
+    defaults_help = "show the server's defaults for unset training options"
+    add("defaults", defaults_help, run_defaults, json_flag("print them as JSON"))
+    watch = add("watch", "follow a job's progress live", run_watch, JOB)
     watch.add_argument("--after", metavar="TOKEN", help="start after this resume token")
     watch.add_argument("--json", action="store_true", help="print events as JSON lines")
-    watch.set_defaults(run=run_watch)
-
-    jobs = commands.add_parser("jobs", parents=parents, help="list jobs, newest first")
+    jobs = add("jobs", "list jobs, newest first", run_jobs)
     jobs.add_argument("--state", choices=[s.value for s in JobState if s.value != "unspecified"])
     add_limit_option(jobs)
     jobs.add_argument("--json", action="store_true", help="print a JSON list")
-    jobs.set_defaults(run=run_jobs)
-
-    get = commands.add_parser("get", parents=parents, help="show one job")
-    get.add_argument("job", metavar="JOB", help=JOB_HELP)
-    get.add_argument("--json", action="store_true", help="print the job as JSON")
-    get.set_defaults(run=run_get)
-
-    cancel = commands.add_parser("cancel", parents=parents, help="stop a job")
-    cancel.add_argument("job", metavar="JOB", help=JOB_HELP)
-    cancel.add_argument("--json", action="store_true", help="print the job as JSON")
-    cancel.set_defaults(run=run_cancel)
-
-    delete = commands.add_parser(
-        "delete", parents=parents, help="delete a finished job, its metrics and checkpoints"
-    )
-    delete.add_argument("job", metavar="JOB", help=JOB_HELP)
-    delete.add_argument("--force", action="store_true", help="cancel a queued or running job first")
-    delete.set_defaults(run=run_delete)
+    add("get", "show one job", run_get, JOB, JSON_JOB)
+    add("cancel", "stop a job", run_cancel, JOB, JSON_JOB)
+    force = argument("--force", action="store_true", help="cancel a queued or running job first")
+    add("delete", "delete a finished job, its metrics and checkpoints", run_delete, JOB, force)
 
 
 TRAINING_EPILOG = (

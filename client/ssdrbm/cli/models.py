@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,10 +11,10 @@ from typing import Any
 import numpy as np
 
 from ssdrbm.cli import sweeps
-from ssdrbm.cli.context import client_from_args
+from ssdrbm.cli.context import add_command, client_from_args
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
-from ssdrbm.cli.jobs import JOB_HELP
+from ssdrbm.cli.jobs import JOB, JOB_HELP
 from ssdrbm.cli.names import job_id
 from ssdrbm.cli.output import print_json, print_result
 from ssdrbm.client import Client
@@ -23,27 +24,18 @@ from ssdrbm.export import FORMATS
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
     """Add the model commands to the ``ssdrbm`` parser."""
-    reconstruct = commands.add_parser(
-        "reconstruct", parents=parents, help="reconstruct inputs through a trained model"
-    )
+    add = functools.partial(add_command, commands, parents)
+    reconstruct = add("reconstruct", "reconstruct inputs through a trained model", run_reconstruct)
     _add_io(reconstruct, "reconstructions")
     reconstruct.add_argument("-k", type=int, default=1, help="Gibbs steps")
     reconstruct.add_argument("--mean-field", action="store_true", help="means, not samples")
-    reconstruct.set_defaults(run=run_reconstruct)
 
-    features = commands.add_parser(
-        "features", parents=parents, help="hidden-unit features of inputs"
-    )
+    features = add("features", "hidden-unit features of inputs", run_features)
     _add_io(features, "features (N, n_hidden)")
     features.add_argument("--sample", action="store_true", help="0/1 samples, not probabilities")
-    features.set_defaults(run=run_features)
 
-    export = commands.add_parser(
-        "export",
-        parents=parents,
-        help="write model.safetensors and config.json, an ONNX file or a Triton model folder",
-    )
-    export.add_argument("job", metavar="JOB", help=JOB_HELP)
+    export_help = "write model.safetensors and config.json, an ONNX file or a Triton model folder"
+    export = add("export", export_help, run_export, JOB)
     export.add_argument(
         "--output", "-o", required=True, metavar="PATH", help="a folder; a file for --format onnx"
     )
@@ -56,17 +48,14 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     export.add_argument("--model-name", help="the Triton model name (default: the job id)")
     export.add_argument("--checkpoint-step", type=int, default=0, help="0 = latest")
     export.add_argument("--json", action="store_true", help="print the written paths as JSON")
-    export.set_defaults(run=run_export)
 
-    plot = commands.add_parser(
-        "plot", parents=parents, help="PNG figures of a job and its model, or of a sweep's runs"
-    )
+    plot_help = "PNG figures of a job and its model, or of a sweep's runs"
+    plot = add("plot", plot_help, run_plot)
     plot.add_argument("job", metavar="JOB|SWEEP", help=f"{JOB_HELP}, or a sweep id")
     plot.add_argument("--output", "-o", required=True, metavar="DIR")
     plot.add_argument("--input", "-i", metavar="X.npy", help="inputs shown beside reconstructions")
     plot.add_argument("--image-shape", metavar="HxW", help="e.g. 28x28 (guessed when missing)")
     plot.add_argument("--json", action="store_true", help="print the written files as JSON")
-    plot.set_defaults(run=run_plot)
 
 
 def _add_io(parser: argparse.ArgumentParser, what: str) -> None:

@@ -145,6 +145,16 @@ def _plot_variances(
     return _save_figure(plt, figure, path)
 
 
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only (the Agg backend: never needs a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def require_matplotlib() -> None:
     """MissingExtra naming the [plot] extra when matplotlib cannot be imported."""
     try:
@@ -165,11 +175,7 @@ def write_figures(
     image_shape: tuple[int, int] | None = None,
 ) -> list[Path]:
     """Write every figure that applies to ``directory``; returns the PNG paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     directory.mkdir(parents=True, exist_ok=True)
     weights = model.weights.astype(np.float64)
     n_visible = weights.shape[0]
@@ -226,12 +232,7 @@ def sweep_figure(curves: Sequence[SweepCurve], metric: str) -> Any:
     """The sweep's figure: the metric over steps, one curve per run in its own colour, the best
     run on top in a thick black line, and the legend outside the axes (right) so that it
     covers no curve."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, axis = _pyplot().subplots(figsize=(7, 4.5))
     others = [curve for curve in curves if not curve.best]
     best = [curve for curve in curves if curve.best]
     for curve, colour in zip(others, run_colours(len(others)), strict=True):
@@ -255,11 +256,9 @@ def sweep_figure(curves: Sequence[SweepCurve], metric: str) -> Any:
 
 def write_sweep_figure(directory: Path, curves: Sequence[SweepCurve], metric: str) -> Path:
     """``sweep.png`` (:func:`sweep_figure`); returns its path."""
-    figure = sweep_figure(curves, metric)  # selects the Agg backend before pyplot is used
-    import matplotlib.pyplot as plt
-
+    figure = sweep_figure(curves, metric)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "sweep.png"
     figure.savefig(path, dpi=100, bbox_inches="tight")  # widened to hold the legend
-    plt.close(figure)
+    _pyplot().close(figure)
     return path

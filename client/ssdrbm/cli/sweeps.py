@@ -10,13 +10,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
 from typing import Any
 
 from ssdrbm import spec
-from ssdrbm.cli.context import client_from_args
+from ssdrbm.cli.context import add_command, argument, client_from_args, json_flag
 from ssdrbm.cli.data import submit_and_follow
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import UsageError
@@ -54,13 +55,15 @@ FINAL_EXIT_CODES = {
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
+SWEEP = argument("sweep", metavar="SWEEP")
+JSON_SWEEP = json_flag("print the sweep as JSON")
+
+
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
     """Add the sweep commands to the ``ssdrbm`` parser."""
-    sweep = commands.add_parser(
-        "sweep",
-        parents=parents,
-        help="start many training jobs over a grid or random points, ranked live",
-    )
+    add = functools.partial(add_command, commands, parents)
+    sweep_help = "start many training jobs over a grid or random points, ranked live"
+    sweep = add("sweep", sweep_help, run_sweep)
     _add_training_options(sweep)
     for action in sweep._actions:  # the sweepable options take comma lists here
         if action.dest in SWEEPABLE:
@@ -90,35 +93,20 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     sweep.add_argument("--watch", action="store_true", help="show the leaderboard until it ends")
     sweep.add_argument("--dry-run", action="store_true", help="check every point, create nothing")
     sweep.add_argument("--json", action="store_true", help="print the sweep as JSON")
-    sweep.set_defaults(run=run_sweep)
-
-    listing = commands.add_parser("sweeps", parents=parents, help="list sweeps, newest first")
+    listing = add("sweeps", "list sweeps, newest first", run_sweeps)
     add_limit_option(listing)
     listing.add_argument("--json", action="store_true", help="print a JSON list")
-    listing.set_defaults(run=run_sweeps)
-
-    show = commands.add_parser("sweep-show", parents=parents, help="show a sweep's leaderboard")
-    show.add_argument("sweep", metavar="SWEEP")
-    show.add_argument("--watch", action="store_true", help="follow it until it ends")
-    show.add_argument("--json", action="store_true", help="print it as JSON")
-    show.set_defaults(run=run_sweep_show)
-
-    cancel = commands.add_parser("sweep-cancel", parents=parents, help="cancel a sweep's runs")
-    cancel.add_argument("sweep", metavar="SWEEP")
-    cancel.add_argument("--json", action="store_true", help="print the sweep as JSON")
-    cancel.set_defaults(run=run_sweep_cancel)
-
-    delete = commands.add_parser(
-        "sweep-delete", parents=parents, help="delete a sweep and its runs' jobs"
-    )
-    delete.add_argument("sweep", metavar="SWEEP")
+    watch = argument("--watch", action="store_true", help="follow it until it ends")
+    show_help = "show a sweep's leaderboard"
+    add("sweep-show", show_help, run_sweep_show, SWEEP, watch, json_flag("print it as JSON"))
+    add("sweep-cancel", "cancel a sweep's runs", run_sweep_cancel, SWEEP, JSON_SWEEP)
+    delete = add("sweep-delete", "delete a sweep and its runs' jobs", run_sweep_delete, SWEEP)
     delete.add_argument(
         "--force", action="store_true", help="cancel queued or running runs first, then delete"
     )
     delete.add_argument(
         "--keep-runs", action="store_true", help="delete only the sweep; keep its jobs"
     )
-    delete.set_defaults(run=run_sweep_delete)
 
 
 def _parse_values(flag: str, text: str, kind: type, random: bool) -> list[Any] | Range:
