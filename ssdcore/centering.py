@@ -119,7 +119,10 @@ class Centering:
         optimizer.step()
         model.b.addmv_(weight, self.hidden, alpha=-1)
         model.a.addmv_(weight.t(), self.visible, alpha=-1)
-        self._slide_offsets(stats)
+        factor = self.config.sliding_factor  # the offsets slide towards the batch's means
+        if factor != 0:
+            self.visible.lerp_(self._batch_visible, factor)
+            self.hidden.lerp_(stats.hidden_data.mean(dim=0), factor)
 
     def _center_gradients(self, stats: CDStats) -> None:
         model = self.model
@@ -148,13 +151,6 @@ class Centering:
         if weights is None:
             weights = self._row_weights[key] = row_weights(n_data, n_model, like.device, like.dtype)
         return weights
-
-    def _slide_offsets(self, stats: CDStats) -> None:
-        factor = self.config.sliding_factor
-        if factor == 0:
-            return
-        self.visible.lerp_(self._batch_visible, factor)
-        self.hidden.lerp_(stats.hidden_data.mean(dim=0), factor)
 
     # --- state -------------------------------------------------------------------------------
 

@@ -336,11 +336,7 @@ def variance_gradient(
 
 def unit_sums(grad: Tensor) -> Tensor:
     """The isotropic log_c gradient: the diagonal gradient summed over units, (1,)."""
-    return per_matrix(_unit_sum, grad, rank=1)
-
-
-def _unit_sum(grad: Tensor) -> Tensor:
-    return grad.sum().reshape(1)
+    return per_matrix(lambda run_grad: run_grad.sum().reshape(1), grad, rank=1)
 
 
 def _grad_buffer(parameter: torch.Tensor) -> torch.Tensor:

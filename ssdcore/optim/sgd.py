@@ -94,18 +94,6 @@ def momentum_step_(
         add_scaled_(param, buffer, neg_lr)
 
 
-def finish_update_(param: Tensor, group: dict[str, Any]) -> None:
-    """Apply the group's ‖W‖₂ ≤ R projection to matrices after their step."""
-    if group["max_spectral_norm"] is not None and param.ndim == 2:
-        project_spectral_norm_(param, group["max_spectral_norm"])
-
-
-def decay_(param: Tensor, group: dict[str, Any]) -> None:
-    """Decoupled weight decay ``p *= 1 - lr * wd``, kept out of the gradient (stays low-rank)."""
-    if group["weight_decay"] != 0:
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-
-
 class OptimizerBase(Optimizer):
     """What every optimizer here shares: the defaults and every parameter group (those added
     later included) pass :meth:`check_group`, and a step runs the closure, then for each
@@ -137,9 +125,12 @@ class OptimizerBase(Optimizer):
                 if gradient is None:
                     continue
                 check_parameter(param)
-                decay_(param, group)
+                # Decoupled weight decay, kept out of the gradient (which stays low-rank).
+                if group["weight_decay"] != 0:
+                    param.mul_(1 - group["lr"] * group["weight_decay"])
                 self.update_(param, gradient, group)
-                finish_update_(param, group)
+                if group["max_spectral_norm"] is not None and param.ndim == 2:
+                    project_spectral_norm_(param, group["max_spectral_norm"])
         return loss
 
     def take_gradient(self, param: Tensor) -> Any:

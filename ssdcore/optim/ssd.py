@@ -190,7 +190,9 @@ class SSD(OptimizerBase):
     ) -> None:
         """S∞ step for a matrix, fusing the low-rank product into the update when possible."""
         lr, method, rule = group["lr"], group["method"], group["step_rule"]
-        if method == "newton-schulz" and factors is not None and _only_factors(param, factors):
+        # Thin factors and no dense gradient to check them against (a host sync): factor space.
+        thin = factors is not None and param.grad is None and factors_pay_off(param, factors)
+        if method == "newton-schulz" and thin:
             polar = polar_newton_schulz_factors(*factors)
             apply_factored_(param, _with_rule(polar, rule, None, factors), lr)
             return
@@ -342,12 +344,6 @@ def factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
     needs_dense_gradient.)
     """
     return factors[0].shape[1] < min(param.shape)
-
-
-def _only_factors(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
-    """Whether thin factors are all there is: no dense gradient to check them against (which
-    would need a host sync), and factor space is smaller than the matrix."""
-    return param.grad is None and factors_pay_off(param, factors)
 
 
 def _with_rule(

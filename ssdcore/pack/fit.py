@@ -110,10 +110,8 @@ def fit_pack(
             return [p.history for p in progress]
         # Step until the first running run reaches its next evaluation (runs rolled back by a
         # backoff are behind the others, so their evaluations fall between theirs).
-        chunk = min(
-            _next_evaluation(pack.step_counts[r], every, steps) - pack.step_counts[r]
-            for r in running
-        )
+        counts = [pack.step_counts[r] for r in running]  # each to its next multiple or the end
+        chunk = min(min(steps, (step // every + 1) * every) - step for step in counts)
         diverged = {event.run: event for event in pack.train_steps(chunk)}
         for run in running:
             step = pack.step_counts[run]
@@ -121,11 +119,6 @@ def fit_pack(
                 _handle_blowup(pack, run, progress[run], divergence_blowup(diverged[run]))
             elif step % every == 0 or step >= steps:
                 _evaluate(pack, run, progress[run], steps)
-
-
-def _next_evaluation(step: int, every: int, steps: int) -> int:
-    """The step of the evaluation after ``step``: the next multiple of ``every``, or the end."""
-    return min(steps, (step // every + 1) * every)
 
 
 def _evaluate(pack: TrainingPack, run: int, progress: _RunProgress, steps: int) -> None:
