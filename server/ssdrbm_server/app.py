@@ -65,22 +65,14 @@ class Service:
         check_exposure(settings)  # loopback unless auth (or an explicit setting) says otherwise
         self.settings = settings
         self._owns_redis = redis is None
-        self.redis = (
-            redis
-            if redis is not None
-            else connect(
-                settings.redis_url,
-                cluster=settings.redis_cluster,
-                max_connections=settings.redis_connections,
-            )
-        )
+        url, cluster = settings.redis_url, settings.redis_cluster
+        if redis is None:
+            redis = connect(url, cluster=cluster, max_connections=settings.redis_connections)
+        self.redis = redis
         # Live StreamMetrics reads (XREAD BLOCK) wait on their own pool: one connection per
         # allowed stream (+1 for the job's shared follower), never one of the ordinary calls'.
-        self.blocking_redis = connect(
-            settings.redis_url,
-            cluster=settings.redis_cluster,
-            max_connections=settings.max_streams + 1,
-        )
+        streams = settings.max_streams + 1
+        self.blocking_redis = connect(url, cluster=cluster, max_connections=streams)
         self.keys = Keys(settings.redis_prefix)
         self.stores = Stores(
             jobs=JobStore(self.redis, keys=self.keys, retention=Retention.from_settings(settings)),

@@ -1,10 +1,6 @@
-"""Helpers for server interceptors that wrap an RPC handler's behaviour.
-
-grpc.aio interceptors receive a method handler; to run code around the call (error mapping,
-authentication, latency metrics) they build a new handler whose behaviour wraps the original.
-Unary-response behaviours are coroutines; streaming-response behaviours are async generators
-or coroutines that call ``context.write`` (the health service's Watch does). These helpers keep
-that plumbing in one place.
+"""Helpers for server interceptors that wrap an RPC handler's behaviour (error mapping,
+authentication, latency metrics). Unary-response behaviours are coroutines; streaming-response
+ones are async generators or coroutines that call ``context.write`` (as health's Watch does).
 """
 
 from __future__ import annotations

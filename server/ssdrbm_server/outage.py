@@ -1,11 +1,9 @@
 """A Redis outage in a process's log: one WARNING when it starts, a reminder every
 `REMIND_S` while it lasts, one INFO when Redis answers again.
 
-Every part of a process notices an outage on its own: each refused request, the readiness
-probe every second, the worker's poll every second, a job's fenced writes every half second,
-the sweepers every few seconds. Each logging what it saw wrote several lines a second for as
-long as Redis was down, and an operator had to read past them to find the one that mattered.
-Now they all report to the process's one `REDIS_OUTAGE`, which speaks for them.
+Every part of a process notices an outage on its own (each refused request, the readiness probe,
+the worker's poll, a job's fenced writes, the sweepers); each logging what it saw wrote several
+lines a second while Redis was down. They all report to the process's one `REDIS_OUTAGE` instead.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """A local redis-server child process with the settings the service requires.
 
-The demo (``ssdrbm_server.demo_stack``), the benchmarks and the tests start Redis through
-``RedisServer``. By default it keeps an append-only file fsynced every second, never evicts
-(ssdrbm_server/redis_checks.py refuses a Redis that would lose acknowledged work), takes no RDB
-snapshots and listens on 127.0.0.1 only, on a free port unless given one. ``start()`` returns
-once the server answers (this very process, not another one holding the port); ``stop()`` sends
-SIGTERM (Redis writes out its AOF and exits), then SIGKILL past a timeout. The port and
-directory stay the same across ``stop()`` and ``start()``, so a server with AOF comes back with
-its data.
+The demo, the benchmarks and the tests start Redis through ``RedisServer``: by default an
+append-only file fsynced every second, no eviction (redis_checks.py), no RDB snapshots, on
+127.0.0.1 only. The port and directory stay the same across ``stop()`` and ``start()``, so a
+server with AOF comes back with its data.
 """
 
 from __future__ import annotations

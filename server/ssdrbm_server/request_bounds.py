@@ -1,21 +1,15 @@
 """Bound before you expand: what a request will cost, from its own numbers, checked before
-anything is allocated or iterated.
+anything is allocated or iterated (the one owner of the rule).
 
-The one owner of the rule. A request's numbers become what it would cost by arithmetic alone:
-a sweep's points (the product of its axes' lengths and its seeds, or its samples), the length
-of each repeated field and map, counts such as cd_k, AIS chains and betas or n_hidden, and,
-with the dataset's width, a job's model bytes, checkpoint bytes and FLOPs per step and per
-evaluation. Each is compared with its limit before the request is walked, so a refused request
-costs nothing but reading those numbers, whatever they say. Every refusal names the field:
-
-- a limit of the API itself, the same on every server (``MAX_CD_K``, ``MAX_AXES``, ...), is
-  INVALID_ARGUMENT: ``<field>: must be at most <limit>, got <value>``;
-- a limit this server sets (a ``Settings`` field) is RESOURCE_EXHAUSTED:
-  ``<field>: <value> is over this server's limit of <limit> (SSDRBM_<SETTING>); <fix>``.
-
-The resolver (StartTraining and every sweep point) and the sweep planner ask here. Serving
-inputs are bounded by ``tensors.check_batch_shape`` (elements) and ``serving.ModelServer``
-(output elements, Gibbs steps), both before computing.
+A sweep's points, the length of each repeated field and map, counts such as cd_k or AIS chains
+and, with the dataset's width, a job's model bytes, checkpoint bytes and FLOPs per step and per
+evaluation are computed by arithmetic alone and compared with their limits before the request is
+walked, so a refused request costs nothing but reading those numbers. Every refusal names the
+field: a limit of the API itself (``MAX_CD_K``, ``MAX_AXES``, ...) is INVALID_ARGUMENT
+(``<field>: must be at most <limit>, got <value>``), a limit this server sets (a ``Settings``
+field) is RESOURCE_EXHAUSTED (``<field>: <value> is over this server's limit of <limit>
+(SSDRBM_<SETTING>); <fix>``). Serving inputs are bounded by ``tensors.check_batch_shape`` and
+``serving.ModelServer``, both before computing.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from ssdrbm_server.tensors import array_to_tensor, tensor_to_array
 logger = logging.getLogger(__name__)
 
 pb = rbm_pb2
+Context = grpc.aio.ServicerContext
 
 REPLAY_BATCH = 256
 EXPORT_CHUNK_BYTES = 1 << 20
@@ -131,7 +132,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
 
     @tracing.traced_rpc("StartTraining")
     async def StartTraining(
-        self, request: pb.StartTrainingRequest, context: grpc.aio.ServicerContext
+        self, request: pb.StartTrainingRequest, context: Context
     ) -> pb.StartTrainingResponse:
         tenant = current_tenant()
         job = await resolver.resolve(
@@ -169,23 +170,21 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         return pb.StartTrainingResponse(job=convert.job_to_proto(record), created=created)
 
     async def GetTrainingDefaults(
-        self, request: pb.GetTrainingDefaultsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetTrainingDefaultsRequest, context: Context
     ) -> pb.TrainingDefaults:
         return await resolver.training_defaults(self.settings)
 
     async def GetServerInfo(
-        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetServerInfoRequest, context: Context
     ) -> pb.ServerInfo:
         return server_info()
 
-    async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
+    async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.Job:
         record = await self._job(request.job_id)
         places = await self.queue_places(record.tenant, [record])
         return convert.job_to_proto(record, places.get(record.id))
 
-    async def ListJobs(
-        self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListJobsResponse:
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
         paging = _paging(request)
         enum_value(pb.JobState, request.state, "state")
         records, next_token = await self.stores.jobs.list(
@@ -212,16 +211,14 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             )
         )
 
-    async def CancelJob(
-        self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext
-    ) -> pb.Job:
+    async def CancelJob(self, request: pb.CancelJobRequest, context: Context) -> pb.Job:
         _check_id(request.job_id, "job_id")
         record = await self.stores.jobs.cancel(current_tenant(), request.job_id)
         logger.info("cancel requested for job %s (now %s)", record.id, record.state.value)
         return convert.job_to_proto(record)
 
     async def DeleteJob(
-        self, request: pb.DeleteJobRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteJobRequest, context: Context
     ) -> pb.DeleteJobResponse:
         _check_id(request.job_id, "job_id")
         tenant = current_tenant()
@@ -233,7 +230,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     # --- metrics ----------------------------------------------------------------------------
 
     async def StreamMetrics(
-        self, request: pb.StreamMetricsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.StreamMetricsRequest, context: Context
     ) -> AsyncIterator[pb.MetricEvent]:
         job = await self._job(request.job_id)
         async with self.metric_events(job, request.after, request.history_only) as events:
@@ -336,7 +333,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
 
     @tracing.traced_rpc("Reconstruct")
     async def Reconstruct(
-        self, request: pb.ReconstructRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ReconstructRequest, context: Context
     ) -> pb.ReconstructResponse:
         job = await self._serving_job(request.job_id)
         v = self._input(request.input)
@@ -353,7 +350,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
 
     @tracing.traced_rpc("SampleHidden")
     async def SampleHidden(
-        self, request: pb.SampleHiddenRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SampleHiddenRequest, context: Context
     ) -> pb.SampleHiddenResponse:
         job = await self._serving_job(request.job_id)
         mode = enum_value(pb.HiddenMode, request.mode, "mode")
@@ -384,7 +381,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def UploadDataset(
         self,
         request_iterator: AsyncIterator[pb.UploadDatasetRequest],
-        context: grpc.aio.ServicerContext,
+        context: Context,
     ) -> pb.UploadDatasetResponse:
         tenant = current_tenant()
         with self.uploads.hold(tenant):
@@ -434,7 +431,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             raise
 
     async def ListDatasets(
-        self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListDatasetsRequest, context: Context
     ) -> pb.ListDatasetsResponse:
         page, next_token = await self.stores.datasets.list(current_tenant(), **_paging(request))
         return pb.ListDatasetsResponse(
@@ -442,7 +439,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         )
 
     async def DeleteDataset(
-        self, request: pb.DeleteDatasetRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteDatasetRequest, context: Context
     ) -> pb.DeleteDatasetResponse:
         _check_id(request.dataset_id, "dataset_id")
         tenant = current_tenant()
@@ -472,7 +469,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         return size
 
     async def ExportModel(
-        self, request: pb.ExportModelRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ExportModelRequest, context: Context
     ) -> AsyncIterator[pb.ExportModelResponse]:
         job = await self._job(request.job_id)
         checkpoints = self.stores.checkpoints
@@ -502,32 +499,26 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
 
     # --- sweeps (ssdrbm_server/sweeps/) -----------------------------------------------------
 
-    async def StartSweep(
-        self, request: pb.StartSweepRequest, context: grpc.aio.ServicerContext
-    ) -> pb.Sweep:
+    async def StartSweep(self, request: pb.StartSweepRequest, context: Context) -> pb.Sweep:
         tenant = current_tenant()
         find_upload = functools.partial(self.stores.datasets.info, tenant)
         return await self.sweeps.start(request, tenant, find_upload)
 
-    async def GetSweep(
-        self, request: pb.GetSweepRequest, context: grpc.aio.ServicerContext
-    ) -> pb.Sweep:
+    async def GetSweep(self, request: pb.GetSweepRequest, context: Context) -> pb.Sweep:
         _check_id(request.sweep_id, "sweep_id")
         return await self.sweeps.get(current_tenant(), request.sweep_id)
 
     async def ListSweeps(
-        self, request: pb.ListSweepsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListSweepsRequest, context: Context
     ) -> pb.ListSweepsResponse:
         return await self.sweeps.list(current_tenant(), **_paging(request))
 
-    async def CancelSweep(
-        self, request: pb.CancelSweepRequest, context: grpc.aio.ServicerContext
-    ) -> pb.Sweep:
+    async def CancelSweep(self, request: pb.CancelSweepRequest, context: Context) -> pb.Sweep:
         _check_id(request.sweep_id, "sweep_id")
         return await self.sweeps.cancel(current_tenant(), request.sweep_id)
 
     async def StreamSweep(
-        self, request: pb.StreamSweepRequest, context: grpc.aio.ServicerContext
+        self, request: pb.StreamSweepRequest, context: Context
     ) -> AsyncIterator[pb.SweepUpdate]:
         _check_id(request.sweep_id, "sweep_id")
         tenant = current_tenant()
@@ -538,7 +529,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                     yield update
 
     async def DeleteSweep(
-        self, request: pb.DeleteSweepRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteSweepRequest, context: Context
     ) -> pb.DeleteSweepResponse:
         _check_id(request.sweep_id, "sweep_id")
         tenant = current_tenant()
@@ -566,7 +557,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         return await cancellable(self.stores.jobs.get(tenant, job_id))
 
 
-def _caller(context: grpc.aio.ServicerContext) -> Caller:
+def _caller(context: Context) -> Caller:
     """The tenant and the time left before the client stops waiting (None: no deadline)."""
     return Caller(tenant=current_tenant(), time_remaining=context.time_remaining())
 

@@ -1,15 +1,9 @@
 """The REST/JSON form of the Open Inference Protocol, served by the HTTP front (http_front.py).
 
-The routes call the same ``InferenceEngine`` as the gRPC form: same model names, serving path,
-budgets and tenancy. Each passes the front's ``RequestGate`` first: the bearer token the gRPC API
-takes (``Authorization: Bearer <token>``, resolved by the same ``AuthInterceptor``), a request
-slot, and a body within the size limit; the JSON is parsed, checked and turned into the model's
-input off the event loop, as is the answer's JSON.
-
-Routes: ``GET /v2``, ``GET /v2/models/{name}[/versions/{v}]``,
-``GET /v2/models/{name}[/versions/{v}]/ready``, ``POST /v2/models/{name}[/versions/{v}]/infer``
-(health, ``/v2/health/live`` and ``/v2/health/ready``, is the front's own). Errors are
-``{"error": message}`` with the HTTP status of their gRPC code.
+The routes (``/v2``, ``/v2/models/{name}[/versions/{v}]`` and its ``/ready`` and ``/infer``) call
+the same ``InferenceEngine`` as the gRPC form, each behind the front's ``RequestGate`` (the gRPC
+API's bearer tokens, a request slot, a bounded body); the JSON is parsed, checked and turned into
+the model's input off the event loop, as is the answer's JSON.
 """
 
 from __future__ import annotations
