@@ -8,31 +8,53 @@ async with AsyncClient("localhost:50051") as client:
         ...
     features = await client.sample_hidden(job.id, x)
 
-Each method runs its call's steps (``calls.py``, shared with the blocking client) on a
-``grpc.aio`` channel.
+Each method is the blocking client's, run on a ``grpc.aio`` channel: a method of either client
+only runs its call's steps (``calls.py``) through ``self._run`` or ``self._iterate``, which here
+await the steps' effects, so the method's result is awaited (or iterated with ``async for``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
-from typing import Any, TypeVar
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
-import numpy as np
 
 from ssdrbm import calls
-from ssdrbm.calls import DEFAULT_PAGE_SIZE
 from ssdrbm.client import Client
-from ssdrbm.datasets import DEFAULT_CHUNK_BYTES, Dataset, UploadedDataset
-from ssdrbm.events import Job, JobState, MetricEvent
-from ssdrbm.model_file import ExportedModel
-from ssdrbm.server_info import ServerInfo
-from ssdrbm.spec import TrainingDefaults
-from ssdrbm.sweeps import Sweep
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _awaited(
+    method: Callable[Concatenate[Client, P], T],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """The blocking client's ``method``, awaited on the asyncio client."""
+
+    @functools.wraps(method)
+    async def awaited(self: AsyncClient, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await method(self, *args, **kwargs)  # type: ignore[arg-type, misc]
+
+    return awaited
+
+
+def _iterated(
+    method: Callable[Concatenate[Client, P], Iterator[T]],
+) -> Callable[Concatenate[AsyncClient, P], AsyncIterator[T]]:
+    """The blocking client's iterating ``method``, an async iterator on the asyncio client."""
+
+    @functools.wraps(method)
+    def iterated(self: AsyncClient, *args: P.args, **kwargs: P.kwargs) -> AsyncIterator[T]:
+        return method(self, *args, **kwargs)  # type: ignore[arg-type, return-value]
+
+    signature = inspect.signature(method)
+    returns = f"Async{signature.return_annotation}"
+    iterated.__signature__ = signature.replace(return_annotation=returns)  # type: ignore[attr-defined]
+    return iterated
 
 
 class AsyncClient(calls.ClientBase):
@@ -88,146 +110,28 @@ class AsyncClient(calls.ClientBase):
         except grpc.RpcError as error:
             return None, error
 
-    # -- jobs ----------------------------------------------------------------------------------
+    # -- the calls: the blocking client's methods, awaited or iterated -------------------------
 
-    async def start_training(self, **kwargs: Any) -> Job:
-        return await self._run(calls.start_training(self, **kwargs))
-
-    async def server_info(self) -> ServerInfo:
-        return await self._run(calls.server_info(self))
-
-    async def training_defaults(self) -> TrainingDefaults:
-        return await self._run(calls.training_defaults(self))
-
-    async def get_job(self, job_id: str) -> Job:
-        return await self._run(calls.get_job(self, job_id))
-
-    def list_jobs(
-        self, state: JobState | str | None = None, *, page_size: int = DEFAULT_PAGE_SIZE
-    ) -> AsyncIterator[Job]:
-        return self._iterate(calls.list_jobs(self, state, page_size))
-
-    async def cancel(self, job_id: str) -> Job:
-        return await self._run(calls.cancel(self, job_id))
-
-    async def delete_job(self, job_id: str, *, force: bool = False) -> None:
-        await self._run(calls.delete_job(self, job_id, force))
-
-    # -- sweeps (ssdrbm/sweeps.py) --------------------------------------------------------------
-
-    async def start_sweep(self, **kwargs: Any) -> Sweep:
-        return await self._run(calls.start_sweep(self, **kwargs))
-
-    async def get_sweep(self, sweep_id: str) -> Sweep:
-        return await self._run(calls.get_sweep(self, sweep_id))
-
-    def list_sweeps(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> AsyncIterator[Sweep]:
-        return self._iterate(calls.list_sweeps(self, page_size))
-
-    async def cancel_sweep(self, sweep_id: str) -> Sweep:
-        return await self._run(calls.cancel_sweep(self, sweep_id))
-
-    async def delete_sweep(
-        self, sweep_id: str, *, force: bool = False, keep_runs: bool = False
-    ) -> int:
-        return await self._run(calls.delete_sweep(self, sweep_id, force, keep_runs))
-
-    def stream_sweep(self, sweep_id: str, *, timeout: float | None = None) -> AsyncIterator[Sweep]:
-        return self._iterate(calls.stream_sweep(self, sweep_id, timeout))
-
-    # -- metrics -------------------------------------------------------------------------------
-
-    def stream_metrics(
-        self,
-        job_id: str,
-        after: str | None = None,
-        *,
-        follow: bool = True,
-        timeout: float | None = None,
-    ) -> AsyncIterator[MetricEvent]:
-        return self._iterate(calls.stream_metrics(self, job_id, after, follow, timeout))
-
-    async def wait(
-        self,
-        job_id: str,
-        *,
-        timeout: float | None = None,
-        on_event: Callable[[MetricEvent], None] | None = None,
-    ) -> Job:
-        return await self._run(calls.wait(self, job_id, timeout, on_event))
-
-    # -- serving -------------------------------------------------------------------------------
-
-    async def reconstruct(
-        self,
-        job_id: str,
-        x: np.ndarray,
-        k: int = 1,
-        *,
-        mean_field: bool = False,
-        seed: int = 0,
-        checkpoint_step: int = 0,
-    ) -> np.ndarray:
-        steps = calls.reconstruct(self, job_id, x, k, mean_field, seed, checkpoint_step)
-        return await self._run(steps)
-
-    async def sample_hidden(
-        self,
-        job_id: str,
-        x: np.ndarray,
-        mode: str = "probs",
-        *,
-        seed: int = 0,
-        checkpoint_step: int = 0,
-    ) -> np.ndarray:
-        steps = calls.sample_hidden(self, job_id, x, mode, seed, checkpoint_step)
-        return await self._run(steps)
-
-    # -- datasets and models -------------------------------------------------------------------
-
-    async def upload_dataset(
-        self,
-        data: np.ndarray | str | Path,
-        *,
-        name: str = "",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    ) -> str:
-        details = await self.upload_dataset_details(data, name=name, chunk_bytes=chunk_bytes)
-        return details.id
-
-    async def upload_dataset_details(
-        self,
-        data: np.ndarray | str | Path,
-        *,
-        name: str = "",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    ) -> UploadedDataset:
-        steps = calls.upload_dataset(self, data, name, chunk_bytes)
-        return await self._run(steps)
-
-    def list_datasets(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> AsyncIterator[Dataset]:
-        return self._iterate(calls.list_datasets(self, page_size))
-
-    async def delete_dataset(self, dataset_id: str) -> None:
-        await self._run(calls.delete_dataset(self, dataset_id))
-
-    async def fetch_model(self, job_id: str, *, checkpoint_step: int = 0) -> ExportedModel:
-        return await self._run(calls.fetch_model(self, job_id, checkpoint_step))
-
-    async def export_model(
-        self,
-        job_id: str,
-        path: str | Path,
-        *,
-        checkpoint_step: int = 0,
-        format: str = "safetensors",
-        model_name: str | None = None,
-    ) -> Path:
-        steps = calls.export_model(self, job_id, path, checkpoint_step, format, model_name)
-        return await self._run(steps)
-
-
-# Each method does what the blocking client's does, awaited: its documentation is that method's.
-for _name, _method in vars(AsyncClient).items():
-    if not _name.startswith("_"):
-        _method.__doc__ = getattr(Client, _name).__doc__
+    start_training = _awaited(Client.start_training)
+    training_defaults = _awaited(Client.training_defaults)
+    server_info = _awaited(Client.server_info)
+    get_job = _awaited(Client.get_job)
+    list_jobs = _iterated(Client.list_jobs)
+    cancel = _awaited(Client.cancel)
+    delete_job = _awaited(Client.delete_job)
+    start_sweep = _awaited(Client.start_sweep)
+    get_sweep = _awaited(Client.get_sweep)
+    list_sweeps = _iterated(Client.list_sweeps)
+    cancel_sweep = _awaited(Client.cancel_sweep)
+    delete_sweep = _awaited(Client.delete_sweep)
+    stream_sweep = _iterated(Client.stream_sweep)
+    stream_metrics = _iterated(Client.stream_metrics)
+    wait = _awaited(Client.wait)
+    reconstruct = _awaited(Client.reconstruct)
+    sample_hidden = _awaited(Client.sample_hidden)
+    upload_dataset = _awaited(Client.upload_dataset)
+    upload_dataset_details = _awaited(Client.upload_dataset_details)
+    list_datasets = _iterated(Client.list_datasets)
+    delete_dataset = _awaited(Client.delete_dataset)
+    fetch_model = _awaited(Client.fetch_model)
+    export_model = _awaited(Client.export_model)

@@ -18,13 +18,13 @@ decisions, the mapping of gRPC errors to :mod:`ssdrbm.errors`, pagination, split
 batches, the upload's chunks, the export's checks. :class:`ssdrbm.Client` (``client.py``)
 performs the effects on a blocking channel, :class:`ssdrbm.aio.AsyncClient` (``aio.py``) awaits
 them on a ``grpc.aio`` channel (each about twenty lines: ``_run``, ``_iterate``, ``_perform``,
-with :class:`Walk` feeding the answers back). Every public method of either client only runs
-its call's steps (``upload_dataset`` is built on ``upload_dataset_details``), so a change made
-here holds for both clients.
+with :class:`Walk` feeding the answers back). Every public method of the blocking client only
+runs its call's steps, and the asyncio client's methods are those same methods, awaited.
 
-To add a call: write its steps here, then one method in each client that runs them
-(``self._run(steps)`` for a result, ``self._iterate(steps)`` for emitted items);
-``tests/test_client_calls.py`` checks that both clients keep the same methods.
+To add a call: write its steps here, then a method of :class:`ssdrbm.Client` that runs them
+(``self._run(steps)`` for a result, ``self._iterate(steps)`` for emitted items), and name it in
+:class:`ssdrbm.aio.AsyncClient`'s list; ``tests/test_client_calls.py`` checks that both clients
+keep the same methods.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_pro
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import Backoff, RetryPolicy, is_retryable
 from ssdrbm.server_info import ServerInfo
-from ssdrbm.spec import TrainingDefaults, training_request
+from ssdrbm.spec import TrainingDefaults, from_message, training_request
 from ssdrbm.sweeps import Sweep, sweep_request
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES, from_tensor, to_tensor
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
@@ -442,12 +442,13 @@ def upload_dataset(
         return _start(client, "UploadDataset", messages, timeout)
 
     response = yield from _retried(client, attempt)
-    return UploadedDataset(
-        id=response.dataset_id,
-        shape=tuple(response.shape),
-        size_bytes=response.size_bytes,
-        created=response.created,
-    )
+    return from_message(UploadedDataset, response, id=response.dataset_id)
+
+
+def upload_dataset_id(
+    client: ClientBase, data: np.ndarray | str | Path, name: str, chunk_bytes: int
+) -> Steps[str]:
+    return (yield from upload_dataset(client, data, name, chunk_bytes)).id
 
 
 def list_datasets(client: ClientBase, page_size: int) -> Steps[None]:

@@ -261,7 +261,7 @@ class Client(calls.ClientBase):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> str:
         """Upload an array (or a ``.npy`` file) and return its dataset id for ``dataset_id=``."""
-        return self.upload_dataset_details(data, name=name, chunk_bytes=chunk_bytes).id
+        return self._run(calls.upload_dataset_id(self, data, name, chunk_bytes))
 
     def upload_dataset_details(
         self,
