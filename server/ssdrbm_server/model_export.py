@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from ssdrbm.v1 import rbm_pb2 as pb
 
-from ssdrbm_server.errors import FailedPreconditionError
 from ssdrbm_server.request_checks import enum_value
 from ssdrbm_server.serving import load_model
 from ssdrbm_server.store.checkpoints import Checkpoint, sha256_hex
@@ -56,12 +55,6 @@ async def export_payload(
 def _onnx_bytes(job_id: str, checkpoint: Checkpoint) -> bytes:
     from ssdcore.onnx_export import model_to_onnx_bytes  # onnx is imported on first use
 
-    try:
-        model = load_model(checkpoint.data)
-    except ValueError as exc:  # intact bytes (sha256 matched) that are no model of ours
-        raise FailedPreconditionError(
-            f"the checkpoint at step {checkpoint.step} cannot be read as a model ({exc}); "
-            "use another checkpoint_step"
-        ) from exc
+    model = load_model(checkpoint)
     metadata = {"ssdrbm.job_id": job_id, "ssdrbm.step": str(checkpoint.step)}
     return model_to_onnx_bytes(model, graph_name=f"rbm_{job_id}", metadata=metadata)

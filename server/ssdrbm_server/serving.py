@@ -58,11 +58,17 @@ class LoadedModel:
     n_hidden: int
 
 
-def load_model(data: bytes) -> torch.nn.Module:
-    """Rebuild a model from checkpoint bytes (safetensors + JSON config), in eval mode."""
+def load_model(checkpoint: Checkpoint) -> torch.nn.Module:
+    """Rebuild a checkpoint's model (safetensors + JSON config), in eval mode."""
     from ssdcore.checkpoint import model_from_bytes  # torch-heavy; imported on first use
 
-    model = model_from_bytes(data)
+    try:
+        model = model_from_bytes(checkpoint.data)
+    except ValueError as exc:  # intact bytes (sha256 matched) that are no model of ours
+        raise FailedPreconditionError(
+            f"the checkpoint at step {checkpoint.step} cannot be read as a model ({exc}); "
+            "use another checkpoint_step"
+        ) from exc
     model.eval()
     return model
 
@@ -272,13 +278,10 @@ class ModelServer:
     async def _load(self, checkpoint: Checkpoint) -> LoadedModel:
         loop = asyncio.get_running_loop()
         try:
-            model = await loop.run_in_executor(self.pool, load_model, checkpoint.data)
-        except ValueError as exc:  # intact bytes (sha256 matched) that are no model of ours
-            logger.error("checkpoint at step %d is unreadable: %s", checkpoint.step, exc)
-            raise FailedPreconditionError(
-                f"the checkpoint at step {checkpoint.step} cannot be read as a model ({exc}); "
-                "use another checkpoint_step"
-            ) from exc
+            model = await loop.run_in_executor(self.pool, load_model, checkpoint)
+        except FailedPreconditionError as exc:
+            logger.error("checkpoint at step %d is unreadable: %s", checkpoint.step, exc.__cause__)
+            raise
         logger.info("loaded model at step %d (%s)", checkpoint.step, checkpoint.sha256[:12])
         return LoadedModel(model, checkpoint.step, int(model.n_visible), int(model.n_hidden))
 

@@ -10,6 +10,8 @@ errors and read the tenant with ``current_tenant()``.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import grpc
 import redis.asyncio as aioredis
 from ssdrbm.inference.v2 import open_inference_pb2 as oip
@@ -63,14 +65,13 @@ class InferenceServicer:
         self, request: oip.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelMetadataResponse:
         info = await self.engine.metadata(current_tenant(), request.name, request.version)
-        response = oip.ModelMetadataResponse(
-            name=info.name, versions=info.versions, platform=info.platform
+        return oip.ModelMetadataResponse(
+            name=info.name,
+            versions=info.versions,
+            platform=info.platform,
+            inputs=[asdict(tensor) for tensor in info.inputs],
+            outputs=[asdict(tensor) for tensor in info.outputs],
         )
-        for tensor in info.inputs:
-            response.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-        for tensor in info.outputs:
-            response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-        return response
 
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
