@@ -1,21 +1,13 @@
 """``python -m ssdrbm_server.healthcheck [--ready | --live | --worker] [host:port]``: the probe.
 
-Exit 0 when healthy, 1 when not, 2 on a usage or configuration error. It speaks the standard
-grpc.health.v1 protocol and asks for the entries ``ssdrbm_server/readiness.py`` registers:
-
-- ``--ready`` (the default): ``readiness`` — Redis answers and the in-process worker runs;
-- ``--live``: ``liveness`` — the server's event loop answers;
-- ``--service NAME``: any other entry (``""`` for the whole server);
-- ``--worker``: no gRPC; a worker alone (``python -m ssdrbm_server.worker``) is alive while its
-  heartbeat file (``SSDRBM_WORKER_HEARTBEAT_FILE``) is younger than ``SSDRBM_LEASE_SECONDS``.
-
-It reads the server's own ``SSDRBM_*`` settings, so in the server's container it needs no
-options: the target defaults to the port of ``SSDRBM_LISTEN_ADDRESS`` on 127.0.0.1, and when
-``SSDRBM_TLS_CERT_FILE`` is set it connects with TLS, trusting ``SSDRBM_TLS_CA_FILE`` (or the
-certificate itself, when self-signed) and expecting the certificate's first DNS name, since a
-certificate for a host name does not name 127.0.0.1. ``--tls``, ``--ca``, ``--server-name``,
-``--cert``/``--key`` (client certificate, where the server requires one) override that. Health
-needs no token: the authentication interceptor lets it through.
+Exit 0 when healthy, 1 when not, 2 on a usage or configuration error. It asks grpc.health.v1 for
+an entry readiness.py registers (``--ready`` the default, ``--live``, ``--service NAME``), or
+with ``--worker`` checks a worker's heartbeat file. It reads the server's own ``SSDRBM_*``
+settings, so in the server's container it needs no options: the target is the port of
+``SSDRBM_LISTEN_ADDRESS`` on 127.0.0.1, and with ``SSDRBM_TLS_CERT_FILE`` set it connects with
+TLS, trusting ``SSDRBM_TLS_CA_FILE`` (or the certificate itself, when self-signed) and expecting
+the certificate's first DNS name, since a certificate for a host name does not name 127.0.0.1.
+Health needs no token: the authentication interceptor lets it through.
 """
 
 from __future__ import annotations
@@ -24,7 +16,6 @@ import argparse
 import os
 import ssl
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -37,22 +28,9 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 TIMEOUT_S = 3.0
 
 
-@dataclass(frozen=True)
-class Tls:
-    """How to verify the server: trusted roots (PEM), the name expected in its certificate, and
-    an optional client certificate and key (PEM) for servers that require one."""
-
-    root_certificates: bytes | None = None
-    server_name: str = ""
-    client_cert: bytes | None = None
-    client_key: bytes | None = None
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.root_certificates,
-            private_key=self.client_key,
-            certificate_chain=self.client_cert,
-        )
+# How to verify the server: its channel credentials (trusted roots, and a client certificate
+# where the server requires one) and the name expected in its certificate ("": the target's).
+Tls = tuple[grpc.ChannelCredentials, str]
 
 
 def check(
@@ -62,8 +40,9 @@ def check(
     if tls is None:
         channel = grpc.insecure_channel(target)
     else:
-        options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-        channel = grpc.secure_channel(target, tls.credentials(), options=options)
+        credentials, server_name = tls
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        channel = grpc.secure_channel(target, credentials, options=options)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
@@ -108,12 +87,16 @@ def tls_for(args: argparse.Namespace, settings: Settings) -> Tls | None:
     server_name = args.server_name
     if server_name is None:
         server_name = certificate_dns_name(server_cert) if server_cert else ""
-    return Tls(
-        root_certificates=Path(ca).read_bytes() if ca else None,  # None: the system's roots
-        server_name=server_name,
-        client_cert=Path(args.cert).read_bytes() if args.cert else None,
-        client_key=Path(args.key).read_bytes() if args.key else None,
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(ca),  # None: the system's roots
+        private_key=_read(args.key),
+        certificate_chain=_read(args.cert),
     )
+    return credentials, server_name
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
 
 
 def parser() -> argparse.ArgumentParser:
