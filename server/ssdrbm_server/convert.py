@@ -78,11 +78,11 @@ def queue_place_to_proto(place: QueuePlace) -> rbm_pb2.QueuePlace:
     return message
 
 
-def event_to_proto(
-    job_id: str, token: str, kind: str, data: bytes, time_s: float | None = None
-) -> rbm_pb2.MetricEvent:
-    """The wire MetricEvent for one stream entry (kind "metrics", "state" or "backoff")."""
-    event = rbm_pb2.MetricEvent(resume_token=token, job_id=job_id, time=_timestamp(time_s))
+def event_to_proto(job_id: str, token: str, kind: str, data: bytes) -> rbm_pb2.MetricEvent:
+    """The wire MetricEvent for one stream entry (kind "metrics", "state" or "backoff"), timed
+    when the entry was written."""
+    time = _timestamp(token_time(token))
+    event = rbm_pb2.MetricEvent(resume_token=token, job_id=job_id, time=time)
     getattr(event, _EVENT_FIELDS[kind]).ParseFromString(data)
     return event
 

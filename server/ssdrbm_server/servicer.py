@@ -75,18 +75,12 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     """Implements ssdrbm.v1.RBMService."""
 
     def __init__(
-        self,
-        settings: Settings,
-        stores: Stores,
-        models: ModelServer,
-        metrics: ServiceMetrics | None = None,
-        recent_jobs: RecentJobs | None = None,
+        self, settings: Settings, stores: Stores, models: ModelServer, metrics: ServiceMetrics
     ) -> None:
         self.settings = settings
         self.stores = stores
         self.models = models
-        self.metrics = metrics
-        self.recent_jobs = recent_jobs if recent_jobs is not None else RecentJobs()
+        self.recent_jobs = RecentJobs()
         self.streams = CallSlots(  # StreamMetrics and StreamSweep calls
             SlotCap(
                 settings.max_streams,
@@ -101,7 +95,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                 "(SSDRBM_MAX_STREAMS_PER_TENANT={limit}); close one you no longer follow, or poll "
                 "{poll}",
             ),
-            on_change=metrics.streams.set if metrics is not None else None,
+            on_change=metrics.streams.set,
         )
         # Each upload buffers a chunk and keeps Redis writing: bounded per API process.
         self.uploads = CallSlots(
@@ -125,8 +119,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             settings, stores.jobs, SweepStore(stores.jobs.redis, stores.jobs.keys)
         )
         self.queue = JobQueue(stores.jobs.redis, keys=stores.jobs.keys)  # read-only here
-        if metrics is not None:
-            metrics.queue_backlog = self.queue.backlog
+        metrics.queue_backlog = self.queue.backlog
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -320,10 +313,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         entries = await cancellable(
             self.stores.events.read(job_id, after=after, count=REPLAY_BATCH, block_ms=block_ms)
         )
-        return [
-            convert.event_to_proto(job_id, token, kind, data, convert.token_time(token))
-            for token, kind, data in entries
-        ]
+        return [convert.event_to_proto(job_id, token, kind, data) for token, kind, data in entries]
 
     async def _has_ended(self, job: JobRecord) -> bool:
         current = await cancellable(self.stores.jobs.get(job.tenant, job.id))

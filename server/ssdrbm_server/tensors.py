@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from ssdrbm.tensors import WIRE_DTYPE, to_tensor  # the one wire format: the client's
+from ssdrbm.tensors import WIRE_DTYPE, to_tensor
 from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server.errors import InvalidArgumentError, ResourceExhaustedError
@@ -63,6 +63,4 @@ def check_batch_shape(shape: Sequence[int], *, field: str, max_elements: int) ->
     return int(shape[0]), int(shape[1])
 
 
-def array_to_tensor(array: np.ndarray) -> rbm_pb2.Tensor:
-    """The wire tensor for a numpy array: the client's encoding (ssdrbm.tensors.to_tensor)."""
-    return to_tensor(array)
+array_to_tensor = to_tensor  # numpy → wire tensor: the client's encoding, the one wire format

@@ -178,12 +178,8 @@ class Dashboard:
 
     async def sweeps(self, request: Request, tenant: str) -> Response:
         answer = await self.servicer.sweeps.list(tenant, page_size=LIST_LIMIT, page_token="")
-        return JSONResponse(
-            {
-                "sweeps": [sweep_json(sweep) for sweep in answer.sweeps],
-                "more": bool(answer.next_page_token),
-            }
-        )
+        sweeps = [sweep_json(sweep) for sweep in answer.sweeps]
+        return JSONResponse({"sweeps": sweeps, "more": bool(answer.next_page_token)})
 
     async def sweep(self, request: Request, tenant: str) -> Response:
         sweep = await self.servicer.sweeps.get(tenant, request.path_params["sweep_id"])
