@@ -15,6 +15,7 @@ do not fight over cores either.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Iterable
@@ -43,20 +44,12 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 def format_cpu_list(cpus: Iterable[int]) -> str:
     """The CPU-list text of ``cpus``, as parse_cpu_list reads it: ``{0, 1, 2, 3, 8}`` is "0-3,8"."""
-    parts: list[str] = []
-    run: list[int] = []
-    for cpu in sorted(set(cpus)):
-        if run and cpu != run[-1] + 1:
-            parts.append(_cpu_range(run))
-            run = []
-        run.append(cpu)
-    if run:
-        parts.append(_cpu_range(run))
+    parts = []
+    # Consecutive CPUs share their difference from their index in the sorted list.
+    for _, group in itertools.groupby(enumerate(sorted(set(cpus))), lambda item: item[1] - item[0]):
+        run = [cpu for _, cpu in group]
+        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
     return ",".join(parts)
-
-
-def _cpu_range(run: list[int]) -> str:
-    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
 
 
 def split_cpus(cpus: Iterable[int], parts: int) -> list[frozenset[int]]:

@@ -8,6 +8,7 @@ server with AOF comes back with its data.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -192,12 +193,9 @@ class RedisServer:
         if self.running():
             assert self.process is not None
             self.process.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
+        self.kill()
 
     def kill(self) -> None:
         """Kill the server with SIGKILL, as a crash would: only what AOF fsynced survives."""
