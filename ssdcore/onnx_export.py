@@ -1,20 +1,12 @@
 """ONNX graphs of trained models, for inference servers (onnxruntime, Triton) without torch.
 
-The graph takes `input` (B, V) float32, B dynamic, and gives two outputs:
-
-    hidden_probs   (B, H) = σ(v W' + a)              p(h = 1 | v)
-    reconstruction (B, V) = visible mean of hidden_probs
-
-where `v W'` is the model's hidden input (`v W` for the BRBM, `v C⁻¹ W` for the GRBM) and the
-visible mean is σ(h Wᵀ + b) for the BRBM, b + h Wᵀ for the GRBM: one mean-field up-down pass, as
-`model.reconstruct(v, k=1, mean_field=True)` and the service's Reconstruct(mean_field, k=1).
-
-The tensors come from the model's own `gibbs_kernel()` (the one statement of a sweep's weights
-per model kind and variance form): W is stored once where the graph goes up and down through it,
-and the GRBM's C⁻¹W is folded into a second matrix. That changes only the rounding of the hidden
-input relative to torch's `(v C⁻¹) W`: agreement is to float32 rounding (about 1e-6 here), not
-bit for bit. Built node by node with the `onnx` helper API rather
-than traced, so the export needs neither a torch exporter nor onnxscript.
+The graph takes `input` (B, V) float32, B dynamic, and gives `hidden_probs` (B, H) = σ(v W' + a)
+and `reconstruction` (B, V), the visible mean of hidden_probs (σ(h Wᵀ + b) for the BRBM,
+b + h Wᵀ for the GRBM): one mean-field up-down pass, as `model.reconstruct(v, k=1,
+mean_field=True)`. The tensors come from the model's own `gibbs_kernel()`: W is stored once,
+and the GRBM's C⁻¹W (`v W'` = `v C⁻¹ W`) is folded into a second matrix, which changes only the
+rounding of the hidden input (agreement to about 1e-6, not bit for bit). Built node by node with
+the `onnx` helper API, so the export needs neither a torch exporter nor onnxscript.
 """
 
 from __future__ import annotations

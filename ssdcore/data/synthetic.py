@@ -66,6 +66,8 @@ def synthetic_rbm_data(
         )
     model = synthetic_rbm_model(n_visible, n_hidden, seed)
     source = RandomSource("cpu", seed + 1)
+    chain = GibbsChain(n_samples, n_visible, n_hidden, torch.device("cpu"), source)
+    visible = torch.empty(n_samples, n_visible)
     if method == "exact":
         hidden = _exact_hidden(model, n_samples, seed)
     else:
@@ -73,13 +75,9 @@ def synthetic_rbm_data(
             raise ValueError(f"gibbs_sweeps must be positive, got {gibbs_sweeps}")
         start = torch.full((n_samples, n_hidden), 0.5)
         hidden = source.bernoulli_(start, out=torch.empty(n_samples, n_hidden))
-        chain = GibbsChain(n_samples, n_visible, n_hidden, torch.device("cpu"), source)
-        visible = torch.empty(n_samples, n_visible)
         probs = torch.empty(n_samples, n_hidden)
         chain.run(model.gibbs_kernel(), hidden, gibbs_sweeps, visible, probs)
         hidden = source.bernoulli_(probs, out=torch.empty_like(probs))
-    visible = torch.empty(n_samples, n_visible)
-    chain = GibbsChain(n_samples, n_visible, n_hidden, torch.device("cpu"), source)
     chain.sample_visible_(model.gibbs_kernel(), hidden, visible)
     return visible
 

@@ -203,13 +203,10 @@ class GaussianRBM(RBM):
         [1/max_variance, 1/min_variance], clips the spectrum (the nearest such matrix in the
         Frobenius norm).
         """
-        low, high = log_variance_bounds(self.min_variance, self.max_variance)
-        if self.variance == "diagonal":
-            self.log_var.clamp_(low, high)
-        elif self.variance == "isotropic":
-            self.log_c.clamp_(low, high)
-        elif self.variance == "full":
+        if self.variance == "full":
             self._project_precision_()
+        elif self.variance != "identity":  # log_variance() is the parameter itself
+            self.log_variance().clamp_(*log_variance_bounds(self.min_variance, self.max_variance))
 
     def _project_precision_(self) -> None:
         """Symmetrize; clip the spectrum when it leaves the allowed range.

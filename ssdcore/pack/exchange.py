@@ -28,6 +28,18 @@ if TYPE_CHECKING:
     from ssdcore.pack.pack import TrainingPack
 
 
+# RunState fields that are entries of Trainer.state_dict(), under these keys.
+_TRAINER_STATE_KEYS = {
+    "step": "step",
+    "epoch": "epoch",
+    "position": "position",
+    "wall_time_s": "wall_time_s",
+    "permutation": "permutation",
+    "order_generator": "generator",
+    "lr_scale": "lr_scale",
+}
+
+
 def _loop_settings(source: Trainer | TrainingPack) -> dict[str, Any]:
     """The training-loop settings a pack has once for all its runs and each run's solo
     Trainer has the same: what one is built with when made from the other."""
@@ -62,19 +74,9 @@ def run_to_trainer(pack: TrainingPack, run: int, *, valid_data: Tensor | None = 
     estimator = {f"rng.{name}": tensor for name, tensor in state.random.items()}
     if state.chains is not None:
         estimator["chains"] = state.chains
-    trainer.load_state_dict(
-        {
-            "step": state.step,
-            "epoch": state.epoch,
-            "position": state.position,
-            "wall_time_s": state.wall_time_s,
-            "permutation": state.permutation,
-            "generator": state.order_generator,
-            "estimator": estimator,
-            "optimizer": trainer.optimizer.state_dict(),
-            "lr_scale": state.lr_scale,
-        }
-    )
+    saved = {key: getattr(state, field) for field, key in _TRAINER_STATE_KEYS.items()}
+    optimizer = trainer.optimizer.state_dict()
+    trainer.load_state_dict({**saved, "estimator": estimator, "optimizer": optimizer})
     return trainer
 
 
@@ -102,16 +104,10 @@ def trainer_to_run_state(trainer: Trainer) -> RunState:
         },
         optimizer=trainer.optimizer_config,
         seed=trainer.seed,
-        step=trainer.step_count,
-        epoch=int(saved["epoch"]),
-        position=int(saved["position"]),
-        permutation=saved["permutation"],
-        order_generator=saved["generator"],
         random={k[4:]: v.clone() for k, v in estimator.items() if k.startswith("rng.")},
         chains=None if chains is None else chains.clone(),
         momentum=momentum,
-        lr_scale=float(saved["lr_scale"]),
-        wall_time_s=float(saved["wall_time_s"]),
+        **{field: saved[key] for field, key in _TRAINER_STATE_KEYS.items()},
     )
 
 
