@@ -63,8 +63,7 @@ class Settings:
     # Largest single Redis value of an uploaded dataset: the array is stored in chunks of this
     # size, so no one write or read blocks Redis for long (a multiple of 8, the widest dtype)
     dataset_chunk_bytes: int = 4 * 1024 * 1024
-    # The chunks of an upload that stopped (client gone, server died) expire this long after
-    # the last one was written
+    # The chunks of a stopped upload (client gone, server died) expire this long after the last
     upload_idle_seconds: float = 600.0
     # Redis connections for ordinary calls; blocking metric reads (XREAD BLOCK) get their own
     # pool of max_streams + 1 connections, so live StreamMetrics followers never starve these
@@ -107,17 +106,15 @@ class Settings:
     max_serving_calls_per_tenant: int = 4  # concurrent Reconstruct/SampleHidden of one tenant
     serving_wait_seconds: float = 1.0  # a call over that cap waits this long for a slot
     max_streams_per_tenant: int = 100  # concurrent StreamMetrics calls of one tenant
-    # The HTTP front (http_front.py), against slow and hostile clients. A connection must send
-    # its request line and headers within http_header_timeout_s of opening (or of its previous
-    # answer), and then its whole body within http_body_timeout_s, or it is closed.
+    # The HTTP front (http_front.py), against slow and hostile clients: a connection is closed
+    # that has not sent its headers, then its whole body, within these times
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 60.0  # 16 MiB at about 300 KB/s
     # One request body, refused (413) from Content-Length before it is read, or as soon as a
     # chunked body passes it. JSON costs ~10x raw bytes per number and its parse is larger
     # still, so this sits below max_message_bytes: bigger batches go over gRPC, raw contents
     http_max_body_bytes: int = 16 * 1024 * 1024
-    # Open connections; one more is answered 503 and closed as it opens (idle ones are closed
-    # by the header timeout)
+    # Open connections; one more is answered 503 and closed as it opens
     http_max_connections: int = 512
     # Requests being handled at once, counted after authentication, so unauthenticated clients
     # never take a tenant's slot: for the server (bounds the bodies held and parsed together: at
@@ -137,50 +134,38 @@ class Settings:
     # job's follower and reads Redis itself from its last token (bounds memory per slow client)
     stream_buffer_events: int = 1024
 
-    # Worker in the same process (`python -m ssdrbm_server`); SSDRBM_RUN_WORKER=0 for API-only
-    # nodes
+    # Worker in the same process (`python -m ssdrbm_server`); 0 for API-only nodes
     run_worker: bool = True
     # CPU lists (`0-3,8`) that keep serving and training off each other's cores on a shared
     # host (ssdrbm_server/cpus.py); empty: no pinning
     serving_cpus: str = ""
     training_cpus: str = ""
     worker_id: str = ""  # empty: derived from host name and process id
-    # Training processes one worker runs at once, each slot claiming, leasing and preempting on
-    # its own (worker id <worker_id>/<k>) on its own share of the training CPUs. 0: derived from
-    # the machine (ssdrbm_server/worker/slots.py): the CPUs this process may use ÷ torch threads
-    # per process (torch_threads, else 1), within memory for that many full packs, at most
-    # MAX_DEFAULT_SLOTS; 1 with a GPU, which the slots would otherwise share
+    # Training processes one worker runs at once, each slot a worker of its own on its own share
+    # of the training CPUs; 0: derived from the machine, 1 with a GPU (worker/slots.py)
     worker_slots: int = 0
     lease_seconds: float = 10.0  # a dead worker's job is taken over this long after it died
     # lease renewal and cancel check while a job trains: a cancel lands within about this long
     heartbeat_seconds: float = 0.5
     worker_poll_ms: int = 500  # blocking queue read; bounds how long a stop waits for the loop
-    # A graceful stop waits this long for the checkpoint, and retries Redis writes (checkpoint,
-    # release) for this long when Redis is gone; then the job is left to its lease, which
-    # lapses, and another worker resumes it from its last checkpoint: a stop always ends
+    # A graceful stop waits this long for the checkpoint and its Redis writes; then the job is
+    # left to its lease and resumed elsewhere from its last checkpoint: a stop always ends
     stop_timeout_seconds: float = 60.0
-    # Touched every heartbeat_seconds by a running worker and removed when it stops; `python -m
-    # ssdrbm_server.healthcheck --worker` fails once it is older than lease_seconds. Empty: none
+    # Touched every heartbeat by a running worker (healthcheck --worker, readiness.py); "": none
     worker_heartbeat_file: str = ""
     # A training process silent this long is taken for hung, killed and its job retried. It
     # beats between chunks of at most 10 steps and around each evaluation, so this must cover
     # the longest of those: the largest AIS estimate a job may ask for (about 1e12 FLOPs)
     # takes a minute or two on one slow CPU core; 5 minutes leaves room for that
     child_heartbeat_timeout_seconds: float = 300.0
-    # A job whose training process dies (a signal such as the OOM killer's SIGKILL, an
-    # unexpected exit) or hangs this many times ends FAILED; fewer are retried from the last
-    # checkpoint. 3: a one-off crash is retried, a job that kills its process every time is not
+    # A job whose training process dies (e.g. the OOM killer's SIGKILL) or hangs this many times
+    # ends FAILED: a one-off crash is retried, a job that kills its process every time is not
     max_training_process_failures: int = 3
-    # Time sharing: a job (or pack) holds its worker this long at most while other work waits
-    # (another tenant's job, or its own tenant's plain job behind a sweep run); then it is
-    # checkpointed, put back at the front of its tenant's queue and resumes later on any
-    # worker. Nothing waiting: no preemption, the slice starts over (worker/runner.py)
+    # A job (or pack) holds its worker this long at most while other work waits; then it is
+    # checkpointed and put back at the front of its tenant's queue (worker/runner.py)
     slice_seconds: float = 60.0
-    # Packed training (ssdrbm_server/worker/pack_claim.py): a free worker claims one job as
-    # always, then up to max_pack_size - 1 more queued jobs with the same pack key (same model
-    # shape and kind, batch size, CD-k, persistence, update rule, data and its split) and
-    # trains them as one batched computation in one process. 32: on the CPU a 32-run pack of
-    # small models costs a few solo steps per step; 1 trains every job alone (no packing)
+    # Jobs of one pack key trained as one batched computation (worker/pack_claim.py). 32: on the
+    # CPU a 32-run pack of small models costs a few solo steps per step; 1: no packing
     max_pack_size: int = 32
     # Memory of one pack's runs, summed (each run's estimate as training_memory_mb's, without
     # the process itself): a pack stops growing here, so packing never needs a bigger worker
@@ -195,14 +180,10 @@ class Settings:
     finished_job_ttl_seconds: int = 0
     # Job records (any state) of one tenant; past it StartTraining asks to delete finished jobs
     max_job_records_per_tenant: int = 10_000
-    # Run even though Redis keeps no append-only file (appendonly no: a crash loses every write
-    # since the last RDB snapshot, if any) or leaves its fsync to the OS (appendfsync no):
-    # development and tests only; logged as a WARNING at start and every minute
-    # (ssdrbm_server/redis_checks.py). An evicting maxmemory-policy is never allowed
+    # Run even though Redis keeps no append-only file or leaves its fsync to the OS: development
+    # and tests only, warned every minute (redis_checks.py); eviction is never allowed
     allow_no_persistence: bool = False
-    # The API and every worker check Redis's persistence and eviction settings at start and
-    # again this often (CONFIG SET changes them at run time); while they would lose acknowledged
-    # work, the API refuses new work and readiness is NOT_SERVING, and workers claim no new job
+    # How often the API and every worker check those settings again (CONFIG SET changes them)
     redis_check_interval_s: float = 30.0
     # CPU threads of each training process; 0: its slot's share of the CPUs with several slots
     # (worker/slots.py), torch's default with one
@@ -212,9 +193,8 @@ class Settings:
     auth_mode: str = "none"
     auth_tokens_file: str = ""  # lines "token tenant" (or JSON {"token": "tenant"})
     auth_tokens: str = ""  # inline "token1=tenant1,token2=tenant2", for tests and small setups
-    # A non-loopback listen or metrics address with auth_mode "none" is refused at start unless
-    # this is set (only trusted machines can reach it, e.g. ports published on the host's
-    # loopback); then logged as a WARNING at start and every minute (ssdrbm_server/exposure.py)
+    # Allow auth_mode "none" on a non-loopback address (only trusted machines can reach it),
+    # warned every minute (exposure.py)
     allow_unauthenticated_remote: bool = False
     # Tokens over plaintext on a non-loopback address are refused unless this is set (a proxy in
     # front terminates TLS): anyone on the path could read them
