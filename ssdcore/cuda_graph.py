@@ -71,15 +71,12 @@ class GraphedStep:
                 self._step()
                 self._eager_steps += 1
             else:
-                self._graph = self._capture()
+                # Capture records the kernels without running them; the caller replays once.
+                graph = torch.cuda.CUDAGraph()
+                for generator in self._generators:
+                    graph.register_generator_state(generator)
+                with torch.cuda.graph(graph, stream=self._stream):
+                    self._step()
+                logger.debug("captured the training step as a CUDA graph on %s", self._device)
+                self._graph = graph
         current.wait_stream(self._stream)
-
-    def _capture(self) -> torch.cuda.CUDAGraph:
-        # Capture records the kernels without running them; the caller replays once after.
-        graph = torch.cuda.CUDAGraph()
-        for generator in self._generators:
-            graph.register_generator_state(generator)
-        with torch.cuda.graph(graph, stream=self._stream):
-            self._step()
-        logger.debug("captured the training step as a CUDA graph on %s", self._device)
-        return graph

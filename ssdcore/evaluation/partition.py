@@ -18,7 +18,7 @@ only the hidden states are enumerated (n_hidden ≤ 28), at O(2^H · H) (n_hidde
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -139,11 +139,11 @@ def _product_sum_over_states(
 
 def _softplus_sum_over_states(W: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> float:
     """The same sum with one softplus per unit: slower, but safe for any weights."""
-
-    def log_terms(h: torch.Tensor) -> torch.Tensor:
-        return h @ a + F.softplus(torch.addmm(b, h, W.t())).sum(dim=1)
-
-    return _logsumexp_over_states(W.shape[1], log_terms, W.device, W.dtype)
+    partial = [
+        torch.logsumexp(h @ a + F.softplus(torch.addmm(b, h, W.t())).sum(dim=1), dim=0)
+        for h in _states(W.shape[1], W.device, W.dtype)
+    ]
+    return float(torch.logsumexp(torch.stack(partial), dim=0))
 
 
 def _gaussian_log_partition(model: GaussianRBM, dtype: torch.dtype) -> float:
@@ -186,19 +186,6 @@ def _logsumexp_quadratic(linear: torch.Tensor, coupling: torch.Tensor) -> float:
     for high in _states(n_units - n_low, device, dtype, chunk_bits=_HIGH_CHUNK_BITS):
         exponent = low_terms[:, None] + own_terms(high, high_part)[None, :] + cross @ high.t()
         partial.append(torch.logsumexp(exponent.flatten(), dim=0))
-    return float(torch.logsumexp(torch.stack(partial), dim=0))
-
-
-def _logsumexp_over_states(
-    n_units: int,
-    log_terms: Callable[[torch.Tensor], torch.Tensor],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> float:
-    """logsumexp of log_terms(s) over all s ∈ {0, 1}^n_units, in chunks."""
-    partial = [
-        torch.logsumexp(log_terms(states), dim=0) for states in _states(n_units, device, dtype)
-    ]
     return float(torch.logsumexp(torch.stack(partial), dim=0))
 
 
