@@ -132,10 +132,7 @@ class Service:
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         self.port = self._bind(settings)
-        self._refresh: asyncio.Task[None] | None = None
-        self._readiness: asyncio.Task[None] | None = None
-        self._redis_checks: asyncio.Task[None] | None = None
-        self._sweepers: list[asyncio.Task[None]] = []
+        self._background: list[asyncio.Task[None]] = []  # loops that run while it serves
         self._worker_task: asyncio.Task[None] | None = None  # an in-process worker, if any
 
     async def ready(self) -> bool:
@@ -178,26 +175,26 @@ class Service:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.http is not None:
             await self.http.start()  # after the health entries its /v2/health/ready reads
-        self._refresh = asyncio.create_task(
-            refresh_job_gauges(self.metrics, self.stores.jobs.count_by_state)
-        )
-        self._redis_checks = asyncio.create_task(self.redis_watch.run())
-        self._readiness = asyncio.create_task(
-            follow_redis(
-                self.redis,
-                self.health,
-                SERVICE_NAME,
-                worker_alive=self._worker_running,
-                redis_fit=lambda: self.redis_watch.fit,
-            )
-        )
         # Expired jobs and deletes a dead process left half done (store/lifecycle.py), and
-        # sweeps whose jobs expired (sweeps/expiry.py).
+        # sweeps whose jobs expired (sweeps/expiry.py), beside the gauges, checks and probes.
         lifecycle = self.stores.jobs.lifecycle
         expiry = SweepExpiry(self.servicer.sweeps, lifecycle)
-        self._sweepers = [
-            asyncio.create_task(repeat_forever(lifecycle.sweep, "expired-job sweep")),
-            asyncio.create_task(repeat_forever(expiry.expire_due, "expired-sweep cleanup")),
+        readiness = follow_redis(
+            self.redis,
+            self.health,
+            SERVICE_NAME,
+            worker_alive=self._worker_running,
+            redis_fit=lambda: self.redis_watch.fit,
+        )
+        self._background = [
+            asyncio.create_task(loop)
+            for loop in (
+                refresh_job_gauges(self.metrics, self.stores.jobs.count_by_state),
+                self.redis_watch.run(),
+                readiness,
+                repeat_forever(lifecycle.sweep, "expired-job sweep"),
+                repeat_forever(expiry.expire_due, "expired-sweep cleanup"),
+            )
         ]
         logger.info("gRPC server listening on port %d", self.port)
         return self.port
@@ -207,9 +204,7 @@ class Service:
         grace = self.settings.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         self.servicer.begin_shutdown()
-        await stop_background_tasks(
-            [self._refresh, self._readiness, self._redis_checks, *self._sweepers]
-        )
+        await stop_background_tasks(self._background)
         stopping = [self.server.stop(grace)]
         if self.http is not None:
             stopping.append(self.http.stop())  # its requests in flight get the same grace
