@@ -84,10 +84,6 @@ class AsyncClient(calls.ClientBase):
             pass  # calls that return a result emit nothing
         return walk.result
 
-    def _iterate(self, steps: calls.Steps[None]) -> AsyncIterator[Any]:
-        """Run a call's steps, yielding the items they emit."""
-        return self._walk(calls.Walk(steps))
-
     async def _walk(self, walk: calls.Walk[Any]) -> AsyncIterator[Any]:
         for effect in walk:
             if isinstance(effect, calls.Emit):

@@ -1,7 +1,7 @@
 """Every call of the service, written once for the blocking and the asyncio clients.
 
-A call is written here as *steps*: a generator that builds the request, yields what it needs
-done on the network (an *effect*) and gets the answer back from the ``yield``::
+A call is written here as *steps*: a generator that yields what it needs done on the network
+(an *effect*) and gets the answer back from the ``yield``::
 
     def get_job(client, job_id):
         response = yield from unary(client, "GetJob", rbm_pb2.GetJobRequest(job_id=job_id))
@@ -13,9 +13,10 @@ the call) and :class:`Next` (the stream's next message, None at its end), :class
 :class:`Emit` (hand an item to whoever iterates a listing or a stream). A failed RPC comes back
 as its ``grpc.RpcError``, raised at the ``yield``.
 
-So everything but the I/O is here, once: requests and conversions, the retry and reconnect
-decisions, the mapping of gRPC errors to :mod:`ssdrbm.errors`, pagination, splitting serving
-batches, the upload's chunks, the export's checks. :class:`ssdrbm.Client` (``client.py``)
+So everything but the I/O is here, once: the retry and reconnect decisions, the mapping of gRPC
+errors to :mod:`ssdrbm.errors`, pagination, streams, splitting serving batches, the upload's
+chunks, the export's checks (a call of one request and one answer is :func:`unary`, its request
+built by the client's method). :class:`ssdrbm.Client` (``client.py``)
 performs the effects on a blocking channel, :class:`ssdrbm.aio.AsyncClient` (``aio.py``) awaits
 them on a ``grpc.aio`` channel (each about twenty lines: ``_run``, ``_iterate``, ``_perform``,
 with :class:`Walk` feeding the answers back). Every public method of the blocking client only
@@ -46,9 +47,8 @@ from ssdrbm.errors import ResourceExhausted, Unavailable, from_rpc_error, retry_
 from ssdrbm.events import Job, JobState, MetricEvent, StateEvent, event_from_proto
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.retry import Backoff, RetryPolicy, is_retryable
-from ssdrbm.server_info import ServerInfo
-from ssdrbm.spec import TrainingDefaults, from_message, training_request
-from ssdrbm.sweeps import Sweep, sweep_request
+from ssdrbm.spec import from_message
+from ssdrbm.sweeps import Sweep
 from ssdrbm.tensors import DEFAULT_MAX_BATCH_BYTES, from_tensor, to_tensor
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
@@ -155,6 +155,14 @@ class ClientBase:
         self._channel = self.connection.channel(self._grpc)
         self._stub = rbm_pb2_grpc.RBMServiceStub(self._channel)
 
+    def _iterate(self, steps: Steps[None]) -> Any:
+        """Run a call's steps, yielding the items they emit (``_walk``: blocking or async)."""
+        return self._walk(Walk(steps))  # type: ignore[attr-defined]
+
+    def _call(self, method: str, request: Any, convert: Callable[[Any], Any] = lambda x: x) -> Any:
+        """Run :func:`unary` on this client's transport (``_run``: blocking or awaitable)."""
+        return self._run(unary(self, method, request, convert))  # type: ignore[attr-defined]
+
     @property
     def target(self) -> str:
         """The address this client talks to."""
@@ -185,14 +193,17 @@ def _retried(client: ClientBase, attempt: Callable[[], Steps[T]]) -> Steps[T]:
         yield Sleep(delay)
 
 
-def unary(client: ClientBase, method: str, request: Any) -> Steps[Any]:
-    """A unary call with the deadline, the token and retries on UNAVAILABLE.
+def unary(
+    client: ClientBase, method: str, request: Any, convert: Callable[[Any], Any] = lambda x: x
+) -> Steps[Any]:
+    """A unary call with the deadline, the token and retries on UNAVAILABLE; its response, as
+    ``convert`` makes it.
 
     Every unary call is idempotent: reads, cancels, deletes, and StartTraining and StartSweep
-    through their request_id.
+    through their request_id (which makes a repeat return the original job or sweep).
     """
     timeout = client.connection.timeout
-    return (yield from _retried(client, lambda: _start(client, method, request, timeout)))
+    return convert((yield from _retried(client, lambda: _start(client, method, request, timeout))))
 
 
 def _pages(
@@ -223,25 +234,9 @@ def _reconnect_delay(
 # -- jobs -----------------------------------------------------------------------------------------
 
 
-def start_training(client: ClientBase, **kwargs: Any) -> Steps[Job]:
-    request = training_request(**kwargs)
-    # The request_id makes a repeat return the original job, so retrying cannot duplicate it.
-    return Job.from_proto((yield from unary(client, "StartTraining", request)).job)
-
-
-def training_defaults(client: ClientBase) -> Steps[TrainingDefaults]:
-    request = rbm_pb2.GetTrainingDefaultsRequest()
-    return TrainingDefaults.from_proto((yield from unary(client, "GetTrainingDefaults", request)))
-
-
-def server_info(client: ClientBase) -> Steps[ServerInfo]:
-    request = rbm_pb2.GetServerInfoRequest()
-    return ServerInfo.from_proto((yield from unary(client, "GetServerInfo", request)))
-
-
 def get_job(client: ClientBase, job_id: str) -> Steps[Job]:
     request = rbm_pb2.GetJobRequest(job_id=job_id)
-    return Job.from_proto((yield from unary(client, "GetJob", request)))
+    return (yield from unary(client, "GetJob", request, Job.from_proto))
 
 
 def list_jobs(client: ClientBase, state: JobState | str | None, page_size: int) -> Steps[None]:
@@ -250,40 +245,12 @@ def list_jobs(client: ClientBase, state: JobState | str | None, page_size: int) 
     yield from _pages(client, "ListJobs", request, "jobs", Job.from_proto)
 
 
-def cancel(client: ClientBase, job_id: str) -> Steps[Job]:
-    request = rbm_pb2.CancelJobRequest(job_id=job_id)
-    return Job.from_proto((yield from unary(client, "CancelJob", request)))
-
-
-def delete_job(client: ClientBase, job_id: str, force: bool) -> Steps[None]:
-    yield from unary(client, "DeleteJob", rbm_pb2.DeleteJobRequest(job_id=job_id, force=force))
-
-
 # -- sweeps ---------------------------------------------------------------------------------------
-
-
-def start_sweep(client: ClientBase, **kwargs: Any) -> Steps[Sweep]:
-    return Sweep.from_proto((yield from unary(client, "StartSweep", sweep_request(**kwargs))))
-
-
-def get_sweep(client: ClientBase, sweep_id: str) -> Steps[Sweep]:
-    request = rbm_pb2.GetSweepRequest(sweep_id=sweep_id)
-    return Sweep.from_proto((yield from unary(client, "GetSweep", request)))
 
 
 def list_sweeps(client: ClientBase, page_size: int) -> Steps[None]:
     request = rbm_pb2.ListSweepsRequest(page_size=page_size)
     yield from _pages(client, "ListSweeps", request, "sweeps", Sweep.from_proto)
-
-
-def cancel_sweep(client: ClientBase, sweep_id: str) -> Steps[Sweep]:
-    request = rbm_pb2.CancelSweepRequest(sweep_id=sweep_id)
-    return Sweep.from_proto((yield from unary(client, "CancelSweep", request)))
-
-
-def delete_sweep(client: ClientBase, sweep_id: str, force: bool, keep_runs: bool) -> Steps[int]:
-    request = rbm_pb2.DeleteSweepRequest(sweep_id=sweep_id, force=force, keep_runs=keep_runs)
-    return (yield from unary(client, "DeleteSweep", request)).deleted_jobs
 
 
 def stream_sweep(client: ClientBase, sweep_id: str, timeout: float | None) -> Steps[None]:
@@ -454,10 +421,6 @@ def upload_dataset_id(
 def list_datasets(client: ClientBase, page_size: int) -> Steps[None]:
     request = rbm_pb2.ListDatasetsRequest(page_size=page_size)
     yield from _pages(client, "ListDatasets", request, "datasets", Dataset.from_proto)
-
-
-def delete_dataset(client: ClientBase, dataset_id: str) -> Steps[None]:
-    yield from unary(client, "DeleteDataset", rbm_pb2.DeleteDatasetRequest(dataset_id=dataset_id))
 
 
 def _download(

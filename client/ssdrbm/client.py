@@ -28,8 +28,9 @@ from ssdrbm.errors import SSDRBMError
 from ssdrbm.events import Job, JobState, MetricEvent
 from ssdrbm.model_file import ExportedModel
 from ssdrbm.server_info import ServerInfo
-from ssdrbm.spec import TrainingDefaults
-from ssdrbm.sweeps import Sweep
+from ssdrbm.spec import TrainingDefaults, training_request
+from ssdrbm.sweeps import Sweep, sweep_request
+from ssdrbm.v1 import rbm_pb2
 
 T = TypeVar("T")
 
@@ -68,10 +69,6 @@ class Client(calls.ClientBase):
         for _ in self._walk(walk):
             pass  # calls that return a result emit nothing
         return walk.result
-
-    def _iterate(self, steps: calls.Steps[None]) -> Iterator[Any]:
-        """Run a call's steps, yielding the items they emit."""
-        return self._walk(calls.Walk(steps))
 
     def _walk(self, walk: calls.Walk[Any]) -> Iterator[Any]:
         for effect in walk:
@@ -119,16 +116,19 @@ class Client(calls.ClientBase):
         :meth:`upload_dataset`; ``preprocess`` ("none", "binarize", "scale", "standardize");
         ``request_id`` (generated when missing); ``name``. Zeros mean "the server's default".
         """
-        return self._run(calls.start_training(self, **kwargs))
+        request = training_request(**kwargs)
+        return self._call("StartTraining", request, lambda r: Job.from_proto(r.job))
 
     def training_defaults(self) -> TrainingDefaults:
         """The defaults the service fills into unset fields: step sizes per model and
         optimizer, and a minimal request resolved (every other default)."""
-        return self._run(calls.training_defaults(self))
+        request = rbm_pb2.GetTrainingDefaultsRequest()
+        return self._call("GetTrainingDefaults", request, TrainingDefaults.from_proto)
 
     def server_info(self) -> ServerInfo:
         """The service's version, API and optional features (``GetServerInfo``)."""
-        return self._run(calls.server_info(self))
+        request = rbm_pb2.GetServerInfoRequest()
+        return self._call("GetServerInfo", request, ServerInfo.from_proto)
 
     def get_job(self, job_id: str) -> Job:
         """The job's current record; :class:`~ssdrbm.errors.NotFound` when it does not exist."""
@@ -142,12 +142,14 @@ class Client(calls.ClientBase):
 
     def cancel(self, job_id: str) -> Job:
         """Ask the job to stop; returns its record (a finished job is left as it is)."""
-        return self._run(calls.cancel(self, job_id))
+        request = rbm_pb2.CancelJobRequest(job_id=job_id)
+        return self._call("CancelJob", request, Job.from_proto)
 
     def delete_job(self, job_id: str, *, force: bool = False) -> None:
         """Delete a finished job with its metrics and checkpoints (it is NOT_FOUND afterwards);
         a queued or running job raises FailedPrecondition unless ``force`` cancels it first."""
-        self._run(calls.delete_job(self, job_id, force))
+        request = rbm_pb2.DeleteJobRequest(job_id=job_id, force=force)
+        return self._call("DeleteJob", request, lambda _: None)
 
     # -- sweeps (ssdrbm/sweeps.py) --------------------------------------------------------------
 
@@ -160,11 +162,12 @@ class Client(calls.ClientBase):
         ``rungs``, ``name``, ``request_id`` (generated when missing), ``validate_only``, and
         :meth:`start_training`'s keywords for what every run shares.
         """
-        return self._run(calls.start_sweep(self, **kwargs))
+        return self._call("StartSweep", sweep_request(**kwargs), Sweep.from_proto)
 
     def get_sweep(self, sweep_id: str) -> Sweep:
         """The sweep with its leaderboard (runs best first)."""
-        return self._run(calls.get_sweep(self, sweep_id))
+        request = rbm_pb2.GetSweepRequest(sweep_id=sweep_id)
+        return self._call("GetSweep", request, Sweep.from_proto)
 
     def list_sweeps(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[Sweep]:
         """Every sweep of the caller, newest first (without their runs: see get_sweep)."""
@@ -172,13 +175,15 @@ class Client(calls.ClientBase):
 
     def cancel_sweep(self, sweep_id: str) -> Sweep:
         """Cancel every queued or running run of the sweep."""
-        return self._run(calls.cancel_sweep(self, sweep_id))
+        request = rbm_pb2.CancelSweepRequest(sweep_id=sweep_id)
+        return self._call("CancelSweep", request, Sweep.from_proto)
 
     def delete_sweep(self, sweep_id: str, *, force: bool = False, keep_runs: bool = False) -> int:
         """Delete the sweep and its runs' jobs (their metrics and checkpoints); returns how many
         jobs were deleted. Queued or running runs raise FailedPrecondition unless ``force``
         cancels them first; ``keep_runs`` deletes only the sweep and keeps its jobs."""
-        return self._run(calls.delete_sweep(self, sweep_id, force, keep_runs))
+        request = rbm_pb2.DeleteSweepRequest(sweep_id=sweep_id, force=force, keep_runs=keep_runs)
+        return self._call("DeleteSweep", request, lambda r: r.deleted_jobs)
 
     def stream_sweep(self, sweep_id: str, *, timeout: float | None = None) -> Iterator[Sweep]:
         """The live leaderboard: a :class:`~ssdrbm.sweeps.Sweep` on every change (and every
@@ -282,7 +287,8 @@ class Client(calls.ClientBase):
         :class:`~ssdrbm.errors.FailedPrecondition` while a queued or running job of the
         caller trains on it; :class:`~ssdrbm.errors.NotFound` for an unknown id. Deleting
         again is NotFound, so a retried delete may report that."""
-        self._run(calls.delete_dataset(self, dataset_id))
+        request = rbm_pb2.DeleteDatasetRequest(dataset_id=dataset_id)
+        return self._call("DeleteDataset", request, lambda _: None)
 
     def fetch_model(self, job_id: str, *, checkpoint_step: int = 0) -> ExportedModel:
         """The job's latest (or a given) checkpoint as numpy tensors plus its config."""

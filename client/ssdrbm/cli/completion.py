@@ -11,7 +11,7 @@ import argparse
 import functools
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ssdrbm.cli.exit_codes import ExitCode
@@ -61,12 +61,7 @@ def run_completion(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 def script(shell: str, parser: argparse.ArgumentParser) -> str:
     """The completion script for ``shell`` (one of :data:`SHELLS`)."""
     root, commands = describe_parser(parser)
-    writers: dict[str, Callable[[Command, list[Command]], str]] = {
-        "bash": bash_script,
-        "zsh": zsh_script,
-        "fish": fish_script,
-    }
-    return writers[shell](root, commands)
+    return {"bash": bash_script, "zsh": zsh_script, "fish": fish_script}[shell](root, commands)
 
 
 def _safe(words: Iterable[object]) -> list[str]:

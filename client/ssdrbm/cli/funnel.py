@@ -36,14 +36,6 @@ INSTALL_SERVER = (
 )
 
 
-def install_extra(extra: str) -> str:
-    """The pip command that adds the client's ``extra``, with or without the server."""
-    return (
-        f"install the [{extra}] extra: pip install './client[{extra}]' in a checkout of the "
-        "ssdrbm repository"
-    )
-
-
 class UsageError(Exception):
     """A command-line value that cannot work, found before anything was sent."""
 
@@ -88,7 +80,8 @@ def describe(error: BaseException, context: Context) -> Failure:
     if isinstance(error, MissingExtra):
         return Failure(
             f"'{PROGRAM} {context.command}' needs {error.module}, which is not installed here",
-            install_extra(error.extra),
+            f"install the [{error.extra}] extra: pip install './client[{error.extra}]' in a "
+            "checkout of the ssdrbm repository",
             ExitCode.ERROR,
         )
     if isinstance(error, UsageError):
