@@ -101,12 +101,10 @@ _NOT_MEASUREMENTS = frozenset({"step", "total_steps", "wall_time_s", "samples_pe
 
 @dataclass(frozen=True)
 class BlowUp:
-    """A blown-up run: which metric, at which step, against which reference.
-
-    ``criterion`` is ``"non-finite"`` (``reference`` is None), ``"growth"`` (``value`` is
-    ``reference`` times a factor beyond the threshold) or ``"stuck"`` (``value`` is the stuck
-    fraction, ``reference`` the limit STUCK_FRACTION it reached; ``detail`` gives ‖W‖₂).
-    """
+    """A blown-up run: which metric, at which step, against which reference. ``criterion`` is
+    ``"non-finite"`` (``reference`` is None), ``"growth"`` (``value`` is ``reference`` times a
+    factor beyond the threshold) or ``"stuck"`` (``value`` is the stuck fraction, ``reference`` the
+    limit STUCK_FRACTION it reached; ``detail`` gives ‖W‖₂)."""
 
     step: int
     metric: str
@@ -152,13 +150,11 @@ def _growth(
 
 
 class BlowUpDetector:
-    """Watches metric dicts (``Trainer.evaluate()``) and reports the first blow-up it sees.
-
-    Feed it every evaluation in order, starting with the one before training
-    (:meth:`observe`). References (the best reconstruction error, the ‖W‖₂ reference) are
-    taken from healthy evaluations only. :meth:`state_dict` is plain JSON: a checkpoint keeps
-    it (through :meth:`Recovery.state_dict`) so that a resumed run judges as if never stopped.
-    """
+    """Watches metric dicts (``Trainer.evaluate()``) and reports the first blow-up it sees. Feed it
+    every evaluation in order, starting with the one before training (:meth:`observe`). References
+    (the best reconstruction error, the ‖W‖₂ reference) are taken from healthy evaluations only.
+    :meth:`state_dict` is plain JSON: a checkpoint keeps it (through :meth:`Recovery.state_dict`) so
+    that a resumed run judges as if never stopped."""
 
     def __init__(self) -> None:
         self.best_reconstruction_error: float | None = None
@@ -268,10 +264,8 @@ def _non_finite(metrics: Mapping[str, Any], step: int) -> BlowUp | None:
 
 
 def blowup_from_error(error: DivergenceError, step: int) -> BlowUp:
-    """The :class:`BlowUp` of a :class:`~ssdcore.DivergenceError` raised by training.
-
-    ``step`` is used when the error does not carry the step that failed (``error.step``).
-    """
+    """The :class:`BlowUp` of a :class:`~ssdcore.DivergenceError` raised by training. ``step`` is
+    used when the error does not carry the step that failed (``error.step``)."""
     failed = error.step if error.step is not None else step
     return BlowUp(failed, PARAMETERS, math.nan, None, "non-finite", detail=error.what or str(error))
 

@@ -89,11 +89,9 @@ def to_centered(model: RBM, visible: Tensor, hidden: Tensor) -> tuple[Tensor, Te
 
 
 class Centering:
-    """Offsets (μ, λ) of one model and the centered step; owned by the Trainer.
-
-    ``visible`` (V,) and ``hidden`` (H,) are float32 tensors on the model's device, updated in
-    place (so a captured CUDA graph keeps reading them).
-    """
+    """Offsets (μ, λ) of one model and the centered step; owned by the Trainer. ``visible`` (V,) and
+    ``hidden`` (H,) are float32 tensors on the model's device, updated in place (so a captured CUDA
+    graph keeps reading them)."""
 
     def __init__(self, model: RBM, config: CenteringConfig, train_data: Tensor) -> None:
         if not isinstance(config, CenteringConfig):

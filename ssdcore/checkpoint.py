@@ -188,10 +188,8 @@ def trainer_from_bytes(
     valid_data: Tensor | None = None,
     device: str | torch.device | None = None,
 ) -> Trainer:
-    """A new :class:`Trainer` (and model) resumed from :func:`trainer_to_bytes` output.
-
-    The training data is not stored in checkpoints; pass the same ``train_data`` (its order is).
-    """
+    """A new :class:`Trainer` (and model) resumed from :func:`trainer_to_bytes` output. The training
+    data is not stored in checkpoints; pass the same ``train_data`` (its order is)."""
     _, metadata = _read(data, TRAINER_FORMAT)
     model = model_from_config(json.loads(metadata["config"]), device=device)
     settings = json.loads(metadata["settings"])

@@ -35,10 +35,8 @@ def use_cuda_graph(requested: bool | None, obstacle: str | None) -> bool:
 
 class GraphedStep:
     """Runs ``step`` eagerly for :data:`WARMUP_STEPS` calls, then captures it and replays it.
-
     ``generators`` are the CUDA generators the step draws from; they keep advancing with every
-    replay, so their saved states stay exact for a resume.
-    """
+    replay, so their saved states stay exact for a resume."""
 
     def __init__(
         self,

@@ -9,12 +9,10 @@ if TYPE_CHECKING:
 
 
 class DivergenceError(RuntimeError):
-    """A training step produced NaN or Inf in a parameter, gradient or metric, or blew up.
-
-    Raised instead of silently training on garbage; lower the learning rate or check the data.
-    ``step`` is the step at which it was seen, when known; ``what`` says what went wrong in a
-    few words (e.g. "parameters ['W'] became NaN or Inf"), without the advice of the message.
-    """
+    """A training step produced NaN or Inf in a parameter, gradient or metric, or blew up. Raised
+    instead of silently training on garbage; lower the learning rate or check the data. ``step`` is
+    the step at which it was seen, when known; ``what`` says what went wrong in a few words (e.g.
+    "parameters ['W'] became NaN or Inf"), without the advice of the message."""
 
     def __init__(self, message: str, *, step: int | None = None, what: str = "") -> None:
         super().__init__(message)
@@ -30,11 +28,9 @@ class DivergenceError(RuntimeError):
 
 
 class BlowUpError(DivergenceError):
-    """Training blew up (see :mod:`ssdcore.blowup`) and the backoff budget is spent.
-
-    ``blowup`` is the last blow-up, ``suggested_lr`` the step size to try next and
-    ``history`` the metric history up to it (with its backoff entries).
-    """
+    """Training blew up (see :mod:`ssdcore.blowup`) and the backoff budget is spent. ``blowup`` is
+    the last blow-up, ``suggested_lr`` the step size to try next and ``history`` the metric history
+    up to it (with its backoff entries)."""
 
     def __init__(
         self,

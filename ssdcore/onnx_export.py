@@ -42,11 +42,9 @@ def _initializer(name: str, tensor: torch.Tensor) -> onnx.TensorProto:
 def build_onnx_model(
     model: RBM, *, graph_name: str = "rbm", metadata: Mapping[str, str] | None = None
 ) -> onnx.ModelProto:
-    """The ONNX graph of `model`'s hidden probabilities and mean-field reconstruction.
-
-    `metadata` adds string entries to the model's metadata_props (the config is always there,
-    under `CONFIG_METADATA_KEY`). Raises ValueError for a model kind it does not know.
-    """
+    """The ONNX graph of `model`'s hidden probabilities and mean-field reconstruction. `metadata`
+    adds string entries to the model's metadata_props (the config is always there, under
+    `CONFIG_METADATA_KEY`). Raises ValueError for a model kind it does not know."""
     if model.kind not in ("bernoulli", "gaussian"):
         raise ValueError(f"no ONNX export for model kind {model.kind!r}")
     kernel = model.gibbs_kernel()

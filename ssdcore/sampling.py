@@ -58,11 +58,9 @@ class _Scratch:
 
 
 class RandomSource:
-    """Seeded Bernoulli and Gaussian draws into preallocated tensors on one device.
-
-    `state_dict()` / `load_state_dict()` capture the generator exactly, so a resumed run draws
-    the same numbers as an uninterrupted one.
-    """
+    """Seeded Bernoulli and Gaussian draws into preallocated tensors on one device. `state_dict()` /
+    `load_state_dict()` capture the generator exactly, so a resumed run draws the same numbers as an
+    uninterrupted one."""
 
     def __init__(self, device: torch.device | str, seed: int):
         self.device = torch.device(device)
@@ -245,12 +243,10 @@ def gibbs_sweeps(
 
 @dataclass(frozen=True)
 class CollapsedSweep:
-    """The Gaussian RBM's h → h transition with the visible layer integrated out.
-
-    Given h, v ~ N(b + Wh, C), and the hidden units see v only through x = vᵀC⁻¹W + a, which is
-    then exactly Gaussian: x ~ N(c + hᵀA, A) with A = WᵀC⁻¹W (H, H) and c = a + bᵀC⁻¹W. So a
-    sweep costs an H×H product and H normal draws instead of two V×H products and V draws.
-    """
+    """The Gaussian RBM's h → h transition with the visible layer integrated out. Given h,
+    v ~ N(b + Wh, C), and the hidden units see v only through x = vᵀC⁻¹W + a, which is then exactly
+    Gaussian: x ~ N(c + hᵀA, A) with A = WᵀC⁻¹W (H, H) and c = a + bᵀC⁻¹W. So a sweep costs an H×H
+    product and H normal draws instead of two V×H products and V draws."""
 
     coupling: torch.Tensor  # A (H, H)
     offset: torch.Tensor  # c (H,)
@@ -258,12 +254,10 @@ class CollapsedSweep:
 
 
 def collapsed_sweep(kernel: GibbsKernel, n_chains: int, sweeps: int) -> CollapsedSweep | None:
-    """The collapsed transition when it is cheaper for `sweeps` h → h steps, else None.
-
-    Building it costs V·H² + H³/3 multiply-adds; each sweep then saves about 2·n·H·(V - H).
-    It is only used when that saving is at least twice the cost, and when A is numerically
-    positive definite (otherwise the plain sweep is exact and always available).
-    """
+    """The collapsed transition when it is cheaper for `sweeps` h → h steps, else None. Building it
+    costs V·H² + H³/3 multiply-adds; each sweep then saves about 2·n·H·(V - H). It is only used when
+    that saving is at least twice the cost, and when A is numerically positive definite (otherwise
+    the plain sweep is exact and always available)."""
     if not kernel.gaussian or sweeps < 1:
         return None
     n_visible, n_hidden = kernel.weight.shape
@@ -314,11 +308,8 @@ class GibbsChain:
         visible_out: torch.Tensor,
         hidden_probs_out: torch.Tensor,
     ) -> None:
-        """k sweeps from the binary hidden states `hidden_start` (n_chains, H).
-
-        On return `visible_out` (n_chains, V) holds v_k and `hidden_probs_out` (n_chains, H)
-        holds p(h | v_k).
-        """
+        """k sweeps from the binary hidden states `hidden_start` (n_chains, H). On return
+        `visible_out` (n_chains, V) holds v_k and `hidden_probs_out` (n_chains, H) p(h | v_k)."""
         hidden = hidden_start
         collapsed = collapsed_sweep(kernel, hidden_start.shape[0], k - 1) if self.collapse else None
         if collapsed is not None:

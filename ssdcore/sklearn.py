@@ -251,11 +251,9 @@ class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstim
             return self._output(self.model_.hidden_probs(data), dtype)
 
     def score_samples(self, X: Any) -> np.ndarray:
-        """Per-sample score, higher for likelier samples, in scikit-learn's dtype.
-
-        Bernoulli: the exact pseudo-log-likelihood Σᵢ log p(vᵢ | v₋ᵢ). Gaussian: -F(v), the
-        log-likelihood up to the model's constant log Z.
-        """
+        """Per-sample score, higher for likelier samples, in scikit-learn's dtype. Bernoulli: the
+        exact pseudo-log-likelihood Σᵢ log p(vᵢ | v₋ᵢ). Gaussian: -F(v), the log-likelihood up to
+        the model's constant log Z."""
         check_is_fitted(self)
         data, dtype = self._input(X, reset=False, dtype="numeric")
         # scikit-learn's sparse path computes in float64 whatever the dtype.

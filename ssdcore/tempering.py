@@ -56,12 +56,10 @@ SWAP_RATE_WINDOW = 100
 
 @dataclass(frozen=True)
 class TemperingConfig:
-    """The inverse-temperature ladder 1 = β_0 > β_1 > ... > β_{K-1} = min_beta.
-
-    ``spacing`` "geometric" (equal ratios, the usual choice: swap rates depend on ratios of
-    neighbouring β) or "linear"; ``betas`` gives the ladder explicitly instead (then
-    ``n_temperatures`` and ``min_beta`` are taken from it).
-    """
+    """The inverse-temperature ladder 1 = β_0 > β_1 > ... > β_{K-1} = min_beta. ``spacing``
+    "geometric" (equal ratios, the usual choice: swap rates depend on ratios of neighbouring β) or
+    "linear"; ``betas`` gives the ladder explicitly instead (then ``n_temperatures`` and
+    ``min_beta`` are taken from it)."""
 
     n_temperatures: int = DEFAULT_N_TEMPERATURES
     min_beta: float = DEFAULT_MIN_BETA
@@ -149,10 +147,8 @@ def swap_log_acceptance(
     x_j: torch.Tensor,
 ) -> torch.Tensor:
     """log of the Metropolis ratio for exchanging v_i (at β_i) and v_j (at β_j), before min(0, ·).
-
-    ``q_*`` are visible energies (M,), ``x_*`` hidden inputs (M, H); the β arguments are floats
-    or tensors that broadcast against q (e.g. (P, 1) for P pairs of (P, M) chains).
-    """
+    ``q_*`` are visible energies (M,), ``x_*`` hidden inputs (M, H); the β arguments are floats or
+    tensors that broadcast against q (e.g. (P, 1) for P pairs of (P, M) chains)."""
     bi, bj = _per_unit(beta_i), _per_unit(beta_j)
     cross = F.softplus(bi * x_j).sum(-1) + F.softplus(bj * x_i).sum(-1)
     own = F.softplus(bi * x_i).sum(-1) + F.softplus(bj * x_j).sum(-1)
@@ -165,12 +161,10 @@ def _per_unit(beta: torch.Tensor | float) -> torch.Tensor | float:
 
 
 class ParallelTempering:
-    """Persistent chains at every temperature of a ladder, and the swaps between them.
-
-    ``chains`` (K, M, H) holds binary hidden states, temperature 0 (β = 1) first; ``run``
-    advances them one PCD step and writes the β = 1 negative phase where the estimator reads
-    it. Random draws come from the estimator's :class:`~ssdcore.sampling.RandomSource`.
-    """
+    """Persistent chains at every temperature of a ladder, and the swaps between them. ``chains``
+    (K, M, H) holds binary hidden states, temperature 0 (β = 1) first; ``run`` advances them one PCD
+    step and writes the β = 1 negative phase where the estimator reads it. Random draws come from
+    the estimator's :class:`~ssdcore.sampling.RandomSource`."""
 
     def __init__(self, config: TemperingConfig, model: RBM, source: RandomSource):
         self.config = config
@@ -200,12 +194,10 @@ class ParallelTempering:
         visible_out: torch.Tensor,
         hidden_probs_out: torch.Tensor,
     ) -> None:
-        """One PCD step: k sweeps at every β, one round of swaps, fresh hidden states.
-
-        ``start`` (M, H) binary hidden states start every temperature's chains when there are
-        none yet; afterwards it is ignored. On return ``visible_out`` (M, V) holds the β = 1
-        chains' visible states and ``hidden_probs_out`` (M, H) their p(h | v).
-        """
+        """One PCD step: k sweeps at every β, one round of swaps, fresh hidden states. ``start``
+        (M, H) binary hidden states start every temperature's chains when there are none yet;
+        afterwards it is ignored. On return ``visible_out`` (M, V) holds the β = 1 chains' visible
+        states and ``hidden_probs_out`` (M, H) their p(h | v)."""
         if self.chains is None:
             if start is None:
                 raise ValueError("the first tempering step needs starting hidden states")

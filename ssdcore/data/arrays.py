@@ -23,9 +23,7 @@ def check_finite(x: torch.Tensor, name: str = "data") -> None:
 
 def as_data_tensor(x: Any, name: str = "data") -> torch.Tensor:
     """Convert a numpy array / tensor / nested list of examples to a finite float32 (N, V) tensor.
-
-    Images (N, rows, cols, ...) are flattened to one row per example.
-    """
+    Images (N, rows, cols, ...) are flattened to one row per example."""
     if isinstance(x, torch.Tensor):
         tensor = x.detach()
     else:
@@ -64,10 +62,8 @@ def split_sizes(n: int, valid_fraction: float) -> tuple[int, int]:
 def split(
     x: torch.Tensor, valid_fraction: float, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shuffle the rows of `x` (seeded) and split them into (train, valid).
-
-    The validation part has round(valid_fraction · N) rows; both parts keep at least one row.
-    """
+    """Shuffle the rows of `x` (seeded) and split them into (train, valid). The validation part has
+    round(valid_fraction · N) rows; both parts keep at least one row."""
     n = x.shape[0]
     _, n_valid = split_sizes(n, valid_fraction)
     generator = torch.Generator().manual_seed(seed)

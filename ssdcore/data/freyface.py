@@ -15,11 +15,9 @@ FILE_NAME = "frey_rawface.mat"
 
 
 def load_frey_face(path: str | Path | None = None) -> torch.Tensor:
-    """Frey Face images as a float32 tensor (1965, 560) of raw intensities (0..255).
-
-    Each row is one upright 28×20 image flattened row-major. `path` defaults to
-    `freyface/frey_rawface.mat` in the data directory.
-    """
+    """Frey Face images as a float32 tensor (1965, 560) of raw intensities (0..255). Each row is one
+    upright 28×20 image flattened row-major. `path` defaults to `freyface/frey_rawface.mat` in the
+    data directory."""
     path = Path(path) if path is not None else default_data_dir() / "freyface" / FILE_NAME
     if not path.is_file():
         raise FileNotFoundError(

@@ -28,13 +28,11 @@ def load_mnist(
     subset: str = "all",
     with_labels: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """MNIST images as a float32 tensor (N, 784) of raw intensities 0..255.
-
-    Reads whichever standard IDX files `directory` holds (default: the data directory's
-    `mnist/`; plain or `.gz`): `subset="all"` concatenates the training files (if present) and
-    the test files (if present); "train" or "test" picks one. With `with_labels=True` returns
-    `(images, labels)` with int64 labels (N,). Use `preprocess` to binarize or scale.
-    """
+    """MNIST images as a float32 tensor (N, 784) of raw intensities 0..255. Reads whichever standard
+    IDX files `directory` holds (default: the data directory's `mnist/`; plain or `.gz`):
+    `subset="all"` concatenates the training files (if present) and the test files (if present);
+    "train" or "test" picks one. With `with_labels=True` returns `(images, labels)` with int64
+    labels (N,). Use `preprocess` to binarize or scale."""
     directory = Path(directory) if directory is not None else default_data_dir() / "mnist"
     if subset not in ("all", *SUBSETS):
         raise ValueError(f"subset must be 'all', 'train' or 'test', got {subset!r}")

@@ -37,10 +37,8 @@ class AISResult:
 
 def annealing_schedule(n_betas: int) -> torch.Tensor:
     """n_betas inverse temperatures from 0 to 1, denser near 1 where the weights change most.
-
-    Proportions follow Salakhutdinov & Murray (2008): about 3.5% of the points on [0, 0.5],
-    27.5% on [0.5, 0.9] and the rest on [0.9, 1].
-    """
+    Proportions follow Salakhutdinov & Murray (2008): about 3.5% of the points on [0, 0.5], 27.5% on
+    [0.5, 0.9] and the rest on [0.9, 1]."""
     if n_betas < 2:
         raise ValueError(f"n_betas must be at least 2, got {n_betas}")
     n_first = max(1, round(0.035 * n_betas))
@@ -64,12 +62,10 @@ def ais_log_partition(
     data: torch.Tensor | None = None,
     base_visible_bias: torch.Tensor | None = None,
 ) -> AISResult:
-    """Estimate log Z by AIS with `n_chains` independent chains and `n_betas` temperatures.
-
-    A Bernoulli RBM needs its training `data` (its base rates set the base model), or
-    `base_visible_bias` computed from it by `data_base_rates`; without either this refuses.
-    A Gaussian RBM's base is its own N(b, C) and needs neither.
-    """
+    """Estimate log Z by AIS with `n_chains` independent chains and `n_betas` temperatures. A
+    Bernoulli RBM needs its training `data` (its base rates set the base model), or
+    `base_visible_bias` computed from it by `data_base_rates`; without either this refuses. A
+    Gaussian RBM's base is its own N(b, C) and needs neither."""
     if n_chains < 2:
         raise ValueError(f"n_chains must be at least 2 to estimate an error, got {n_chains}")
     betas = annealing_schedule(int(n_betas)).tolist()

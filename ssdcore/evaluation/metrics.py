@@ -32,11 +32,9 @@ def reconstruction_error(
     mean_field: bool = True,
     generator: torch.Generator | None = None,
 ) -> float:
-    """Sum of squared errors per example, averaged over examples (the paper's metric).
-
-    The reconstruction is one Gibbs sweep v → h → E[v | h]; with `mean_field=True` (the
-    default) h is p(h | v) rather than a sample, which makes the metric deterministic.
-    """
+    """Sum of squared errors per example, averaged over examples (the paper's metric). The
+    reconstruction is one Gibbs sweep v → h → E[v | h]; with `mean_field=True` (the default) h is
+    p(h | v) rather than a sample, which makes the metric deterministic."""
     check_visible(v, model.n_visible)
     total = 0.0
     for chunk in v.split(_EVAL_ROWS):
@@ -53,13 +51,11 @@ def pseudo_log_likelihood(
     bits: str = "all",
     generator: torch.Generator | None = None,
 ) -> float:
-    """Mean pseudo-log-likelihood Σ_i log p(v_i | v_-i) per example, for binary data.
-
-    `bits="all"` (default) is exact: every unit is flipped in turn, using
-    log p(v_i | v_-i) = log σ(F(v with bit i flipped) - F(v)); flipping bit i moves the hidden
-    input by ±W_i, so this costs O(B·V·H) without recomputing the products.
-    `bits="random"` is scikit-learn's stochastic estimate: one random bit per example, times V.
-    """
+    """Mean pseudo-log-likelihood Σ_i log p(v_i | v_-i) per example, for binary data. `bits="all"`
+    (default) is exact: every unit is flipped in turn, using log p(v_i | v_-i) = log σ(F(v with bit
+    i flipped) - F(v)); flipping bit i moves the hidden input by ±W_i, so this costs O(B·V·H)
+    without recomputing the products. `bits="random"` is scikit-learn's stochastic estimate: one
+    random bit per example, times V."""
     if not isinstance(model, BernoulliRBM):
         raise TypeError("pseudo_log_likelihood needs binary visible units (a BernoulliRBM)")
     check_visible(v, model.n_visible)
@@ -116,13 +112,11 @@ def free_energy_gap(model: RBM, train: torch.Tensor, valid: torch.Tensor) -> flo
 
 @torch.no_grad()
 def saturated_hidden_fraction(model: RBM, v: torch.Tensor) -> float:
-    """Fraction of hidden units saturated on every row of ``v``: stuck units.
-
-    A unit counts when p(h = 1 | v) < SATURATION_PROBABILITY or > 1 - SATURATION_PROBABILITY for
-    each example (either side, per example). Near 1 after a blow-up, when huge weights make
-    every unit deterministic; also high for a Bernoulli RBM whose hidden units all settled "on"
-    to carry the visible biases (binarized Frey Face with SGD), which is no blow-up.
-    """
+    """Fraction of hidden units saturated on every row of ``v``: stuck units. A unit counts when
+    p(h = 1 | v) < SATURATION_PROBABILITY or > 1 - SATURATION_PROBABILITY for each example (either
+    side, per example). Near 1 after a blow-up, when huge weights make every unit deterministic;
+    also high for a Bernoulli RBM whose hidden units all settled "on" to carry the visible biases
+    (binarized Frey Face with SGD), which is no blow-up."""
     check_visible(v, model.n_visible)
     stuck = torch.ones(model.n_hidden, dtype=torch.bool, device=v.device)
     for chunk in v.split(_EVAL_ROWS):

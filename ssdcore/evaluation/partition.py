@@ -90,12 +90,10 @@ def _bernoulli_log_partition(model: BernoulliRBM, dtype: torch.dtype) -> float:
 
 
 def _product_group_size(widths: torch.Tensor) -> int:
-    """How many units' factors may be multiplied before one log (widths sorted, largest first).
-
-    A group whose widths add up to at most half the dtype's log-range can neither overflow nor
-    underflow; the groups are equal in size, so the first one, of the widest units, sets it.
-    0 when a single unit is too wide: then every unit takes its own softplus.
-    """
+    """How many units' factors may be multiplied before one log (widths sorted, largest first). A
+    group whose widths add up to at most half the dtype's log-range can neither overflow nor
+    underflow; the groups are equal in size, so the first one, of the widest units, sets it. 0 when
+    a single unit is too wide: then every unit takes its own softplus."""
     limit = 0.5 * math.log(torch.finfo(widths.dtype).max)
     return int((torch.cumsum(widths, dim=0) <= limit).sum())
 
@@ -164,12 +162,10 @@ def _gaussian_log_partition(model: GaussianRBM, dtype: torch.dtype) -> float:
 
 
 def _logsumexp_quadratic(linear: torch.Tensor, coupling: torch.Tensor) -> float:
-    """logsumexp over s ∈ {0, 1}^H of sᵀ·linear + ½·sᵀ·coupling·s.
-
-    Splitting s into low and high bits, s = (l, u), the exponent is
-    t(l) + t(u) + lᵀ A_lu u: for each chunk of high states one (2^low × H) @ (H × chunk) product
-    gives every cross term, so the cost is O(2^H · H) rather than O(2^H · H²).
-    """
+    """logsumexp over s ∈ {0, 1}^H of sᵀ·linear + ½·sᵀ·coupling·s. Splitting s into low and high
+    bits, s = (l, u), the exponent is t(l) + t(u) + lᵀ A_lu u: for each chunk of high states one
+    (2^low × H) @ (H × chunk) product gives every cross term, so the cost is O(2^H · H) rather than
+    O(2^H · H²)."""
     n_units = linear.numel()
     n_low = min(n_units, _LOW_BITS)
     device, dtype = linear.device, linear.dtype

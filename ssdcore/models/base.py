@@ -161,12 +161,10 @@ class RBM(nn.Module, ABC):
         mean_field: bool = False,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Run `k` Gibbs sweeps from `v` and return the visible mean of the last sweep (B, V).
-
-        With `mean_field=False` the hidden (and intermediate visible) states are sampled; with
+        """Run `k` Gibbs sweeps from `v` and return the visible mean of the last sweep (B, V). With
+        `mean_field=False` the hidden (and intermediate visible) states are sampled; with
         `mean_field=True` probabilities and means are propagated instead, so the result is
-        deterministic.
-        """
+        deterministic."""
         check_visible(v, self.n_visible)
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
@@ -183,10 +181,8 @@ class RBM(nn.Module, ABC):
     # --- parameters and configuration -------------------------------------------------------
 
     def constrain_(self) -> None:
-        """Project the parameters back onto their valid set (no-op unless a subclass needs it).
-
-        Call after every optimizer step; the CD estimator also calls it before each estimate.
-        """
+        """Project the parameters back onto their valid set (no-op unless a subclass needs it). Call
+        after every optimizer step; the CD estimator also calls it before each estimate."""
 
     @torch.no_grad()
     def init_from_data(self, v: torch.Tensor) -> None:

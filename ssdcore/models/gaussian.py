@@ -88,10 +88,8 @@ class GaussianRBM(RBM):
     # --- the covariance -----------------------------------------------------------------
 
     def log_variance(self) -> torch.Tensor:
-        """Log of the per-unit variances: (V,) for diagonal, (1,) for identity/isotropic.
-
-        Not defined for the full covariance (use `precision_matrix()`).
-        """
+        """Log of the per-unit variances: (V,) for diagonal, (1,) for identity/isotropic. Not
+        defined for the full covariance (use `precision_matrix()`)."""
         if self.variance == "diagonal":
             return self.log_var
         if self.variance == "isotropic":
@@ -147,10 +145,8 @@ class GaussianRBM(RBM):
         return quadratic - F.softplus(self.hidden_input(v)).sum(dim=1)
 
     def _noise_factors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(scale, transform): noise = eps * scale, or eps @ transform for the full covariance.
-
-        For C⁻¹ = L Lᵀ (Cholesky), eps @ L⁻¹ has covariance L⁻ᵀL⁻¹ = C.
-        """
+        """(scale, transform): noise = eps * scale, or eps @ transform for the full covariance. For
+        C⁻¹ = L Lᵀ (Cholesky), eps @ L⁻¹ has covariance L⁻ᵀL⁻¹ = C."""
         if self.variance == "identity":
             return None, None
         if self.variance == "full":
@@ -161,9 +157,7 @@ class GaussianRBM(RBM):
 
     def _kernel_buffer(self) -> torch.Tensor:
         """A reused (V, H) tensor for C⁻¹W: allocating 4·V·H bytes per update costs page faults.
-
-        Each `gibbs_kernel()` call overwrites it, so a kernel is valid until the next call.
-        """
+        Each `gibbs_kernel()` call overwrites it, so a kernel is valid until the next call."""
         buffer = getattr(self, "_hidden_weight_buffer", None)
         if buffer is None or buffer.shape != self.W.shape or buffer.device != self.W.device:
             buffer = torch.empty_like(self.W, requires_grad=False)
@@ -197,24 +191,20 @@ class GaussianRBM(RBM):
 
     @torch.no_grad()
     def constrain_(self) -> None:
-        """Keep variances in [min_variance, max_variance]; keep the precision symmetric and SPD.
-
-        For the full precision the projection symmetrizes and, only when an eigenvalue left
+        """Keep variances in [min_variance, max_variance]; keep the precision symmetric and SPD. For
+        the full precision the projection symmetrizes and, only when an eigenvalue left
         [1/max_variance, 1/min_variance], clips the spectrum (the nearest such matrix in the
-        Frobenius norm).
-        """
+        Frobenius norm)."""
         if self.variance == "full":
             self._project_precision_()
         elif self.variance != "identity":  # log_variance() is the parameter itself
             self.log_variance().clamp_(*log_variance_bounds(self.min_variance, self.max_variance))
 
     def _project_precision_(self) -> None:
-        """Symmetrize; clip the spectrum when it leaves the allowed range.
-
-        Eigenvalues are kept in [max(1/max_variance, λ_max·1e-5), 1/min_variance]: the relative
-        floor keeps the matrix positive definite after rounding to float32, whose error is
-        about 1e-7·λ_max per entry. Computed in float64.
-        """
+        """Symmetrize; clip the spectrum when it leaves the allowed range. Eigenvalues are kept in
+        [max(1/max_variance, λ_max·1e-5), 1/min_variance]: the relative floor keeps the matrix
+        positive definite after rounding to float32, whose error is about 1e-7·λ_max per entry.
+        Computed in float64."""
         precision = self.precision
         symmetric = 0.5 * (precision.double() + precision.double().t())
         eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)

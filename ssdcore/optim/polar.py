@@ -95,11 +95,9 @@ def _inverse_roots(
 
 
 def _nuclear_norm(eigenvalues: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """Σ sqrt(λ) over the eigenvalues of a float64 Gram matrix above its rounding noise.
-
-    A non-finite eigenvalue (a gradient with NaN or Inf) makes the result non-finite, so that
-    the step spreads it to the parameters and divergence is detected, not hidden as a zero step.
-    """
+    """Σ sqrt(λ) over the eigenvalues of a float64 Gram matrix above its rounding noise. A
+    non-finite eigenvalue (a gradient with NaN or Inf) makes the result non-finite, so that the step
+    spreads it to the parameters and divergence is detected, not hidden as a zero step."""
     noise = max(shape[-2:]) * torch.finfo(eigenvalues.dtype).eps * eigenvalues.amax(-1, True)
     return torch.where(eigenvalues <= noise, 0.0, eigenvalues).sqrt().sum(dim=-1)
 
@@ -126,24 +124,20 @@ def _inverse_square_root(
 
 
 def _gram_is_exact_enough(dtype: torch.dtype) -> bool:
-    """Whether float64 Gram matrices resolve every singular value a ``dtype`` matrix keeps.
-
-    An eigenvalue λ = σ² of a float64 Gram matrix is accurate to about ``eps64 · λ_max``, so σ
-    has relative error about ``eps64 (σ_max / σ)² / 2``; for float32 and sides up to ~1e4 that
-    is below ``eps64 / (1e4 · eps32)² ≈ 1e-10`` at the smallest kept σ. For float64 matrices
-    squaring the condition number would lose the small singular values (QR / SVD routes).
-    """
+    """Whether float64 Gram matrices resolve every singular value a ``dtype`` matrix keeps. An
+    eigenvalue λ = σ² of a float64 Gram matrix is accurate to about ``eps64 · λ_max``, so σ has
+    relative error about ``eps64 (σ_max / σ)² / 2``; for float32 and sides up to ~1e4 that is below
+    ``eps64 / (1e4 · eps32)² ≈ 1e-10`` at the smallest kept σ. For float64 matrices squaring the
+    condition number would lose the small singular values (QR / SVD routes)."""
     return dtype != torch.float64 and torch.finfo(dtype).eps >= torch.finfo(torch.float32).eps
 
 
 def polar_gram_factors(grad: Tensor) -> FactoredPolar:
-    """Exact polar factor of a thin matrix from its small Gram matrix, as ``left @ right``.
-
-    For G (m, n) with n ≪ m (e.g. 784×50), ``GᵀG = Q Λ Qᵀ`` (n×n, float64) gives
+    """Exact polar factor of a thin matrix from its small Gram matrix, as ``left @ right``. For G
+    (m, n) with n ≪ m (e.g. 784×50), ``GᵀG = Q Λ Qᵀ`` (n×n, float64) gives
     ``U Vᵀ = G · Q Λ^{-1/2} Qᵀ`` and ``‖σ‖₁ = Σ sqrt(λ)``: one O(m n²) product and an n×n
     eigendecomposition instead of an SVD, and the step fuses into one addmm. The factors are
-    ``(G, S)`` for tall G, ``(S, G)`` for wide G; float64 inputs take the SVD.
-    """
+    ``(G, S)`` for tall G, ``(S, G)`` for wide G; float64 inputs take the SVD."""
     if not _gram_is_exact_enough(grad.dtype):
         return _svd_factors(grad)
     wide = grad.shape[-2] < grad.shape[-1]
@@ -241,14 +235,11 @@ def _mixing_matrix(
     gram_left: Tensor, gram_right: Tensor, shape: tuple[int, int], dtype: torch.dtype
 ) -> tuple[Tensor, Tensor] | None:
     """``(X, ‖σ‖₁)`` with ``polar(L R) = L X R`` from ``LᵀL`` and ``R Rᵀ`` (float64), or None.
-
-    Derivation: with ``R Rᵀ = D Dᵀ`` the rows of ``Q_R = D⁺ R`` are orthonormal and
-    ``R = D Q_R`` (R's rows lie in D's range), so ``GᵀG = Q_Rᵀ T Q_R`` with
-    ``T = Dᵀ (LᵀL) D``. Hence ``(GᵀG)^{+1/2} = Q_Rᵀ T^{+1/2} Q_R`` and
-    ``polar(G) = G (GᵀG)^{+1/2} = L D T^{+1/2} D⁺ R``; T's eigenvalues are G's σ².
-    With ``T = Q Λ Qᵀ``: ``X = (D Q Λ^{-1/2}) (D⁺ᵀ Q)ᵀ``. The roles of L and R swap by
-    transposing G (``polar(Gᵀ) = polar(G)ᵀ``); see :func:`_choose_root`.
-    """
+    Derivation: with ``R Rᵀ = D Dᵀ`` the rows of ``Q_R = D⁺ R`` are orthonormal and ``R = D Q_R``
+    (R's rows lie in D's range), so ``GᵀG = Q_Rᵀ T Q_R`` with ``T = Dᵀ (LᵀL) D``. Hence
+    ``(GᵀG)^{+1/2} = Q_Rᵀ T^{+1/2} Q_R`` and ``polar(G) = G (GᵀG)^{+1/2} = L D T^{+1/2} D⁺ R``; T's
+    eigenvalues are G's σ². With ``T = Q Λ Qᵀ``: ``X = (D Q Λ^{-1/2}) (D⁺ᵀ Q)ᵀ``. The roles of L and
+    R swap by transposing G (``polar(Gᵀ) = polar(G)ᵀ``); see :func:`_choose_root`."""
     root = _choose_root(gram_left, gram_right, shape)
     if root is None:
         return None
@@ -273,13 +264,11 @@ def _is_integer_valued(factor: Tensor) -> bool:
 
 
 def _gram64(factor: Tensor, columns: bool) -> Tensor:
-    """``factorᵀ factor`` (columns) or ``factor factorᵀ`` (rows) in float64.
-
-    A 0/1 factor (the Bernoulli RBM's visible samples) has a Gram matrix of small integers,
-    which a float32 product computes exactly, at twice float64's speed: integer entries and
-    a largest squared column norm below 2**24 bound every partial sum (Cauchy–Schwarz). CPU
-    only, where float32 products are true float32 (no TF32).
-    """
+    """``factorᵀ factor`` (columns) or ``factor factorᵀ`` (rows) in float64. A 0/1 factor (the
+    Bernoulli RBM's visible samples) has a Gram matrix of small integers, which a float32 product
+    computes exactly, at twice float64's speed: integer entries and a largest squared column norm
+    below 2**24 bound every partial sum (Cauchy–Schwarz). CPU only, where float32 products are true
+    float32 (no TF32)."""
     cpu_float32 = factor.device.type == "cpu" and factor.dtype == torch.float32
     if cpu_float32 and _is_integer_valued(factor):
         gram = factor.mT @ factor if columns else factor @ factor.mT
@@ -320,11 +309,9 @@ def polar_lowrank_factors(left: Tensor, right: Tensor) -> FactoredPolar:
 
 def polar_lowrank_qr(left: Tensor, right: Tensor) -> FactoredPolar:
     """Exact polar factor of ``G = left @ right`` by QR of both factors, for any conditioning.
-
     ``left = Ql Rl`` and ``rightᵀ = Qr Rr`` give ``G = Ql (Rl Rrᵀ) Qrᵀ``, and the SVD of the small
     core ``Rl Rrᵀ = Uc Σ Vcᵀ`` is G's with ``U = Ql Uc``, ``V = Qr Vc``. Householder QR never
-    squares the condition number; it costs more than :func:`polar_lowrank_factors`.
-    """
+    squares the condition number; it costs more than :func:`polar_lowrank_factors`."""
     with one_cpu_thread(left.device):
         q_left, r_left = torch.linalg.qr(left)  # (m, r'), (r', r)
         q_right, r_right = torch.linalg.qr(right.mT)  # (n, r''), (r'', r)
@@ -406,14 +393,12 @@ def _newton_schulz_coefficients(fast_steps: int, polish_steps: int) -> list[tupl
 def polar_newton_schulz_factors(
     left: Tensor, right: Tensor, *, fast_steps: int = 5, polish_steps: int = 3
 ) -> FactoredPolar:
-    """:func:`polar_newton_schulz` of ``G = left @ right``, iterated in the r×r factor space.
-
-    The CD weight gradient has rank r = 2B, below both sides of a 784×500 W. Every iterate keeps
-    the form ``X = L Y R``: with ``Q = LᵀL`` and ``P = R Rᵀ``, ``X XᵀX = L (Z Y) R`` for
-    ``Z = Y P Yᵀ Q``, so the quintic step becomes ``Y ← (aI + bZ + cZ²) Y``: the same polynomial
-    of the same singular values, at r×r per product (about 10× cheaper at 784×500 on the CPU).
-    Starts from ``Y = I / ‖G‖_F`` (``‖G‖_F² = ⟨Q, P⟩``); ``‖σ‖₁ ≈ ⟨G, X⟩ = ⟨Q Y, P⟩``.
-    """
+    """:func:`polar_newton_schulz` of ``G = left @ right``, iterated in the r×r factor space. The CD
+    weight gradient has rank r = 2B, below both sides of a 784×500 W. Every iterate keeps the form
+    ``X = L Y R``: with ``Q = LᵀL`` and ``P = R Rᵀ``, ``X XᵀX = L (Z Y) R`` for ``Z = Y P Yᵀ Q``, so
+    the quintic step becomes ``Y ← (aI + bZ + cZ²) Y``: the same polynomial of the same singular
+    values, at r×r per product (about 10× cheaper at 784×500 on the CPU). Starts from
+    ``Y = I / ‖G‖_F`` (``‖G‖_F² = ⟨Q, P⟩``); ``‖σ‖₁ ≈ ⟨G, X⟩ = ⟨Q Y, P⟩``."""
     q = matmul(left.mT, left)  # (r, r)
     p = matmul(right, right.mT)  # (r, r)
     frobenius = per_matrix(_inner_product, q, p).sqrt().clamp_min(torch.finfo(left.dtype).tiny)
@@ -427,14 +412,12 @@ def polar_newton_schulz_factors(
 
 
 def polar_newton_schulz(grad: Tensor, *, fast_steps: int = 5, polish_steps: int = 3) -> Polar:
-    """Approximate polar factor by quintic Newton–Schulz iteration (as in the Muon optimizer).
-
-    Only matrix products, so it runs at full speed on a GPU where SVD is slow. G scaled by its
-    Frobenius norm has every singular value ≤ 1; the odd polynomial ``X ← a X + (b A + c A²) X``
+    """Approximate polar factor by quintic Newton–Schulz iteration (as in the Muon optimizer). Only
+    matrix products, so it runs at full speed on a GPU where SVD is slow. G scaled by its Frobenius
+    norm has every singular value ≤ 1; the odd polynomial ``X ← a X + (b A + c A²) X``
     (``A = X Xᵀ``) acts on each separately: ``fast_steps`` with Muon's coefficients lift small
-    values towards 1, ``polish_steps`` settle them at 1. Values below about ``1e-4 ‖G‖_F`` are
-    not fully lifted (a negligible share of ‖σ(G)‖₁). The nuclear norm is ``⟨G, X⟩``.
-    """
+    values towards 1, ``polish_steps`` settle them at 1. Values below about ``1e-4 ‖G‖_F`` are not
+    fully lifted (a negligible share of ‖σ(G)‖₁). The nuclear norm is ``⟨G, X⟩``."""
     transposed = grad.shape[-2] > grad.shape[-1]
     x = grad.mT if transposed else grad  # (small, large): the Gram matrix A is small
     norm = per_matrix(torch.linalg.vector_norm, x)

@@ -57,11 +57,9 @@ def euclidean_update_(
     momentum: float,
     nesterov: bool,
 ) -> None:
-    """One (heavy-ball or Nesterov) SGD step in place, with the buffer kept in ``state``.
-
-    Momentum follows PyTorch's convention ``buf = momentum * buf + grad``; Nesterov steps along
-    ``grad + momentum * buf``.
-    """
+    """One (heavy-ball or Nesterov) SGD step in place, with the buffer kept in ``state``. Momentum
+    follows PyTorch's convention ``buf = momentum * buf + grad``; Nesterov steps along
+    ``grad + momentum * buf``."""
     if momentum == 0:
         add_scaled_(param, grad, -lr)
         return
@@ -184,19 +182,15 @@ class SGD(OptimizerBase):
         )
 
     def capturable(self) -> bool:
-        """Whether :meth:`step` can be captured in a CUDA graph (see :mod:`ssdcore.cuda_graph`).
-
-        The ‖W‖₂ projection decides on the host whether to take an SVD, which needs a sync.
-        """
+        """Whether :meth:`step` can be captured in a CUDA graph (see :mod:`ssdcore.cuda_graph`). The
+        ‖W‖₂ projection decides on the host whether to take an SVD, which needs a sync."""
         return all(group["max_spectral_norm"] is None for group in self.param_groups)
 
 
 def dense_gradient(param: Tensor) -> Tensor | None:
-    """``param.grad``, or the product of its low-rank factors when only those were given.
-
-    Consumes ``param.grad_factors`` (see :mod:`ssdcore.optim.ssd`) so stale factors never
-    outlive the step they were computed for.
-    """
+    """``param.grad``, or the product of its low-rank factors when only those were given. Consumes
+    ``param.grad_factors`` (see :mod:`ssdcore.optim.ssd`) so stale factors never outlive the step
+    they were computed for."""
     factors = getattr(param, "grad_factors", None)
     if factors is not None:
         param.grad_factors = None

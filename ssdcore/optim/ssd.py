@@ -336,13 +336,10 @@ def takes_factors_only(method: str, shape: tuple[int, ...], rank: int) -> bool:
 
 
 def factors_pay_off(param: Tensor, factors: tuple[Tensor, Tensor]) -> bool:
-    """Whether the factors' r×r eigenproblem is smaller than the dense gradient's Gram matrix.
-
-    The factored route costs O((m + n) r²) and an r×r eigendecomposition, the dense one
-    O(m n min(m, n)) and a min(m, n)-sized one; with r ≥ min(m, n) (small models, large
-    batches) the dense Gram matrix is the cheaper exact route. (Mirrored by
-    needs_dense_gradient.)
-    """
+    """Whether the factors' r×r eigenproblem is smaller than the dense gradient's Gram matrix. The
+    factored route costs O((m + n) r²) and an r×r eigendecomposition, the dense one O(m n min(m, n))
+    and a min(m, n)-sized one; with r ≥ min(m, n) (small models, large batches) the dense Gram
+    matrix is the cheaper exact route. (Mirrored by needs_dense_gradient.)"""
     return factors[0].shape[1] < min(param.shape)
 
 

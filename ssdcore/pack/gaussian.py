@@ -31,12 +31,10 @@ from ssdcore.pack.random import PackedRandom
 
 class PackedGaussianCD(PackedCD):
     """Batched CD-k (PCD-k) for Gaussian RBMs of one variance form (see the module docstring).
-
     ``estimate(..., variance)`` takes the stacked variance parameter ((M, V) ``log_var``, (M, 1)
     ``log_c``, None for ``identity``) and also fills ``grad_variance``. ``dense_row_sums`` says
-    whether the solo estimator has the dense weight gradient for the variance gradient's row
-    sums (else it takes them from the factors).
-    """
+    whether the solo estimator has the dense weight gradient for the variance gradient's row sums
+    (else it takes them from the factors)."""
 
     gaussian = True
     row_blocks = False

@@ -39,12 +39,10 @@ def default_runs_per_chunk(
 
 class PackedCD:
     """Batched CD-k (or PCD-k with ``persistent``) for Bernoulli RBMs.
-
     ``estimate(weight, visible_bias, hidden_bias, batch)`` reads parameters (M, V, H), (M, V),
     (M, H) and the data batch (M, B, V) and fills ``grad_W`` (when ``dense_weight_grad``),
     ``grad_b``, ``grad_a`` and ``factors``. PCD chains are ``chains`` (M, B, H) with
-    ``has_chains`` (M,) saying which runs have theirs yet (a run inserted at step 0 has none).
-    """
+    ``has_chains`` (M,) saying which runs have theirs yet (a run inserted at step 0 has none)."""
 
     gaussian = False
     # Contiguous stand-ins for row blocks (see __init__); the Gaussian estimator does without.
