@@ -69,16 +69,11 @@ def is_image(name: str) -> bool:
     return name in IMAGE_DATASETS
 
 
-def builtin_names() -> list[str]:
-    """Names of the built-in datasets."""
-    return sorted(OPTIONS)
-
-
 def parse_options(name: str, options: Mapping[str, str], field: str) -> dict[str, int]:
     """Options of built-in dataset ``name`` with defaults filled; unknown or bad ones refused."""
     if name not in OPTIONS:
         raise InvalidArgumentError(
-            f"{field}.name", f"unknown dataset {name!r}; choose one of {builtin_names()}"
+            f"{field}.name", f"unknown dataset {name!r}; choose one of {sorted(OPTIONS)}"
         )
     known = OPTIONS[name]
     unknown = sorted(set(options) - set(known))

@@ -100,18 +100,6 @@ def _plaintext_tokens(settings: Settings) -> bool:
     )
 
 
-def unauthenticated_remote_warning(settings: Settings) -> str | None:
-    """The warning for a server open without auth beyond loopback, or None when it is not."""
-    exposed = _exposed_addresses(settings) if settings.auth_mode == "none" else []
-    if not exposed:
-        return None
-    return (
-        f"UNAUTHENTICATED and reachable beyond loopback ({', '.join(exposed)}, "
-        "SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE=1): anyone who can reach this address can submit "
-        "and read jobs; set SSDRBM_AUTH_MODE=token unless only trusted machines can reach it"
-    )
-
-
 async def keep_warning(settings: Settings, interval_s: float = WARNING_INTERVAL_S) -> None:
     """Log what an explicit setting allowed: at once, and the unauthenticated-remote warning
     again every ``interval_s`` while the server runs (the first may have scrolled away)."""
@@ -121,8 +109,14 @@ async def keep_warning(settings: Settings, interval_s: float = WARNING_INTERVAL_
             "only safe behind a proxy that terminates TLS",
             " and ".join(_remote_token_listeners(settings)),
         )
-    message = unauthenticated_remote_warning(settings)
-    if message is not None:
+    exposed = _exposed_addresses(settings) if settings.auth_mode == "none" else []
+    if exposed:
+        message = (
+            f"UNAUTHENTICATED and reachable beyond loopback ({', '.join(exposed)}, "
+            "SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE=1): anyone who can reach this address can "
+            "submit and read jobs; set SSDRBM_AUTH_MODE=token unless only trusted machines can "
+            "reach it"
+        )
         await repeat_warning(lambda: message, interval_s)
 
 

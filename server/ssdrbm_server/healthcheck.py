@@ -52,12 +52,6 @@ def check(
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def worker_alive(path: str, max_age_s: float) -> bool:
-    """True when the worker's heartbeat file exists and is younger than ``max_age_s``."""
-    age = heartbeat_age(path)
-    return age is not None and age <= max_age_s
-
-
 def local_target(listen_address: str) -> str:
     """Where a probe on the server's own host reaches ``listen_address`` (``0.0.0.0:p`` and
     ``[::]:p`` listen on every address, loopback included)."""
@@ -130,7 +124,8 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         if not settings.worker_heartbeat_file:
             print("healthcheck: set SSDRBM_WORKER_HEARTBEAT_FILE for --worker", file=sys.stderr)
             return 2
-        return 0 if worker_alive(settings.worker_heartbeat_file, settings.lease_seconds) else 1
+        age = heartbeat_age(settings.worker_heartbeat_file)  # None: no heartbeat file
+        return 0 if age is not None and age <= settings.lease_seconds else 1
     service = args.service if args.service is not None else LIVENESS if args.live else READINESS
     target = args.target or local_target(settings.listen_address)
     try:
