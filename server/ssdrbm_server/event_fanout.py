@@ -188,10 +188,6 @@ class EventFanout:
             return None
         return follower.add(after, self._buffer_events)
 
-    def reader(self, job: JobRecord) -> LiveReader:
-        """A live reader of ``job`` for one stream; close it when the stream ends."""
-        return LiveReader(self, job)
-
     def close(self) -> None:
         """Shutdown: end every follower now; its subscribers see ``Ending.DRAINING``."""
         self._closed = True
@@ -212,7 +208,7 @@ class EventFanout:
 
 class LiveReader:
     """One stream's live events: from its job's follower while caught up with it, from reads
-    of its own (the fanout's ``poll``) while behind it."""
+    of its own (the fanout's ``poll``) while behind it; closed when the stream ends."""
 
     def __init__(self, fanout: EventFanout, job: JobRecord) -> None:
         self._fanout = fanout

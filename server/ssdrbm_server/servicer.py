@@ -29,7 +29,7 @@ from ssdrbm_server.errors import (
     InvalidArgumentError,
     UnavailableError,
 )
-from ssdrbm_server.event_fanout import EventFanout
+from ssdrbm_server.event_fanout import EventFanout, LiveReader
 from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.recent_jobs import RecentJobs
 from ssdrbm_server.request_bounds import check_dataset_shape
@@ -278,7 +278,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     async def _follow(self, job: JobRecord, after: str) -> AsyncIterator[pb.MetricEvent]:
         """Follow live from ``after``: through the job's shared follower once this stream has
         caught up with it, reading Redis by itself while behind it."""
-        reader = self.fanout.reader(job)
+        reader = LiveReader(self.fanout, job)
         try:
             while True:
                 if self._draining:
