@@ -77,7 +77,6 @@ class Metrics:
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Metrics) -> Metrics:
-        """Build from a ``ssdrbm.v1.Metrics`` message."""
         method = enum_name(rbm_pb2.LogLikelihoodMethod, message.log_likelihood_method)
         return from_message(cls, message, log_likelihood_method=method)
 
@@ -167,7 +166,6 @@ class QueuePlace:
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.QueuePlace) -> QueuePlace:
-        """Build from a ``ssdrbm.v1.QueuePlace`` message."""
         starts_in_s = optional_message(message, "starts_in_seconds", float)
         return from_message(cls, message, starts_in_s=starts_in_s, slice_s=message.slice_seconds)
 
@@ -217,7 +215,6 @@ class Job:
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.Job) -> Job:
-        """Build from a ``ssdrbm.v1.Job`` message."""
         return from_message(
             cls,
             message,

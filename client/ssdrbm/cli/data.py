@@ -20,7 +20,6 @@ T = TypeVar("T")
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
-    """Add the data commands to the ``ssdrbm`` parser."""
     add = functools.partial(add_command, commands, parents)
     upload = add("upload", "upload a .npy array and print its dataset id", run_upload)
     upload.add_argument("file", metavar="FILE", help=".npy of shape (N, features) or (N, H, W)")

@@ -38,7 +38,6 @@ JSON_JOB = json_flag("print the job as JSON")
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
-    """Add the job commands to the ``ssdrbm`` parser."""
     add = functools.partial(add_command, commands, parents)
     train = add("train", "submit a training job and print its id", run_train)
     _add_training_options(train)
@@ -264,7 +263,6 @@ def run_defaults(args: argparse.Namespace) -> ExitCode:
 
 
 def run_watch(args: argparse.Namespace) -> ExitCode:
-    """``ssdrbm watch JOB``."""
     with client_from_args(args) as client:
         args.job = job_id(client, args.job)
         return follow(client, args.job, as_json=args.json, after=args.after)
@@ -297,7 +295,6 @@ def run_jobs(args: argparse.Namespace) -> ExitCode:
 
 
 def run_get(args: argparse.Namespace) -> ExitCode:
-    """``ssdrbm get JOB``."""
     with client_from_args(args) as client:
         job = find_job(client, args.job)
     print_result(job, args.json, job_details)

@@ -23,7 +23,6 @@ from ssdrbm.export import FORMATS
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
-    """Add the model commands to the ``ssdrbm`` parser."""
     add = functools.partial(add_command, commands, parents)
     reconstruct = add("reconstruct", "reconstruct inputs through a trained model", run_reconstruct)
     _add_io(reconstruct, "reconstructions")
@@ -92,17 +91,14 @@ def _serve(args: argparse.Namespace, call: Callable[..., np.ndarray], **options:
 
 
 def run_reconstruct(args: argparse.Namespace) -> ExitCode:
-    """``ssdrbm reconstruct JOB --input x.npy --output y.npy``."""
     return _serve(args, Client.reconstruct, k=args.k, mean_field=args.mean_field)
 
 
 def run_features(args: argparse.Namespace) -> ExitCode:
-    """``ssdrbm features JOB --input x.npy --output h.npy [--sample]``."""
     return _serve(args, Client.sample_hidden, mode="sample" if args.sample else "probs")
 
 
 def run_export(args: argparse.Namespace) -> ExitCode:
-    """``ssdrbm export JOB --output PATH [--format safetensors|onnx|triton]``."""
     with client_from_args(args) as client:
         args.job = job_id(client, args.job)
         written = client.export_model(
@@ -114,16 +110,11 @@ def run_export(args: argparse.Namespace) -> ExitCode:
         )
     written = Path(written)
     if written.is_dir():
-        directory, files = written, sorted(str(p) for p in written.rglob("*") if p.is_file())
+        directory, files = written, sorted((p for p in written.rglob("*") if p.is_file()), key=str)
     else:
-        directory, files = written.parent, [str(written)]
-    if args.json:
-        print_json(
-            {"job_id": args.job, "format": args.format, "directory": str(directory), "files": files}
-        )
-    else:
-        print("\n".join(files))
-    return ExitCode.OK
+        directory, files = written.parent, [written]
+    subject = {"job_id": args.job, "format": args.format, "directory": str(directory)}
+    return _print_written(args, subject, files)
 
 
 def parse_image_shape(text: str | None) -> tuple[int, int] | None:

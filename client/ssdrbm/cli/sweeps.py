@@ -60,7 +60,6 @@ JSON_SWEEP = json_flag("print the sweep as JSON")
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
-    """Add the sweep commands to the ``ssdrbm`` parser."""
     add = functools.partial(add_command, commands, parents)
     sweep_help = "start many training jobs over a grid or random points, ranked live"
     sweep = add("sweep", sweep_help, run_sweep)
@@ -241,7 +240,6 @@ def sweeps_table(sweeps: list[Sweep]) -> str:
 
 
 def run_sweep_show(args: argparse.Namespace) -> ExitCode:
-    """``ssdrbm sweep-show SWEEP [--watch]``."""
     with client_from_args(args) as client:
         if args.watch:
             return watch(client, args.sweep, as_json=args.json)
