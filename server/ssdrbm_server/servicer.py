@@ -25,10 +25,7 @@ from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 from ssdrbm_server import convert, model_export, resolver, tracing
 from ssdrbm_server.call_slots import CallSlots, SlotCap
 from ssdrbm_server.config import Settings
-from ssdrbm_server.errors import (
-    InvalidArgumentError,
-    UnavailableError,
-)
+from ssdrbm_server.errors import InvalidArgumentError, UnavailableError
 from ssdrbm_server.event_fanout import EventFanout, LiveReader
 from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.recent_jobs import RecentJobs

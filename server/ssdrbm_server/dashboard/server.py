@@ -43,12 +43,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ssdrbm_server import convert
-from ssdrbm_server.dashboard.filters import (
-    MAX_FILTER_PIXELS,
-    MAX_FILTERS,
-    filters_png,
-    image_shape,
-)
+from ssdrbm_server.dashboard.filters import MAX_FILTER_PIXELS, MAX_FILTERS, filters_png, image_shape
 from ssdrbm_server.dashboard.tickets import StreamTickets
 from ssdrbm_server.errors import ServiceError
 from ssdrbm_server.http_front import RequestGate, error_response
