@@ -322,11 +322,7 @@ class HttpFront:
     """The HTTP server on the running event loop; ``routes`` are served beside health."""
 
     def __init__(
-        self,
-        settings: Settings,
-        routes: list[BaseRoute],
-        *,
-        ready: Callable[[], Awaitable[bool]],
+        self, settings: Settings, routes: list[BaseRoute], *, ready: Callable[[], Awaitable[bool]]
     ) -> None:
         self.settings = settings
         self._ready = ready

@@ -366,9 +366,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
     # --- datasets and export ----------------------------------------------------------------
 
     async def UploadDataset(
-        self,
-        request_iterator: AsyncIterator[pb.UploadDatasetRequest],
-        context: Context,
+        self, request_iterator: AsyncIterator[pb.UploadDatasetRequest], context: Context
     ) -> pb.UploadDatasetResponse:
         tenant = current_tenant()
         with self.uploads.hold(tenant):

@@ -342,11 +342,7 @@ class ModelServer:
             )
 
     async def _compute(
-        self,
-        multiply_adds: int,
-        caller: Caller,
-        function: Callable[..., np.ndarray],
-        *args: object,
+        self, multiply_adds: int, caller: Caller, function: Callable[..., np.ndarray], *args: object
     ) -> np.ndarray:
         """``function(*args, chunking)``: inline when it is tiny, else on the thread pool,
         holding one of the tenant's slots and stopped between chunks when the caller left."""

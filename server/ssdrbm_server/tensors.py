@@ -47,8 +47,7 @@ def check_batch_shape(shape: Sequence[int], *, field: str, max_elements: int) ->
     if len(shape) != 2:
         shown = list(shape) if len(shape) <= 8 else f"{len(shape)} dimensions"
         raise InvalidArgumentError(
-            f"{field}.shape",
-            f"must be (batch, n_visible) with 2 dimensions, got {shown}",
+            f"{field}.shape", f"must be (batch, n_visible) with 2 dimensions, got {shown}"
         )
     shape = tuple(shape)
     if any(dim < 1 for dim in shape):

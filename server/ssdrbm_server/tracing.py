@@ -160,10 +160,7 @@ def record_span(
     if _tracer is None:
         return
     started = _tracer.start_span(
-        name,
-        context=parent,
-        attributes=dict(attributes or {}),
-        start_time=int(start_s * 1e9),
+        name, context=parent, attributes=dict(attributes or {}), start_time=int(start_s * 1e9)
     )
     started.end(end_time=int(max(end_s, start_s) * 1e9))
 

@@ -139,11 +139,7 @@ def decode_json_input(request: dict[str, Any], *, max_elements: int) -> np.ndarr
         raise InvalidArgumentError("inputs[0].shape", "must be a list of integers")
     datatype = str(tensor.get("datatype", ""))
     rows_cols = codec.check_input_header(
-        str(tensor.get("name", "")),
-        datatype,
-        shape,
-        field="inputs[0]",
-        max_elements=max_elements,
+        str(tensor.get("name", "")), datatype, shape, field="inputs[0]", max_elements=max_elements
     )
     try:
         values = np.asarray(tensor.get("data"))
