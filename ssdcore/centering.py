@@ -104,8 +104,6 @@ class Centering:
         self._right: Tensor | None = None  # (2B, H) rows w_n (p_n - λ)
         self._batch_visible = torch.empty_like(self.visible)  # ⟨x⟩ over this step's data rows
 
-    # --- the step ----------------------------------------------------------------------------
-
     @torch.no_grad()
     def step(self, stats: CDStats, optimizer: torch.optim.Optimizer) -> None:
         """Centre the gradients the estimator wrote, take the optimizer step in centered
@@ -149,8 +147,6 @@ class Centering:
         if weights is None:
             weights = self._row_weights[key] = row_weights(n_data, n_model, like.device, like.dtype)
         return weights
-
-    # --- state -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Tensor]:
         return {

@@ -114,8 +114,6 @@ class CDEstimator:
         )
         self._workspaces: dict[tuple[int, int], _Workspace] = {}
 
-    # --- estimation -------------------------------------------------------------------------
-
     @torch.no_grad()
     def estimate(self, v_data: torch.Tensor) -> CDStats:
         """Estimate the gradient at the data batch `v_data` (B, V) and write it to `.grad`."""
@@ -214,8 +212,6 @@ class CDEstimator:
             ws = _Workspace(n_data, n_model, self.model, self.source)
             self._workspaces[key] = ws
         return ws
-
-    # --- persistence ------------------------------------------------------------------------
 
     def reset_chains(self) -> None:
         """Forget the persistent chains; the next estimate restarts them from its data batch."""

@@ -75,8 +75,6 @@ class RandomSource:
         """The torch generator behind the draws (a CUDA graph registers it to replay draws)."""
         return self._generator
 
-    # --- draws ----------------------------------------------------------------------------
-
     def bernoulli_(self, probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Write 0/1 draws with P(1) = probs into `out` (same shape; may alias `probs`)."""
         scratch = self._scratch_for(probs)
@@ -112,8 +110,6 @@ class RandomSource:
             scratch = _Scratch(flat, flat.view(probs.shape), threshold)
             self._scratch[key] = scratch
         return scratch
-
-    # --- state ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The generators' states as tensors (safetensors-friendly)."""

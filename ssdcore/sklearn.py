@@ -357,17 +357,13 @@ class BernoulliRBM(_RBMEstimator):
 
     Parameters:
         n_components: hidden units.
-        learning_rate: step size in scikit-learn's units: the step-size table's step for the
-            optimizer times ``learning_rate / 0.1`` (scikit-learn's default 0.1 is the table's
-            step; with ``optimizer="sgd"`` it is the SGD step itself, as in scikit-learn).
+        learning_rate: step size in scikit-learn's units (see the module docstring).
         batch_size: examples per step (cut to the number of samples when larger).
         n_iter: epochs (passes over the training data).
         verbose: print the mean pseudo-log-likelihood and the time of each epoch.
         random_state: seeds the initial weights, the data order and the CD draws.
-        optimizer: "ssd" (Stochastic Spectral Descent), "sgd", "nesterov" or
-            "ssd-preconditioned".
-        method: polar method of the spectral step: "auto", "svd", "lowrank", "randomized",
-            "newton-schulz".
+        optimizer: "ssd" (Stochastic Spectral Descent), "sgd", "nesterov", "ssd-preconditioned".
+        method: polar method: "auto", "svd", "lowrank", "randomized", "newton-schulz".
         cd_k: Gibbs sweeps per gradient estimate.
         persistent: persistent chains (PCD-k, what scikit-learn runs) instead of CD-k.
         max_spectral_norm: keep ‖W‖₂ at most this (None: unbounded).

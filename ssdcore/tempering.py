@@ -183,8 +183,6 @@ class ParallelTempering:
         self._pair_index = torch.arange(n_pairs, device=device)
         self._buffers: _Buffers | None = None
 
-    # --- the step ---------------------------------------------------------------------------
-
     @torch.no_grad()
     def run(
         self,
@@ -269,8 +267,6 @@ class ParallelTempering:
         if self._buffers is None or self._buffers.n_chains != n_chains:
             self._buffers = _Buffers(self.model, self.betas, n_chains)
         return self._buffers
-
-    # --- reporting and state ----------------------------------------------------------------
 
     def visible_states(self) -> torch.Tensor:
         """(K, M, V) every temperature's visible states after the last step (after its swaps)."""

@@ -113,8 +113,6 @@ class RBM(nn.Module, ABC):
         self.b = nn.Parameter(torch.zeros(n_visible, device=device, dtype=torch.float32))
         self.a = nn.Parameter(torch.zeros(n_hidden, device=device, dtype=torch.float32))
 
-    # --- conditionals -----------------------------------------------------------------------
-
     @abstractmethod
     def hidden_input(self, v: torch.Tensor) -> torch.Tensor:
         """Pre-activation of the hidden units given visible `v` (B, V) -> (B, H)."""
@@ -177,8 +175,6 @@ class RBM(nn.Module, ABC):
                 self.visible_mean(h) if mean_field or last else self.sample_visible(h, generator)
             )
         return current
-
-    # --- parameters and configuration -------------------------------------------------------
 
     def constrain_(self) -> None:
         """Project the parameters back onto their valid set (no-op unless a subclass needs it). Call

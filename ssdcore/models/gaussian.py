@@ -85,8 +85,6 @@ class GaussianRBM(RBM):
         if name is not None:
             self.register_parameter(name, nn.Parameter(initial[variance]()))
 
-    # --- the covariance -----------------------------------------------------------------
-
     def log_variance(self) -> torch.Tensor:
         """Log of the per-unit variances: (V,) for diagonal, (1,) for identity/isotropic. Not
         defined for the full covariance (use `precision_matrix()`)."""
@@ -122,8 +120,6 @@ class GaussianRBM(RBM):
         if self.variance == "diagonal":
             return self.log_var.sum()
         return self.log_variance()[0] * self.n_visible
-
-    # --- conditionals and free energy -------------------------------------------------------
 
     def hidden_input(self, v: torch.Tensor) -> torch.Tensor:
         return torch.addmm(self.a, self.apply_precision(v), self.W)
@@ -186,8 +182,6 @@ class GaussianRBM(RBM):
             noise_transform=transform,
             precision=precision,
         )
-
-    # --- constraints and configuration ------------------------------------------------------
 
     @torch.no_grad()
     def constrain_(self) -> None:

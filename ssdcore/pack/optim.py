@@ -129,8 +129,6 @@ class PackedOptimizer:
         self.has_buffer = {name: [False] * n for name in self.momentum_buffers}
         self._refresh()
 
-    # --- per-run numbers ------------------------------------------------------------------
-
     def lr(self, run: int, name: str) -> float:
         """Run ``run``'s current step size for parameter ``name``: base × (schedule factor ×
         backoff scale), by the solo Trainer's :func:`~ssdcore.schedules.step_size`."""
@@ -181,8 +179,6 @@ class PackedOptimizer:
                 if has_decay
                 else None
             )
-
-    # --- steps ----------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(
@@ -265,8 +261,6 @@ class PackedOptimizer:
         use_factors = grad is None or takes_factors_only(rule.method, shape, rank)
         dense = None if use_factors else grad
         return spectral_length(nuclear_norm, rule.step_rule, dense, factors, stacked_shape)
-
-    # --- state ----------------------------------------------------------------------------
 
     def run_buffers(self, run: int) -> dict[str, Tensor]:
         """Run ``run``'s momentum buffers, as the solo optimizer's state holds them."""
