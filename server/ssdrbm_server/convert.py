@@ -17,7 +17,6 @@ TERMINAL_PROTO_STATES = frozenset(
 
 
 def state_to_proto(state: JobState) -> int:
-    """The wire enum number of a job state."""
     return _STATE_TO_PROTO[state]
 
 
@@ -65,7 +64,6 @@ def job_to_proto(record: JobRecord, place: QueuePlace | None = None) -> rbm_pb2.
 
 
 def queue_place_to_proto(place: QueuePlace) -> rbm_pb2.QueuePlace:
-    """The wire QueuePlace of a queued job."""
     message = rbm_pb2.QueuePlace(
         position=place.position,
         basis=place.basis,

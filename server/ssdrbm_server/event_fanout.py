@@ -195,7 +195,6 @@ class EventFanout:
             follower.stop(Ending.DRAINING)
 
     def follower(self, job_id: str) -> JobFollower | None:
-        """The live follower of a job, if any."""
         return self._followers.get(job_id)
 
     def __len__(self) -> int:

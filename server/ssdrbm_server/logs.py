@@ -55,8 +55,6 @@ def log_context(**fields: str) -> Iterator[None]:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record, on one line."""
-
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),

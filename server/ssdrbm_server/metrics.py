@@ -83,7 +83,6 @@ class ServiceMetrics:
         self.set_queue_backlog({})
 
     def set_job_counts(self, counts: dict[JobState, int]) -> None:
-        """Update the jobs-by-state gauge."""
         for state in JobState:
             self.jobs.labels(state=state.value).set(counts.get(state, 0))
 
@@ -126,7 +125,6 @@ class MetricsEndpoint:
         return server.server_port
 
     def stop(self) -> None:
-        """Stop serving, if it serves."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

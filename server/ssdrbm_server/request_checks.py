@@ -31,7 +31,6 @@ def check_text(value: str, field: str, max_length: int) -> None:
 
 
 def finite(value: float, field: str) -> float:
-    """``value`` when it is a finite number."""
     if not math.isfinite(value):
         raise InvalidArgumentError(field, f"must be a finite number, got {value}")
     return value

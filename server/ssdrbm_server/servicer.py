@@ -60,8 +60,6 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 @dataclass
 class Stores:
-    """The Redis-backed stores the servicer works with."""
-
     jobs: JobStore
     events: EventStore
     checkpoints: CheckpointStore
@@ -69,8 +67,6 @@ class Stores:
 
 
 class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
-    """Implements ssdrbm.v1.RBMService."""
-
     def __init__(
         self, settings: Settings, stores: Stores, models: ModelServer, metrics: ServiceMetrics
     ) -> None:

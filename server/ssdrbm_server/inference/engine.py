@@ -42,8 +42,6 @@ UNKNOWN_DIM = -1  # the protocol's "any size" dimension
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of ModelMetadata."""
-
     name: str
     datatype: str
     shape: tuple[int, ...]

@@ -33,8 +33,6 @@ _JSON_KINDS = {"FP32": "iuf", "UINT8": "iu", "BOOL": "b"}
 
 @dataclass(frozen=True)
 class InferCall:
-    """A parsed and checked JSON inference request."""
-
     v: np.ndarray
     outputs: list[str]
     seed: int
