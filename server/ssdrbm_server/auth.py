@@ -152,9 +152,7 @@ class AuthInterceptor(ServiceInterceptor):
             )
         return tenant
 
-    def _authenticated(
-        self, method: str, handler: grpc.RpcMethodHandler | None
-    ) -> grpc.RpcMethodHandler | None:
+    def _authenticated(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """``handler`` run with the caller's tenant resolved from the call's own metadata."""
         resolve = self.resolve
         return run_first(

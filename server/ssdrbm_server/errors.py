@@ -378,7 +378,7 @@ class ErrorMappingInterceptor(ServiceInterceptor):
         super().__init__(_mapped)
 
 
-def _mapped(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+def _mapped(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """``handler`` with its errors mapped to statuses and undecodable requests refused."""
 
     def wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -407,6 +407,4 @@ def _mapped(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMetho
 
         return mapped
 
-    if handler is None:
-        return None
     return wrap_handler(handler, wrap_unary, wrap_stream, _tolerant(handler.request_deserializer))

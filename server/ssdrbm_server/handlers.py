@@ -21,16 +21,14 @@ SERVICE_PREFIX = ("/ssdrbm.v1.RBMService/", f"/{INFERENCE_SERVICE_NAME}/")
 
 
 def wrap_handler(
-    handler: grpc.RpcMethodHandler | None,
+    handler: grpc.RpcMethodHandler,
     wrap_unary: Wrapper,
     wrap_stream: Wrapper,
     request_deserializer: Callable[[bytes], Any] | None = None,
-) -> grpc.RpcMethodHandler | None:
+) -> grpc.RpcMethodHandler:
     """A copy of ``handler`` whose behaviour is wrapped: ``wrap_unary`` for unary responses,
     ``wrap_stream`` (which must return an async generator function) for streaming ones;
     ``request_deserializer``, when given, replaces the handler's."""
-    if handler is None:
-        return None
     serializers = {
         "request_deserializer": request_deserializer or handler.request_deserializer,
         "response_serializer": handler.response_serializer,
@@ -60,8 +58,8 @@ async def iterate_responses(
 
 
 def run_first(
-    handler: grpc.RpcMethodHandler | None, first: Callable[[grpc.aio.ServicerContext], None]
-) -> grpc.RpcMethodHandler | None:
+    handler: grpc.RpcMethodHandler, first: Callable[[grpc.aio.ServicerContext], None]
+) -> grpc.RpcMethodHandler:
     """A copy of ``handler`` that calls ``first(context)`` at the start of every call, before
     the behaviour runs; ``first`` may raise to refuse the call."""
 
@@ -85,43 +83,23 @@ def run_first(
     return wrap_handler(handler, wrap_unary, wrap_stream)
 
 
-class WrappedHandlers:
-    """Each method's wrapped handler, built once and reused for every later call.
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    """An interceptor that wraps the handlers of the service's own methods (`SERVICE_PREFIX`)
+    with ``build``; health and reflection pass as they are. Error mapping, authentication and
+    latency metrics are its kinds.
 
-    An interceptor's wrapping depends only on the method and the handler it wraps, never on
-    the call (per-call data such as metadata comes from the context), so building closures
-    and a new handler tuple for every call was pure per-request overhead. A handler that
-    differs from the one cached (a server rebuilt in tests) is wrapped afresh.
+    Each method's wrapped handler is built once and reused for every later call: the wrapping
+    depends only on the method and the handler it wraps, never on the call (per-call data comes
+    from the context), so building closures and a new handler for every call was pure per-request
+    overhead. A handler that differs from the one cached (a server rebuilt in tests) is wrapped
+    afresh.
     """
 
     def __init__(
-        self, build: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler | None]
+        self, build: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]
     ) -> None:
         self._build = build
-        self._entries: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler | None]] = {}
-
-    def wrapped(
-        self, method: str, handler: grpc.RpcMethodHandler | None
-    ) -> grpc.RpcMethodHandler | None:
-        """``handler`` of ``method`` wrapped by ``build``; unknown methods are not kept."""
-        if handler is None:
-            return self._build(method, handler)  # type: ignore[arg-type]
-        entry = self._entries.get(method)
-        if entry is None or entry[0] is not handler:
-            entry = (handler, self._build(method, handler))
-            self._entries[method] = entry
-        return entry[1]
-
-
-class ServiceInterceptor(grpc.aio.ServerInterceptor):
-    """An interceptor that wraps the handlers of the service's own methods (`SERVICE_PREFIX`)
-    with ``build``, each method's once (`WrappedHandlers`); health and reflection pass as they
-    are. Error mapping, authentication and latency metrics are its kinds."""
-
-    def __init__(
-        self, build: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler | None]
-    ) -> None:
-        self._handlers = WrappedHandlers(build)
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -130,6 +108,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if not method.startswith(SERVICE_PREFIX):
-            return handler
-        return self._handlers.wrapped(method, handler)
+        if handler is None or not method.startswith(SERVICE_PREFIX):
+            return handler  # an unknown method is answered UNIMPLEMENTED as it is
+        entry = self._wrapped.get(method)
+        if entry is None or entry[0] is not handler:
+            entry = self._wrapped[method] = (handler, self._build(method, handler))
+        return entry[1]

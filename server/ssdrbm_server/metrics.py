@@ -167,9 +167,7 @@ class LatencyInterceptor(ServiceInterceptor):
         self.histogram = metrics.rpc_latency
         super().__init__(self._timed)
 
-    def _timed(
-        self, full_method: str, handler: grpc.RpcMethodHandler | None
-    ) -> grpc.RpcMethodHandler | None:
+    def _timed(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         method = full_method.rsplit("/", 1)[-1]
         histogram = self.histogram
         by_code: dict[str, Any] = {}  # the labelled series, looked up once per status code

@@ -254,9 +254,7 @@ class WriteGate(ServiceInterceptor):
         self.methods = frozenset(methods)
         super().__init__(self._gated)
 
-    def _gated(
-        self, method: str, handler: grpc.RpcMethodHandler | None
-    ) -> grpc.RpcMethodHandler | None:
+    def _gated(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """``handler`` of a write method, refused at each call while Redis is unfit."""
         if method not in self.methods:
             return handler
