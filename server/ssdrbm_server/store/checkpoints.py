@@ -1,14 +1,12 @@
 """Checkpoints of a job: the last few, each verified by sha256 when read.
 
-A checkpoint `job:{<id>}:ckpt:<step>` holds the model as safetensors bytes (`data`, what serving
-and ExportModel use), its JSON config, the full trainer state (`trainer_state`: optimizer,
-PCD chains, random generators) that a worker resumes from, and the blow-up recovery's state as
-of that step (`recovery_state`: `ssdcore.blowup.Recovery.state_dict()` as JSON, the detector's
-references), so that the resumed run judges blow-ups as the uninterrupted one would. Each
-carries a sha256; a checkpoint whose bytes do not match is skipped by `latest()` in favour of
-the previous good one. A checkpoint written before the recovery state was kept has none (empty).
-Workers write checkpoints through their fenced writer (ssdrbm_server/store/fencing.py), all of
-a checkpoint in one script; this module reads.
+A checkpoint `job:{<id>}:ckpt:<step>` holds the model as safetensors (`data`: serving and
+ExportModel), its JSON config, the full trainer state a worker resumes from (`trainer_state`:
+optimizer, PCD chains, random generators) and the blow-up recovery's state at that step
+(`recovery_state`, the detector's references as JSON, empty in checkpoints written before it was
+kept), so a resumed run judges blow-ups as the uninterrupted one would. Each part carries a
+sha256; `latest()` skips a checkpoint that fails it for the previous good one. Workers write
+checkpoints in one fenced script (store/fencing.py); this module reads.
 """
 
 from __future__ import annotations

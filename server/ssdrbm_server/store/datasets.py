@@ -1,41 +1,34 @@
 """Uploaded datasets: raw little-endian arrays with dtype and shape, content-addressed, chunked.
 
-The id is the sha256 of the dtype, the shape and the bytes, so the same upload always gives the
-same id and is stored once, however many tenants upload it. The bytes are never unpickled:
-readers rebuild the array with numpy.frombuffer.
+The id is the sha256 of the dtype, the shape and the bytes: the same upload is stored once,
+however many tenants upload it. The bytes are never unpickled (numpy.frombuffer).
 
-Bounded values. No Redis value is larger than `Settings.dataset_chunk_bytes`: one huge value
-blocks Redis for seconds while it is written, read or freed. An upload writes its chunks as
-they arrive to `upload:{<uid>}` (field `<i>` = chunk i), expiring `upload_idle_seconds` after
-the last write, so an upload that stops midway leaves nothing behind for long. The content
-address is known only at the end, so the record `dataset:{<id>}` points at the upload's chunks
-(`blob` = uid) instead of them being renamed (a RENAME may not cross Cluster slots).
+No Redis value is larger than `Settings.dataset_chunk_bytes` (one huge value blocks Redis for
+seconds). An upload writes its chunks as they arrive to `upload:{<uid>}` (field `<i>` = chunk i),
+expiring `upload_idle_seconds` after the last write; the record `dataset:{<id>}` then points at
+them (`blob` = uid), since the content address is known only at the end and a RENAME may not
+cross Cluster slots.
 
-Keys live in four slots, so committing takes these single-slot steps, in an order that is safe
-to die between (readers see a dataset only once `complete` is set and the tenant's entry is
-there):
+Committing takes single-slot steps in an order safe to die between (readers see a dataset only
+once `complete` is set and the tenant's entry is there):
 
-1. COMMIT on `{<id>}`: when the record is already complete, add the tenant to
-   `dataset:{<id>}:tenants` (this upload's chunks are then dropped); while another upload of the
-   same bytes is committing, wait for it; otherwise point the record at this upload (`blob`,
-   `pending_since`, no `complete`), returning the upload it replaced. A record left incomplete
-   by a dead upload (pending for PENDING_STALE_MS) is taken over; its chunks are dropped.
-2. SEAL on `{<uid>}`: check every chunk is there and make them permanent (PERSIST).
+1. COMMIT on `{<id>}`: a complete record gets the tenant added to `dataset:{<id>}:tenants`
+   (this upload's chunks are dropped); while another upload of the same bytes commits, wait;
+   otherwise the record points at this upload (`blob`, `pending_since`, no `complete`). A record
+   left pending for PENDING_STALE_MS by a dead upload is taken over, its chunks dropped.
+2. SEAL on `{<uid>}`: every chunk is there; they are made permanent (PERSIST).
 3. COMPLETE on `{<id>}`: if the record still points at this upload, set `complete` and add the
-   tenant's reference. Losing to a concurrent upload of the same bytes answers "retry"
-   (UNAVAILABLE), and the retry finds the content stored.
-4. ADD on `{<t>}`: the tenant's entry (`tenant:{<t>}:datasets`, id -> JSON name, size, time)
-   and its stored bytes (`tenant:{<t>}:dataset_bytes`), refused over the tenant's quota, in
-   which case the reference from step 1 or 3 is released again.
+   tenant's reference; losing to a concurrent upload answers "retry" (UNAVAILABLE), and the
+   retry finds the content stored.
+4. ADD on `{<t>}`: the tenant's entry (`tenant:{<t>}:datasets`, id -> JSON name, size, time) and
+   its bytes (`tenant:{<t>}:dataset_bytes`), refused over the quota (the reference is released).
 
-Deleting is the reverse: drop the tenant's entry (`{<t>}`), then its reference (`{<id>}`); the
-last reference takes the record with it and the chunks are unlinked. The first step is refused
-while one of the tenant's QUEUED or RUNNING jobs trains on the dataset: a job takes that
-reference (`tenant:{<t>}:job_datasets`) in the same step as it is accepted, on the same slot
-(store/jobs.py), so a delete and a submit racing each other are ordered by Redis: the submit
-finds the dataset gone (NOT_FOUND), or the delete finds the job (FAILED_PRECONDITION naming
-it). Dying between steps leaves either a reference the tenant no longer lists (uploading and
-deleting the same bytes again clears it) or chunks no record points at; neither is ever read.
+Deleting is the reverse: the tenant's entry, then its reference; the last reference takes the
+record and the chunks. The first step is refused while the tenant's QUEUED or RUNNING jobs
+train on the dataset (`tenant:{<t>}:job_datasets`, taken on the same slot as a submit's
+reservation, store/jobs.py): the submit finds the dataset gone (NOT_FOUND), or the delete finds
+the job (FAILED_PRECONDITION). Dying between steps leaves a reference the tenant no longer lists
+or chunks no record points at; neither is ever read.
 """
 
 from __future__ import annotations
@@ -61,7 +54,7 @@ from ssdrbm_server.errors import (
     tenant_subject,
 )
 from ssdrbm_server.keys import Keys, is_dataset_id
-from ssdrbm_server.store.connection import RedisClient, Store
+from ssdrbm_server.store.connection import RedisClient, Store, pairs
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +89,14 @@ BUSY_TRIES = 100
 
 # KEYS: upload. ARGV: number of chunks. All chunks there: keep them for good.
 _SEAL = """
-if redis.call('HLEN', KEYS[1]) ~= tonumber(ARGV[1]) then
-  return 0
-end
+if redis.call('HLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
 redis.call('PERSIST', KEYS[1])
 return 1
 """
 
 # KEYS: dataset, its tenants. ARGV: upload id, tenant.
 _COMPLETE = """
-if redis.call('HGET', KEYS[1], 'blob') ~= ARGV[1] then
-  return 0
-end
+if redis.call('HGET', KEYS[1], 'blob') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'complete', '1')
 redis.call('SADD', KEYS[2], ARGV[2])
 return 1
@@ -117,12 +106,8 @@ return 1
 # Returns {1, used} added, {0, used} already there, {-1, used} over the quota.
 _ADD = """
 local used = tonumber(redis.call('GET', KEYS[2]) or '0')
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
-  return {0, used}
-end
-if used + tonumber(ARGV[3]) > tonumber(ARGV[4]) then
-  return {-1, used}
-end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {0, used} end
+if used + tonumber(ARGV[3]) > tonumber(ARGV[4]) then return {-1, used} end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('INCRBY', KEYS[2], ARGV[3])
 return {1, used + tonumber(ARGV[3])}
@@ -137,21 +122,15 @@ for i = 1, #references, 2 do
   if references[i + 1] == ARGV[1] then users[#users + 1] = references[i] end
 end
 if #users > 1 then return users end
-if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
-  return {0}
-end
-if tonumber(redis.call('DECRBY', KEYS[2], ARGV[2])) < 0 then
-  redis.call('SET', KEYS[2], 0)
-end
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return {0} end
+if tonumber(redis.call('DECRBY', KEYS[2], ARGV[2])) < 0 then redis.call('SET', KEYS[2], 0) end
 return {1}
 """
 
 # KEYS: dataset, its tenants. ARGV: tenant. Returns the upload id to unlink, '' while referenced.
 _RELEASE = """
 redis.call('SREM', KEYS[2], ARGV[1])
-if redis.call('SCARD', KEYS[2]) > 0 then
-  return ''
-end
+if redis.call('SCARD', KEYS[2]) > 0 then return '' end
 local blob = redis.call('HGET', KEYS[1], 'blob') or ''
 redis.call('DEL', KEYS[1], KEYS[2])
 return blob
@@ -476,28 +455,21 @@ class Upload:
         self, dataset_keys: list[str], value_range: tuple[float, float] | None
     ) -> tuple[bytes, bytes]:
         """Step 1; while another upload of the same bytes is committing, wait for it."""
-        args = [self.upload_id, self.tenant, PENDING_STALE_MS, *self._record(value_range)]
+        record = {
+            "shape": json.dumps(list(self.shape)),
+            "dtype": self.dtype,
+            "size_bytes": self.size_bytes,
+            "chunks": self._chunks,
+        }
+        if value_range is not None:
+            record["value_range"] = json.dumps(list(value_range))
+        args = [self.upload_id, self.tenant, PENDING_STALE_MS, *pairs(record)]
         for _ in range(BUSY_TRIES):
             outcome, replaced = await self.store.run(_COMMIT, keys=dataset_keys, args=args)
             if outcome != b"busy":
                 break
             await asyncio.sleep(BUSY_WAIT_S)
         return outcome, replaced
-
-    def _record(self, value_range: tuple[float, float] | None) -> list[str | int]:
-        fields: list[str | int] = [
-            "shape",
-            json.dumps(list(self.shape)),
-            "dtype",
-            self.dtype,
-            "size_bytes",
-            self.size_bytes,
-            "chunks",
-            self._chunks,
-        ]
-        if value_range is not None:
-            fields += ["value_range", json.dumps(list(value_range))]
-        return fields
 
     async def _seal_and_complete(self, new_id: str, dataset_keys: list[str]) -> None:
         store = self.store

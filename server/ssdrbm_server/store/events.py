@@ -1,11 +1,10 @@
 """A job's event stream: metric events and state changes, in order, each with a resume token.
 
-Entries of `job:{id}:metrics` carry the fields `kind` (b"metrics" | b"state" | b"backoff"),
-`data` (a serialized ssdrbm.v1.Metrics or StateChange; for a backoff, what the worker wrote),
-`time` (Unix seconds) and `attempt`. The entry id ("<ms>-<seq>") is the resume token: reading
-after it continues with no gap and no repeat. Writers are the job store (submit, cancel), the
-claim and the worker's fenced writes, all in Lua scripts; this module builds the fields, the
-Lua line that appends them, and reads.
+Entries of `job:{id}:metrics` carry `kind` (b"metrics" | b"state" | b"backoff"), `data` (a
+serialized ssdrbm.v1.Metrics or StateChange; for a backoff, what the worker wrote), `time`
+(Unix seconds) and `attempt`. The entry id ("<ms>-<seq>") is the resume token: reading after
+it continues with no gap and no repeat. The writers (submit, cancel, claim, fenced writes) are
+Lua scripts; this module builds their fields and XADD line, and reads.
 """
 
 from __future__ import annotations

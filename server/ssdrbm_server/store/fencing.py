@@ -1,20 +1,16 @@
 """Fenced writes: everything a worker writes about a job, refused once its attempt is stale.
 
-Each write is one Lua script on the job's own slot (the job hash, its event stream, its
-checkpoints: all `{<id>}`) that first checks the job is still RUNNING under the writer's
-attempt number. A worker that lost its lease (paused, partitioned, presumed dead) and was
-replaced by another under a higher attempt gets `LeaseLostError` and must stop; it can never
-overwrite the newer attempt's metrics, checkpoints or final state.
+Each write is one Lua script on the job's own slot that first checks the job is still RUNNING
+under the writer's attempt: a worker that lost its lease (paused, partitioned, presumed dead)
+and was replaced under a higher attempt gets `LeaseLostError`, and can never overwrite the newer
+attempt's metrics, checkpoints or final state.
 
-Metric events are also refused when their step does not exceed the job's last published metric
-step, so a run resumed from a checkpoint never repeats a step in the stream: it recomputes the
-steps after its checkpoint and publishes only those the dead attempt had not. A backoff (the
-worker rolled back to a checkpoint itself) lowers that step, so the retrained steps are
-published again.
+A metric event is refused unless its step exceeds the job's last published one, so a run
+resumed from a checkpoint publishes only the steps the dead attempt had not; a backoff (the
+worker rolled back itself) lowers that step, so the retrained steps are published again.
 
-A heartbeat, an end and a release then bring the shared indexes (state sets, lease index,
-queue, the tenant's active set) in line, as separate steps after the fenced one; indexes.py
-explains why a death between them is safe. The fence itself never depends on those indexes.
+A heartbeat, an end and a release then bring the shared indexes in line as separate steps
+(indexes.py explains why a death between them is safe); the fence never depends on them.
 """
 
 from __future__ import annotations
@@ -138,12 +134,6 @@ redis.call('HSET', KEYS[1], 'state', ARGV[3])  -- 'worker' keeps the last one th
 )
 
 
-def steps_to_drop(existing: list[int], keep: int) -> list[int]:
-    """The checkpoint steps beyond the newest `keep`: the ones to drop, oldest first."""
-    steps = sorted(set(existing))
-    return steps[: max(0, len(steps) - keep)]
-
-
 class LeaseLostError(Exception):
     """The job is no longer RUNNING under this attempt: another worker took over, or it ended."""
 
@@ -222,11 +212,7 @@ class FencedJob(Store):
     ) -> None:
         """Store a checkpoint (sha256 computed here) and drop those beyond the newest `keep`.
         `recovery_state` is the blow-up recovery's state at `step` (JSON; see checkpoints.py),
-        written in the same script as the trainer state it belongs to.
-
-        The retained steps are read first so the script gets every key it deletes; only this
-        attempt writes checkpoints (the fence), so they cannot change in between.
-        """
+        written in the same script as the trainer state it belongs to."""
         fields = checkpoint_fields(
             step=step,
             data=data,
@@ -235,16 +221,19 @@ class FencedJob(Store):
             recovery_state=recovery_state,
             attempt=self.attempt,
         )
+        index, drop, dropped = await self._beyond(keep, step)
+        keys = [self.keys.job(self.job_id), index, self.keys.checkpoint(self.job_id, step)]
+        await self._run(_CHECKPOINT, [*keys, *dropped], [step, *drop, *pairs(fields)])
+
+    async def _beyond(self, keep: int, *new: int) -> tuple[str, list[int], list[str]]:
+        """The checkpoint index, and the steps (and keys) beyond the newest `keep` with the
+        ``new`` steps, read first so that a script gets every key it deletes: only this attempt
+        writes checkpoints (the fence), so they cannot change in between."""
         index = self.keys.checkpoint_index(self.job_id)
         existing = [int(member) for member in await self.redis.zrange(index, 0, -1)]
-        drop = steps_to_drop([*existing, step], keep)
-        keys = [
-            self.keys.job(self.job_id),
-            index,
-            self.keys.checkpoint(self.job_id, step),
-            *(self.keys.checkpoint(self.job_id, old) for old in drop),
-        ]
-        await self._run(_CHECKPOINT, keys, [step, *drop, *pairs(fields)])
+        steps = sorted({*existing, *new})
+        drop = steps[: max(0, len(steps) - keep)]  # oldest first
+        return index, drop, [self.keys.checkpoint(self.job_id, old) for old in drop]
 
     async def finish(
         self, state: JobState, *, step: int, error: str = "", message: str = ""
@@ -255,17 +244,10 @@ class FencedJob(Store):
             raise ValueError(f"finish needs a terminal state, not {state}")
         event = state_event_fields(state, attempt=self.attempt, step=step, message=message or error)
         await self.lifecycle.expire_later(self.job_id, self.tenant, self.lease.record.sweep_id)
-        # Only this attempt writes checkpoints (the fence), so they cannot change before the end.
-        index = self.keys.checkpoint_index(self.job_id)
-        existing = [int(member) for member in await self.redis.zrange(index, 0, -1)]
-        drop = steps_to_drop(existing, self.lifecycle.retention.checkpoints_kept)
+        index, drop, dropped = await self._beyond(self.lifecycle.retention.checkpoints_kept)
         await self._run(
             _FINISH,
-            [
-                *self.job_and_events(self.job_id),
-                index,
-                *(self.keys.checkpoint(self.job_id, old) for old in drop),
-            ],
+            [*self.job_and_events(self.job_id), index, *dropped],
             [state.value, repr(time.time()), error, *event_values(event), *drop],
         )
         await self.index.follow(self.job_id, self.tenant, state, self.attempt)

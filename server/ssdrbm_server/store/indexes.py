@@ -1,53 +1,44 @@
 """The job indexes that live outside a job's own slot, and the order in which they follow it.
 
-The job hash `job:{<id>}` is the only source of truth for a job's state, attempt and lease
-deadline; every transition is one script on the job's slot (claim, fenced writes, cancel). On
-Redis Cluster the indexes cannot join that script, because they are shared by all jobs:
+The job hash `job:{<id>}` is the only truth for a job's state, attempt and lease deadline; every
+transition is one script on its slot. On Redis Cluster the shared indexes cannot join it:
 
-- `{jobs}:state:<STATE>` sets (counts for Prometheus), `{jobs}:leases` (which running jobs to
-  look at for a lapsed lease), the queue (work for the workers: the tenants' lists
-  `{jobs}:queue:<t>` and their rotation, queue.py) and `{jobs}:versions` share the `{jobs}`
-  tag, so one script (`_SYNC`) updates them together: a job is queued atomically with its
-  QUEUED state, and its tenant joins the rotation in the same step;
-- `tenant:{<t>}:active` (the per-tenant limit) is in the tenant's slot, with
-  `tenant:{<t>}:job_datasets` (which uploaded dataset each active job uses, so that dataset
-  cannot be deleted, store/datasets.py): a job leaves both in one step (`leave_active`).
+- `{jobs}:state:<STATE>` sets (Prometheus counts), `{jobs}:leases` (where to look for lapsed
+  leases), the queue (queue.py) and `{jobs}:versions` share the `{jobs}` tag, so one script
+  (`_SYNC`) updates them together: a job is queued atomically with its QUEUED state;
+- `tenant:{<t>}:active` (the per-tenant limit) and `tenant:{<t>}:job_datasets` (the uploaded
+  dataset each active job holds, store/datasets.py) are left in one step (`leave_active`).
 
-They are updated AFTER the job hash, as separate steps, by whoever made the transition. Two
-rules make a process death (or a slow process) between the steps safe:
+They are updated AFTER the job hash, as separate steps, by whoever made the transition. A death
+(or a slow process) between the steps is safe by two rules:
 
-1. Every index update is idempotent and versioned. A job's states follow a strictly
-   increasing version, `3 * attempt + rank` with rank RUNNING 0, QUEUED 1, terminal 2: a claim
-   (QUEUED or RUNNING at attempt a -> RUNNING at a + 1), a release (RUNNING at a -> QUEUED at
-   a), an end (-> terminal at a) all raise it. `_SYNC` ignores a version older than the one the
-   indexes already show, so a delayed step of a process that lost the job (e.g. a stalled
-   worker's heartbeat after a takeover) cannot put back an older state, lease or removal. A
-   job is added to its tenant's queue only when the version is new, so repeating a step does
-   not enqueue the job twice.
-2. Whatever a crash leaves behind is repaired by the next process that looks at the job, or
-   is harmless:
-   - the lease index is written BEFORE a claim makes the hash RUNNING (`reserve_lease`, with a
-     deadline no later than the one the claim will set), so every RUNNING job can be found by
-     `lapsed()`; a lease entry that outlives its job leads a worker to claim it, which sees the
-     job finished (and repeats its index steps) or QUEUED (and runs it, as a release wanted);
-   - for a job that ended, the tenant's active set is cleaned first and the lease entry
-     removed last: while the entry exists, the claim that finds it repeats both steps;
+1. Every index update is idempotent and versioned: `3 * attempt + rank` (RUNNING 0, QUEUED 1,
+   terminal 2) strictly increases with every claim, release and end. `_SYNC` ignores a version
+   older than the indexes show, so a late step of a process that lost the job (a stalled
+   worker's heartbeat after a takeover) cannot put back an older state, lease or removal; a job
+   is enqueued only when its version is new, so a repeated step does not queue it twice.
+2. What a crash leaves is repaired by the next process that looks at the job, or is harmless:
+   - the lease index is written BEFORE a claim makes the hash RUNNING (`reserve_lease`, a
+     deadline no later than the claim's), so `lapsed()` finds every RUNNING job; an entry that
+     outlives its job leads a worker to a claim that sees the job finished (and repeats its
+     index steps) or QUEUED (and runs it);
+   - for a job that ended, the active set is cleaned first and the lease entry removed last:
+     while the entry exists, the claim that finds it repeats both;
    - a stale state set only skews the Prometheus counts until the job's next transition;
-   - the tenant's active set is also repaired by the submit that finds the tenant at its limit
-     (ssdrbm_server/store/jobs.py), so a lost removal never blocks a tenant for good.
+   - the active set is also repaired by a submit that finds the tenant at its limit (jobs.py).
 
 A forgotten job (deleted, expired, or its submit died) keeps a tombstone version (`FORGOTTEN`)
-for `TOMBSTONE_MS`, noted in `{jobs}:forgotten`; later forgets prune the old tombstones, so the
-versions hash does not grow with every job ever deleted.
+for `TOMBSTONE_MS`, noted in `{jobs}:forgotten`; later forgets prune the old ones.
 
-The lease index may show an earlier deadline than the job hash (a heartbeat's index step not yet
-done): `lapsed()` then offers a job whose claim answers "held", which costs one round trip.
-Deadlines are on the Redis clock of the job's node; the index is compared with the clock of the
-`{jobs}` node, so a clock difference between nodes shifts when a takeover is tried, not whether
-the claim is right.
+The lease index may show an earlier deadline than the hash (a heartbeat's index step not yet
+done): the claim then answers "held", one wasted round trip. Deadlines are on the Redis clock
+of the job's node, the index compared on the `{jobs}` node's: a clock difference shifts when a
+takeover is tried, not whether the claim is right.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.connection import RedisClient, Store
@@ -70,7 +61,7 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 """
 
 # KEYS: versions, leases, one state set per JobState (in enum order), then, to enqueue, the
-# queue keys (`_queue_keys`: rotation, served, ready, the tenant's list the job goes into).
+# queue keys (rotation, served, ready, the tenant's list the job goes into).
 # ARGV: job id, version, target (1-based position of the state set, 0 = none), lease deadline
 # ('' = no lease), enqueue ('0': no, '1': at the back of the tenant's list, '2': at its front),
 # tenant.
@@ -176,44 +167,20 @@ class JobIndex(Store):
     def __init__(self, redis: RedisClient, keys: Keys) -> None:
         super().__init__(redis, keys=keys)
 
-    def _global_keys(self) -> list[str]:
-        states = [self.keys.jobs_in_state(state.value) for state in JobState]
-        return [self.keys.index_versions(), self.keys.leases(), *states]
-
-    def _queue_keys(self, tenant: str, sweep_run: bool) -> list[str]:
-        return [
-            self.keys.queue_rotation(),
-            self.keys.queue_served(),
-            self.keys.queue_ready(),
-            self.keys.queue_for(tenant, sweep_run=sweep_run),
-        ]
-
-    async def _apply(
+    async def _sync(
         self,
         job_id: str,
         version: int,
-        target: int,
-        lease_deadline: int | None,
-        enqueue_for: str | None,
-        front: bool = False,
-        sweep_run: bool = False,
+        target: int = 0,
+        lease: int | str = "",
+        enqueue: str = "0",
+        tenant: str = "",
+        queue_keys: Sequence[str] = (),
     ) -> None:
-        """One `_SYNC`; `enqueue_for` names the tenant whose queue gets the job (None: none),
-        at the back of its list or, `front`, at its front; a sweep's run goes into the
-        tenant's list of sweep runs (store/queue.py)."""
-        queue_keys = [] if enqueue_for is None else self._queue_keys(enqueue_for, sweep_run)
-        await self.run(
-            _SYNC,
-            keys=[*self._global_keys(), *queue_keys],
-            args=[
-                job_id,
-                version,
-                target,
-                "" if lease_deadline is None else lease_deadline,
-                "0" if enqueue_for is None else "2" if front else "1",
-                enqueue_for or "",
-            ],
-        )
+        """One `_SYNC` (its KEYS and ARGV above)."""
+        states = [self.keys.jobs_in_state(state.value) for state in JobState]
+        keys = [self.keys.index_versions(), self.keys.leases(), *states, *queue_keys]
+        await self.run(_SYNC, keys, [job_id, version, target, lease, enqueue, tenant])
 
     async def follow(
         self,
@@ -237,11 +204,20 @@ class JobIndex(Store):
         if state.is_terminal:
             # Before the lease entry goes: while it exists, a claimer comes back here.
             await self.leave_active(tenant, job_id)
+        running = state is JobState.RUNNING and lease_deadline is not None
+        lease = lease_deadline if running else ""
         target = list(JobState).index(state) + 1
-        lease = lease_deadline if state is JobState.RUNNING else None
-        queue_for = tenant if enqueue else None
         version = index_version(state, attempt)
-        await self._apply(job_id, version, target, lease, queue_for, front, sweep_run)
+        if not enqueue:
+            await self._sync(job_id, version, target, lease)
+            return
+        queue_keys = [
+            self.keys.queue_rotation(),
+            self.keys.queue_served(),
+            self.keys.queue_ready(),
+            self.keys.queue_for(tenant, sweep_run=sweep_run),
+        ]
+        await self._sync(job_id, version, target, lease, "2" if front else "1", tenant, queue_keys)
 
     async def leave_active(self, tenant: str, job_id: str, *, unlist: bool = False) -> None:
         """The job no longer counts against its tenant's limit, and no longer holds the
@@ -254,7 +230,7 @@ class JobIndex(Store):
     async def forget(self, job_id: str) -> None:
         """Drop a job whose hash is gone (expired unfinished submit, lost data) from the shared
         indexes for good."""
-        await self._apply(job_id, FORGOTTEN, 0, None, None)
+        await self._sync(job_id, FORGOTTEN)
         await self.run(
             _TOMBSTONE,
             keys=[self.keys.index_versions(), self.keys.forgotten()],

@@ -1,31 +1,25 @@
 """Jobs as clients see them: submit (idempotent), get, list, cancel, counts.
 
-A job's own keys (hash, event stream) and a tenant's keys (listing, sequence, active set,
-idempotency keys) are in different Cluster slots, so a submit takes four single-slot steps.
-The job is written first and marked as not yet admitted by an expiry; the expiry goes only
-once the job is queued:
+A job's own keys (hash, event stream) and its tenant's (listing, sequence, active set,
+idempotency keys) are in different Cluster slots, so a submit takes four single-slot steps; the
+job is written first, expiring, and the expiry goes once the job is queued:
 
-1. create (job slot): the job hash (QUEUED) and its first event, both expiring after
-   `ADMISSION_TTL_S`. Dying here leaves an orphan nobody can name; it expires.
-2. reserve (tenant slot, atomic): the idempotency key, the uploaded dataset the job trains on
-   (the tenant must still have it), the active-job limit, the listing position, the active set
-   and the job's reference to its dataset. A repeated request id, a dataset deleted since the
-   request was checked or a full tenant answers here and the orphan of step 1 is deleted. From
-   here on the job may be seen (ListJobs, the request id).
-3. queue (`{jobs}` slot): the QUEUED state set and the job appended to its tenant's queue
-   (which joins the rotation of tenants, queue.py), once per version (indexes.py), so doing
-   this twice queues the job once. A cancelled or deleted job's entry stays in the queue until
-   a worker takes it; the claim refuses it (the job hash decides), so it is harmless.
+1. create (job slot): the hash (QUEUED) and its first event, expiring after `ADMISSION_TTL_S`.
+   Dying here leaves an orphan nobody can name; it expires.
+2. reserve (tenant slot, atomic): the idempotency key, the uploaded dataset (the tenant must
+   still have it), the active-job limit, the listing position, the active set and the job's
+   dataset reference. A repeated request id, a deleted dataset or a full tenant answers here
+   and the orphan is deleted. From here on the job may be seen (ListJobs, the request id).
+3. queue (`{jobs}` slot): the QUEUED state set and the tenant's queue, once per version
+   (indexes.py). A cancelled or deleted job's entry is refused by the claim: harmless.
 4. admit (job slot): the listing position into the hash, and the expiry removed.
 
-A job that still expires after step 2 was not admitted: its submit died between 2 and 4 (and
-was never acknowledged). The next process that meets it finishes steps 3 and 4: a repeat of
-the request id, or a submit that finds the tenant at its limit and checks its active jobs
-(which also drops jobs that ended, and ids whose hash expired). A claim or cancel of such a job
-removes the expiry too, since it then exists for good. If nobody meets it, it expires, leaving
-a listing entry that ListJobs skips. The limit check and the active set are one atomic step,
-so the limit holds on Cluster without a race window; a removal from the active set that a
-crash lost can only refuse a submit early, never admit one beyond the limit.
+A job still expiring after step 2 was not admitted (its submit died, unacknowledged); whoever
+meets it next finishes steps 3 and 4: a repeat of the request id, a submit that finds the tenant
+at its limit and checks its active jobs (dropping those ended or gone), a claim or a cancel.
+Otherwise it expires, leaving a listing entry ListJobs skips. The limit check and the active set
+are one atomic step, so the limit holds on Cluster; a removal a crash lost can only refuse a
+submit early, never admit one beyond the limit.
 
 A request id answers the job it created, in any state, for `idempotency_ttl_s`; once that job
 is deleted, a repeat creates a new job (deleting it is the client's word that the submission is
@@ -35,11 +29,9 @@ key again: when the key still names the job, the record read is the answer; othe
 reservation runs again. So a repeat racing a delete answers the job as it was before the delete
 began, or a new job; never a job already gone, and never an error.
 
-An accepted job holds its uploaded dataset: the reference (`tenant:{<t>}:job_datasets`, job ->
-dataset) is taken in step 2, so a DeleteDataset (one script on the same slot, datasets.py)
-either runs first, and the submit answers NOT_FOUND, or after, and is refused naming the job. It
-goes when the job leaves the active set (indexes.py `leave_active`: its end, or its delete), so
-a sweep's runs, which are submitted here too, hold their dataset the same way.
+An accepted job holds its uploaded dataset (`tenant:{<t>}:job_datasets`, taken in step 2 on the
+slot of DeleteDataset's script, datasets.py, so one of the two goes first) until it leaves the
+active set (indexes.py `leave_active`: its end, or its delete); a sweep's runs alike.
 
 Cancel decides on the job hash alone (one script); the indexes follow (indexes.py). Delete and
 retention are in lifecycle.py; a QUEUED or RUNNING job is deleted only with `force`: cancelled,
@@ -105,17 +97,11 @@ if ARGV[2] == '1' then
   local existing = redis.call('GET', KEYS[1])
   if existing then return {0, existing, 0} end
 end
-if ARGV[6] ~= '' and redis.call('HEXISTS', KEYS[5], ARGV[6]) == 0 then
-  return {-3, '', 0}
-end
+if ARGV[6] ~= '' and redis.call('HEXISTS', KEYS[5], ARGV[6]) == 0 then return {-3, '', 0} end
 local max_active = tonumber(ARGV[3])
-if max_active > 0 and redis.call('SCARD', KEYS[2]) >= max_active then
-  return {-1, '', 0}
-end
+if max_active > 0 and redis.call('SCARD', KEYS[2]) >= max_active then return {-1, '', 0} end
 local max_records = tonumber(ARGV[4])
-if max_records > 0 and redis.call('ZCARD', KEYS[3]) >= max_records then
-  return {-2, '', 0}
-end
+if max_records > 0 and redis.call('ZCARD', KEYS[3]) >= max_records then return {-2, '', 0} end
 local seq = redis.call('INCR', KEYS[4])
 redis.call('SADD', KEYS[2], ARGV[1])
 if ARGV[6] ~= '' then redis.call('HSET', KEYS[6], ARGV[1], ARGV[6]) end
@@ -350,7 +336,7 @@ class JobStore(Store):
         if found.state is None:
             if request_id:
                 await self.lifecycle.release_request_id(tenant, job_id, request_id)
-            await self.lifecycle.drop_from_tenant(tenant, job_id)
+            await self.index.leave_active(tenant, job_id, unlist=True)
             await self.index.forget(job_id)
             return True
         if found.state.is_terminal:
@@ -407,7 +393,14 @@ class JobStore(Store):
             )
             if not ids:
                 return page, ""
-            records = await self._load_many([member.decode() for member, _ in ids])
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for member, _ in ids:
+                    pipe.hgetall(self.keys.job(member.decode()))
+                replies = await pipe.execute()
+            records = [
+                record_from_hash(member.decode(), raw) if raw else None
+                for (member, _), raw in zip(ids, replies, strict=True)
+            ]
             for (_member, score), record in zip(ids, records, strict=True):
                 below = int(score)
                 if record is None or (state is not None and record.state != state):
@@ -419,16 +412,6 @@ class JobStore(Store):
                 return page, ""
         more = await self.redis.zrevrangebyscore(listing, f"({below}", "-inf", start=0, num=1)
         return page, (encode_page_token(tenant, below) if more else "")
-
-    async def _load_many(self, job_ids: list[str]) -> list[JobRecord | None]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.hgetall(self.keys.job(job_id))
-            replies = await pipe.execute()
-        return [
-            record_from_hash(job_id, raw) if raw else None
-            for job_id, raw in zip(job_ids, replies, strict=True)
-        ]
 
     async def cancel(self, tenant: str, job_id: str) -> JobRecord:
         """Cancel a queued job at once; ask a running job's worker to stop (it ends CANCELLED

@@ -1,18 +1,15 @@
 """Leases: which worker runs a job, until when, under which attempt number.
 
-Claiming a job is one compare-and-set script on the job's own slot: it succeeds only when the
-job is QUEUED, or RUNNING with a lapsed lease, and its attempt is still the one the claimer
-read. It increases the attempt, so every write of the previous holder is refused from then on
-(see fencing.py), and it records the new lease deadline in the job hash, measured on the Redis
-clock (TIME), so workers with skewed clocks agree on when a lease has lapsed.
+A claim is one compare-and-set script on the job's slot: it succeeds only when the job is
+QUEUED, or RUNNING with a lapsed lease, at the attempt the claimer read. It raises the attempt,
+fencing off every later write of the previous holder (fencing.py), and records the deadline
+in the job hash on the Redis clock (TIME), so workers with skewed clocks agree on it.
 
-The `{jobs}:leases` sorted set is only an index for finding lapsed leases (indexes.py). A claim
-runs in three steps, each safe to die after:
-1. `reserve_lease` puts the job into the index with a deadline no later than the one the claim
-   will set: if the claim never happens, the entry lapses and leads another worker here;
-2. the claim script on the job hash (the decision, atomic);
-3. the index takes the real deadline and the RUNNING state (versioned, so a late step 3 of a
-   worker that has since lost the job changes nothing).
+`{jobs}:leases` only indexes the deadlines (indexes.py). A claim runs in three steps, each safe
+to die after: 1. `reserve_lease` puts the job into the index with a deadline no later than the
+claim's (if the claim never happens, the entry lapses and leads another worker here); 2. the
+claim script (the decision); 3. the index takes the real deadline and the RUNNING state
+(versioned, so a late step 3 of a worker that has lost the job changes nothing).
 """
 
 from __future__ import annotations

@@ -1,50 +1,35 @@
 """The end of a job's life: what a finished job keeps, when it expires, and deleting it.
 
-A job's keys are spread over three kinds of Cluster slot (its own `{<id>}`, its tenant's `{<t>}`
-and the shared `{jobs}` indexes), so removing a job takes several single-slot steps. They run in
-this order, each idempotent, so that a process dying between any two leaves nothing behind for
-good:
+A job's keys are in three kinds of Cluster slot (its own `{<id>}`, its tenant's `{<t>}`, the
+shared `{jobs}`), so removing it takes single-slot steps, each idempotent, in an order that a
+death between any two leaves nothing behind for good:
 
-1. schedule (`{jobs}`): `{jobs}:purge` gets the entry `<id> <tenant>`, due now for a delete, or
-   `finished_job_ttl_seconds` after the end for an expiring job. While the entry exists, the
-   sweeper (`sweep`, run by every API process) repeats steps 2-6 for it once it is
-   `SWEEP_GRACE_MS` overdue.
-2. the request id (`{<t>}`): the idempotency key of the StartTraining that created the job,
-   when it still names this job (`release_request_id`). This is where a delete takes effect for
-   the request id: a repeat from here on creates a new job. It comes before any key of the job
-   goes, so a repeat that reads the job and then finds the key still naming it answers a job
-   that existed at that moment (jobs.py); a forced delete releases it even before it cancels
-   the job, so a repeat never answers the job cancelled by its own delete. Without the record
-   (e.g. Redis expired it first) the key goes by its own TTL, or with the repeat that finds its
-   job gone.
+1. schedule (`{jobs}`): `{jobs}:purge` gets `<id> <tenant>`, due now for a delete, or
+   `finished_job_ttl_seconds` after the end for an expiring job. While it exists, the sweeper
+   (`sweep`, in every API process) repeats steps 2-6 once it is `SWEEP_GRACE_MS` overdue.
+2. the request id (`{<t>}`): its idempotency key, when it still names this job
+   (`release_request_id`); a repeat from here on creates a new job. It goes before any key of
+   the job, so a repeat that reads the job and then finds the key still naming it answers a job
+   that existed then (jobs.py); a forced delete releases it even before it cancels the job.
 3. the job's own keys (`{<id>}`, one script): hash, metric stream, checkpoint index and every
-   checkpoint. The script checks the index still lists exactly the checkpoints it was given
-   (else the caller reads it again), so no checkpoint written meanwhile survives. From here on
-   the job is NOT_FOUND everywhere; a worker still running it (a forced delete) has its next
-   fenced write refused, since the fence needs the hash, and stops within a heartbeat.
-4. the tenant's keys (`{<t>}`): active set, the job's dataset reference, and listing.
-5. the shared indexes (`{jobs}`): state sets, lease and queue bookkeeping (indexes.py `forget`,
-   whose version tombstone stops a late index step of a worker from indexing the job again).
+   checkpoint, the script checking the index lists exactly the checkpoints given (else they
+   are read again). From here on the job is NOT_FOUND; a worker still running it (a forced
+   delete) has its next fenced write refused and stops.
+4. the tenant's keys (`{<t>}`): active set, dataset reference, listing.
+5. the shared indexes (`{jobs}`): indexes.py `forget`, whose tombstone stops a late step.
 6. the schedule entry, last.
 
-Steps 2 and 3 act only on a job of the tenant that is ended (or `allow_active`, a forced
-delete): the state is read before step 2 (an end is never undone and the tenant never changes,
-so what was read still holds) and checked again in step 3's script.
+Steps 2 and 3 act only on an ended job of the tenant (or, forced, an active one): the state is
+read before step 2 (an end is never undone) and checked again in step 3's script. The sweeper
+never removes a QUEUED or RUNNING job: its entry came from a retention schedule before an end
+that did not happen, or from a forced delete that died before step 3 (never acknowledged), so
+the entry is dropped and the job lives on.
 
-The sweeper refuses to remove a QUEUED or RUNNING job: an entry it finds for one came from a
-retention schedule made before an end that did not happen (the lease was lost; the next end
-schedules again) or from a forced delete that died before step 3 and was never acknowledged, so
-it is dropped and the job lives on (its request id released when that delete got past step 2:
-a repeat then creates a new job).
-
-Retention when a job ends (`ended`, after the end is written; `expire_later`, before): only the
-newest `finished_checkpoints_kept` checkpoints stay (a worker's end drops the others in the same
-step as it writes the end, store/fencing.py, so no reader sees an ended job with more), and with
-a finished-job TTL every key of the job itself gets a Redis expiry, so its data goes at its time
-even if no sweeper runs; the sweeper then only clears the index entries. A process dying between
-the end and `ended` leaves the job with no expiry (and, after a cancel of a queued job, its last
-few checkpoints): more memory, nothing wrong, and the sweeper still deletes it at its time when
-it was to expire.
+Retention (`expire_later` before the end is written, `ended` after): only the newest
+`finished_checkpoints_kept` checkpoints stay (a worker's end drops the others in its own
+step, store/fencing.py), and with a TTL every key of the job gets a Redis expiry, so its data
+goes even if no sweeper runs. A death between the end and `ended` leaves no expiry (more
+memory, nothing wrong): the sweeper still deletes the job at its time.
 """
 
 from __future__ import annotations
@@ -118,9 +103,7 @@ _DELETE = (
     + """
 local job = redis.call('HMGET', KEYS[1], 'tenant', 'state')
 if job[1] and job[1] ~= ARGV[1] then return 'other' end
-if job[1] and ARGV[2] ~= '1' and (job[2] == ARGV[3] or job[2] == ARGV[4]) then
-  return 'active'
-end
+if job[1] and ARGV[2] ~= '1' and (job[2] == ARGV[3] or job[2] == ARGV[4]) then return 'active' end
 redis.call('DEL', unpack(KEYS))
 if job[1] then return 'deleted' end
 return 'missing'
@@ -248,7 +231,7 @@ class JobLifecycle(Store):
         if outcome in ("active", "other"):
             await self._unschedule(job_id, tenant)  # not after the check above: a bug
             return False
-        await self.drop_from_tenant(tenant, job_id)
+        await self.index.leave_active(tenant, job_id, unlist=True)  # step 4
         await self.index.forget(job_id)
         await self._unschedule(job_id, tenant)
         logger.info("job %s of tenant %s deleted (%s)", job_id, tenant, outcome)
@@ -265,10 +248,6 @@ class JobLifecycle(Store):
         if request_id:
             idempotency = self.keys.idempotency(tenant, request_id)
             await self.run(_RELEASE_REQUEST_ID, keys=[idempotency], args=[job_id])
-
-    async def drop_from_tenant(self, tenant: str, job_id: str) -> None:
-        """Step 4: the tenant's active set (with the job's dataset reference) and listing."""
-        await self.index.leave_active(tenant, job_id, unlist=True)
 
     async def _delete_job_keys(self, job_id: str, tenant: str, allow_active: bool) -> str:
         """Step 3, read again while a worker writes a checkpoint in between."""

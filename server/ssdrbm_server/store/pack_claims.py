@@ -1,20 +1,14 @@
 """Taking queued jobs that fit a pack: named jobs out of their tenants' lists, not the oldest.
 
-A worker that has taken a job the ordinary way (store/queue.py: the least recently served
-tenant's oldest job) may add more queued jobs with the same pack key to it. Those riders are
-taken by id, in the order the caller gives (the first job's tenant, then the other tenants in
-rotation), with the same bookkeeping as an ordinary take: the job leaves its tenant's list
-(the tenant leaves the rotation once its list is empty) and is recorded in `{jobs}:taken`, so
-the claim and acknowledgement that follow, and a worker's death in between, are handled
-exactly as for any taken job (store/queue.py explains the order).
+A worker that took a job the ordinary way (store/queue.py) may add queued jobs with the same
+pack key to it. Those riders are taken by id, in the order the caller gives, with the same
+bookkeeping as a take (out of the tenant's list, which leaves the rotation once empty, into
+`{jobs}:taken`), so the claim, acknowledgement and a death in between are handled as for any
+taken job. A rider does not spend its tenant's turn: it trains in capacity its worker had anyway,
+so the rotation (no tenant waits behind another's backlog) is unchanged by packing.
 
-A rider does not spend its tenant's turn: it trains in capacity its worker had anyway (a pack
-of N costs far less than N jobs), so the rotation that decides whose job is served next — and
-the guarantee that no tenant waits behind another's backlog — is unchanged by packing.
-
-The pack key of a queued job is read from its record (`pack_key`, set at submit), one pipeline
-per tenant over the first SCAN_PER_TENANT entries of its list, so a claim costs a bounded
-number of round trips whatever the queue's length.
+Pack keys are read from the job records (`pack_key`, set at submit), over the first
+SCAN_PER_TENANT entries of a tenant's lists: a bounded number of round trips per claim.
 """
 
 from __future__ import annotations

@@ -1,59 +1,40 @@
 """The job queue: one list per tenant, served in rotation, so no tenant's backlog delays others.
 
 Keys, all in the `{jobs}` slot (so each step below is one script):
-- `{jobs}:queue:<tenant>` lists the tenant's queued job ids, oldest first, and
-  `{jobs}:sweep-queue:<tenant>` its queued sweep runs, oldest first (priorities below);
-- `{jobs}:tenants` holds exactly the tenants whose lists are not both empty, scored by the turn at
-  which each was last served; a worker serves the lowest score (least recently served);
-- `{jobs}:served` keeps each tenant's last turn (turns count up: `take` gives the next one), also
-  while its list is empty, so a tenant that queues one job at a time re-enters the rotation at
-  its old turn instead of jumping ahead of tenants that waited; only the newest `SERVED_KEPT`
-  are kept (a dropped tenant counts as never served, which is what it has been for that long);
-- `{jobs}:taken` holds `<job id> <worker>` -> when taken (ms): jobs popped but not yet
-  acknowledged, the equivalent of a stream's pending entries;
-- `{jobs}:ready` holds one token while work waits, so an idle worker blocks on it (BLPOP)
-  instead of polling.
+- `{jobs}:queue:<tenant>` and `{jobs}:sweep-queue:<tenant>`: the tenant's queued plain jobs and
+  sweep runs, oldest first; a turn takes a sweep run only when the tenant has no plain job, so a
+  sweep's many runs never starve the same tenant's plain jobs;
+- `{jobs}:tenants`: exactly the tenants with queued jobs, scored by the turn at which each was
+  last served; a worker serves the lowest (least recently served);
+- `{jobs}:served`: each tenant's last turn, also while its lists are empty, so a tenant that
+  queues one job at a time re-enters at its old turn instead of jumping ahead (the newest
+  `SERVED_KEPT` are kept; a dropped tenant counts as never served);
+- `{jobs}:taken`: `<job id> <worker>` -> when taken (ms), popped but not yet acknowledged;
+- `{jobs}:ready`: one token while work waits, so an idle worker blocks (BLPOP), not polls.
 
-Jobs are queued by the job index (indexes.py), in the versioned step that marks them QUEUED: a
-submit or release that is repeated queues the job once, and the list and the rotation change
-together. Taking is one script: check that the tenant read is still the least recently served,
-pop its next job, give the tenant the next turn (it leaves the rotation when its lists are now
-empty) and record the job as taken. The order with the claim (job slot) makes a death safe:
+Jobs are queued by the versioned index step that marks them QUEUED (indexes.py), so a repeated
+submit or release queues a job once. A take is one script (the tenant read is still first: pop
+its next job, give it the next turn, record the job as taken), then:
 1. take ({jobs} slot): the job moves from its tenant's list to `taken`;
-2. claim (job slot, store/leases.py): the job hash decides; it refuses a job that is not QUEUED
-   (cancelled, finished, deleted, or held by a valid lease), so a stale entry is harmless;
-3. ack ({jobs} slot): the entry leaves `taken`; the job is tracked by its lease from now on.
+2. claim (job slot, store/leases.py): the job hash refuses a job that is not QUEUED (cancelled,
+   finished, deleted, or held by a valid lease), so a stale entry is harmless;
+3. ack ({jobs} slot): the entry leaves `taken`; the lease tracks the job from now on.
 A worker that dies after 1 leaves its entry in `taken`; `autoclaim` hands it to another worker
-once it has been there a lease length, and that worker claims and acknowledges it (a claim that
-already happened is refused, and the lease covers the job). Delivery is thus at least once, as
-with the stream this replaces; duplicates (the same job queued by two versions) are harmless
-for the same reason.
+after a lease length. Delivery is at least once; duplicates are harmless for the same reason.
 
 Fairness: a tenant that queues its first job enters the rotation at its last turn, below every
-tenant served since, so each worker serves at most one other tenant's job before it (with W
-workers, one job slot per worker), however many jobs the others have queued.
-
-Priorities within a tenant: a tenant's turn takes its oldest job that is not a sweep's run
-(`{jobs}:queue:<tenant>`); only when it has none does the turn take its oldest sweep run
-(`{jobs}:sweep-queue:<tenant>`). A sweep queues many runs at once, and those must not starve the
-same tenant's plain jobs: a plain job waits for the tenant's plain jobs queued before it, never
-for its sweeps. With time slices (below), a plain job queued while the same tenant's sweep runs
-hold every worker starts within one slice.
+tenant served since, so each worker serves at most one other tenant's job before it.
 
 Time slices (worker/runner.py): a job or pack holds its worker for SSDRBM_SLICE_SECONDS at most
-while `would_serve_other` says the rotation would serve other work once its jobs are back in
-the queue. Then the jobs are checkpointed and released to the FRONT of their lists:
-the take already gave their tenant its turn, which the release leaves as it is (a tenant that
-left the rotation re-enters at that turn), so the job keeps its place and its tenant's turn is
-not spent again; the waiting tenant, served less recently, is taken next. Work that would
-only take the preempted job back (its own tenant is next, with nothing of higher priority
-queued) is not worth a preemption: the job keeps its worker and its slice starts over.
+while `would_serve_other` says other work would be served once its jobs are back. They are then
+released to the FRONT of their lists without giving their tenant a new turn, so the job keeps
+its place and the waiting tenant is taken next. Work that would only take the preempted job
+back is not worth a preemption: its slice starts over.
 
-A queued job's place (`places`, for GetJob, ListJobs and the dashboard; read-only): its
-position among the jobs queued now, by the rotation's rule (`served_before`), and its start
-estimated from the slots busy now (`running_slots`, `slot_frees_in`, `estimate_start`). Jobs
-that come back preempted, or are queued later by tenants served less recently, can still go
-ahead of it: the position is the queue as it stands, the estimate a forecast.
+A queued job's place (`places`, read-only): its position among the jobs queued now by the
+rotation's rule (`served_before`), and its start estimated from the slots busy now
+(`running_slots`, `slot_frees_in`, `estimate_start`): a forecast, since preempted jobs and
+tenants served less recently can still go ahead of it.
 """
 
 from __future__ import annotations
@@ -466,24 +447,19 @@ class JobQueue(Store):
         places = {}
         for job in job_ids:
             position = positions.get(job, 0)  # not in its list: a worker is taking it now
-            if not slots:
-                idle = waited.get(job, 0.0) >= idle_after_s
-                places[job] = QueuePlace(
-                    position=position,
-                    starts_in_s=None if idle else 0.0,
-                    basis=(
-                        f"no worker is running: no job has run for the {waited.get(job, 0):.0f} s "
-                        "this one has waited"
-                        if idle
-                        else "no job is running: an idle worker takes it at once"
-                    ),
-                    busy_slots=0,
-                    slice_s=slice_s,
-                    no_worker=idle,
-                )
+            if slots:
+                starts_in, basis = estimate_start(position, frees, slice_s)
+                places[job] = QueuePlace(position, starts_in, basis, len(slots), slice_s)
                 continue
-            starts_in, basis = estimate_start(position, frees, slice_s)
-            places[job] = QueuePlace(position, starts_in, basis, len(slots), slice_s)
+            idle = waited.get(job, 0.0) >= idle_after_s
+            basis = (
+                f"no worker is running: no job has run for the {waited.get(job, 0):.0f} s this "
+                "one has waited"
+                if idle
+                else "no job is running: an idle worker takes it at once"
+            )
+            starts_in = None if idle else 0.0
+            places[job] = QueuePlace(position, starts_in, basis, 0, slice_s, no_worker=idle)
         return places
 
     async def rotation(self, limit: int = 0) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 
 
@@ -40,25 +40,26 @@ NOT_PACKABLE = ""  # the pack key of a job that trains alone
 
 @dataclass
 class JobRecord:
-    """One job as stored in `job:{id}`; times are Unix seconds."""
+    """One job as stored in `job:{id}`, field for field (times are Unix seconds); a field
+    missing from the hash (written before the field existed) reads as its default."""
 
     id: str
-    tenant: str
-    name: str
-    state: JobState
-    spec: bytes  # serialized ssdrbm.v1.StartTrainingRequest, defaults filled in
-    step: int  # latest step reported by the worker
-    total_steps: int  # 0 until known (a job given in epochs learns it from its dataset)
-    attempt: int  # fencing number: increases each time a worker (re)claims the job
-    error: str  # why the job FAILED
-    checkpoint_step: int  # -1 if none
-    worker: str  # worker running (or that last ran) the job
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    n_visible: int  # 0 until known
-    latest_metrics: bytes  # serialized ssdrbm.v1.Metrics, b"" if none
-    cancel_requested: bool
+    tenant: str = ""
+    name: str = ""
+    state: JobState = JobState.QUEUED
+    spec: bytes = b""  # serialized ssdrbm.v1.StartTrainingRequest, defaults filled in
+    step: int = 0  # latest step reported by the worker
+    total_steps: int = 0  # 0 until known (a job given in epochs learns it from its dataset)
+    attempt: int = 0  # fencing number: increases each time a worker (re)claims the job
+    error: str = ""  # why the job FAILED
+    checkpoint_step: int = -1  # -1 if none
+    worker: str = ""  # worker running (or that last ran) the job
+    created_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    n_visible: int = 0  # 0 until known
+    latest_metrics: bytes = b""  # serialized ssdrbm.v1.Metrics, b"" if none
+    cancel_requested: bool = False
     metric_step: int = -1  # step of the latest metric event; later events must exceed it
     seq: int = 0  # position in the tenant's listing (creation order)
     backoffs: int = 0  # times the worker rolled the job back to a checkpoint and went on
@@ -76,94 +77,51 @@ class JobRecord:
     pack_key: str = NOT_PACKABLE
 
 
-def _text(raw: dict[bytes, bytes], field: str, default: str = "") -> str:
-    value = raw.get(field.encode())
-    return default if value is None else value.decode()
-
-
-def _int(raw: dict[bytes, bytes], field: str, default: int = 0) -> int:
-    value = raw.get(field.encode())
-    return default if value in (None, b"") else int(value)
-
-
-def _optional_time(raw: dict[bytes, bytes], field: str) -> float | None:
-    value = raw.get(field.encode())
-    return None if value in (None, b"") else float(value)
+# Each field's hash value by its type: decoded, and encoded for a new job's hash.
+_DECODE = {
+    "str": bytes.decode,
+    "bytes": bytes,
+    "int": int,
+    "float": float,
+    "float | None": float,
+    "bool": lambda value: int(value) == 1,
+    "JobState": lambda value: JobState(value.decode()),
+}
+_ENCODE = {
+    "JobState": lambda state: state.value,
+    "float": repr,
+    "float | None": lambda value: "" if value is None else repr(value),
+    "bool": int,
+}
+# Fields a new job's hash leaves out: its id (in the key), its listing position (set when it is
+# admitted), and those never set at submit; the last three are stored only when tracing is on,
+# for a sweep's runs and for jobs a pack can hold.
+_NOT_AT_SUBMIT = ("id", "seq", "child_failures")
+_ONLY_WHEN_SET = ("traceparent", "sweep_id", "pack_key")
 
 
 def record_from_hash(job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
-    """Decode the HGETALL reply of `job:{id}` (bytes keys and values)."""
-    return JobRecord(
-        id=job_id,
-        tenant=_text(raw, "tenant"),
-        name=_text(raw, "name"),
-        state=JobState(_text(raw, "state")),
-        spec=raw.get(b"spec", b""),
-        step=_int(raw, "step"),
-        total_steps=_int(raw, "total_steps"),
-        attempt=_int(raw, "attempt"),
-        error=_text(raw, "error"),
-        checkpoint_step=_int(raw, "checkpoint_step", -1),
-        worker=_text(raw, "worker"),
-        created_at=float(_text(raw, "created_at", "0")),
-        started_at=_optional_time(raw, "started_at"),
-        finished_at=_optional_time(raw, "finished_at"),
-        n_visible=_int(raw, "n_visible"),
-        latest_metrics=raw.get(b"latest_metrics", b""),
-        cancel_requested=_int(raw, "cancel_requested") == 1,
-        metric_step=_int(raw, "metric_step", -1),
-        seq=_int(raw, "seq"),
-        # Records written before these fields existed decode with the defaults.
-        backoffs=_int(raw, "backoffs"),
-        runtime=_text(raw, "runtime"),
-        child_failures=_int(raw, "child_failures"),
-        traceparent=_text(raw, "traceparent"),
-        sweep_id=_text(raw, "sweep_id"),
-        pack_key=_text(raw, "pack_key"),
-    )
+    """Decode the HGETALL reply of `job:{id}` (bytes keys and values); an empty value of a
+    number or time reads as the field's default."""
+    values = {}
+    for field in fields(JobRecord)[1:]:
+        value = raw.get(field.name.encode())
+        if value is not None and (value != b"" or field.type in ("str", "bytes")):
+            values[field.name] = _DECODE[field.type](value)
+    return JobRecord(id=job_id, **values)
 
 
-def new_job_fields(
-    *,
-    tenant: str,
-    name: str,
-    spec: bytes,
-    total_steps: int,
-    n_visible: int,
-    created_at: float,
-    traceparent: str = "",
-    sweep_id: str = "",
-    pack_key: str = "",
-) -> dict[str, bytes | str | int | float]:
-    """Hash fields of a freshly submitted job (QUEUED, attempt 0, no checkpoint)."""
-    fields: dict[str, bytes | str | int | float] = {
-        "tenant": tenant,
-        "name": name,
-        "state": JobState.QUEUED.value,
-        "spec": spec,
-        "step": 0,
-        "total_steps": total_steps,
-        "attempt": 0,
-        "error": "",
-        "checkpoint_step": -1,
-        "worker": "",
-        "created_at": repr(created_at),
-        "started_at": "",
-        "finished_at": "",
-        "n_visible": n_visible,
-        "latest_metrics": b"",
-        "cancel_requested": 0,
-        "metric_step": -1,
-        "backoffs": 0,
-        "runtime": "",
-    }
-    if traceparent:  # stored only when tracing is on
-        fields["traceparent"] = traceparent
-    if sweep_id:  # stored only for a sweep's runs
-        fields["sweep_id"] = sweep_id
-    if pack_key:  # stored only for jobs a pack can hold
-        fields["pack_key"] = pack_key
-    return fields
+def new_job_fields(**given: object) -> dict[str, object]:
+    """Hash fields of a freshly submitted job (QUEUED, attempt 0, no checkpoint), from the
+    JobRecord fields ``given`` (tenant, name, spec, total_steps, n_visible, created_at, ...)."""
+    record = JobRecord(id="", **given)  # type: ignore[arg-type]
+    hash_fields: dict[str, object] = {}
+    for field in fields(JobRecord):
+        value = getattr(record, field.name)
+        if field.name in _NOT_AT_SUBMIT or (field.name in _ONLY_WHEN_SET and not value):
+            continue
+        hash_fields[field.name] = _ENCODE.get(field.type, lambda v: v)(value)
+    return hash_fields
 
 
 def worker_label(worker_id: str) -> str:

@@ -1,20 +1,15 @@
-"""A sweep run's ASHA decisions in Redis: the promote/stop decision as one script.
+"""A sweep run's ASHA promote/stop decision at a rung, as one script on the sweep's slot.
 
-The rung schedule is the sweep's (ssdrbm_server/sweeps/rungs.py, written with the sweep's record
-by sweeps/store.py as its ``rungs``, ``eta`` and ``rank_metric`` fields); the worker's job runner
-asks ``RungGate`` here when a run reports its metrics, and reaches the sweep through nothing else.
-
-When a run reports its metrics at a rung step, ``RungGate.check`` runs one Redis script on the
-sweep's slot: it records the run's rank value in the rung's sorted set and answers at once —
-promote when the run is within the best ceil(n / eta) of the n runs that reached the rung so
-far (its own value included), stop otherwise. So the first run at a rung always goes on, and
-later, worse runs are stopped against the values recorded before them.
+The rung schedule is the sweep's (sweeps/rungs.py; its record's ``rungs``, ``eta`` and
+``rank_metric``); the worker's job runner asks ``RungGate.check`` when a run reports its
+metrics. The script records the run's rank value in the rung's sorted set and answers at once:
+promote when the run is within the best ceil(n / eta) of the n runs at the rung so far (its own
+value included), stop otherwise; so the first run at a rung always goes on.
 
 The decision is stored with the rung (`<job> <step>` in the sweep's decisions hash) in the same
-script and never taken again: a run taken over by another worker, or one that reports the rung
-step again after a restart, gets the answer it got the first time. A run resumed from a
-checkpoint past its rung (it was stopped, but its worker died before ending it) asks
-``stopped_at_or_before`` when it starts.
+script and never taken again: a run taken over, or reporting the rung again after a restart,
+gets the same answer. A run resumed past a rung that stopped it (its worker died before ending
+it) asks ``stopped_at_or_before`` when it starts.
 """
 
 from __future__ import annotations

@@ -24,30 +24,6 @@ SEED_FIELD = "training.seed"
 Point = dict[str, float]  # axis field -> value (enum numbers and integers as floats, seeds as ints)
 
 
-def _set_lr(spec: pb.StartTrainingRequest, value: float) -> None:
-    spec.optimizer.lr = value
-
-
-def _set_momentum(spec: pb.StartTrainingRequest, value: float) -> None:
-    spec.optimizer.momentum = value
-
-
-def _set_kind(spec: pb.StartTrainingRequest, value: float) -> None:
-    spec.optimizer.kind = int(value)
-
-
-def _set_seed(spec: pb.StartTrainingRequest, value: float) -> None:
-    spec.training.seed = int(value)
-
-
-def _set_cd_k(spec: pb.StartTrainingRequest, value: float) -> None:
-    spec.training.cd_k = int(value)
-
-
-def _set_n_hidden(spec: pb.StartTrainingRequest, value: float) -> None:
-    spec.model.n_hidden = int(value)
-
-
 @dataclass(frozen=True)
 class FieldKind:
     """How an axis field takes its values: ``number`` (float), ``integer``, ``optimizer``."""
@@ -56,13 +32,28 @@ class FieldKind:
     apply: Callable[[pb.StartTrainingRequest, float], None]
 
 
+def _field(kind: str, path: str) -> FieldKind:
+    """The kind whose ``apply`` sets ``path`` (``<message>.<field>``): as is for a number, as
+    an int otherwise."""
+    message, name = path.split(".")
+    cast = (lambda value: value) if kind == "number" else int
+
+    def apply(spec: pb.StartTrainingRequest, value: float) -> None:
+        setattr(getattr(spec, message), name, cast(value))
+
+    return FieldKind(kind, apply)
+
+
 FIELDS = {
-    "optimizer.lr": FieldKind("number", _set_lr),
-    "optimizer.momentum": FieldKind("number", _set_momentum),
-    "optimizer.kind": FieldKind("optimizer", _set_kind),
-    SEED_FIELD: FieldKind("integer", _set_seed),
-    "training.cd_k": FieldKind("integer", _set_cd_k),
-    "model.n_hidden": FieldKind("integer", _set_n_hidden),
+    field: _field(kind, field)
+    for field, kind in [
+        ("optimizer.lr", "number"),
+        ("optimizer.momentum", "number"),
+        ("optimizer.kind", "optimizer"),
+        (SEED_FIELD, "integer"),
+        ("training.cd_k", "integer"),
+        ("model.n_hidden", "integer"),
+    ]
 }
 FIELD_NAMES = [*FIELDS, PER_PARAMETER_LR + "<name>"]
 _WHAT_VALUES = {"number": "finite numbers", "integer": "integers"}

@@ -1,23 +1,14 @@
 """Sweep records go with their runs: a finished-job TTL after the last run's end.
 
-With SSDRBM_FINISHED_JOB_TTL_SECONDS set, each job is deleted that long after its end
-(store/lifecycle.py). A sweep's record, runs list, rungs and decisions would outlive its jobs
-for good, so each run's end also moves its sweep's entry in `{jobs}:sweep_purge` to at least its
-own expiry time (`JobLifecycle.expire_later`: only ever later). Every API process takes the
-entries `SWEEP_GRACE_MS` overdue (as the job sweeper does its own) and asks the sweep service
-what is left of the sweep:
-
-- nothing of its jobs: the sweep's keys are deleted (GetSweep then says NOT_FOUND, as for an
-  expired job), then the entry;
-- a job still QUEUED or RUNNING (the runs outlasted the TTL of an earlier run): the entry is
-  removed; that run's end schedules the sweep again;
-- a job ended but still stored (its own deletion not yet due or not yet swept): the entry moves
-  on by the grace;
-- no sweep (deleted meanwhile): the entry is removed.
-
-An entry is removed or moved only while it still holds the time read (`JobLifecycle.settle`), so
-a run's end in between is never lost. Without a TTL no entry is made and sweeps stay until
-DeleteSweep, as jobs stay until DeleteJob.
+With SSDRBM_FINISHED_JOB_TTL_SECONDS, each job is deleted that long after its end
+(store/lifecycle.py), and each run's end moves its sweep's entry in `{jobs}:sweep_purge` to at
+least its own expiry (`JobLifecycle.expire_later`: only ever later). Every API process takes
+the entries `SWEEP_GRACE_MS` overdue and asks the sweep service what is left (`expire_if_done`):
+nothing of its jobs: the sweep's keys are deleted (GetSweep is then NOT_FOUND), then the entry;
+a job still QUEUED or RUNNING: the entry is removed (that run's end schedules the sweep again);
+a job ended but still stored: the entry moves on by the grace; no sweep: the entry is removed.
+An entry is removed or moved only while it holds the time read (`JobLifecycle.settle`), so a
+run's end in between is never lost. Without a TTL sweeps stay until DeleteSweep.
 """
 
 from __future__ import annotations

@@ -1,27 +1,24 @@
 """The sweep RPCs: StartSweep, GetSweep, ListSweeps, CancelSweep, StreamSweep, DeleteSweep.
 
-StartSweep checks everything before it creates anything: first every size in the request from
-its own numbers (request_bounds.check_sweep: the points, SSDRBM_MAX_SWEEP_POINTS, the axes, seeds
-and rungs), then the axes and their points, each point resolved by the one resolver in a thread
-(a bad point is INVALID_ARGUMENT naming the axis and its value), the rank metric against what
-the runs report, and the tenant's job limit (the sweep's jobs beside its queued and running
-ones, SSDRBM_MAX_JOBS_PER_TENANT). Then the sweep record, then one ordinary
-job per point, tagged with the sweep's id (store.py has the order and its repair).
+StartSweep checks everything before it creates anything: every size from the request's own
+numbers (request_bounds.check_sweep), the axes and their points, each point resolved by the one
+resolver in a thread (a bad point is INVALID_ARGUMENT naming the axis and its value), the rank
+metric against what the runs report, and the tenant's job limit. Then the sweep record, then one
+ordinary job per point, tagged with the sweep's id (store.py has the order and its repair).
 
-DeleteSweep deletes each run's job as DeleteJob does (with `force`, the same rules: a queued run
-is cancelled, a running one is deleted at once and its worker stops at its next fenced write),
-then the sweep's keys. With `keep_runs` the jobs lose their sweep tag and stay as ordinary jobs.
-A run whose job is gone (deleted, or expired after finished_job_ttl_seconds) shows as
-`expired`; a sweep whose runs are all gone is EXPIRED. With finished_job_ttl_seconds, the sweep
-record goes too once its runs' jobs have (`expire_if_done`, driven by expiry.py).
+DeleteSweep deletes each run's job as DeleteJob does (`force` alike), then the sweep's keys;
+with `keep_runs` the jobs lose their sweep tag and stay. A run whose job is gone shows as
+`expired`; a sweep whose runs are all gone is EXPIRED, and with finished_job_ttl_seconds its
+record goes too (`expire_if_done`, driven by expiry.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from ssdrbm.v1 import rbm_pb2 as pb
 
@@ -80,7 +77,10 @@ class SweepService:
             tenant, request.request_id, self.settings.idempotency_ttl_seconds
         )
         done = 0
-        existing = None if new else await self._existing(tenant, sweep_id)
+        existing = None
+        if not new:  # the sweep of an earlier StartSweep with this request_id, unless it died first
+            with contextlib.suppress(NotFoundError):
+                existing = await self.sweeps.get(tenant, sweep_id)
         if existing is not None:  # a repeat: the same request finishes what the first began
             first = pb.StartSweepRequest.FromString(existing.request)
             resolver.check_same_request(first, resolved, f"sweep {existing.id}")
@@ -106,14 +106,6 @@ class SweepService:
             return await self.get(tenant, sweep_id)
         except NotFoundError:
             raise _deleted_while_created(sweep_id) from None  # its delete removed every run
-
-    async def _existing(self, tenant: str, sweep_id: str) -> SweepRecord | None:
-        """The sweep an earlier StartSweep with the same request_id created; None when that
-        call died before writing it."""
-        try:
-            return await self.sweeps.get(tenant, sweep_id)
-        except NotFoundError:
-            return None
 
     async def _resolve(
         self, request: pb.StartSweepRequest, find_upload: resolver.UploadLookup
@@ -261,21 +253,10 @@ class SweepService:
 
     async def _delete_jobs(self, tenant: str, job_ids: list[str], *, force: bool) -> list[str]:
         """Delete the jobs as DeleteJob does; the ids of those deleted (not already gone)."""
-        deleted = []
-        for job_id in job_ids:
-            try:
-                await self.jobs.delete(tenant, job_id, force=force)
-            except NotFoundError:
-                continue  # deleted by its owner already, or expired
-            deleted.append(job_id)
-        return deleted
+        return await _each_found(job_ids, lambda job: self.jobs.delete(tenant, job, force=force))
 
     async def _cancel_runs(self, tenant: str, record: SweepRecord) -> None:
-        for job_id in record.job_ids:
-            try:
-                await self.jobs.cancel(tenant, job_id)
-            except NotFoundError:
-                continue  # deleted meanwhile
+        await _each_found(record.job_ids, lambda job: self.jobs.cancel(tenant, job))
 
     async def delete(
         self, tenant: str, sweep_id: str, *, force: bool = False, keep_runs: bool = False
@@ -410,6 +391,17 @@ class SweepService:
                 run.latest_metrics.ParseFromString(metrics)
             runs.append(run)
         return runs
+
+
+async def _each_found(job_ids: list[str], act: Callable[[str], Awaitable[object]]) -> list[str]:
+    """``act`` on each job; the ids of those it found (a job gone already, deleted by its
+    owner or expired, is passed over)."""
+    found = []
+    for job_id in job_ids:
+        with contextlib.suppress(NotFoundError):
+            await act(job_id)
+            found.append(job_id)
+    return found
 
 
 def _rank(runs: list[pb.SweepRun], metric: str) -> None:

@@ -1,15 +1,12 @@
 """The sweep record in Redis: one hash per sweep, its runs' job ids, the tenant's listing.
 
-Every key is in the tenant's slot (`tenant:{<t>}:sweep...`, keys.py), so a sweep is found only
-under its own tenant (another tenant's sweep is NOT_FOUND) and each step below is one script.
-A sweep is created before its jobs: the hash and its listing position first, then each job
-(submitted with the request id ``sweep-<sweep id>-<point>``, so a repeat finds it) and its id
-appended at its point's index. A StartSweep that died half-way is finished by its repeat (same
-request_id): the points are resolved again, identically, and the missing jobs created.
-The sweep's state is never stored; it is read from its runs (service.py).
-
-A delete (service.py) removes the runs' jobs first, then every key of the sweep in one script,
-so a delete that died half-way leaves a sweep a repeated delete finishes.
+Every key is in the tenant's slot (keys.py), so a sweep is found only under its own tenant and
+each step below is one script. A sweep is created before its jobs: the hash and its listing
+position, then each job (request id ``sweep-<sweep id>-<point>``, so a repeat finds it) appended
+at its point's index; a repeat of a StartSweep that died half-way (same request_id) resolves the
+points again, identically, and creates the missing jobs. Its state is read from its runs
+(service.py). A delete removes the runs' jobs first, then every key of the sweep in one script,
+so a repeat finishes a delete that died half-way.
 """
 
 from __future__ import annotations
@@ -38,9 +35,7 @@ return seq
 # -1 when the sweep is gone (deleted while being created: the caller removes the job).
 _ADD_RUN = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-if redis.call('LLEN', KEYS[1]) == tonumber(ARGV[1]) then
-  redis.call('RPUSH', KEYS[1], ARGV[2])
-end
+if redis.call('LLEN', KEYS[1]) == tonumber(ARGV[1]) then redis.call('RPUSH', KEYS[1], ARGV[2]) end
 return redis.call('LLEN', KEYS[1])
 """
 
