@@ -35,14 +35,14 @@ from ssdrbm.errors import NotFound
 from ssdrbm.events import MetricsEvent
 from ssdrbm.sweeps import Range, Sweep, SweepRun, SweepState
 
-# --option dest -> (axis name, value type); each takes a comma list in `ssdrbm sweep`
+# --option dest (the axis's short name) -> value type; each takes a comma list in `ssdrbm sweep`
 SWEEPABLE = {
-    "lr": ("lr", float),
-    "optimizer": ("optimizer", str),
-    "momentum": ("momentum", float),
-    "seed": ("seed", int),
-    "cd_k": ("cd_k", int),
-    "n_hidden": ("n_hidden", int),
+    "lr": float,
+    "optimizer": str,
+    "momentum": float,
+    "seed": int,
+    "cd_k": int,
+    "n_hidden": int,
 }
 LOG_SCALE_AXES = ("lr",)  # ranges of step sizes are drawn log-uniformly
 RANGE_SEPARATOR = ".."
@@ -127,7 +127,7 @@ def sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The :meth:`Client.start_sweep` arguments given on the command line."""
     random = args.random is not None
     axes: dict[str, Any] = {}
-    for dest, (axis, kind) in SWEEPABLE.items():
+    for dest, kind in SWEEPABLE.items():
         text = getattr(args, dest)
         if text is None:
             continue
@@ -136,7 +136,7 @@ def sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             setattr(args, dest, values[0])  # one value: the base every run shares
         else:
             setattr(args, dest, None)
-            axes[axis] = values
+            axes[dest] = values
     if args.optimizer is not None and args.optimizer not in spec.OPTIMIZERS:
         spec.choose("optimizer", args.optimizer, spec.OPTIMIZERS)  # names the choices
     for name, text in _pairs(args.per_parameter_lr_axis, "--per-parameter-lr-axis").items():
@@ -150,15 +150,8 @@ def sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(
                 f"--early-stop expects MIN_STEPS[,ETA], got {args.early_stop!r}"
             ) from None
-    return {
-        **kwargs,
-        "axes": axes,
-        "seeds": args.seeds,
-        "random": args.random,
-        "sample_seed": args.sample_seed,
-        "rank_by": args.rank_by,
-        "early_stop": early,
-    }
+    plain = {name: getattr(args, name) for name in ("seeds", "random", "sample_seed", "rank_by")}
+    return {**kwargs, **plain, "axes": axes, "early_stop": early}
 
 
 def run_sweep(args: argparse.Namespace) -> ExitCode:
