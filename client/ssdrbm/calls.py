@@ -160,7 +160,8 @@ class ClientBase:
         return self._walk(Walk(steps))  # type: ignore[attr-defined]
 
     def _call(self, method: str, request: Any, convert: Callable[[Any], Any] = lambda x: x) -> Any:
-        """Run :func:`unary` on this client's transport (``_run``: blocking or awaitable)."""
+        """Run :func:`unary` on this client's transport (``_run``): its result, or for the asyncio
+        client an awaitable, which every method therefore returns."""
         return self._run(unary(self, method, request, convert))  # type: ignore[attr-defined]
 
     @property

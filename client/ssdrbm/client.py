@@ -127,8 +127,7 @@ class Client(calls.ClientBase):
 
     def server_info(self) -> ServerInfo:
         """The service's version, API and optional features (``GetServerInfo``)."""
-        request = rbm_pb2.GetServerInfoRequest()
-        return self._call("GetServerInfo", request, ServerInfo.from_proto)
+        return self._call("GetServerInfo", rbm_pb2.GetServerInfoRequest(), ServerInfo.from_proto)
 
     def get_job(self, job_id: str) -> Job:
         """The job's current record; :class:`~ssdrbm.errors.NotFound` when it does not exist."""
@@ -142,8 +141,7 @@ class Client(calls.ClientBase):
 
     def cancel(self, job_id: str) -> Job:
         """Ask the job to stop; returns its record (a finished job is left as it is)."""
-        request = rbm_pb2.CancelJobRequest(job_id=job_id)
-        return self._call("CancelJob", request, Job.from_proto)
+        return self._call("CancelJob", rbm_pb2.CancelJobRequest(job_id=job_id), Job.from_proto)
 
     def delete_job(self, job_id: str, *, force: bool = False) -> None:
         """Delete a finished job with its metrics and checkpoints (it is NOT_FOUND afterwards);
@@ -166,8 +164,7 @@ class Client(calls.ClientBase):
 
     def get_sweep(self, sweep_id: str) -> Sweep:
         """The sweep with its leaderboard (runs best first)."""
-        request = rbm_pb2.GetSweepRequest(sweep_id=sweep_id)
-        return self._call("GetSweep", request, Sweep.from_proto)
+        return self._call("GetSweep", rbm_pb2.GetSweepRequest(sweep_id=sweep_id), Sweep.from_proto)
 
     def list_sweeps(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[Sweep]:
         """Every sweep of the caller, newest first (without their runs: see get_sweep)."""
