@@ -168,13 +168,6 @@ class RequestGate:
             ),
         )
 
-    def tenant(self, request: Request) -> str:
-        """The caller's tenant from ``Authorization: Bearer <token>`` (auth.py's resolution)."""
-        authorization = request.headers.get("authorization")
-        return self.auth.resolve(
-            [] if authorization is None else [("authorization", authorization)]
-        )
-
     async def body(self, request: Request) -> bytes:
         """The request's body, refused (413) once it would pass ``http_max_body_bytes``: from
         Content-Length before reading, and while reading a chunked one."""
@@ -202,8 +195,10 @@ class RequestGate:
         answered as a JSON error."""
 
         async def endpoint(request: Request) -> Response:
-            try:
-                tenant = self.tenant(request)
+            try:  # the tenant of ``Authorization: Bearer <token>``, as auth.py resolves it
+                authorization = request.headers.get("authorization")
+                metadata = [] if authorization is None else [("authorization", authorization)]
+                tenant = self.auth.resolve(metadata)
                 with self.slots.hold(tenant):
                     return await handler(request, tenant)
             except Exception as exc:  # every failure becomes an HTTP answer

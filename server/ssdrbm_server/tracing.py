@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ssdrbm_server.config import ConfigError, Settings
@@ -108,32 +108,22 @@ def span(
         yield current
 
 
-def server_span(
-    name: str, metadata: Sequence[tuple[str, Any]] | None, **attributes: Any
-) -> contextlib.AbstractContextManager[Any]:
-    """The span of an incoming RPC: a child of the caller's ``traceparent`` metadata when sent,
-    else a new trace."""
-    if _tracer is None:
-        return contextlib.nullcontext()
-    carrier = {
-        key: value for key, value in metadata or () if key == TRACEPARENT and isinstance(value, str)
-    }
-    parent = TraceContextTextMapPropagator().extract(carrier) if carrier else None
-    return span(f"ssdrbm.v1.RBMService/{name}", parent=parent, attributes=attributes, server=True)
-
-
 def traced_rpc(name: str) -> Callable[[RpcMethod], RpcMethod]:
-    """Decorate a unary servicer method with its server span (``server_span``), which names
-    the request's job when it has one."""
+    """Decorate a unary servicer method with its server span, which names the request's job when
+    it has one: a child of the caller's ``traceparent`` metadata when sent, else a new trace."""
 
     def decorate(method: RpcMethod) -> RpcMethod:
         @functools.wraps(method)
         async def traced(servicer: Any, request: Any, context: Any) -> Any:
             if _tracer is None:
                 return await method(servicer, request, context)
+            metadata = context.invocation_metadata() or ()
+            carrier = {k: v for k, v in metadata if k == TRACEPARENT and isinstance(v, str)}
+            parent = TraceContextTextMapPropagator().extract(carrier) if carrier else None
             job_id = getattr(request, "job_id", "")
             attributes = {"ssdrbm.job_id": job_id} if job_id else {}
-            with server_span(name, context.invocation_metadata(), **attributes):
+            rpc = f"ssdrbm.v1.RBMService/{name}"
+            with span(rpc, parent=parent, attributes=attributes, server=True):
                 return await method(servicer, request, context)
 
         return traced  # type: ignore[return-value]

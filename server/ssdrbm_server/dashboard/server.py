@@ -79,7 +79,7 @@ def _static(name: str) -> str:
 
 def dashboard_app(servicer: RBMServicer, gate: RequestGate) -> Starlette:
     """The dashboard as an ASGI app, for ``HttpFront.mount_dashboard``."""
-    dashboard = Dashboard(servicer, gate)
+    dashboard = Dashboard(servicer)
     return Starlette(
         routes=[
             Route("/", dashboard.page, methods=["GET"]),
@@ -101,9 +101,8 @@ def dashboard_app(servicer: RBMServicer, gate: RequestGate) -> Starlette:
 class Dashboard:
     """The routes' handlers over the servicer's stores and metric streams."""
 
-    def __init__(self, servicer: RBMServicer, gate: RequestGate) -> None:
+    def __init__(self, servicer: RBMServicer) -> None:
         self.servicer = servicer
-        self.gate = gate
         self.tickets = StreamTickets()
         self._index = _static("index.html")
         self._files = {name: _static(name) for name in STATIC}
