@@ -1,10 +1,6 @@
-"""`python -m ssdrbm_server.worker`: run one worker alone, configured from SSDRBM_* variables;
-the options (``--slots N``, ``--wait-for-redis``) override them, as for the service
-(entry_point.py, which also turns the run into an exit code).
-
-SIGTERM (or SIGINT) stops it gracefully: each slot's running job is checkpointed at its current
-step and released to the queue for another worker; then the process exits with status 0. A
-second signal releases the jobs at once (they resume from their last regular checkpoint).
+"""`python -m ssdrbm_server.worker`: one worker alone, configured from SSDRBM_* variables and
+the options (``--slots N``, ``--wait-for-redis``; entry_point.py). SIGTERM or SIGINT: each slot's
+running job is checkpointed and released, then exit 0; a second signal releases them at once.
 """
 
 from __future__ import annotations

@@ -2,19 +2,14 @@
 reporting over its pipe.
 
 Started with the spawn method (never fork after CUDA, gRPC or Redis are initialised). It has no
-Redis connection: everything it produces (metrics, checkpoints, the outcome) goes to its worker,
-which writes it with fencing. It exits by itself when its worker dies.
+Redis connection: everything it produces goes to its worker, which writes it with fencing. It
+exits by itself when its worker dies.
 
-A start message holds one job, trained alone on its solo Trainer, or a pack of compatible jobs
-trained as one ssdcore TrainingPack (worker/run_sets.py); one loop (:class:`Training`) trains
-either. Each job is built (or resumed from its checkpoint) exactly as it would be alone, and
-keeps its own rules: its evaluation and checkpoint steps, its blow-up recovery (ssdcore.blowup:
-detector, backoff budget, rollback point at its last healthy evaluation) and its end. A pack's
-messages carry the job's index (``run``) so that the worker writes each with that job's fencing
-token; a run that ends, or that the worker drops (cancelled, lease lost), is held in its slot
-while the others go on. A packed run's evaluations and checkpoints go through its solo Trainer
-(ssdcore.pack.run_to_trainer), so its metric events and checkpoints are a solo job's, to the
-byte layout.
+One loop (:class:`Training`) trains a job alone or a pack (worker/run_sets.py). Each job is
+built (or resumed) exactly as it would be alone and keeps its own evaluation and checkpoint
+steps, blow-up recovery and end; a run that ends or is dropped is held while the others go on.
+A packed run's evaluations and checkpoints go through its solo Trainer
+(ssdcore.pack.run_to_trainer), so its metric events and checkpoints are a solo job's.
 
 Liveness: the child sends an `alive` heartbeat once warm and then from the training loop itself
 (between step chunks, and before and after each evaluation and checkpoint), never from a thread:
@@ -74,7 +69,7 @@ USER_ERRORS = (DatasetError, ValueError)
 
 
 def watch_parent(parent_pid: int) -> None:
-    """Exit the process as soon as its parent (the worker) is gone, e.g. killed by SIGKILL."""
+    """Exit as soon as the worker is gone (e.g. SIGKILLed)."""
 
     def watch() -> None:
         while True:
@@ -88,8 +83,7 @@ def watch_parent(parent_pid: int) -> None:
 def child_main(
     conn: Connection, parent_pid: int, log_level: str = "INFO", log_format: str = "text"
 ) -> None:
-    """Entry point of the spawned process: warm up, then train each job (or pack) it is sent,
-    in turn, until the worker closes the pipe (or dies)."""
+    """Warm up, then train each start message in turn until the worker closes the pipe."""
     logs.configure(log_level, log_format, text_format="%(asctime)s %(name)s[child] %(message)s")
     # Ctrl-C or a SIGTERM sent to the whole process group is for the worker: it decides when
     # this process checkpoints and stops. Parent death is caught by watch_parent.
@@ -111,12 +105,8 @@ def child_main(
 
 
 def warm_up() -> None:
-    """Train a throw-away model for one step while no job is waiting.
-
-    torch loads much of itself lazily on first use (its compiler stack on the first optimizer,
-    the CUDA context), which costs seconds; paying that before the start message arrives lets
-    a job begin training as soon as it is claimed.
-    """
+    """Train a throw-away model for one step while no job waits: torch loads much of itself
+    lazily (its compiler stack, the CUDA context), which costs seconds a claimed job then saves."""
     try:
         device = pick_device()  # on a GPU this also creates the CUDA context ahead of time
         model = model_from_config(
@@ -130,8 +120,8 @@ def warm_up() -> None:
 
 
 def train(conn: Connection, start: protocol.Message) -> None:
-    """Train the jobs of one start message; every failure is reported to the worker for each
-    job it concerns, never raised. A job alone logs under its id and tenant."""
+    """Train the jobs of one start message; every failure is reported for each job it
+    concerns, never raised. A job alone logs under its id and tenant."""
     alone = start.kind == protocol.START
     with logs.log_context(**(start.fields.get("log_context", {}) if alone else {})):
         try:
@@ -186,8 +176,6 @@ class Job:
 def jobs_of(start: protocol.Message) -> list[Job]:
     """The jobs of a start message: one (start), or a pack's (start_pack, ``.<i>`` parts)."""
     packed = start.kind == protocol.START_PACK
-    if not packed and start.kind != protocol.START:
-        raise ValueError(f"expected a start message, got {start.kind!r}")
     job_fields = start.fields["jobs"] if packed else [start.fields]
     jobs = []
     for i, fields in enumerate(job_fields):
@@ -244,12 +232,15 @@ class Training:
         # that follows, as it would alone.
         torch.manual_seed(self.jobs[0].spec.training.seed)
         data = prepare(self.jobs[0].spec, self.settings, self.uploaded)
-        seeded = _generator_states(device)
+        seeded_cpu = torch.get_rng_state()
+        seeded_cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self._beat(force=True)
         trainers: list[Trainer] = []
         for job in self.jobs:
             try:
-                _set_generator_states(device, seeded)  # the model's initial weights
+                torch.set_rng_state(seeded_cpu)  # the model's initial weights
+                if seeded_cuda is not None:
+                    torch.cuda.set_rng_state(seeded_cuda, device)
                 trainers.append(self._trainer(job, data, device))
                 job.slot = len(trainers) - 1
             except USER_ERRORS as exc:
@@ -267,7 +258,6 @@ class Training:
         self._loop()
 
     def _trainer(self, job: Job, data: SplitData, device: torch.device) -> Trainer:
-        """The job's Trainer, built (or resumed) as it would be alone."""
         check_resolved(job.spec)
         n_visible = int(job.fields.get("n_visible", 0))  # as resolved when it was accepted
         if n_visible and data.n_visible != n_visible:
@@ -283,9 +273,7 @@ class Training:
         return trainer
 
     def _start(self, job: Job, built: Trainer, device: torch.device, size: int) -> None:
-        """The evaluation before training: the detector's baseline (or, resumed, the references
-        its checkpoint kept) and the first rollback point; then the job's STARTED."""
-        assert self.runs is not None
+        """The evaluation before training (job_training.check_start), then the job's STARTED."""
         values = self._evaluate(job, self.runs.trainer(job.slot), with_ais=False)
         blowup = check_start(
             job.recovery,
@@ -301,7 +289,6 @@ class Training:
 
     def _runtime(self, job: Job, trainer: Trainer, device: torch.device, size: int) -> str:
         """The job's Runtime as JSON; a packed run's summary adds "packed with N runs"."""
-        assert self.runs is not None
         weight_group = next(g for g in trainer.optimizer.param_groups if g["name"] == "W")
         spectral = weight_group.get("geometry") == "spectral"
         described = runtime(
@@ -317,14 +304,12 @@ class Training:
     # --- the loop -------------------------------------------------------------------------
 
     def _step(self, job: Job) -> int:
-        assert self.runs is not None
         return self.runs.step(job.slot)
 
     def _open(self) -> list[Job]:
         return [job for job in self.jobs if job.open]
 
     def _loop(self) -> None:
-        assert self.runs is not None
         for job in self._open():
             if self._step(job) >= job.total:  # resumed from its last checkpoint: done
                 self._end(job, protocol.FINISHED, step=self._step(job))
@@ -352,8 +337,7 @@ class Training:
                     self._after_steps(job)
 
     def _after_steps(self, job: Job) -> None:
-        """A job's work after a chunk: evaluate, publish, checkpoint, end."""
-        assert self.runs is not None
+        """Evaluate, publish, checkpoint, end: as the job's step asks."""
         step, spec = self._step(job), job.spec
         at_checkpoint = step % spec.training.checkpoint_every == 0 or step == job.total
         # A checkpoint is taken only of a model that passed the blow-up check, so every
@@ -385,9 +369,8 @@ class Training:
         return values
 
     def _recover(self, job: Job, blowup: BlowUp) -> None:
-        """Roll the job back to its last healthy evaluation and go on with smaller steps, or
-        fail it once its backoffs are spent: ssdcore.blowup's rule, for this run alone."""
-        assert self.runs is not None
+        """Roll the job back and go on with smaller steps, or fail it once its backoffs are
+        spent: ssdcore.blowup's rule, for this run alone."""
         try:
             event = job.recovery.recover(blowup, self.runs.recoverable(job.slot))
         except BlowUpError as error:
@@ -404,7 +387,6 @@ class Training:
         )
 
     def _checkpoint(self, job: Job, trainer: Trainer | None = None) -> None:
-        assert self.runs is not None
         step = self._step(job)
         if step == job.last_checkpoint:
             return
@@ -414,10 +396,9 @@ class Training:
         job.last_checkpoint = step
 
     def _requests(self) -> bool:
-        """Read what the worker sent: a stop (every job checkpoints and stops: True), or a
-        stop or drop of one run. Nothing is read once every run has left: what follows in the
-        pipe (the worker's next start, sent as soon as the jobs ended on its side) is the main
-        loop's."""
+        """Read what the worker sent: a stop (every job checkpoints and stops: True), or a stop
+        or drop of one run. Nothing is read once every run has left: what follows in the pipe
+        (the worker's next start) is the main loop's."""
         while self._open() and self.conn.poll():
             message = protocol.receive(self.conn)
             if message.kind == protocol.STOP:
@@ -453,7 +434,6 @@ class Training:
         self._end(job, protocol.FAILED, reason=reason, step=step, diverged=diverged)
 
     def fail_open(self, reason: str) -> None:
-        """Report every job still training as failed (its training cannot go on)."""
         for job in self._open():
             with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
                 step = self._step(job) if job.slot >= 0 and self.runs is not None else 0
@@ -462,8 +442,8 @@ class Training:
     # --- messages -------------------------------------------------------------------------
 
     def _trained(self, steps: int, seconds: float) -> None:
-        """Note a run of steps for the worker's metrics; sent with the next message, or on
-        its own once PROGRESS_INTERVAL_S has passed."""
+        """Note a run of steps for the worker's metrics (sent with the next message, or alone
+        after PROGRESS_INTERVAL_S)."""
         self.progress.append((steps, seconds))
         if time.monotonic() - self.progress_sent >= protocol.PROGRESS_INTERVAL_S:
             self._send_progress()
@@ -477,7 +457,7 @@ class Training:
     def _send(
         self, job: Job | None, kind: str, *, blobs: dict[str, bytes] | None = None, **fields: Any
     ) -> None:
-        """Send a message about ``job`` (a pack's name its run), or the process's (None)."""
+        """A message about ``job`` (a pack's name its run), or the process's (None)."""
         if self.progress:  # the worker counts the steps before it hears of what followed them
             self._send_progress()
         if job is not None and self.packed:
@@ -491,23 +471,8 @@ class Training:
             self._send(None, protocol.ALIVE)
 
 
-def _generator_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """torch's default generators for the CPU and ``device`` (where a model is initialised)."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_generator_states(
-    device: torch.device, states: tuple[torch.Tensor, torch.Tensor | None]
-) -> None:
-    cpu, cuda = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
 def packed_summary(size: int) -> str:
-    """How a packed job's Runtime summary says it ran packed."""
+    """The end of a packed job's Runtime summary."""
     return f"packed with {size} runs"
 
 

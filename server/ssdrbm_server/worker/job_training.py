@@ -1,12 +1,6 @@
-"""What a job's training process does the same way for a solo job and a packed run.
-
-The trainer it builds for a job (packed runs continue such Trainers: ssdcore.pack), the
-evaluation behind each metric event and its Metrics message, the job's blow-up recovery
-(ssdcore.blowup.Recovery with the job's backoff settings; what a checkpoint keeps of it and how
-a resume takes it back), its Backoff message and the reason given when training blew up for
-good, the contents of a checkpoint, the device and what ran on it (``runtime``), and the pacing
-of polls and heartbeats.
-``child.py``'s one training loop asks here for a job alone and a packed run alike.
+"""What a job's training process (``child.py``'s one loop) does the same way for a solo job
+and a packed run: its Trainer, evaluations and Metrics messages, blow-up recovery and Backoff
+messages, checkpoint contents, device and ``runtime``, and the pacing of polls and heartbeats.
 """
 
 from __future__ import annotations
@@ -40,7 +34,6 @@ ALIVE_MAX_INTERVAL_S = 1.0
 
 
 def pick_device() -> torch.device:
-    """CUDA when present, CPU otherwise."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -64,8 +57,7 @@ def runtime(
 def build_trainer(
     spec: rbm_pb2.StartTrainingRequest, data: SplitData, device: torch.device
 ) -> Trainer:
-    """A fresh Trainer for the job, exactly as its training process builds it (packed runs
-    too: the pack continues such Trainers, ssdcore.pack.pack_trainers)."""
+    """A fresh Trainer for the job (a packed run continues one: ssdcore.pack.pack_trainers)."""
     model = model_from_config(model_config(spec, data.n_visible), device=device)
     return Trainer(
         model,
@@ -93,9 +85,8 @@ def evaluate_job(
 
 
 def job_recovery(spec: rbm_pb2.StartTrainingRequest, backoffs: int, *, label: str = "") -> Recovery:
-    """The job's blow-up recovery: ``fit``'s rule with its training.max_backoffs and
-    training.backoff_factor, ``backoffs`` already taken (kept in its record across attempts);
-    ``label`` names it in the log (a packed run)."""
+    """The job's blow-up recovery (``fit``'s rule with its backoff settings), ``backoffs``
+    already taken (kept in its record across attempts); ``label`` names it in the log."""
     return Recovery(
         max_backoffs=spec.training.max_backoffs,
         factor=spec.training.backoff_factor,
@@ -114,14 +105,11 @@ def check_start(
     resumed: bool,
     recovery_state: str,
 ) -> BlowUp | None:
-    """The evaluation before training (``values``, of ``run`` now) through the recovery.
-
-    A fresh job: the detector's baseline and the first rollback point (``Recovery.check``). A
-    job resumed from a checkpoint that kept its ``recovery_state`` (Recovery.state_dict as JSON):
-    the detector's references come back and judge the evaluation without taking it in
-    (``Recovery.resume``), so the run goes on as if never stopped. A checkpoint written before
-    that state was kept has none: its references restart here, and the log says so.
-    """
+    """The evaluation before training (``values``, of ``run`` now) through the recovery: a
+    fresh job's baseline and first rollback point (``Recovery.check``); a resumed job's
+    detector references from its checkpoint's ``recovery_state``, judging the evaluation without
+    taking it in (``Recovery.resume``), so the run goes on as if never stopped (a checkpoint
+    written before that state was kept restarts them here, logged)."""
     if resumed and recovery_state:
         return recovery.resume(json.loads(recovery_state), values, run)
     if resumed:
@@ -136,9 +124,8 @@ def check_start(
 def checkpoint_parts(
     trainer: Trainer, recovery: Recovery
 ) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """A checkpoint message's binary parts and fields for the job ``trainer`` trains: the
-    model, the trainer's full state, the model's config and the recovery's state (the detector's
-    references), everything a resume needs to go on exactly as the run would have."""
+    """A checkpoint message's binary parts and fields: everything a resume needs to go on
+    exactly as the run would have (model, trainer state, config, the recovery's references)."""
     blobs = {
         "model": ssdcheckpoint.model_to_bytes(trainer.model),
         "trainer": ssdcheckpoint.trainer_to_bytes(trainer),
@@ -151,7 +138,6 @@ def checkpoint_parts(
 
 
 def backoff_message(event: BackoffEvent) -> rbm_pb2.Backoff:
-    """The Backoff event of the metric stream, field for field the recovery's event."""
     return rbm_pb2.Backoff(
         step=event.step,
         rollback_step=event.rolled_back_to,
@@ -164,22 +150,17 @@ def backoff_message(event: BackoffEvent) -> rbm_pb2.Backoff:
 
 
 def rollback_needs_checkpoint(event: BackoffEvent, last_checkpoint: int) -> bool:
-    """Whether the rollback point must be checkpointed before the backoff is recorded.
-
-    A restart resumes from the last checkpoint, or from the start (step 0, the same state again)
-    when there is none. Checkpointing the rollback point first when it is neither leaves a crash
-    at any moment a retrain of the same steps: before the checkpoint, the job resumes from an
-    earlier one and retrains to the blow-up; between it and the backoff, from the rollback point
-    with the old count (the blow-up again); after both, from there with the new count. (The
-    blow-up is found again: the resumed detector takes back the references its checkpoint
-    kept; see ssdcore.blowup.)
+    """Whether the rollback point must be checkpointed before the backoff is recorded: unless
+    it is the last checkpoint (or step 0, which a restart without one starts from again), so a
+    crash at any moment retrains the same steps: before the checkpoint, from an earlier one to
+    the blow-up; between it and the backoff, from the rollback point with the old count (the
+    blow-up again: the resumed detector keeps its references); after both, with the new count.
     """
     return event.rolled_back_to != max(last_checkpoint, 0)
 
 
 def failure_reason(error: BlowUpError, last_checkpoint: int) -> str:
-    """Why the job failed: the recovery's message (the step, the metric, the step size that
-    blew up and one to try), and the checkpoint it keeps."""
+    """Why the job failed: the recovery's message, and the checkpoint it keeps."""
     kept = f"step {last_checkpoint}" if last_checkpoint >= 0 else "none"
     return f"{error} (the last good checkpoint is {kept})"
 

@@ -1,12 +1,8 @@
-"""One leased job as its worker keeps it: its lease, fencing token and every write about it.
-
-A :class:`LeasedJob` renews the job's lease and reads its cancel flag (``heartbeat``), builds
-its start message, and writes what the training process reports about it (``handle``): metric
-events (each step once in the job's stream), Backoff events, checkpoints, the runtime and the
-final state, each fenced by the attempt. Redis outages are ridden out by retrying (the training
-goes on meanwhile); a lost lease (another worker took the job over) raises LeaseLostError and
-nothing more is written. The runner (worker/runner.py) keeps one per job it trains, whether the
-job trains alone or in a pack.
+"""One leased job as its worker keeps it (worker/runner.py keeps one per job, alone or
+packed): its lease and cancel flag (``heartbeat``), its start message, and the fenced writes of
+what the training process reports about it (``handle``). Redis outages are ridden out by
+retrying while the training goes on; a lost lease raises LeaseLostError and nothing more is
+written.
 """
 
 from __future__ import annotations
@@ -156,26 +152,20 @@ class LeasedJob:
         """Count a dead or hung training process against the job: release it to resume from
         its last checkpoint, or end it FAILED once the failures reach the limit (the reason
         ends with ``hint``, what to change)."""
-        if self.stop.event.is_set():  # the worker is stopping: not the job's fault
-            return await self.release_for_stop()
         failures = self.record.child_failures + 1
         limit = self.settings.max_training_process_failures
         await self._retry(lambda: self.job.update(child_failures=failures))
         self.metrics.process_failures.inc()
+        job_id = self.lease.job_id
         logger.warning(
-            "job %s: the training process %s (failure %d of %d)",
-            self.lease.job_id,
-            cause,
-            failures,
-            limit,
+            "job %s: the training process %s (failure %d of %d)", job_id, cause, failures, limit
         )
         if failures >= limit:
             reason = (
                 f"the training process failed {failures} times "
                 f"(SSDRBM_MAX_TRAINING_PROCESS_FAILURES), the last time it {cause}"
             )
-            await self.finish(JobState.FAILED, error=f"{reason}; {hint}" if hint else reason)
-            return JobState.FAILED.value
+            return await self.finish(JobState.FAILED, error=f"{reason}; {hint}" if hint else reason)
         await self.release(
             f"the training process {cause} (failure {failures} of {limit}); "
             "resumes from the last checkpoint"
@@ -187,8 +177,6 @@ class LeasedJob:
         from its last checkpoint, trained alone from now on (its pack key cleared), without
         counting the failure against it — any run of the pack, or the pack's size, may have
         caused it; alone, a failure is the job's own and counts as above."""
-        if self.stop.event.is_set():  # the worker is stopping: not the job's fault
-            return await self.release_for_stop()
         await self._retry(lambda: self.job.update(pack_key=NOT_PACKABLE))
         await self.release(
             f"the training process of its pack {cause}; not counted against this job, which "
@@ -232,18 +220,15 @@ class LeasedJob:
             await self._checkpoint(message)
         elif kind == protocol.FINISHED:
             self.step = int(fields["step"])
-            await self.finish(JobState.SUCCEEDED, message="finished")
-            return JobState.SUCCEEDED.value
+            return await self.finish(JobState.SUCCEEDED, message="finished")
         elif kind == protocol.STOPPED:
             self.step = int(fields["step"])
             if self.rungs.stop_reason:  # early stopping: the run ends, its checkpoint kept
-                await self.finish(JobState.STOPPED, message=self.rungs.stop_reason)
-                return JobState.STOPPED.value
+                return await self.finish(JobState.STOPPED, message=self.rungs.stop_reason)
             return await self.release_for_stop()
         elif kind == protocol.FAILED:
             self.step = max(self.step, int(fields["step"]))
-            await self.finish(JobState.FAILED, error=fields["reason"])
-            return JobState.FAILED.value
+            return await self.finish(JobState.FAILED, error=fields["reason"])
         else:
             logger.error("unexpected message %r from the training process", kind)
         return None
@@ -264,23 +249,22 @@ class LeasedJob:
             )
         self.metrics.checkpoint_write.observe(time.perf_counter() - started)
 
-    async def finish(self, state: JobState, *, error: str = "", message: str = "") -> None:
-        """End the job in ``state`` (fenced; a lost reply retried as done)."""
-
-        async def write() -> None:
-            await self.job.finish(state, step=self.step, error=error, message=message)
-
-        await self._idempotent(write, state)
+    async def finish(self, state: JobState, *, error: str = "", message: str = "") -> str:
+        """End the job in ``state`` (fenced; a lost reply retried as done); the state's value."""
+        await self._retry(
+            lambda: self.job.finish(state, step=self.step, error=error, message=message),
+            ends_as=state,
+        )
         self.metrics.jobs_finished.labels(state=state.value).inc()
+        return state.value
 
     async def release(self, message: str, *, front: bool = False) -> None:
         """Give the job back to the queue to resume from its last checkpoint (fenced); `front`
         keeps its place at the front of its tenant's list (a preempted job)."""
-
-        async def write() -> None:
-            await self.job.release(step=self.step, message=message, front=front)
-
-        await self._idempotent(write, JobState.QUEUED)
+        await self._retry(
+            lambda: self.job.release(step=self.step, message=message, front=front),
+            ends_as=JobState.QUEUED,
+        )
 
     async def release_for_stop(self) -> str:
         """Release the job because its worker stopped it (not the job's doing): the worker is
@@ -292,31 +276,28 @@ class LeasedJob:
             await self.release(STOPPED_RELEASE)
         return RELEASED
 
-    async def _idempotent(self, write: Callable[[], Awaitable[None]], state: JobState) -> None:
-        """A state change whose reply may have been lost: a retry that finds the change
-        already made under this attempt counts as done."""
+    async def _retry(
+        self, operation: Callable[[], Awaitable[T]], *, ends_as: JobState | None = None
+    ) -> T | None:
+        """Run a Redis operation, retrying while Redis is unreachable. ``ends_as``: a state
+        change whose reply may have been lost; a retry refused because the change was already
+        made under this attempt counts as done."""
         retried = False
         while True:
             try:
-                await write()
-                redis_answered()
-                return
+                result = await operation()
             except LeaseLostError:
-                if retried:
+                if retried and ends_as is not None:
                     current = await LeaseStore(self.redis, keys=self.keys).load(self.lease.job_id)
-                    if current and current.attempt == self.lease.attempt and current.state == state:
-                        return
+                    if (
+                        current
+                        and current.attempt == self.lease.attempt
+                        and current.state == ends_as
+                    ):
+                        return None
                 raise
             except REDIS_DOWN as exc:
                 retried = True
-                await self._wait_for_redis(exc)
-
-    async def _retry(self, operation: Callable[[], Awaitable[T]]) -> T:
-        """Run a Redis operation, retrying while Redis is unreachable."""
-        while True:
-            try:
-                result = await operation()
-            except REDIS_DOWN as exc:
                 await self._wait_for_redis(exc)
             else:
                 redis_answered()

@@ -1,14 +1,8 @@
-"""Prometheus metrics of a worker: training throughput and step time, queue wait, lease
-takeovers, checkpoint writes, jobs ended, training process failures and backoffs, and the
-slots (training processes a worker runs at once) and how many of them train now.
-
-The worker updates them from what it already handles: the training process's messages
-(``progress`` carries the time of each run of steps, worker/protocol.py), its claims and its
-fenced writes. The training process serves nothing itself. A worker inside the server process
-registers these in the server's registry (one /metrics endpoint); a worker-only process serves
-its own registry on SSDRBM_WORKER_METRICS_PORT.
-
-Labels stay few: the model kind and the optimizer (never a job id or tenant).
+"""Prometheus metrics of a worker, updated from what it already handles: the training process's
+``progress`` messages (each run of steps and its time), its claims and its fenced writes. A
+worker inside the server process registers them in the server's registry (one /metrics); a
+worker-only process serves its own on SSDRBM_WORKER_METRICS_PORT. Labels stay few: the model
+kind and the optimizer (never a job id or tenant).
 """
 
 from __future__ import annotations
@@ -23,25 +17,9 @@ from ssdrbm_server.store.records import TERMINAL_STATES
 from ssdrbm_server.vocabulary import MODEL_NAMES, OPTIMIZER_NAMES
 
 JOB_LABELS = ("model", "optimizer")
-# 0.1 ms (a tiny model on a GPU) to 10 s (a large model with a full-matrix step on a CPU).
-STEP_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+# 0.1 ms (a tiny model on a GPU) to 10 s (a large model with a full-matrix step on a CPU): 1, 2.5
+# and 5 of each power of ten (equal, as floats, to the literals 0.0001, 0.00025, ...).
+STEP_BUCKETS = (*(m * 10.0**e for e in range(-4, 1) for m in (1, 2.5, 5)), 10.0)
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600)
 CHECKPOINT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 

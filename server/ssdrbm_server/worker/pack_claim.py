@@ -1,20 +1,12 @@
 """Which jobs join a claimed job's pack: the worker's side of packed training.
 
-A free worker claims one job exactly as before (worker.py: a lapsed lease, its own or others'
-stale taken entries, or the next tenant in rotation). If that job has a pack key
-(ssdrbm_server/packing.py) and SSDRBM_MAX_PACK_SIZE > 1, the worker then claims up to
-``room - 1`` more jobs with the same key, in this order:
-
-1. running jobs whose lease lapsed (a dead worker's pack is resumed as a pack, each job from
-   its own checkpoint);
-2. queued jobs, one per tenant in turn: the first job's tenant, then the other tenants in
-   rotation order, again and again (store/pack_claims.py; riders do not spend their tenant's
-   turn). A job of another key waits for the pack as it would for one job: one turn.
-
-``room`` is SSDRBM_MAX_PACK_SIZE, lowered so that the runs' memory estimates
-(runner.run_memory_mb) fit SSDRBM_PACK_MEMORY_MB. Each rider is claimed with the ordinary
-claim (a new attempt, its own lease and fencing token), so from here on every job of the pack
-is exactly as leased as a solo job.
+A worker claims one job as before (worker.py). If it has a pack key (ssdrbm_server/packing.py)
+and SSDRBM_MAX_PACK_SIZE > 1, the worker claims up to ``room - 1`` more jobs with that key:
+first running jobs whose lease lapsed (a dead worker's pack resumes as a pack, each job from its
+own checkpoint), then queued jobs, one per tenant in turn, from the first job's tenant through
+the rotation (store/pack_claims.py; riders spend no turn). ``room`` is SSDRBM_MAX_PACK_SIZE,
+lowered so that the runs' memory (runner.run_memory_mb) fits SSDRBM_PACK_MEMORY_MB. Each rider
+is claimed with the ordinary claim (its own attempt, lease and fencing token).
 """
 
 from __future__ import annotations

@@ -35,11 +35,8 @@ def run_child(
     cpus: frozenset[int] = frozenset(),
     log_format: str = "text",
 ) -> None:
-    """Spawn target: runs in the child, where importing torch is wanted.
-
-    Pins the process to ``cpus`` (SSDRBM_TRAINING_CPUS) first, so that the thread pools torch
-    starts on import and first use inherit the mask.
-    """
+    """Spawn target, in the child: pinned to ``cpus`` (SSDRBM_TRAINING_CPUS) before torch is
+    imported, so that the thread pools torch starts inherit the mask."""
     pin_this_process(cpus, "training")
     from ssdrbm_server.worker.child import child_main
 
@@ -48,11 +45,8 @@ def run_child(
 
 class ChildProcess:
     """The spawned training process and a thread that feeds its messages to an asyncio queue.
-
-    It is started before there is a job for it (importing torch takes seconds) and waits for
-    its start message; a worker keeps one ready so that a claimed job starts training at once,
-    and reuses it for the next job when the last one ended normally.
-    """
+    Started before there is a job for it (importing torch takes seconds), kept ready, and reused
+    for the next job when the last one ended normally."""
 
     def __init__(
         self, log_level: str, cpus: frozenset[int] = frozenset(), log_format: str = "text"
@@ -79,7 +73,6 @@ class ChildProcess:
 
     @classmethod
     def for_settings(cls, settings: Settings) -> ChildProcess:
-        """A training process with the settings' logging and CPU pinning."""
         return cls(settings.log_level, settings.training_cpu_set, settings.log_format)
 
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -98,7 +91,7 @@ class ChildProcess:
             loop.call_soon_threadsafe(self.inbox.put_nowait, None)
 
     def send(self, message: protocol.Message) -> None:
-        """Send a message; dropped with a warning when the process is gone."""
+        """Send a message (dropped with a warning when the process is gone)."""
         if message.kind == protocol.START:
             self.jobs_started += 1
         try:
@@ -119,13 +112,12 @@ class ChildProcess:
         return timeout_s if self.ready else max(timeout_s, STARTUP_ALLOWANCE_S)
 
     async def kill(self) -> None:
-        """Kill the process (no-op if it has exited) and reap it."""
         if self.process.is_alive():
             self.process.kill()
         await self.join()
 
     async def join(self) -> int | None:
-        """Wait for the process to exit; its exit code (None if it did not in time)."""
+        """The exit code once the process exited (None if it did not in time)."""
         await asyncio.to_thread(self.process.join, CHILD_JOIN_TIMEOUT_S)
         return self.process.exitcode
 

@@ -49,21 +49,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 # Message kinds, child -> worker
-STARTED = "started"
-METRICS = "metrics"
-BACKOFF = "backoff"
-CHECKPOINT = "checkpoint"
-FINISHED = "finished"
-STOPPED = "stopped"
-FAILED = "failed"
-ALIVE = "alive"
-PROGRESS = "progress"
+STARTED, METRICS, BACKOFF, CHECKPOINT = "started", "metrics", "backoff", "checkpoint"
+FINISHED, STOPPED, FAILED, ALIVE, PROGRESS = "finished", "stopped", "failed", "alive", "progress"
 # worker -> child
-START = "start"
-STOP = "stop"
-START_PACK = "start_pack"
-DROP = "drop"
-STOP_RUN = "stop_run"
+START, STOP, START_PACK, DROP, STOP_RUN = "start", "stop", "start_pack", "drop", "stop_run"
 
 PROGRESS_INTERVAL_S = 1.0  # how stale the worker's step counts may get while steps run
 

@@ -3,16 +3,15 @@
 A job alone trains on its solo Trainer (:class:`SoloRun`); compatible jobs packed together
 train as one ssdcore TrainingPack of M runs (:class:`PackRuns`), each continuing the Trainer it
 was built as (bit for bit on the CPU, docs/ARCHITECTURE.md "Packed training"). The training
-loop (worker/child.py) asks either for the same per-run operations: train n steps (and which
-runs blew up), a run's step count, a Trainer to evaluate and checkpoint the run, the run as the
-blow-up recovery rolls it back (ssdcore.blowup.Recoverable: snapshot and restore), and hold a
-run (it stops moving, the others go on). A job alone is not a pack of one: its own Trainer
-trains it, as fast as it trains anywhere.
+loop (worker/child.py) asks either for the same per-run operations, each run named by its index:
+``train_steps(n)`` (the runs that diverged, with their blow-up), ``step(run)``, ``trainer(run)``
+(a Trainer of the run as it is now, to evaluate and checkpoint it), ``recoverable(run)`` (the
+run as the blow-up recovery snapshots and rolls it back) and ``hold(run)`` (it stops moving, the
+others go on); ``cuda_graph``: whether the steps run as a captured CUDA graph. A job alone is
+not a pack of one: its own Trainer trains it, as fast as it trains anywhere.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
@@ -20,32 +19,6 @@ from ssdcore.blowup import BlowUp, Recoverable, blowup_from_error
 from ssdcore.errors import DivergenceError
 from ssdcore.pack import RunInPack, divergence_blowup, pack_trainers, run_to_trainer
 from ssdcore.training import Trainer
-
-
-class RunSet(Protocol):
-    """Runs trained together, each named by its index (its slot)."""
-
-    cuda_graph: bool  # whether the steps run as a captured CUDA graph
-
-    def train_steps(self, n: int) -> dict[int, BlowUp]:
-        """Train every moving run ``n`` steps; the runs that diverged, with their blow-up."""
-        ...
-
-    def step(self, run: int) -> int:
-        """The steps run ``run`` has trained."""
-        ...
-
-    def trainer(self, run: int) -> Trainer:
-        """A Trainer of the run as it is now: to evaluate it and checkpoint it."""
-        ...
-
-    def recoverable(self, run: int) -> Recoverable:
-        """The run as the blow-up recovery snapshots it and rolls it back."""
-        ...
-
-    def hold(self, run: int) -> None:
-        """The run stops moving (it ended); the others go on."""
-        ...
 
 
 class SoloRun:
@@ -97,3 +70,6 @@ class PackRuns:
 
     def hold(self, run: int) -> None:
         self.pack.hold(run)
+
+
+RunSet = SoloRun | PackRuns

@@ -1,44 +1,24 @@
-"""Runs leased jobs in one training process: a job alone, or a pack of compatible jobs.
+"""Runs leased jobs in one training process: a job alone (a set of one), or a pack of
+compatible jobs (worker/pack_claim.py, ssdcore.pack). Each job keeps its own ``LeasedJob``
+(lease, fencing token, writes) and gets each message the process sends about it (a pack's
+name the job's index, ``run``), so it is written the same way alone or packed.
 
-A claimed job trains alone (a solo Trainer) or, with compatible jobs claimed beside it
-(worker/pack_claim.py), as one pack (ssdcore.pack): one batched computation in one process.
-Either way each job keeps its own :class:`~ssdrbm_server.worker.leased_job.LeasedJob` (its
-lease, fencing token and writes), and the runner hands it each message the process sends about
-it, so its metric events, Backoff events, checkpoints and final state are written the same way
-alone or packed. A job alone is a set of one: its messages name no run, a pack's carry the
-job's index (``run``). What the runner does for the set:
-
-- *Heartbeat.* Every ``heartbeat_s`` each job's lease is renewed and its cancel flag read (a
-  cancel takes effect within about that long). A cancelled job ends CANCELLED; a job whose lease
-  was lost (another worker took it over) writes nothing more. Either way its run leaves the
-  process: dropped from a pack whose other runs go on (``drop``), or, when it was the last run
-  (a job alone), with the process, killed at once.
-- *A run's end.* Finished, failed (blow-up with its backoffs spent, bad spec) or stopped (a
-  sweep's early stopping, ``stop_run``: the job ends STOPPED): the process reports it for that
-  run; the others go on.
-- *Time slice.* Once the jobs have held the worker SSDRBM_SLICE_SECONDS (from their start
-  here), one queue call per slice asks whether other work waits (store/queue.py,
-  ``would_serve_other``): another tenant's job, or a job of theirs that goes before them. If
-  so they are preempted: stopped as below, but released to the FRONT of their tenants' lists
-  with a "preempted" state event, to resume on any worker (a pack as a unit); if not, a new
-  slice starts and nothing is paid.
-- *Stop.* Graceful: the process checkpoints every run and each job is released to the queue.
-  Immediate (or past SSDRBM_STOP_TIMEOUT_SECONDS): the process is killed and each job released
-  to resume from its last checkpoint. Redis outages are ridden out by retrying meanwhile.
-- *The process dies or hangs.* A training process that dies (a signal such as the OOM killer's
-  SIGKILL, or any exit without reporting the jobs' ends) or goes silent past
-  SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS (it is killed first) is a retry, not a failure. A job
-  alone counts it in its ``child_failures`` (a fenced update) and is released to the queue with
-  the fenced ``release`` write, exactly as on a graceful stop; the next claim, by any worker,
-  raises the attempt and resumes from the last checkpoint in a fresh process, so the dead
-  process's attempt can write nothing more (fencing) and the steps it had already published
-  are dropped when recomputed (each step once in the stream). Going through the queue also lets
-  a job that ran out of memory here land on a roomier worker. The job ends FAILED at
-  SSDRBM_MAX_TRAINING_PROCESS_FAILURES, with the cause and, for SIGKILL, the memory the model
-  needs. In a pack, which run caused it cannot be told (one run's data or spec, or the pack's
-  size), so the failure counts against no job: each is released and trains alone from then on
-  (its pack key cleared, ``LeasedJob.train_alone``), where a failure is its own. A job that
-  crashes its process thus fails alone after its retries, and its pack-mates finish.
+- *Heartbeat.* Every ``heartbeat_s`` each lease is renewed and its cancel flag read. A
+  cancelled job ends CANCELLED; a lost lease writes nothing more. Its run leaves the process:
+  dropped from a pack whose other runs go on, or, the last run, with the process, killed.
+- *Time slice.* After SSDRBM_SLICE_SECONDS, one queue call per slice asks whether other work
+  waits (``would_serve_other``); if so the jobs are stopped and released to the FRONT of their
+  tenants' lists ("preempted", a pack as a unit); if not, a new slice starts.
+- *Stop.* Graceful: every run checkpoints and each job is released. Immediate (or past
+  SSDRBM_STOP_TIMEOUT_SECONDS): the process is killed and each job released to resume from
+  its last checkpoint.
+- *The process dies or hangs* (silent past SSDRBM_CHILD_HEARTBEAT_TIMEOUT_SECONDS: killed):
+  a retry, not a failure. A job alone counts it in ``child_failures`` and is released, to
+  resume from its last checkpoint under a new attempt (its dead attempt is fenced off, on a
+  worker that may have more memory); it ends FAILED at SSDRBM_MAX_TRAINING_PROCESS_FAILURES,
+  with the cause and, for SIGKILL, the memory it needs. In a pack the culprit cannot be told,
+  so the failure counts against no job: each is released to train alone from then on
+  (``LeasedJob.train_alone``), where a failure is its own.
 """
 
 from __future__ import annotations
@@ -63,13 +43,7 @@ from ssdrbm_server.store.leases import Lease
 from ssdrbm_server.store.queue import JobQueue
 from ssdrbm_server.store.records import JobRecord, JobState
 from ssdrbm_server.worker import protocol
-from ssdrbm_server.worker.leased_job import (
-    LOST,
-    REDIS_DOWN,
-    RELEASED,
-    LeasedJob,
-    StopRequest,
-)
+from ssdrbm_server.worker.leased_job import LOST, REDIS_DOWN, LeasedJob, StopRequest
 from ssdrbm_server.worker.metrics import WorkerMetrics
 from ssdrbm_server.worker.process import ChildProcess, describe_exit
 
@@ -172,8 +146,7 @@ class Runner:
             yield
 
     def _job_context(self, i: int) -> contextlib.AbstractContextManager[None]:
-        job = self.jobs[i]
-        return logs.log_context(job_id=job.lease.job_id, tenant=job.record.tenant)
+        return logs.log_context(job_id=self.jobs[i].lease.job_id, tenant=self.jobs[i].record.tenant)
 
     async def _settle_child(self) -> None:
         """Keep an idle child for the next jobs; kill one that may still be training."""
@@ -185,25 +158,20 @@ class Runner:
             await self.child.kill()
             self.child.close()
 
-    async def _end(
-        self, i: int, outcome: str, write: Callable[[LeasedJob], Awaitable[None]]
-    ) -> None:
-        """Job i ends as ``outcome`` with one fenced write; LOST instead when its lease was
+    async def _end(self, i: int, write: Callable[[LeasedJob], Awaitable[str]]) -> None:
+        """Job i ends with one fenced write, as it returns; LOST instead when its lease was
         lost (nothing more is written for it)."""
         try:
-            await write(self.jobs[i])
+            self.outcomes[i] = await write(self.jobs[i])
         except LeaseLostError as exc:
             logger.warning("%s; stopping work on it", exc)
-            outcome = LOST
-        self.outcomes[i] = outcome
+            self.outcomes[i] = LOST
 
     async def _cancel(self, i: int, message: str) -> None:
-        await self._end(
-            i, JobState.CANCELLED.value, lambda j: j.finish(JobState.CANCELLED, message=message)
-        )
+        await self._end(i, lambda job: job.finish(JobState.CANCELLED, message=message))
 
     async def _fail(self, i: int, reason: str) -> None:
-        await self._end(i, JobState.FAILED.value, lambda j: j.finish(JobState.FAILED, error=reason))
+        await self._end(i, lambda job: job.finish(JobState.FAILED, error=reason))
 
     # --- start ----------------------------------------------------------------------------
 
@@ -212,13 +180,10 @@ class Runner:
             if job.record.cancel_requested:
                 await self._cancel(i, "cancelled before it resumed")
         for i in self._open():
-            job = self.jobs[i]
+            lease = self.jobs[i].lease
             with self._job_context(i):
                 logger.info(
-                    "job %s: attempt %d on %s",
-                    job.lease.job_id,
-                    job.lease.attempt,
-                    job.lease.worker_id,
+                    "job %s: attempt %d on %s", lease.job_id, lease.attempt, lease.worker_id
                 )
         start = await self._start_message()
         if start is None:
@@ -326,13 +291,16 @@ class Runner:
             try:
                 cancelled = await self.jobs[i].heartbeat()
             except LeaseLostError as exc:
-                logger.warning("%s; stopping work on it", exc)
-                await self._leave(i)
-                self.outcomes[i] = LOST
+                await self._lost(i, exc)
                 continue
             if cancelled:
                 await self._leave(i)
                 await self._cancel(i, "cancelled on request")
+
+    async def _lost(self, i: int, exc: LeaseLostError) -> None:
+        logger.warning("%s; stopping work on it", exc)
+        await self._leave(i)
+        self.outcomes[i] = LOST
 
     async def _leave(self, i: int) -> None:
         """Job i's run stops because the worker ended the job (cancelled, lease lost): it is
@@ -371,9 +339,7 @@ class Runner:
             with self._job_context(i):
                 outcome = await self.jobs[i].handle(message)
         except LeaseLostError as exc:
-            logger.warning("%s; stopping work on it", exc)
-            await self._leave(i)
-            self.outcomes[i] = LOST
+            await self._lost(i, exc)
             return
         if outcome is not None:  # the process reported the run's end: it left there already
             self.outcomes[i] = outcome
@@ -382,7 +348,7 @@ class Runner:
         """Release the open jobs the worker stopped (a stop or a preemption), each to resume
         from its last checkpoint."""
         for i in self._open():
-            await self._end(i, RELEASED, LeasedJob.release_for_stop)
+            await self._end(i, LeasedJob.release_for_stop)
 
     # --- the process died or hung ----------------------------------------------------------
 
@@ -395,12 +361,8 @@ class Runner:
         def hint(job: LeasedJob) -> str:
             if code != -signal.SIGKILL:
                 return ""
-            needed = memory_hint(job.record)
-            return (
-                f"{needed} (it trained in a pack of {len(self.jobs)} runs)"
-                if self.packed
-                else needed
-            )
+            packed = f" (it trained in a pack of {len(self.jobs)} runs)" if self.packed else ""
+            return memory_hint(job.record) + packed
 
         await self._child_failed(describe_exit(code), hint)
 
@@ -434,7 +396,9 @@ class Runner:
         for i in open_jobs:
             job = self.jobs[i]
             try:
-                if shared:
+                if self.stop.event.is_set():  # the worker is stopping: not the job's fault
+                    outcome = await job.release_for_stop()
+                elif shared:
                     outcome = await job.train_alone(cause)
                 else:
                     outcome = await job.child_failed(cause, hint=hint(job))
@@ -495,8 +459,12 @@ def run_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) -> floa
     n_hidden, training = request.model.n_hidden, request.training
     params = n_visible * n_hidden + n_visible + n_hidden
     chains = (2 * training.cd_k + 4) * training.batch_size * (n_visible + n_hidden)
-    if request.model.kind == rbm_pb2.MODEL_KIND_GAUSSIAN:
-        params += _variance_parameters(request.model.variance, n_visible)
+    if request.model.kind == rbm_pb2.MODEL_KIND_GAUSSIAN:  # its variances (unset: diagonal)
+        params += {
+            rbm_pb2.VARIANCE_KIND_FULL: n_visible * n_visible,
+            rbm_pb2.VARIANCE_KIND_ISOTROPIC: 1,
+            rbm_pb2.VARIANCE_KIND_IDENTITY: 0,
+        }.get(request.model.variance, n_visible)
         # Gaussian visibles: the noise draws (B·V), the rows v·C⁻¹ and v - b (2B·V each), and
         # the V×H products C⁻¹W and W ⊙ ∂L/∂W, solo and packed alike.
         chains += 5 * training.batch_size * n_visible + 2 * n_visible * n_hidden
@@ -504,14 +472,3 @@ def run_memory_mb(request: rbm_pb2.StartTrainingRequest, n_visible: int) -> floa
         tempered = training.batch_size * (2 * n_visible + 4 * n_hidden)
         chains += training.parallel_tempering.temperatures * tempered
     return 4 * (PARAMETER_COPIES * params + chains) / 1e6
-
-
-def _variance_parameters(variance: int, n_visible: int) -> int:
-    """Entries of a Gaussian model's variance parameter (an unset form is the diagonal one)."""
-    if variance == rbm_pb2.VARIANCE_KIND_FULL:
-        return n_visible * n_visible
-    if variance == rbm_pb2.VARIANCE_KIND_ISOTROPIC:
-        return 1
-    if variance == rbm_pb2.VARIANCE_KIND_IDENTITY:
-        return 0
-    return n_visible

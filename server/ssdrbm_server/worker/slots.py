@@ -1,38 +1,29 @@
 """Slots: how many training processes one worker runs at once, and each one's share of CPUs.
 
-A worker (worker/worker.py) runs SSDRBM_WORKER_SLOTS claim loops side by side in one process,
-on one Redis client. Each slot is a worker of its own to the queue and the leases: its own id
-(``<worker id>/<k>``; a worker of one slot keeps its plain id), its own claims, leases, time
+Each slot of a worker (worker/worker.py) is a worker of its own to the queue and the leases: its
+own id (``<worker id>/<k>``; a worker of one slot keeps its plain id), claims, leases, time
 slices, training process and graceful stop, all by the one Worker/Runner path.
 
-The default (0) is derived from the machine, the one rule (`default_slot_count`):
+The default (SSDRBM_WORKER_SLOTS=0, `default_slot_count`) comes from the machine:
 
-- *CPUs.* The CPUs this process may use (its affinity mask, or SSDRBM_TRAINING_CPUS; fewer
-  under a cgroup CPU quota, a container's CPU limit) ÷ the torch threads of one training
-  process: SSDRBM_TORCH_THREADS, else THREADS_PER_PROCESS (1). One thread per process, because
-  jobs on separate cores do not wait on each other, while a small job's step (a few small
-  matrix products) gains little from more threads, and because a busy worker's threads would
-  otherwise oversubscribe the cores (2 OpenMP threads per process on an oversubscribed host
-  made a step 7–8× slower, docs/PERFORMANCE.md). A lone job then trains on its slot's share:
-  with the slots capped below the CPUs, that share has several CPUs and as many threads.
-- *Memory.* Each slot may train a full pack: its process (PROCESS_BASE_MB) and
-  SSDRBM_PACK_MEMORY_MB of runs. Slots stop where the memory this process may use (the host's,
-  or its cgroup's limit) holds no more of those, so adding slots never needs a bigger machine
-  than packing does.
-- *The event loop.* Every slot's supervision (heartbeats, metric and checkpoint writes) runs
-  in the one event loop, which in ``ssdrbm serve`` also answers the gRPC calls. With the
-  fastest jobs (16×8 models, 1,000–2,400 steps/s each) it took 1–2% of a core per busy slot
-  at the default evaluation spacing (100 steps) and 5% reporting every 10 steps (1 or 2
-  slots, 20 s each, a loaded 2-core machine): at MAX_DEFAULT_SLOTS (16) that is 16–32% of
-  one core, and 80% were every job to report every 10 steps, so more slots only when set.
-- *GPU.* One slot where a GPU is present (found without importing torch, which the worker
-  process never does): the training processes would share one device, and a job's step there
-  is fast and the device busy already. Set SSDRBM_WORKER_SLOTS to share it anyway.
+- *CPUs.* The usable CPUs (affinity mask or SSDRBM_TRAINING_CPUS, fewer under a cgroup CPU
+  quota) ÷ the torch threads of one process: SSDRBM_TORCH_THREADS, else THREADS_PER_PROCESS
+  (1): jobs on separate cores do not wait on each other, a small job's step gains little from
+  more threads, and a busy worker's threads would otherwise oversubscribe the cores (2 OpenMP
+  threads per process on an oversubscribed host made a step 7–8× slower, docs/PERFORMANCE.md).
+- *Memory.* Each slot may train a full pack (PROCESS_BASE_MB + SSDRBM_PACK_MEMORY_MB): slots
+  stop where the memory this process may use (host or cgroup limit) holds no more, so adding
+  slots never needs a bigger machine than packing does.
+- *The event loop.* Every slot's supervision runs in the one event loop (in ``ssdrbm serve``,
+  the gRPC calls' too): the fastest jobs (16×8 models, 1,000–2,400 steps/s) took 1–2% of a
+  core per busy slot at the default evaluation spacing and 5% reporting every 10 steps, so at
+  MAX_DEFAULT_SLOTS (16) 16–32% of one core; more slots only when set.
+- *GPU.* One slot where a GPU is present (found without importing torch): the processes would
+  share one busy device. Set SSDRBM_WORKER_SLOTS to share it anyway.
 
-The slots split the training CPUs into consecutive shares (cpus.py ``split_cpus``), and each
-slot's training processes are pinned to its share with as many torch threads, unless
-SSDRBM_TORCH_THREADS says otherwise. A worker of one slot pins as before: SSDRBM_TRAINING_CPUS
-when set, and torch's default threads.
+The slots split the training CPUs into consecutive shares (cpus.py ``split_cpus``), each
+slot's processes pinned to its share with as many torch threads unless SSDRBM_TORCH_THREADS
+says otherwise; a worker of one slot pins to SSDRBM_TRAINING_CPUS, with torch's default threads.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """The worker: takes jobs from the queue (or whose lease lapsed) and runs them, one job (or
-pack) at a time in each of its slots.
-
-A worker runs SSDRBM_WORKER_SLOTS slots side by side (worker/slots.py: the default from the
-machine's CPUs, memory and GPU), one claim loop each in this process, on one Redis client. To
-the queue and the leases each slot is a worker of its own, with its own id (``<id>/<k>``, the
-plain id for a worker of one slot), and each trains in its own process on its own share of
-the training CPUs; a stop stops every slot, each checkpointing and releasing its jobs.
+pack) at a time in each of its slots (worker/slots.py), one claim loop each on one Redis client;
+a stop stops every slot, each checkpointing and releasing its jobs.
 
 Where a slot's next job comes from, in order:
-1. a running job whose lease lapsed (its worker died): taken over and resumed from its last
-   checkpoint (`LeaseStore.lapsed`, a scan of the lease deadlines);
+1. a running job whose lease lapsed (its worker died), resumed from its last checkpoint;
 2. at start, queue entries this slot's id took before a restart and never acknowledged;
-3. queue entries another worker took and left unacknowledged for a lease length (that worker
-   died between taking and claiming);
-4. the next job of the least recently served tenant with queued jobs (tenants in rotation,
-   store/queue.py: its oldest plain job, else its oldest sweep run), waiting briefly for one
+3. entries another worker took and left unacknowledged for a lease length (it died between
+   taking and claiming);
+4. the next job of the least recently served tenant (store/queue.py), waiting briefly for one
    so that `stop()` is noticed quickly.
-A job or pack gives its slot up at the end of an SSDRBM_SLICE_SECONDS slice while other work
-waits (worker/runner.py), and the slot takes the next job as above.
-Then, with SSDRBM_MAX_PACK_SIZE > 1, up to that many more jobs with the same pack key join it
-(worker/pack_claim.py) and the jobs train as one pack in one process (worker/runner.py).
+With SSDRBM_MAX_PACK_SIZE > 1, jobs with the same pack key then join it (worker/pack_claim.py)
+and train as one pack; a job or pack gives its slot up at the end of an SSDRBM_SLICE_SECONDS
+slice while other work waits (worker/runner.py).
 """
 
 from __future__ import annotations
@@ -120,7 +112,10 @@ class Worker:
         leases = LeaseStore(client, keys=self.keys)
         for slot in self.slots:  # a training process started ahead of each slot's first job
             slot.spare = ChildProcess.for_settings(slot.settings)
-        heartbeat = self._beat_heartbeat_file()
+        path = self.settings.worker_heartbeat_file  # what `healthcheck --worker` reads
+        heartbeat = (
+            asyncio.create_task(beat_file(path, self.settings.heartbeat_seconds)) if path else None
+        )
         self.metrics.slots.inc(len(self.slots))
         logger.info("worker %s started with %s", self.worker_id, self._describe_slots())
         try:
@@ -179,12 +174,10 @@ class Worker:
             except REDIS_DOWN as exc:
                 redis_outage_for(exc).noticed(exc, by=f"worker {slot.worker_id}")
                 await self._pause(REDIS_RETRY_S)
-            except redis.exceptions.ResponseError:
-                logger.exception("worker %s: unexpected Redis reply", slot.worker_id)
-                await self._pause(REDIS_RETRY_S)
-            except Exception:
-                # A bug must not silently end the slot: log it, back off, go on.
-                logger.exception("worker %s: unexpected error", slot.worker_id)
+            except Exception as exc:  # a bug must not silently end the slot: log, back off, go on
+                reply = isinstance(exc, redis.exceptions.ResponseError)
+                what = "unexpected Redis reply" if reply else "unexpected error"
+                logger.exception("worker %s: %s", slot.worker_id, what)
                 await self._pause(REDIS_RETRY_S)
 
     async def _watch_redis(
@@ -202,13 +195,6 @@ class Worker:
         await watch.check_at_start()
         return watch, asyncio.create_task(watch.run())
 
-    def _beat_heartbeat_file(self) -> asyncio.Task[None] | None:
-        """The file `healthcheck --worker` reads (readiness.py), if one is configured."""
-        path = self.settings.worker_heartbeat_file
-        if not path:
-            return None
-        return asyncio.create_task(beat_file(path, self.settings.heartbeat_seconds))
-
     async def _riders(
         self,
         slot: Slot,
@@ -221,13 +207,6 @@ class Worker:
         if self.settings.max_pack_size <= 1 or not lease.record.pack_key:
             return []
         lease_ms = int(self.settings.lease_seconds * 1000)
-
-        async def claim(job_id: str, takeover: bool) -> Lease | None:
-            rider = await self._claim(leases, job_id, slot.worker_id, lease_ms, takeover=takeover)
-            if rider is not None and takeover:
-                self.metrics.lease_takeovers.inc()
-            return rider
-
         return await claim_riders(
             lease,
             slot.settings,
@@ -235,7 +214,9 @@ class Worker:
             queue=queue,
             leases=leases,
             claims=PackClaims(client, keys=self.keys),
-            claim=claim,
+            claim=lambda job_id, takeover: self._claim(
+                leases, job_id, slot.worker_id, lease_ms, takeover=takeover
+            ),
         )
 
     async def _run_jobs(self, slot: Slot, client: aioredis.Redis, leases: list[Lease]) -> None:
@@ -256,11 +237,8 @@ class Worker:
         finally:
             self.metrics.busy_slots.dec()
         self.jobs_run += [(lease.job_id, o) for lease, o in zip(leases, outcomes, strict=True)]
-        await self._keep_child(slot, runner.idle_child)
-
-    async def _keep_child(self, slot: Slot, idle_child: ChildProcess | None) -> None:
-        """Keep the job's training process for the slot's next job, or have a fresh one ready."""
-        slot.spare = idle_child
+        # Keep the training process for the slot's next job, or have a fresh one ready.
+        slot.spare = runner.idle_child
         if slot.spare is not None and slot.spare.jobs_started >= MAX_JOBS_PER_CHILD:
             await slot.spare.kill()  # start afresh now and then: no growth over months
             slot.spare.close()
@@ -285,7 +263,6 @@ class Worker:
             lease = await self._claim(leases, job_id, slot.worker_id, lease_ms, takeover=True)
             if lease is not None:
                 logger.info("took over job %s after its lease lapsed", job_id)
-                self.metrics.lease_takeovers.inc()
                 return lease
         worker_id = slot.worker_id
         entries = await queue.pending(worker_id, count=1) if check_pending else []
@@ -306,13 +283,15 @@ class Worker:
         self, leases: LeaseStore, job_id: str, worker_id: str, lease_ms: int, *, takeover: bool
     ) -> Lease | None:
         """Claim a job for the slot ``worker_id``; once claimed, its wait in the queue (from the
-        submit to the first claim) and the claim itself go into the metrics and the job's
-        trace."""
+        submit to the first claim), a takeover, and the claim itself go into the metrics and the
+        job's trace."""
         started = time.time()
         lease = await leases.claim(job_id, worker_id, lease_ms=lease_ms)
         if lease is None:
             return None
         claimed = time.time()
+        if takeover:
+            self.metrics.lease_takeovers.inc()
         record = lease.record
         parent = tracing.context_from_traceparent(record.traceparent)
         if lease.attempt == 1:
