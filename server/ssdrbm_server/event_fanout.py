@@ -153,16 +153,12 @@ class JobFollower:
 
     async def _step(self) -> None:
         batch, ended = await self._poll(self.job, self.position)
-        self._deliver(batch)
+        if batch:
+            self.position = batch[-1].resume_token
+            for subscription in list(self._subscriptions):
+                subscription.offer(batch)
         if ended or any(convert.is_terminal_event(event) for event in batch):
             self.stop(Ending.FINISHED)
-
-    def _deliver(self, batch: list[rbm_pb2.MetricEvent]) -> None:
-        if not batch:
-            return
-        self.position = batch[-1].resume_token
-        for subscription in list(self._subscriptions):
-            subscription.offer(batch)
 
 
 class EventFanout:

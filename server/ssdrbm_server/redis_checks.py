@@ -88,10 +88,6 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _values(reply: object) -> dict[str, str]:
-    return {_text(key): _text(value) for key, value in dict(reply or {}).items()}
-
-
 async def read_config(client: RedisClient) -> dict[str, dict[str, str]]:
     """The `CHECKED` settings of every node: ``{node address: {name: value}}`` (the address is
     "" for a single Redis). One CONFIG GET per setting, which every Redis version accepts."""
@@ -108,7 +104,8 @@ async def read_config(client: RedisClient) -> dict[str, dict[str, str]]:
         else:
             named = [("", await client.config_get(name))]
         for node, reply in named:
-            nodes.setdefault(node, {}).update(_values(reply))
+            values = {_text(key): _text(value) for key, value in dict(reply or {}).items()}
+            nodes.setdefault(node, {}).update(values)
     return nodes
 
 

@@ -437,17 +437,15 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             await self.stores.datasets.delete(tenant, request.dataset_id)
         return pb.DeleteDatasetResponse(dataset_id=request.dataset_id)
 
-    def _check_dataset_header(self, header: pb.DatasetHeader) -> int:
-        """Byte size the header describes, after checking its fields."""
+    def _check_dataset_header(self, header: pb.DatasetHeader) -> None:
         enum_value(pb.DType, header.dtype, "header.dtype")
-        size = check_dataset_shape(header.shape, upload_dtype(header.dtype).itemsize, self.settings)
+        check_dataset_shape(header.shape, upload_dtype(header.dtype).itemsize, self.settings)
         if len(header.name) > self.settings.max_string_length:
             raise InvalidArgumentError(
                 "header.name", f"at most {self.settings.max_string_length} characters"
             )
         if header.sha256 and not _SHA256_HEX.fullmatch(header.sha256):
             raise InvalidArgumentError("header.sha256", "must be 64 lower-case hex digits")
-        return size
 
     async def ExportModel(
         self, request: pb.ExportModelRequest, context: Context
