@@ -525,7 +525,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         """After a delete: this process's serving caches forget the job at once; other API
         processes within their record reuse time (recent_jobs.py), then they read NOT_FOUND."""
         self.recent_jobs.forget(tenant, job_id)
-        self.models.forget(job_id)
+        self.models.cache.forget(job_id)
 
     async def _job(self, job_id: str) -> JobRecord:
         return await self.tenant_job(current_tenant(), job_id)

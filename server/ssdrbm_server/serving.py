@@ -85,9 +85,6 @@ class ModelCache:
         self._models: OrderedDict[tuple[str, int], LoadedModel] = OrderedDict()
         self._loading: dict[tuple[str, int], asyncio.Task[LoadedModel]] = {}
 
-    def __len__(self) -> int:
-        return len(self._models)
-
     async def get(
         self, key: tuple[str, int], load: Callable[[], Awaitable[LoadedModel]]
     ) -> LoadedModel:
@@ -243,10 +240,6 @@ class ModelServer:
     def close(self) -> None:
         """Stop the thread pool (waits for running computations)."""
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-    def forget(self, job_id: str) -> None:
-        """Free the cached models of a deleted job (its records no longer lead here)."""
-        self.cache.forget(job_id)
 
     async def model_for(self, job: JobRecord, checkpoint_step: int) -> LoadedModel:
         """The model of ``job`` at ``checkpoint_step`` (0 = latest), loaded or cached."""
