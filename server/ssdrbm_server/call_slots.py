@@ -1,14 +1,10 @@
 """Calls of one kind in progress in this API process, capped for the server and for each tenant.
 
-The server's cap bounds what the calls cost together (memory, Redis connections); a tenant's cap
-is its share of it. With the tenant's cap below the server's, one tenant holding every slot it may
-still leaves room for the others, so its slow calls cannot refuse theirs. A call over either cap
-is refused at once (RESOURCE_EXHAUSTED, retry shortly) with a message naming the cap and its
-setting, and a QuotaFailure whose subject says whose cap it was (`tenant:<t>` or `server`).
-
-Metric streams (StreamMetrics, StreamSweep) and uploads (UploadDataset) each have one; serving
-(Reconstruct, SampleHidden) has one without a server cap (its thread pool is that bound), whose
-calls wait a little for a slot (`hold_waiting`), so a short burst is smoothed over.
+The server's cap bounds what the calls cost together (memory, Redis connections); a tenant's cap,
+below it, is its share, so one tenant's slow calls cannot refuse the others'. A call over either
+cap is refused at once (RESOURCE_EXHAUSTED, retry shortly) naming the cap and its setting, with a
+QuotaFailure saying whose cap it was (`tenant:<t>` or `server`); serving's calls, whose only
+server bound is its thread pool, wait a little for a slot instead (`hold_waiting`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """CPU sets that keep training and serving off each other's cores on a shared host.
 
 `SSDRBM_SERVING_CPUS` pins the API server process, `SSDRBM_TRAINING_CPUS` every worker's
-training process, both in the Linux CPU-list syntax (`0-3,8`). Empty (the default) pins
-nothing. Why: a training step is one long run of matrix products, a serving call is latency
-bound; on the same cores the scheduler slices both, so a burst of serving load slows training
-and a training step delays replies. Disjoint sets trade that contention for a fixed split of
-the machine, the usual way to share a host between batch and latency-bound work.
-
-A worker with several slots (SSDRBM_WORKER_SLOTS, worker/slots.py) splits its training CPUs
-(the list, or else the CPUs it may run on) into one share per slot, so its training processes
-do not fight over cores either.
+training process, in the Linux CPU-list syntax (`0-3,8`); empty (the default) pins nothing. A
+training step is one long run of matrix products, a serving call is latency bound: on the same
+cores a burst of serving slows training and a training step delays replies. Disjoint sets trade
+that contention for a fixed split of the machine. A worker with several slots splits its
+training CPUs into one share per slot (worker/slots.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Who can reach the service: loopback unless told otherwise.
 
-A service without authentication (``SSDRBM_AUTH_MODE=none``) that listens beyond loopback lets
-anyone who can reach the host submit jobs and read every job; bearer tokens over plaintext on
-the network can be read by anyone on the path. Both are refused when a server is built, unless
-an explicit setting says the network in front of it is trusted:
-
-- ``SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE=1``: no auth on a non-loopback gRPC, HTTP or metrics
-  address (e.g. a container whose ports are published on the host's loopback only). Logged as a
-  WARNING at start and every minute while the server runs, so it is not forgotten.
-- ``SSDRBM_ALLOW_PLAINTEXT_TOKENS=1``: token mode without TLS on a non-loopback address (e.g. TLS
-  terminated by a proxy in front). Logged as a WARNING at start.
-
-Only processes that listen are checked (the server, not ``python -m ssdrbm_server.worker``), so
-a worker container may share the API container's environment.
+Without authentication (``SSDRBM_AUTH_MODE=none``) a service listening beyond loopback lets
+anyone who can reach the host submit and read every job; bearer tokens over plaintext on the
+network can be read by anyone on the path. Both are refused when a server is built unless an
+explicit setting says the network in front of it is trusted: ``SSDRBM_ALLOW_UNAUTHENTICATED_REMOTE``
+(e.g. ports published on the host's loopback only; warned at start and every minute) or
+``SSDRBM_ALLOW_PLAINTEXT_TOKENS`` (TLS terminated by a proxy in front; warned at start). Only
+processes that listen are checked, so a worker container may share the API's environment.
 """
 
 from __future__ import annotations

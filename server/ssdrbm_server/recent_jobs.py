@@ -1,12 +1,10 @@
 """A short-lived cache of job records for the serving RPCs.
 
-Reconstruct and SampleHidden need the job's tenant (the isolation check) and its latest
-checkpoint step (which model to use) on every call. Reading them from Redis each time cost a
-round trip and about a tenth of the server's CPU per batch-1 request. A hot job's record is
-therefore reused for ``ttl_s`` (0.5 s): a newly written checkpoint is served at most that long
-after the job record names it. Entries are keyed by (tenant, job id), so one tenant's lookup
-never answers another's; misses and jobs without a checkpoint are not kept, so NOT_FOUND and
-FAILED_PRECONDITION are always decided by a fresh read.
+Reading a job's record (tenant check, latest checkpoint step) from Redis on every call cost a
+round trip and about a tenth of the server's CPU per batch-1 request, so a hot job's record is
+reused for ``ttl_s`` (0.5 s): a new checkpoint is served at most that long after its record
+names it. Entries are keyed by (tenant, job id); misses and jobs without a checkpoint are not
+kept, so NOT_FOUND and FAILED_PRECONDITION are always decided by a fresh read.
 """
 
 from __future__ import annotations
