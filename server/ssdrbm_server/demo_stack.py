@@ -2,15 +2,11 @@
 
 Starts a fresh Redis (append-only file in ``DIR/redis``, emptied first, so an interrupted run
 leaves nothing for the next one to train), the service with its worker, then runs the demo
-client (``ssdrbm_server.demo``; its options, e.g. ``--steps``, pass through). ``scripts/demo``
-runs it after installing.
-
-Stopping, in order: the service first (SIGTERM: its worker checkpoints and releases the job),
-then Redis, which the service needs until it is gone. Both run in sessions of their own, so a
-Ctrl-C in the terminal reaches this process and the client only, never Redis behind the
-service's back; this process then stops them, once each. A second Ctrl-C (or SIGTERM) while
-stopping kills the service at once; whatever happens, the service's process group (its
-training process included) and Redis end before this process does.
+client (``ssdrbm_server.demo``; its options pass through). On the way out it stops the service
+(SIGTERM: its worker checkpoints and releases the job), then Redis, which the service needs
+until it is gone. Both run in sessions of their own, so a Ctrl-C reaches only this process and
+the client, which then stops them once each; a second Ctrl-C kills the service at once. Either
+way the service's process group and Redis end before this process does.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """A job's pack key: which queued jobs a worker may train together in one pack.
 
-Computed once, when the job is submitted, and stored in its record (``pack_key``), so a worker
-matches jobs by comparing strings, without loading a spec, a dataset or torch. Two jobs share a
-key when :func:`ssdcore.pack.pack_key` says their runs fit one pack (model kind — Gaussian
-with its variance form — and shape, batch size, CD-k, persistence, the same update rule for
-every parameter — SSD's step rule included) and one data
-tensor serves both: the same dataset (built-in with its options, or the same upload), the same
-preprocessing and the same validation split — which is drawn with ``training.seed``, so jobs
-that differ in seed get different keys. The polar method is part of the key as requested
-(AUTO or a named one), since AUTO resolves per device. Everything else (step sizes, momentum,
-weight decay, step-size schedule, steps, evaluation and checkpoint spacing, backoff policy) may
-differ within a pack.
+Computed once, at submit, and stored in the job's record (``pack_key``), so a worker matches jobs
+by comparing strings, without loading a spec, a dataset or torch. Two jobs share a key when
+:func:`ssdcore.pack.pack_key` says their runs fit one pack (model kind, variance form and shape,
+batch size, CD-k, persistence, one update rule for every parameter) and one data tensor serves
+both: the same dataset, preprocessing and validation split (drawn with ``training.seed``, so jobs
+that differ in seed get different keys). The polar method counts as requested, since AUTO
+resolves per device; everything else (step sizes and schedule, momentum, weight decay, steps,
+evaluation and checkpoint spacing, backoff policy) may differ within a pack.
 """
 
 from __future__ import annotations
