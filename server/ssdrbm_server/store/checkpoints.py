@@ -87,10 +87,8 @@ class CheckpointStore(Store):
         return sorted(int(m) for m in members)
 
     async def latest(self, job_id: str, *, with_trainer_state: bool = False) -> Checkpoint:
-        """The newest checkpoint that passes its sha256 check, falling back to older ones.
-
-        FailedPreconditionError when the job has none (or none intact).
-        """
+        """The newest checkpoint that passes its sha256 check, falling back to older ones;
+        FailedPreconditionError when the job has none (or none intact)."""
         steps = await self.list_steps(job_id)
         for step in reversed(steps):
             try:

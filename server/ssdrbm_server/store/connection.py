@@ -62,14 +62,10 @@ def pairs(fields: Mapping[str, object]) -> list:
 
 
 async def cancellable(call: Awaitable[T]) -> T:
-    """Await a Redis call so that cancelling the caller always raises CancelledError here.
-
-    redis-py's asyncio client can lose a cancel that lands inside a command: the command
-    completes and the caller carries on as if never cancelled. A long-lived call (a metric
-    stream whose client went away) then never ends and keeps its slot. The command runs in a
-    task of its own instead, to its end (at most its block time), and the caller's cancel
-    lands on the shield.
-    """
+    """Await a Redis call so that cancelling the caller always raises CancelledError here:
+    redis-py's asyncio client can lose a cancel that lands inside a command, and a long-lived
+    call (a metric stream whose client went away) then never ends. The command runs to its end
+    in a task of its own (at most its block time); the caller's cancel lands on the shield."""
     task = asyncio.ensure_future(call)
     task.add_done_callback(_retrieve)  # an error after the caller left is not worth a warning
     return await asyncio.shield(task)
@@ -83,12 +79,9 @@ def _retrieve(task: asyncio.Future[object]) -> None:
 def connect(url: str, *, cluster: bool = False, **options: object) -> RedisClient:
     """An async client for `url` (redis://, rediss:// for TLS; a password may be in the URL);
     with `cluster`, a Redis Cluster client that discovers the other nodes from that one.
-
-    Replies stay bytes (`decode_responses=False`): specs, checkpoints and datasets are binary.
-    Blocking reads (XREAD BLOCK) pass their own, longer, wait. With `max_connections`, at
-    most that many connections (per node on a cluster); a single Redis then makes further
-    calls wait for a free one.
-    """
+    Replies stay bytes: specs, checkpoints and datasets are binary. Blocking reads (XREAD BLOCK)
+    pass their own, longer, wait. With `max_connections`, at most that many connections (per
+    node on a cluster); a single Redis then makes further calls wait for a free one."""
     settings: dict[str, object] = {
         "socket_timeout": SOCKET_TIMEOUT_S,
         "socket_connect_timeout": CONNECT_TIMEOUT_S,

@@ -298,8 +298,8 @@ class DatasetStore(Store):
         return page, (page_ids[-1] if more else "")
 
     async def delete(self, tenant: str, dataset_id: str) -> DatasetInfo:
-        """Drop the tenant's dataset; its bytes go once no tenant references them.
-        DatasetInUseError while the tenant's queued or running jobs hold it."""
+        """Drop the tenant's dataset (its bytes go with the last reference); DatasetInUseError
+        while the tenant's queued or running jobs hold it."""
         info = await self.info(tenant, dataset_id)
         status, *users = await self.run(
             _REMOVE,
@@ -332,8 +332,7 @@ _RECORD_FIELDS = ["shape", "dtype", "size_bytes", "value_range", "complete"]
 
 
 def _info(dataset_id: str, entry: bytes | None, record: list[bytes | None]) -> DatasetInfo | None:
-    """The info from a tenant's entry and the dataset's record; None unless both are there and
-    the upload completed."""
+    """The info of a tenant's entry and the dataset's record; None unless both exist, complete."""
     shape, dtype, size_bytes, value_range, complete = record
     if entry is None or shape is None or complete != b"1":
         return None
@@ -359,8 +358,8 @@ def _entry(raw: bytes) -> dict[str, object]:
 
 
 class Upload:
-    """One upload in progress: chunks are written to Redis as they fill, the content address
-    is computed on the way, and nothing is visible until `commit`."""
+    """One upload in progress: chunks go to Redis as they fill, the content address is computed
+    on the way, and nothing is visible until `commit`."""
 
     def __init__(
         self,
@@ -416,8 +415,7 @@ class Upload:
         self._chunks += 1
 
     async def finish(self) -> None:
-        """Check every byte arrived and write the last, partial, chunk (so `on_chunk` has seen
-        all the bytes); `commit` calls it too."""
+        """Check every byte arrived and write the last, partial, chunk (`commit` calls it)."""
         if self.received != self.size_bytes:
             raise InvalidArgumentError(
                 "chunk",

@@ -55,8 +55,7 @@ def metrics_event_fields(metrics: bytes, *, attempt: int) -> dict[str, bytes | s
 
 
 def backoff_event_fields(data: bytes, *, attempt: int) -> dict[str, bytes | str]:
-    """Fields of a backoff entry: the worker rolled the job back to a checkpoint; `data` is
-    the worker's own description of why and to where."""
+    """Fields of a backoff entry; `data`: the worker's description of why and to where."""
     return _event_fields(BACKOFF, data, attempt)
 
 
@@ -88,8 +87,7 @@ def check_token(after: str) -> str:
 
 
 def token_order(token: str) -> tuple[int, int]:
-    """Sort key of a checked resume token: stream ids order by time, then sequence; "" (the
-    beginning) sorts first."""
+    """Sort key of a checked resume token (time, then sequence; "" first)."""
     if not token:
         return (0, 0)
     millis, sequence = token.split("-", 1)
@@ -110,12 +108,9 @@ class EventStore(Store):
     async def read(
         self, job_id: str, *, after: str, count: int, block_ms: int | None
     ) -> list[tuple[str, str, bytes]]:
-        """Up to `count` events after the token `after`, as (token, kind, data), oldest first.
-
-        block_ms=None returns at once (replay); block_ms > 0 waits that long (at most
-        MAX_BLOCK_MS) for a new event when none is there yet (live follow) and returns [] on
-        timeout.
-        """
+        """Up to `count` events after the token `after`, as (token, kind, data), oldest first:
+        at once (replay; block_ms=None), or waiting up to block_ms (at most MAX_BLOCK_MS) for a
+        new event (live follow; [] on timeout)."""
         start = check_token(after)
         if count < 1:
             raise InvalidArgumentError("count", "must be at least 1")

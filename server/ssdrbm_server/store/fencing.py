@@ -189,9 +189,9 @@ class FencedJob(Store):
         return published == 1
 
     async def backoff(self, *, rollback_step: int, event_data: bytes) -> None:
-        """Record that the worker rolled the job back to `rollback_step`: a backoff event, the
-        job's step and last published metric step set back (the retrained steps are published
-        again, not dropped as repeats), and one more on its `backoffs` counter."""
+        """The worker rolled the job back to `rollback_step`: a backoff event, the job's step and
+        last published metric step set back (the retrained steps are published again), and one
+        more `backoffs`."""
         event = backoff_event_fields(event_data, attempt=self.attempt)
         await self._run(
             _BACKOFF, self.job_and_events(self.job_id), [rollback_step, *event_values(event)]

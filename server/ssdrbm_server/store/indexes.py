@@ -228,8 +228,7 @@ class JobIndex(Store):
         await self.run(_LEAVE_ACTIVE, keys=keys, args=[job_id])
 
     async def forget(self, job_id: str) -> None:
-        """Drop a job whose hash is gone (expired unfinished submit, lost data) from the shared
-        indexes for good."""
+        """Drop a job whose hash is gone from the shared indexes for good."""
         await self._sync(job_id, FORGOTTEN)
         await self.run(
             _TOMBSTONE,

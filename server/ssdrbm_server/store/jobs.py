@@ -166,8 +166,8 @@ class _Found(NamedTuple):
 
 
 def uploaded_dataset(spec: bytes) -> str:
-    """The uploaded dataset a job's spec trains on: "" for a built-in one, or for a spec that
-    does not parse (its worker fails the job)."""
+    """The uploaded dataset a job's spec trains on; "" for a built-in one or a spec that does not
+    parse (its worker fails the job)."""
     try:
         dataset = rbm_pb2.StartTrainingRequest.FromString(spec).dataset
     except DecodeError:
@@ -205,15 +205,11 @@ class JobStore(Store):
         sweep_id: str = "",
         pack_key: str = "",
     ) -> tuple[JobRecord, bool]:
-        """Record and enqueue a job; returns (job, created).
-
-        A repeated `request_id` of the same tenant returns the original job with created=False
-        (for `idempotency_ttl_s` seconds when > 0). `max_active` > 0 refuses
-        (ResourceExhaustedError) when the tenant already has that many QUEUED + RUNNING jobs,
-        `max_records` > 0 when it has that many job records of any state; both are checked
-        atomically with the reservation (see the module notes). `traceparent` links the
-        worker's spans to the submitting call's trace; `sweep_id` tags a sweep's run.
-        """
+        """Record and enqueue a job; (job, created). A repeated `request_id` returns the
+        original job, created=False. `max_active` > 0 (QUEUED + RUNNING jobs) and `max_records`
+        > 0 (job records) refuse (ResourceExhaustedError) at the tenant's limit, checked
+        atomically with the reservation. `traceparent` links the worker's spans to the calling
+        trace; `sweep_id` tags a sweep's run."""
         job_id = new_id()
         fields = new_job_fields(
             tenant=tenant,
@@ -315,8 +311,7 @@ class JobStore(Store):
             raise UnavailableError(f"job {job_id} expired before it was admitted; submit again")
 
     async def _probe(self, job_ids: list[str]) -> list[_Found]:
-        """State, attempt and admission of each job, in one round trip (a pipeline, which a
-        cluster client splits by node)."""
+        """State, attempt and admission of each job, in one pipeline (split by node on Cluster)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hmget(self.keys.job(job_id), ["state", "attempt"])
@@ -349,17 +344,16 @@ class JobStore(Store):
         return False
 
     async def _repair_active(self, tenant: str) -> bool:
-        """Check every job of the tenant's active set (it is at its limit): True when one
-        turned out not to be active after all, so the reservation is worth another try."""
+        """Check every job of the tenant's active set (at its limit): True when one was not
+        active after all, so the reservation is worth another try."""
         job_ids = sorted(
             m.decode() for m in await self.redis.smembers(self.keys.tenant_active(tenant))
         )
         return len(await self.still_active(tenant, job_ids)) < len(job_ids)
 
     async def still_active(self, tenant: str, job_ids: list[str]) -> list[str]:
-        """Those of the tenant's jobs that are QUEUED or RUNNING. The others leave the active set
-        here, releasing their dataset: the index step of an end or a delete that a dead process
-        left undone."""
+        """Those of the tenant's jobs that are QUEUED or RUNNING; the others leave the active set
+        here (the index step of an end or a delete that a dead process left undone)."""
         active = []
         for job_id, found in zip(job_ids, await self._probe(job_ids), strict=True):
             if not await self._repair(tenant, job_id, found):
@@ -414,8 +408,8 @@ class JobStore(Store):
         return page, (encode_page_token(tenant, below) if more else "")
 
     async def cancel(self, tenant: str, job_id: str) -> JobRecord:
-        """Cancel a queued job at once; ask a running job's worker to stop (it ends CANCELLED
-        within seconds); a finished job is returned unchanged (its indexes are checked)."""
+        """Cancel a queued job at once; flag a running one for its worker to stop; a finished
+        job is returned unchanged (its indexes are checked)."""
         for _ in range(_CANCEL_RETRIES):
             record = await self.get(tenant, job_id)
             if record.state.is_terminal:
@@ -455,8 +449,7 @@ class JobStore(Store):
 
     async def delete(self, tenant: str, job_id: str, *, force: bool = False) -> None:
         """Delete the job and every key it owns (lifecycle.py); NotFoundError when unknown or
-        another tenant's. A QUEUED or RUNNING job needs `force` (cancelled, then deleted at
-        once), else FailedPreconditionError."""
+        another tenant's. A QUEUED or RUNNING job needs `force`, else FailedPreconditionError."""
         record = await self.get(tenant, job_id)
         if not record.state.is_terminal:
             if not force:
@@ -476,19 +469,17 @@ class JobStore(Store):
             raise FailedPreconditionError(f"job {job_id} is active again; retry the delete")
 
     async def untag_sweep(self, job_ids: list[str]) -> None:
-        """The jobs leave their sweep and stay as ordinary jobs (a sweep deleted with
-        keep_runs; a running one's rung gate then finds the sweep gone and decides nothing)."""
+        """The jobs leave their sweep as ordinary jobs (a sweep deleted with keep_runs)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hdel(self.keys.job(job_id), "sweep_id")
             await pipe.execute()
 
     async def count_active(self, tenant: str) -> int:
-        """The tenant's QUEUED + RUNNING jobs."""
         return int(await self.redis.scard(self.keys.tenant_active(tenant)))
 
     async def count_by_state(self) -> dict[JobState, int]:
-        """Jobs of all tenants by state (for Prometheus)."""
+        """Jobs of all tenants by state (Prometheus)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for state in JobState:
                 pipe.scard(self.keys.jobs_in_state(state.value))

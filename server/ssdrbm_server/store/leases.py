@@ -134,8 +134,8 @@ class LeaseStore(Store):
             await self.index.follow(job_id, record.tenant, record.state, record.attempt)
 
     async def lapsed(self, *, limit: int = 10) -> list[str]:
-        """Ids of running jobs whose lease deadline has passed (by the lease index; the claim
-        checks the job's own deadline)."""
+        """Ids of running jobs whose indexed lease deadline has passed (the claim checks the
+        job's own)."""
         return await self.index.lapsed(limit)
 
     async def deadline_ms(self, job_id: str) -> int | None:

@@ -181,8 +181,6 @@ class JobLifecycle(Store):
         self.retention = retention or Retention()
         self.index = JobIndex(redis, keys)
 
-    # --- retention ------------------------------------------------------------------------
-
     async def expire_later(self, job_id: str, tenant: str, sweep_id: str = "") -> None:
         """Before a job's end is written: schedule its deletion `job_ttl_s` from now (when
         the retention has one), so a death right after the end cannot leave it for good; a
@@ -203,8 +201,6 @@ class JobLifecycle(Store):
         kept, ttl_s = self.retention.checkpoints_kept, self.retention.job_ttl_s
         if await self._on_job_slot(job_id, _RETAIN, kept, ttl_s) is None:
             logger.warning("job %s: checkpoints kept changing; retention skipped", job_id)
-
-    # --- deletion -------------------------------------------------------------------------
 
     async def schedule(self, job_id: str, tenant: str, *, delay_ms: int) -> None:
         """Step 1: the job is to be deleted `delay_ms` from now (by the sweeper, if nobody
@@ -274,8 +270,6 @@ class JobLifecycle(Store):
 
     async def _unschedule(self, job_id: str, tenant: str) -> None:
         await self.redis.zrem(self.keys.purge_schedule(), schedule_member(job_id, tenant))
-
-    # --- the sweeper ----------------------------------------------------------------------
 
     async def due(self, schedule: str, *, grace_ms: int, limit: int) -> list[tuple[bytes, int]]:
         """Entries of ``schedule`` more than ``grace_ms`` overdue, with their times (ms)."""

@@ -205,13 +205,11 @@ class QueuePlace:
 def estimate_start(
     position: int, frees_in_s: Sequence[float | None], slice_s: float
 ) -> tuple[float | None, str]:
-    """When the job with ``position`` jobs ahead starts, and how that was estimated.
-
-    ``frees_in_s``: each busy slot's time until it takes the next job (None: not known). The
-    first free slot takes the first job ahead, which then holds it for one slice at most, and so
-    on; the job starts at the (position + 1)-th free slot. S slots that all yield at their
-    slices' ends give ceil((position + 1) / S) slices at most.
-    """
+    """When the job with ``position`` jobs ahead starts, and how that was estimated, from each
+    busy slot's time until it takes the next job (``frees_in_s``, None: not known): each job
+    ahead holds the first free slot for one slice at most, and the job starts at the
+    (position + 1)-th free slot (S slots yielding at their slices' ends: ceil((position + 1) / S)
+    slices at most)."""
     known = [free for free in frees_in_s if free is not None]
     slots = f"{len(frees_in_s)} busy slot{'s' if len(frees_in_s) != 1 else ''}"
     if not known:
@@ -406,8 +404,7 @@ class JobQueue(Store):
 
     async def backlog(self) -> dict[str, tuple[int, float]]:
         """Each tenant with queued jobs (the first PLACE_TENANTS_READ of the rotation) -> its
-        queued jobs and the longest wait among the heads of its two lists (the job its next
-        turn takes, and its oldest sweep run)."""
+        queued jobs and the longest wait among the heads of its two lists."""
         tenants = await self.rotation(PLACE_TENANTS_READ)
         async with self.redis.pipeline(transaction=False) as pipe:
             for tenant in tenants:
@@ -427,10 +424,9 @@ class JobQueue(Store):
     async def places(
         self, tenant: str, job_ids: Sequence[str], *, slice_s: float, idle_after_s: float
     ) -> dict[str, QueuePlace]:
-        """The place of each of the tenant's queued ``job_ids`` (see the module's docstring).
-
-        With no slot busy, a job that has waited ``idle_after_s`` (an idle worker takes a job
-        at once) says no worker is running; one queued more recently is about to start."""
+        """The place of each of the tenant's queued ``job_ids`` (module notes). With no slot
+        busy, a job that has waited ``idle_after_s`` says no worker is running (an idle one
+        takes a job at once); one queued more recently is about to start."""
         if not job_ids:
             return {}
         positions, slots = await asyncio.gather(

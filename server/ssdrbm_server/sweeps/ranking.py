@@ -1,11 +1,7 @@
-"""Whether a sweep's runs report its rank metric (the metrics and their direction:
-ssdrbm_server/rank_metrics.py).
-
-A sweep ranks only by a metric its runs report (``check_reported``). Which ones a job reports
-is not listed here: the job spec says which log-likelihood method the job's evaluations use
-(job_spec.log_likelihood_method), and ssdcore's ``Trainer.evaluate`` decides which
-values come with that method and model; ``reported_metrics`` asks both, evaluating a 2×2
-stand-in of the job's model, so the answer cannot drift from what the runs send.
+"""Whether a sweep's runs report its rank metric (``check_reported``; the metrics and their
+direction: ssdrbm_server/rank_metrics.py). ``reported_metrics`` asks the job spec for its
+evaluations' log-likelihood method and ssdcore's ``Trainer.evaluate`` for what comes with it,
+evaluating a 2×2 stand-in of the job's model, so the answer cannot drift from what runs send.
 """
 
 from __future__ import annotations

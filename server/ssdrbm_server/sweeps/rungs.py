@@ -1,12 +1,8 @@
-"""Successive halving (ASHA): a sweep's rung schedule.
-
-Rungs are steps (``early_stopping.rungs``, or min_steps · eta^k below the runs' total steps),
-stored with the sweep's record. The promote/stop decision at a rung is a store operation, which
-the worker asks when a run reports its metrics: ssdrbm_server/store/rungs.py (``RungGate``).
-
-Evaluations happen at every rung step because the sweep sets the runs' ``eval.every`` to a
-divisor of every rung (service.py: the gcd of the server's default and the rungs when the base
-request leaves it unset; a base value that does not divide a rung is refused).
+"""Successive halving (ASHA): a sweep's rung schedule, stored with its record. Rungs are steps
+(``early_stopping.rungs``, or min_steps · eta^k below the runs' total steps); the decision at a
+rung is store/rungs.py's (``RungGate``), asked by the worker when a run reports its metrics.
+Each rung step is evaluated: the runs' ``eval.every`` divides every rung (the gcd of the
+server's default and the rungs when the base request leaves it unset; else it must divide them).
 """
 
 from __future__ import annotations

@@ -61,8 +61,6 @@ class SweepService:
         self.jobs = jobs
         self.sweeps = sweeps
 
-    # --- StartSweep ------------------------------------------------------------------------
-
     async def start(
         self, request: pb.StartSweepRequest, tenant: str, find_upload: resolver.UploadLookup
     ) -> pb.Sweep:
@@ -226,8 +224,6 @@ class SweepService:
             await self.jobs.delete(tenant, record.id, force=True)  # queued: cancelled and gone
             raise _deleted_while_created(sweep_id)
 
-    # --- reads and cancel ------------------------------------------------------------------
-
     async def get(self, tenant: str, sweep_id: str) -> pb.Sweep:
         """The sweep with its runs ranked by its rank metric, best first."""
         return await self._to_proto(await self.sweeps.get(tenant, sweep_id))
@@ -347,8 +343,6 @@ class SweepService:
         logger.info("sweep %s of tenant %s expired with its runs", sweep_id, tenant)
         return EXPIRED
 
-    # --- record → proto --------------------------------------------------------------------
-
     async def _to_proto(self, record: SweepRecord) -> pb.Sweep:
         request = pb.StartSweepRequest.FromString(record.request)
         sweep = pb.Sweep(
@@ -450,10 +444,7 @@ def _state(record: SweepRecord, runs: list[pb.SweepRun]) -> int:
 
 
 def _point_error(
-    error: InvalidArgumentError,
-    axes: list[sweep_axes.Axis],
-    point: sweep_axes.Point,
-    index: int,
+    error: InvalidArgumentError, axes: list[sweep_axes.Axis], point: sweep_axes.Point, index: int
 ) -> InvalidArgumentError:
     """The resolver's refusal of one point, naming the axis and its value when an axis set
     the field (else the base request's field)."""
@@ -462,8 +453,7 @@ def _point_error(
         if axis.sets(error.field):
             value = sweep_axes.format_value(axis.field, point[axis.field])
             return InvalidArgumentError(
-                axis.where,
-                f"{axis.field} = {value} is refused: {error.description} ({where})",
+                axis.where, f"{axis.field} = {value} is refused: {error.description} ({where})"
             )
     return InvalidArgumentError(f"base.{error.field}", f"{error.description} ({where})")
 
@@ -474,9 +464,7 @@ def _where(index: int, point: sweep_axes.Point) -> str:
 
 
 def _unsubmitted(
-    resolved: pb.StartSweepRequest,
-    points: list[dict[str, str]],
-    jobs: list[resolver.ResolvedJob],
+    resolved: pb.StartSweepRequest, points: list[dict[str, str]], jobs: list[resolver.ResolvedJob]
 ) -> pb.Sweep:
     """What StartSweep would create for validate_only: no ids, nothing stored."""
     sweep = pb.Sweep(name=resolved.name, request=resolved, run_count=len(jobs))

@@ -145,10 +145,8 @@ def _reason(exc: Exception) -> str:
 
 
 def _fail_every_job(conn: Connection, start: protocol.Message, reason: str) -> None:
-    alone = start.kind == protocol.START
-    runs: list[dict[str, int]] = (
-        [{}] if alone else [{"run": i} for i in range(len(start.fields.get("jobs", [])))]
-    )
+    packed = start.kind == protocol.START_PACK
+    runs = [{"run": i} for i in range(len(start.fields.get("jobs", [])))] if packed else [{}]
     for run in runs:
         fields = {"reason": reason, "step": 0, "diverged": False, **run}
         with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
@@ -220,8 +218,6 @@ class Training:
         self.progress: list[tuple[int, float]] = []  # (steps, seconds) not yet sent
         self.progress_sent = self.last_sent
         self.runs: RunSet | None = None
-
-    # --- start ----------------------------------------------------------------------------
 
     def run(self) -> None:
         device = pick_device()
@@ -300,8 +296,6 @@ class Training:
         if self.packed:
             described.summary += f", {packed_summary(size)}"
         return json.dumps(json_format.MessageToDict(described, preserving_proto_field_name=True))
-
-    # --- the loop -------------------------------------------------------------------------
 
     def _step(self, job: Job) -> int:
         return self.runs.step(job.slot)
@@ -415,8 +409,6 @@ class Training:
                 self._close(job)
         return False
 
-    # --- ends -----------------------------------------------------------------------------
-
     def _stop(self, job: Job) -> None:
         self._checkpoint(job)
         self._end(job, protocol.STOPPED, step=self._step(job))
@@ -438,8 +430,6 @@ class Training:
             with contextlib.suppress(OSError):  # the worker is gone: nobody to tell
                 step = self._step(job) if job.slot >= 0 and self.runs is not None else 0
                 self._fail(job, reason, step=step)
-
-    # --- messages -------------------------------------------------------------------------
 
     def _trained(self, steps: int, seconds: float) -> None:
         """Note a run of steps for the worker's metrics (sent with the next message, or alone

@@ -54,7 +54,7 @@ STOPPED_RELEASE = "worker stopped; resumes from the last checkpoint"  # its stat
 
 @dataclass
 class StopRequest:
-    """Set by the worker when it is asked to stop; read by the runner."""
+    """Set by the worker when asked to stop; read by the runner."""
 
     event: asyncio.Event = field(default_factory=asyncio.Event)
     graceful: bool = True
@@ -109,8 +109,7 @@ class LeasedJob:
         self.preempted = ""
 
     async def heartbeat(self) -> bool:
-        """Renew the job's lease (retried while Redis is down); True when a cancel was asked.
-        LeaseLostError once another worker took the job over."""
+        """Renew the job's lease; True when a cancel was asked (LeaseLostError once lost)."""
         return await self._retry(self.job.heartbeat)
 
     async def start_message(self, *, with_dataset: bool = True) -> protocol.Message:
@@ -173,10 +172,9 @@ class LeasedJob:
         return RELEASED
 
     async def train_alone(self, cause: str) -> str:
-        """The pack this job trained in lost its training process: release the job to resume
-        from its last checkpoint, trained alone from now on (its pack key cleared), without
-        counting the failure against it — any run of the pack, or the pack's size, may have
-        caused it; alone, a failure is the job's own and counts as above."""
+        """The job's pack lost its training process: release the job, trained alone from now on
+        (its pack key cleared), without counting the failure against it (any run of the pack,
+        or its size, may have caused it)."""
         await self._retry(lambda: self.job.update(pack_key=NOT_PACKABLE))
         await self.release(
             f"the training process of its pack {cause}; not counted against this job, which "
@@ -267,9 +265,8 @@ class LeasedJob:
         )
 
     async def release_for_stop(self) -> str:
-        """Release the job because its worker stopped it (not the job's doing): the worker is
-        stopping, or the job was preempted at its slice's end (back at the front of its
-        tenant's queue); RELEASED."""
+        """Release the job its worker stopped (stopping, or preempted at its slice's end: back
+        at the front of its tenant's queue); RELEASED."""
         if self.preempted and not self.stop.event.is_set():
             await self.release(self.preempted, front=True)
         else:

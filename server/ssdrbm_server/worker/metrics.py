@@ -58,8 +58,7 @@ class WorkerMetrics:
             buckets=QUEUE_WAIT_BUCKETS,
         )
         self.lease_takeovers = counter(
-            "ssdrbm_lease_takeovers",
-            "Running jobs taken over after their worker's lease lapsed",
+            "ssdrbm_lease_takeovers", "Running jobs taken over after their worker's lease lapsed"
         )
         self.checkpoint_write = histogram(
             "ssdrbm_checkpoint_write_seconds",
@@ -67,9 +66,7 @@ class WorkerMetrics:
             buckets=CHECKPOINT_BUCKETS,
         )
         self.jobs_finished = counter(
-            "ssdrbm_worker_jobs_finished",
-            "Jobs a worker ended, by final state",
-            ["state"],
+            "ssdrbm_worker_jobs_finished", "Jobs a worker ended, by final state", ["state"]
         )
         self.process_failures = counter(
             "ssdrbm_training_process_failures",
@@ -91,10 +88,7 @@ class WorkerMetrics:
             "Slots of the running workers: jobs or packs they can train at once "
             "(SSDRBM_WORKER_SLOTS)",
         )
-        self.busy_slots = gauge(
-            "ssdrbm_worker_busy_slots",
-            "Slots training a job or pack now",
-        )
+        self.busy_slots = gauge("ssdrbm_worker_busy_slots", "Slots training a job or pack now")
         for state in TERMINAL_STATES:  # every state's series exists from the first scrape on
             self.jobs_finished.labels(state=state.value)
 

@@ -130,9 +130,8 @@ class Runner:
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
-        """A job alone: its logs carry its id and tenant throughout, and its span (the training
-        attempt) is a child of the StartTraining call that submitted it. A pack's log lines
-        name their job where its messages are handled."""
+        """A job alone: its logs carry its id and tenant, and its span (the attempt) is a child
+        of its StartTraining call's. A pack's log lines name their job where it is handled."""
         if self.packed:
             yield
             return
@@ -172,8 +171,6 @@ class Runner:
 
     async def _fail(self, i: int, reason: str) -> None:
         await self._end(i, lambda job: job.finish(JobState.FAILED, error=reason))
-
-    # --- start ----------------------------------------------------------------------------
 
     async def _run(self) -> None:
         for i, job in enumerate(self.jobs):
@@ -222,8 +219,6 @@ class Runner:
             return None
         return pack_start(starts) if self.packed else starts[0]
 
-    # --- supervision ----------------------------------------------------------------------
-
     async def _supervise(self, child: ChildProcess) -> None:
         next_beat = 0.0
         stop_deadline: float | None = None
@@ -264,9 +259,7 @@ class Runner:
         self._child_idle = True
 
     async def _slice_over(self) -> None:
-        """The slice has passed: preempt the jobs when other work waits (the process then
-        checkpoints every run, and each job is released to the front of the queue); else a new
-        slice starts."""
+        """The slice has passed: preempt the jobs when other work waits; else a new one starts."""
         running: dict[str, bool] = {}  # each tenant: whether its jobs here are all sweep runs
         for i in self._open():
             record = self.jobs[i].record
@@ -303,9 +296,8 @@ class Runner:
         self.outcomes[i] = LOST
 
     async def _leave(self, i: int) -> None:
-        """Job i's run stops because the worker ended the job (cancelled, lease lost): it is
-        dropped from the pack while other runs train there; the last run, or a job alone,
-        takes the process with it (nothing left in it is worth keeping; a kill stops at once)."""
+        """Job i's run stops as the worker ended the job (cancelled, lease lost): dropped from
+        the pack while others train there; the last run takes the process with it (killed)."""
         assert self.child is not None
         if any(j != i for j in self._open()):
             self.child.send(protocol.Message(protocol.DROP, {"run": self.runs.index(i)}))
@@ -345,12 +337,9 @@ class Runner:
             self.outcomes[i] = outcome
 
     async def _release_open(self) -> None:
-        """Release the open jobs the worker stopped (a stop or a preemption), each to resume
-        from its last checkpoint."""
+        """Release the open jobs the worker stopped (a stop or a preemption)."""
         for i in self._open():
             await self._end(i, LeasedJob.release_for_stop)
-
-    # --- the process died or hung ----------------------------------------------------------
 
     async def _child_exited(self, child: ChildProcess) -> None:
         """The pipe closed before the end of every run was reported: the process died."""
@@ -381,8 +370,7 @@ class Runner:
         await self._child_failed(cause, lambda job: HUNG_ADVICE)
 
     async def _child_failed(self, cause: str, hint: Callable[[LeasedJob], str]) -> None:
-        """A job left alone in the process counts the failure; several open jobs of a pack are
-        each released to train alone (see the module docstring)."""
+        """A job alone counts the failure; several open jobs are each released to train alone."""
         open_jobs = self._open()
         shared = len(open_jobs) > 1
         if shared:
@@ -408,9 +396,9 @@ class Runner:
 
 
 def pack_start(starts: list[protocol.Message]) -> protocol.Message:
-    """One start_pack message from the jobs' start messages: the settings and the upload's
-    dtype and shape once, each job's fields, spec and checkpoint under its run's index, and the
-    data once (every job of a pack trains on the same)."""
+    """One start_pack message from the jobs' start messages: the settings, the upload's dtype,
+    shape and data once (a pack's jobs train on the same), each job's fields, spec and
+    checkpoint under its run's index."""
     fields: dict[str, object] = {}
     blobs: dict[str, bytes] = {}
     jobs: list[dict[str, object]] = []

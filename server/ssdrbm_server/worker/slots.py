@@ -131,9 +131,8 @@ def _cgroup_value(name: str) -> str | None:
 
 
 def cgroup_cpu_quota() -> float | None:
-    """CPUs' worth of time this process's cgroup may use (``cpu.max``: quota ÷ period); None
-    without a quota. A container's CPU limit is such a quota, while its affinity mask still
-    names every CPU of the host."""
+    """CPUs' worth of time this process's cgroup may use (``cpu.max``: quota ÷ period; a
+    container's CPU limit, while its affinity mask names every CPU); None without a quota."""
     value = _cgroup_value("cpu.max")
     if value is None:
         return None

@@ -57,15 +57,14 @@ def default_worker_id() -> str:
 
 @dataclass
 class Slot:
-    """One slot of a worker: its settings (the worker's, with the slot's id, CPUs and torch
-    threads) and the training process it keeps ready for its next job."""
+    """One slot of a worker: its settings (its own id, CPUs and torch threads) and the training
+    process it keeps ready for its next job."""
 
     settings: Settings
     spare: ChildProcess | None = None
 
     @property
-    def worker_id(self) -> str:
-        """The slot's id towards the queue and the leases."""
+    def worker_id(self) -> str:  # the slot's id towards the queue and the leases
         return self.settings.worker_id
 
 
@@ -79,10 +78,8 @@ class Worker:
         metrics: WorkerMetrics | None = None,
         redis_watch: RedisWatch | None = None,
     ) -> None:
-        """``metrics``: where to count (the server's registry when the worker runs inside the
-        server process); by default a registry of its own, ``self.metrics.registry``.
-        ``redis_watch``: the server's, when the worker runs inside the server process, which
-        checks Redis's settings for both; by default the worker checks them itself."""
+        """Inside the server process, ``metrics`` and ``redis_watch`` are the server's (its
+        registry, its checks of Redis's settings); by default the worker has its own."""
         settings.check()
         self.settings = settings
         self.worker_id = settings.worker_id or default_worker_id()
@@ -184,7 +181,7 @@ class Worker:
         self, client: aioredis.Redis
     ) -> tuple[RedisWatch, asyncio.Task[None] | None]:
         """The watch the claim loop consults, and its periodic check when this worker runs it
-        (a worker alone: checked here first, RedisConfigError on a Redis that would lose jobs)."""
+        (checked here first: RedisConfigError on a Redis that would lose jobs)."""
         if self._redis_watch is not None:
             return self._redis_watch, None
         watch = RedisWatch(
@@ -196,12 +193,7 @@ class Worker:
         return watch, asyncio.create_task(watch.run())
 
     async def _riders(
-        self,
-        slot: Slot,
-        client: aioredis.Redis,
-        lease: Lease,
-        queue: JobQueue,
-        leases: LeaseStore,
+        self, slot: Slot, client: aioredis.Redis, lease: Lease, queue: JobQueue, leases: LeaseStore
     ) -> list[Lease]:
         """The jobs that train beside ``lease``'s in one pack (none unless packing is on)."""
         if self.settings.max_pack_size <= 1 or not lease.record.pack_key:
@@ -282,9 +274,8 @@ class Worker:
     async def _claim(
         self, leases: LeaseStore, job_id: str, worker_id: str, lease_ms: int, *, takeover: bool
     ) -> Lease | None:
-        """Claim a job for the slot ``worker_id``; once claimed, its wait in the queue (from the
-        submit to the first claim), a takeover, and the claim itself go into the metrics and the
-        job's trace."""
+        """Claim a job for the slot ``worker_id``; its queue wait (submit to first claim), a
+        takeover and the claim go into the metrics and the job's trace."""
         started = time.time()
         lease = await leases.claim(job_id, worker_id, lease_ms=lease_ms)
         if lease is None:
@@ -322,11 +313,8 @@ class Worker:
 
     async def stop(self, graceful: bool = True) -> None:
         """Stop taking jobs and return once `run()` has ended (at once if it never started).
-
-        graceful: each slot's running jobs are checkpointed at their current step and released
-        to the queue. Otherwise they are released at once and resume from their last
-        checkpoint.
-        """
+        graceful: the running jobs are checkpointed at their current step and released;
+        otherwise released at once, to resume from their last checkpoint."""
         self._stop.request(graceful)
         if self._started:
             await self._stopped.wait()
