@@ -17,6 +17,7 @@ burst is smoothed over while one tenant's flood cannot hold every pool thread fo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -295,16 +296,8 @@ class ModelServer:
             raise InvalidArgumentError("k", f"must be at most {MAX_GIBBS_STEPS}, got {k}")
         self._check_output(v.shape[0] * loaded.n_visible * k, f"batch × n_visible × k (k={k})", v)
         products = 2 * k  # each Gibbs sweep multiplies by W once each way
-        return await self._compute(
-            _multiply_adds(loaded, v, products),
-            caller or Caller(),
-            _reconstruct,
-            loaded.model,
-            v,
-            k,
-            mean_field,
-            seed,
-        )
+        work = functools.partial(_reconstruct, loaded.model, v, k, mean_field, seed)
+        return await self._compute(_multiply_adds(loaded, v, products), caller or Caller(), work)
 
     async def hidden(
         self,
@@ -318,9 +311,8 @@ class ModelServer:
         """Hidden probabilities (or samples) for ``v`` (B, V) → (B, H)."""
         _check_width(loaded, v)
         self._check_output(v.shape[0] * loaded.n_hidden, "batch × n_hidden", v)
-        return await self._compute(
-            _multiply_adds(loaded, v, 1), caller or Caller(), _hidden, loaded.model, v, sample, seed
-        )
+        work = functools.partial(_hidden, loaded.model, v, sample, seed)
+        return await self._compute(_multiply_adds(loaded, v, 1), caller or Caller(), work)
 
     def _check_output(self, elements: int, formula: str, v: np.ndarray) -> None:
         """Refuse before computing: the output (and its intermediates) would be this big."""
@@ -335,13 +327,13 @@ class ModelServer:
             )
 
     async def _compute(
-        self, multiply_adds: int, caller: Caller, function: Callable[..., np.ndarray], *args: object
+        self, multiply_adds: int, caller: Caller, work: Callable[[Chunking], np.ndarray]
     ) -> np.ndarray:
-        """``function(*args, chunking)``: inline when it is tiny, else on the thread pool,
-        holding one of the tenant's slots and stopped between chunks when the caller left."""
+        """``work(chunking)``: inline when it is tiny, else on the thread pool, holding one of the
+        tenant's slots and stopped between chunks when the caller left."""
         if multiply_adds <= INLINE_MAX_MULTIPLY_ADDS:
             # Same chunks as in the pool, so a seeded call answers alike either way.
-            return function(*args, Chunking(self.settings.serving_chunk_rows))
+            return work(Chunking(self.settings.serving_chunk_rows))
         remaining = caller.time_remaining
         deadline = None if remaining is None else time.monotonic() + remaining
         chunking = Chunking(self.settings.serving_chunk_rows, deadline, self.metrics)
@@ -351,7 +343,7 @@ class ModelServer:
         async with self.slots.hold_waiting(caller.tenant, wait_s):
             loop = asyncio.get_running_loop()
             try:
-                return await loop.run_in_executor(self.pool, function, *args, chunking)
+                return await loop.run_in_executor(self.pool, work, chunking)
             except asyncio.CancelledError:
                 chunking.cancelled.set()  # the client left: the thread stops at its next chunk
                 raise
