@@ -26,7 +26,7 @@ from ssdrbm_server.errors import InvalidArgumentError, NotFoundError
 from ssdrbm_server.inference.codec import INPUT_NAME, OUTPUT_DATATYPE
 from ssdrbm_server.inference.names import ModelNames, parse_version
 from ssdrbm_server.request_bounds import items_at_most, quoted
-from ssdrbm_server.serving import Caller, LoadedModel, ModelServer
+from ssdrbm_server.serving import Caller, ModelServer
 from ssdrbm_server.store.records import JobRecord
 
 HIDDEN_PROBS = "hidden_probs"
@@ -154,7 +154,11 @@ class InferenceEngine:
         """The requested outputs for ``v`` (B, V) float32, each under the serving budgets."""
         selected = requested_outputs(outputs)
         job = await self.names.job(caller.tenant, name)
-        loaded = await self._model(job, parse_version(version))
+        step = parse_version(version)
+        try:
+            loaded = await self.models.model_for(job, step)
+        except NotFoundError:
+            raise _version_not_found(job, step, await self.names.versions(job)) from None
         results = []
         for output in selected:
             if output == RECONSTRUCTION:
@@ -166,12 +170,6 @@ class InferenceEngine:
                 out = await self.models.hidden(loaded, v, sample=sample, seed=seed, caller=caller)
             results.append((output, out))
         return InferResult(job.id, str(loaded.step), results)
-
-    async def _model(self, job: JobRecord, step: int) -> LoadedModel:
-        try:
-            return await self.models.model_for(job, step)
-        except NotFoundError:
-            raise _version_not_found(job, step, await self.names.versions(job)) from None
 
 
 def _version_not_found(job: JobRecord, step: int, versions: list[int]) -> NotFoundError:
