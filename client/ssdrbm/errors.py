@@ -147,21 +147,9 @@ class IntegrityError(SSDRBMError):
     """Bytes received from the service do not match their announced size or sha256."""
 
 
+# Each error class above that stands for one status code.
 _BY_CODE: dict[grpc.StatusCode, type[SSDRBMError]] = {
-    cls.code: cls
-    for cls in (
-        Unavailable,
-        DeadlineExceeded,
-        NotFound,
-        InvalidArgument,
-        FailedPrecondition,
-        ResourceExhausted,
-        Unauthenticated,
-        PermissionDenied,
-        AlreadyExists,
-        Cancelled,
-    )
-    if cls.code is not None
+    cls.code: cls for cls in SSDRBMError.__subclasses__() if cls.code is not None
 }
 # OUT_OF_RANGE is an invalid argument by another name for this service's callers.
 _BY_CODE[grpc.StatusCode.OUT_OF_RANGE] = InvalidArgument

@@ -83,12 +83,6 @@ class ProgressState:
         return (self.total_steps - self.step) * self.wall_time_s / self.step
 
 
-def render_bar(fraction: float, width: int) -> str:
-    """A text bar of ``width`` cells, e.g. ``#####-----``."""
-    filled = round(fraction * width)
-    return "#" * filled + "-" * (width - filled)
-
-
 def render_line(progress: ProgressState, width: int = 100) -> str:
     """The one-line TTY display, fitted to ``width`` columns (the bar shrinks first)."""
     if progress.state is JobState.QUEUED and progress.queue is not None:
@@ -105,7 +99,9 @@ def render_line(progress: ProgressState, width: int = 100) -> str:
         tail.append(f"LL {format_number(progress.log_likelihood)}")
     line = f"{head}  {'  '.join(tail)}"
     if len(line) + BAR_WIDTH + 4 <= width:  # the bar only where it fits
-        line = f"{head}  [{render_bar(progress.fraction, BAR_WIDTH)}]  {'  '.join(tail)}"
+        filled = round(progress.fraction * BAR_WIDTH)
+        bar = "#" * filled + "-" * (BAR_WIDTH - filled)  # e.g. #####-----
+        line = f"{head}  [{bar}]  {'  '.join(tail)}"
     return line if len(line) <= width else line[: max(width - 1, 0)] + "…"
 
 
