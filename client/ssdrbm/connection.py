@@ -23,14 +23,6 @@ import grpc
 DEFAULT_TARGET = "localhost:50051"
 DEFAULT_TIMEOUT_S = 30.0
 
-ENV_TARGET = "SSDRBM_TARGET"
-ENV_TOKEN = "SSDRBM_TOKEN"
-ENV_TLS = "SSDRBM_TLS"
-ENV_TLS_CA = "SSDRBM_TLS_CA"
-ENV_TLS_CERT = "SSDRBM_TLS_CERT"
-ENV_TLS_KEY = "SSDRBM_TLS_KEY"
-ENV_TIMEOUT = "SSDRBM_TIMEOUT"
-
 # Large enough for any message the service sends; the SDK splits its own requests well below it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -80,8 +72,8 @@ def _truthy(value: str | None) -> bool:
 def tls_from_env(env: Mapping[str, str] | None = None) -> TLS | None:
     """TLS settings from ``SSDRBM_TLS*`` variables, or ``None`` for a plaintext channel."""
     env = os.environ if env is None else env
-    ca, cert, key = env.get(ENV_TLS_CA), env.get(ENV_TLS_CERT), env.get(ENV_TLS_KEY)
-    if not (_truthy(env.get(ENV_TLS)) or ca or cert or key):
+    ca, cert, key = env.get("SSDRBM_TLS_CA"), env.get("SSDRBM_TLS_CERT"), env.get("SSDRBM_TLS_KEY")
+    if not (_truthy(env.get("SSDRBM_TLS")) or ca or cert or key):
         return None
     return TLS(ca=ca or None, cert=cert or None, key=key or None)
 
@@ -113,10 +105,10 @@ class Connection:
         elif tls is False:
             tls = None
         if timeout is None:
-            timeout = float(env.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S)
+            timeout = float(env.get("SSDRBM_TIMEOUT") or DEFAULT_TIMEOUT_S)
         return cls(
-            target=target or env.get(ENV_TARGET) or DEFAULT_TARGET,
-            token=token if token is not None else (env.get(ENV_TOKEN) or None),
+            target=target or env.get("SSDRBM_TARGET") or DEFAULT_TARGET,
+            token=token if token is not None else (env.get("SSDRBM_TOKEN") or None),
             tls=tls,
             timeout=timeout,
         )
