@@ -242,8 +242,7 @@ async def create_server(
 ) -> tuple[Service, int]:
     """Build and start a service on ``settings.listen_address`` (port 0 picks a free one)."""
     service = Service(settings, redis=redis)
-    port = await service.start()
-    return service, port
+    return service, await service.start()
 
 
 def default_worker_id() -> str:
