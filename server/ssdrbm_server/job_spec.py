@@ -1,11 +1,8 @@
 """A job's resolved spec in ssdcore's terms: what the job trains and how it is evaluated.
 
-The API side owns the job spec: ``resolver.py`` turns a StartTrainingRequest into it once, in
-StartTraining, and this module reads it: the model, optimizer, schedule, centering and
-tempering configs, and the log-likelihood method of the job's evaluations. The resolver, the
-pack key (``packing.py``), the sweeps' rank-metric check and the worker's training process all
-ask here, so they read a spec the same way. No defaults live here: the spec is read as stored,
-and only when the resolver of this version stamped it (``SPEC_VERSION``, ``check_resolved``).
+``resolver.py`` produces the spec once, in StartTraining; the resolver itself, the pack key, the
+sweeps and the worker's training process all read it here, the same way. No defaults live here:
+the spec is read as stored, and only when this version's resolver stamped it (``SPEC_VERSION``).
 The SSD polar method may be AUTO, which ssdcore resolves for the device the model is on.
 """
 

@@ -1,15 +1,12 @@
 """Stream tickets: how a browser's EventSource, which cannot send an ``Authorization`` header,
 proves who it is without the bearer token ever appearing in a URL.
 
-The page asks for a ticket with its token (``POST .../ticket``, bearer header) and opens the
-event stream with it in the query string. A ticket is random (256 bits), names one tenant and
-one job, is good for one stream, and only for ``TICKET_TTL_S`` seconds: a URL that a log or a
-browser history keeps is worthless by the time anyone reads it, and it never reveals the
-token. The page asks for a fresh one each time it (re)connects.
-
-Tickets live in the memory of the API process that issued them, at most ``MAX_TICKETS`` at a
-time: several API processes behind one address need the dashboard's requests of a browser to
-reach the same process (sticky sessions), or one process serving the dashboard.
+The page asks for a ticket with its token (``POST .../ticket``) and opens the event stream with
+it in the query string. A ticket is random (256 bits), names one tenant and one job, is good for
+one stream and for ``TICKET_TTL_S`` seconds only, so a URL that a log or a browser history keeps
+is worthless by the time anyone reads it. Tickets live in the issuing API process's memory (at
+most ``MAX_TICKETS``): several API processes behind one address need sticky sessions for the
+dashboard, or one process serving it.
 """
 
 from __future__ import annotations
