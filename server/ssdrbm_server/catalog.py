@@ -48,7 +48,7 @@ SYNTHETIC_OPTIONS = {
 LIMIT_OPTION = {"limit": IntOption(0, 0, 10_000_000)}  # 0 = all examples
 
 OPTIONS = {"synthetic": SYNTHETIC_OPTIONS, "mnist": LIMIT_OPTION, "freyface": LIMIT_OPTION}
-IMAGE_DATASETS = frozenset({"mnist", "freyface"})
+IMAGE_DATASETS = frozenset({"mnist", "freyface"})  # pixel intensities: their natural preprocessing
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,6 @@ class DatasetShape:
 def data_directory(settings: Settings) -> Path:
     """Where the real datasets are: SSDRBM_DATA_DIR, else ssdcore's default (../shared/data)."""
     return Path(settings.data_dir) if settings.data_dir else default_data_dir()
-
-
-def is_image(name: str) -> bool:
-    """Whether built-in dataset ``name`` holds pixel intensities (its natural preprocessing)."""
-    return name in IMAGE_DATASETS
 
 
 def parse_options(name: str, options: Mapping[str, str], field: str) -> dict[str, int]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
-from ssdrbm.spec import STEP_RULES
+from ssdrbm.spec import MODELS, OPTIMIZERS, STEP_RULES, VARIANCES
 from ssdrbm.v1 import rbm_pb2 as pb
 
 from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
@@ -72,13 +72,10 @@ from ssdrbm_server.request_checks import check_text, enum_value, finite
 from ssdrbm_server.store.datasets import DatasetInfo
 from ssdrbm_server.vocabulary import (
     MODEL_NAMES,
-    MODELS_BY_NAME,
     OPTIMIZER_NAMES,
-    OPTIMIZERS_BY_NAME,
     SSD_KINDS,
     STEP_RULE_NAMES,
     VARIANCE_NAMES,
-    VARIANCES_BY_NAME,
 )
 
 MAX_REQUEST_ID_LENGTH = 128
@@ -193,9 +190,9 @@ async def training_defaults(settings: Settings) -> pb.TrainingDefaults:
         for entry in entries:
             by_rule = entry.optimizer in RULE_DEPENDENT_OPTIMIZERS
             table.step_sizes.add(
-                model=MODELS_BY_NAME[entry.model_kind],
-                variance=VARIANCES_BY_NAME.get(entry.variance, pb.VARIANCE_KIND_UNSPECIFIED),
-                optimizer=OPTIMIZERS_BY_NAME[entry.optimizer],
+                model=MODELS[entry.model_kind],
+                variance=VARIANCES.get(entry.variance, pb.VARIANCE_KIND_UNSPECIFIED),
+                optimizer=OPTIMIZERS[entry.optimizer],
                 lr=entry.lr,
                 source=entry.source,
                 step_rule=rule if by_rule else pb.STEP_RULE_UNSPECIFIED,
@@ -280,7 +277,7 @@ def _resolve_model(model: pb.ModelSpec) -> None:
     gaussian = model.kind == pb.MODEL_KIND_GAUSSIAN
     only_gaussian = "Gaussian models only; leave it unset for Bernoulli"
     _default_where_it_applies(
-        model, "model.variance", VARIANCES_BY_NAME[DEFAULT_VARIANCE], gaussian, only_gaussian
+        model, "model.variance", VARIANCES[DEFAULT_VARIANCE], gaussian, only_gaussian
     )
     _default_where_it_applies(
         model, "model.min_variance", DEFAULT_MIN_VARIANCE, gaussian, only_gaussian
@@ -567,7 +564,8 @@ def _resolve_preprocess(
     """The natural preprocessing, one rule for built-in and uploaded data: images (MNIST, Frey
     Face, uint8 uploads) are binarized for binary units and standardized for Gaussian ones;
     the synthetic data is binary already, and float uploads are taken as given."""
-    images = upload.dtype in INTEGER_DTYPES if upload else catalog.is_image(dataset.builtin.name)
+    builtin_image = dataset.builtin.name in catalog.IMAGE_DATASETS
+    images = upload.dtype in INTEGER_DTYPES if upload else builtin_image
     gaussian = model.kind == pb.MODEL_KIND_GAUSSIAN
     if dataset.preprocess == pb.PREPROCESS_UNSPECIFIED:
         if images:
