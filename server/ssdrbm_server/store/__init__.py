@@ -1,8 +1,6 @@
-"""Redis as the system of record: jobs, the queue, leases, events, checkpoints, datasets.
-
-One module per concept; every key comes from ssdrbm_server/keys.py. All stores are async
-(`redis.asyncio`) and expect a client with `decode_responses=False` (bytes in, bytes out),
-as `connect()` creates.
+"""Redis as the system of record: jobs, the queue, leases, events, checkpoints, datasets; one
+module per concept, every key from ssdrbm_server/keys.py. The stores are async and expect a
+client with bytes replies, as `connect()` creates.
 """
 
 from __future__ import annotations

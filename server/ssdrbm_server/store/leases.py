@@ -106,24 +106,21 @@ class LeaseStore(Store):
             )
             outcome = outcome.decode()
             if outcome == "claimed":
-                return await self._claimed(record, worker_id, lease_ms, int(deadline))
+                attempt = record.attempt + 1
+                await self.index.follow(
+                    job_id, record.tenant, JobState.RUNNING, attempt, lease_deadline=int(deadline)
+                )
+                claimed = await self.load(job_id)
+                assert (
+                    claimed is not None
+                )  # claimed jobs are persistent; only their worker ends them
+                logger.info("worker %s claimed job %s (attempt %d)", worker_id, job_id, attempt)
+                return Lease(job_id, worker_id, attempt, lease_ms, claimed)
             if outcome in ("missing", "finished"):
                 await self._settle(job_id, await self.load(job_id))
             if outcome != "retry":
                 return None
         return None
-
-    async def _claimed(
-        self, before: JobRecord, worker_id: str, lease_ms: int, deadline: int
-    ) -> Lease:
-        attempt = before.attempt + 1
-        await self.index.follow(
-            before.id, before.tenant, JobState.RUNNING, attempt, lease_deadline=deadline
-        )
-        claimed = await self.load(before.id)
-        assert claimed is not None  # claimed jobs are persistent; only their worker ends them
-        logger.info("worker %s claimed job %s (attempt %d)", worker_id, before.id, attempt)
-        return Lease(before.id, worker_id, attempt, lease_ms, claimed)
 
     async def _settle(self, job_id: str, record: JobRecord | None) -> None:
         """Repeat the index steps of a job found gone or finished: the process that ended it

@@ -8,14 +8,9 @@ from enum import StrEnum
 
 
 class JobState(StrEnum):
-    """Lifecycle of a job: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED | STOPPED.
-
-    STOPPED: ended early by its sweep's early-stopping rule (ssdrbm_server/sweeps/); its model
-    and checkpoints stay servable, as a SUCCEEDED job's do.
-
-    A RUNNING job goes back to QUEUED when its worker releases it (SIGTERM) and to RUNNING again
-    when a worker (re)claims it.
-    """
+    """Lifecycle of a job: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED | STOPPED, and
+    RUNNING -> QUEUED when its worker releases it. STOPPED: ended early by its sweep's early
+    stopping (ssdrbm_server/sweeps/); servable, as a SUCCEEDED job is."""
 
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"

@@ -86,14 +86,13 @@ class SweepService:
                 return await self.get(tenant, sweep_id)
             done = len(existing.job_ids)
         await self._check_quota(tenant, len(jobs) - done)
-        rungs = list(resolved.early_stopping.rungs)
         await self.sweeps.create(
             tenant,
             sweep_id,
             name=resolved.name,
             request=resolved.SerializeToString(),
             points=point_text,
-            rungs=rungs,
+            rungs=list(resolved.early_stopping.rungs),
             eta=resolved.early_stopping.reduction_factor,
             rank_metric=resolved.rank_metric,
         )
