@@ -383,7 +383,6 @@ class Upload:
         self._buffer = bytearray()
         self._chunks = 0
         self._key = store.keys.upload(self.upload_id)
-        self._created = False
         # Set before the chunks are made permanent: from then on they may be the stored
         # content, and only the commit steps may remove them.
         self._kept = False
@@ -446,8 +445,8 @@ class Upload:
             if replaced and replaced.decode() != self.upload_id:
                 await store.redis.unlink(keys.upload(replaced.decode()))
             await self._seal_and_complete(new_id, dataset_keys)
-        await self._add_for_tenant(new_id)
-        return await store.info(self.tenant, new_id), self._created
+        created = await self._add_for_tenant(new_id)
+        return await store.info(self.tenant, new_id), created
 
     async def _commit_record(
         self, dataset_keys: list[str], value_range: tuple[float, float] | None
@@ -484,7 +483,7 @@ class Upload:
             )
         logger.info("dataset %s %s %s stored", new_id, self.dtype, self.shape)
 
-    async def _add_for_tenant(self, new_id: str) -> None:
+    async def _add_for_tenant(self, new_id: str) -> bool:
         store, keys = self.store, self.store.keys
         entry = json.dumps({"name": self.name, "created_at": time.time()})
         code, used = await store.run(
@@ -495,9 +494,9 @@ class Upload:
         if int(code) < 0:
             await store._drop_reference(self.tenant, new_id)
             raise _over_quota(self.tenant, self.size_bytes, int(used), store.tenant_quota)
-        self._created = int(code) == 1
-        if self._created:
+        if int(code) == 1:
             logger.info("dataset %s added for tenant %s", new_id, self.tenant)
+        return int(code) == 1
 
     async def abort(self) -> None:
         """Drop this upload's chunks, unless they may already be the stored content."""
