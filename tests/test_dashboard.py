@@ -510,7 +510,7 @@ def metrics_event(step: int, total_steps: int, wall_time_s: float) -> pb.MetricE
 
 
 def test_a_metrics_events_eta_is_the_steps_left_at_the_average_pace_so_far() -> None:
-    """As ``ssdrbm watch`` computes it (ssdrbm.cli.progress.ProgressState.eta_s)."""
+    """As ``ssdrbm watch`` computes it (ssdrbm.progress.ProgressState.eta_s)."""
     assert event_json(metrics_event(50, 200, 10.0))["eta_s"] == 30.0
     assert event_json(metrics_event(50, 200, 10.0))["eta"] == "0:30"
     assert event_json(metrics_event(200, 200, 40.0))["eta_s"] == 0.0

@@ -131,6 +131,10 @@ def test_the_client_imports_nothing_of_ssdcore_or_the_service() -> None:
     assert layer_breaks("ssdrbm", within("ssdrbm")) == []
 
 
+def test_the_service_uses_the_sdk_but_not_the_command_line_tool() -> None:
+    assert layer_breaks("ssdrbm_server", lambda m: not within("ssdrbm.cli")(m)) == []
+
+
 def test_the_shared_modules_import_no_api_side_and_no_worker_module() -> None:
     service, store = within("ssdrbm_server"), within("ssdrbm_server.store")
     for name in sorted(SHARED):

@@ -71,13 +71,3 @@ def format_rate(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
-
-
-def format_duration(seconds: float | None) -> str:
-    """``h:mm:ss`` or ``m:ss``; "-" when unknown."""
-    if seconds is None or seconds != seconds or seconds < 0 or seconds == float("inf"):
-        return "-"
-    total = round(seconds)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

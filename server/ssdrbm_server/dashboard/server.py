@@ -18,9 +18,10 @@ a ticket (tickets.py). It is the servicer's own metric stream (``RBMServicer.met
 a browser counts against ``SSDRBM_MAX_STREAMS_PER_TENANT`` as a StreamMetrics call does, and a
 refusal is answered before the stream starts.
 
-A running job's ETA comes with its JSON and each metrics event, computed as ``ssdrbm watch``
-computes it (``ProgressState.eta_s``), so the page and the CLI agree; a state event that
-preempted or resumed a job says so in ``marker``, which the page draws on the curves.
+A running job's ETA comes with its JSON and each metrics event, computed by the SDK's one rule
+(``ssdrbm.progress.ProgressState.eta_s``, which ``ssdrbm watch`` uses), so the page and the CLI
+agree; a state event that preempted or resumed a job says so in ``marker``, which the page
+draws on the curves.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Any
 
-from ssdrbm.cli.output import format_duration
-from ssdrbm.cli.progress import ProgressState
 from ssdrbm.events import QueuePlace as SdkQueuePlace
+from ssdrbm.progress import ProgressState, format_duration
 from ssdrbm.v1 import rbm_pb2
 from starlette.applications import Starlette
 from starlette.requests import Request
