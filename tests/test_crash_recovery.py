@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ssdrbm.v1 import rbm_pb2, rbm_pb2_grpc
 
 from ssdrbm_server.keys import Keys
+from ssdrbm_server.metrics import ServiceMetrics
 from ssdrbm_server.servicer import RBMServicer, Stores
 from ssdrbm_server.store import (
     CheckpointStore,
@@ -314,7 +315,12 @@ def test_a_job_ending_between_replay_and_live_follow_loses_no_event(redis_url: s
                 return await super()._has_ended(record)
 
         settings = make_settings(redis_url, run_worker=False)
-        servicer = EndsRightAfterTheReplay(settings, stores, models=None)  # type: ignore[arg-type]
+        servicer = EndsRightAfterTheReplay(
+            settings,
+            stores,
+            models=None,
+            metrics=ServiceMetrics(),  # type: ignore[arg-type]
+        )
         try:
             current = await stores.jobs.get("t", job.id)
             return [e async for e in servicer._events(current, "", history_only=False)]
