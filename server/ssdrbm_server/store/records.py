@@ -97,7 +97,10 @@ _ONLY_WHEN_SET = ("traceparent", "sweep_id", "pack_key")
 
 def record_from_hash(job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
     """Decode the HGETALL reply of `job:{id}` (bytes keys and values); an empty value of a
-    number or time reads as the field's default."""
+    number or time reads as the field's default. A hash without a state is not a job record
+    (ValueError), never a job that reads as QUEUED."""
+    if not raw.get(b"state"):
+        raise ValueError(f"job:{job_id} has no state: not a job record")
     values = {}
     for field in fields(JobRecord)[1:]:
         value = raw.get(field.name.encode())
