@@ -1,9 +1,8 @@
 """A run's minibatch order: its own seeded generator, permutation and position.
 
-A fresh ``randperm`` of the training rows from a generator seeded with the run's seed at every
-epoch, the last partial batch dropped. The solo :class:`~ssdcore.Trainer` keeps one; a pack
-(:mod:`ssdcore.pack`) keeps one per run, so a run's batches do not depend on the others in its
-pack and are its solo batches.
+A fresh ``randperm`` of the training rows at every epoch, the last partial batch dropped. The
+solo :class:`~ssdcore.Trainer` keeps one; a pack keeps one per run, so a run's batches are its
+solo batches whatever else shares the pack.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Run small LAPACK factorizations on one CPU thread.
 
-Why: measured on 2-core machines shared with other work, a threaded ``eigh`` / ``qr`` / ``svd``
-of a 200×200 matrix ran 2× to several hundred times slower with two OpenMP threads than with
-one (the threads spin waiting for a core), while the large matrix products around them do gain
-from both cores. The spectral step therefore drops to one thread just for its k×k
-factorizations. ``torch.set_num_threads`` is process-wide, so other threads doing torch work
-at the same moment also run single-threaded for those few milliseconds; results are unaffected.
+Measured on 2-core machines shared with other work, a threaded ``eigh`` / ``qr`` / ``svd`` of a
+200×200 matrix ran 2× to several hundred times slower with two OpenMP threads than with one (the
+threads spin waiting for a core), while the large products around them gain from both cores. So
+the spectral step drops to one thread for its k×k factorizations only (``set_num_threads`` is
+process-wide: other torch work at that moment runs single-threaded too; results are unaffected).
 """
 
 from __future__ import annotations

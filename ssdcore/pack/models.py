@@ -1,9 +1,9 @@
 """Which models a pack trains, and what a pack needs to know of each kind.
 
-A pack holds runs of one model kind and shape: Bernoulli RBMs, or Gaussian RBMs of one variance
-form among :data:`PACKABLE_VARIANCES`. The full covariance is not packed: its V×V precision is
-projected onto the SPD cone by an eigendecomposition decided on the host after every step, and
-its gradient and noise need per-run V×V products and Cholesky factors — the solo Trainer runs it.
+Bernoulli RBMs, or Gaussian RBMs of one variance form among :data:`PACKABLE_VARIANCES`. The full
+covariance is not packed: its V×V precision is projected onto the SPD cone by an eigendecomposition
+decided on the host after every step, and its gradient and noise need per-run V×V products and
+Cholesky factors; the solo Trainer runs it.
 """
 
 from __future__ import annotations

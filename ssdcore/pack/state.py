@@ -1,8 +1,5 @@
-"""One run's complete state inside a pack: what a solo checkpoint holds, in the pack's terms.
-
-:class:`RunState` is the unit the pack hands out and takes back: for rollbacks (a snapshot
-taken at a healthy evaluation, restored after a blow-up) and, through
-:mod:`ssdcore.pack.exchange`, for the solo :class:`~ssdcore.Trainer` and its checkpoints.
+"""One run's complete state inside a pack: what a solo checkpoint holds, in the pack's terms,
+handed out and taken back for rollbacks and (:mod:`ssdcore.pack.exchange`) for solo Trainers.
 """
 
 from __future__ import annotations
