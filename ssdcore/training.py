@@ -533,7 +533,9 @@ def fit(
     evaluation, every step size is divided by ``backoff_factor`` once more, and the history
     gets the :meth:`~ssdcore.blowup.BackoffEvent.history_entry` (not passed to ``callback``).
     Once ``max_backoffs`` are spent the next blow-up raises
-    :class:`~ssdcore.blowup.BlowUpError`, with ``model`` left at its last healthy state.
+    :class:`~ssdcore.blowup.BlowUpError`, with ``model`` left at its last healthy state. A run
+    that ends well above its best error without blowing up is logged as a warning
+    (:meth:`~ssdcore.blowup.Recovery.drift`).
     """
     every = evaluation_spacing(steps, eval_every)
     recovery = Recovery(max_backoffs=max_backoffs, factor=backoff_factor)
@@ -574,6 +576,9 @@ def fit(
             blowup = blowup_from_error(error, trainer.step_count)
             continue
         metrics, blowup = _checked_metrics(trainer, recovery, log_likelihood, steps)
+    drift = recovery.drift(metrics)
+    if drift is not None:
+        logger.warning("%s", drift)
     return history
 
 

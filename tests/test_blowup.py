@@ -17,6 +17,7 @@ from ssdcore import BernoulliRBM, DivergenceError, GaussianRBM, OptimizerConfig,
 from ssdcore.blowup import (
     BACKOFF_FACTOR,
     DEFAULT_MAX_BACKOFFS,
+    DRIFT_GROWTH,
     RECONSTRUCTION_GROWTH,
     SPECTRAL_NORM_GROWTH,
     STUCK_FRACTION,
@@ -248,6 +249,24 @@ def test_a_divergence_error_during_fit_is_backed_off_too():
 
 
 # --- the recovery rule on a trainer -------------------------------------------------------------
+
+
+def test_a_run_that_ends_far_above_its_best_gets_a_drift_note_naming_best_step_and_fix():
+    """The MNIST n_h 200 drift of docs/RESULTS.md §9 in numbers: 339 at step 200, rising under
+    the blow-up limit to 2,353. Healthy all the way, so only its end is noted."""
+    data = synthetic_rbm_data(20, 5, n_samples=200, seed=0)
+    trainer = Trainer(BernoulliRBM(20, 5), data, optimizer=OptimizerConfig("ssd", lr=1e-4))
+    recovery = Recovery(lr_setting="optimizer.lr")
+    drifting = [(0, 622.0), (200, 339.1), (1000, 682.4), (2000, 2353.0)]
+    assert all(recovery.check(metrics(s, e), trainer) is None for s, e in drifting)
+    note = recovery.drift(metrics(2000, 2353.0))
+    assert note is not None
+    for part in ("2353", "6.9×", "339.1", "step 200", "drifted", "train 200 steps", "optimizer.lr"):
+        assert part in note, (part, note)
+    # just under the factor, or no finite error: nothing to note
+    assert recovery.drift(metrics(2000, DRIFT_GROWTH * 339.1 * 0.999)) is None
+    assert recovery.drift(metrics(2000, math.nan)) is None
+    assert Recovery().drift(metrics(0, 5.0)) is None  # no evaluation yet
 
 
 def test_recovery_rolls_back_to_the_last_healthy_evaluation_until_its_budget_is_spent():

@@ -219,6 +219,29 @@ def test_progress_draws_in_place_on_a_tty_and_logs_lines_otherwise() -> None:
     assert len(lines) == 4
 
 
+def test_a_finished_runs_note_follows_the_summary_on_a_tty_and_is_its_state_line_otherwise():
+    note = "the reconstruction error ended at 1662, 4.6× its best 360.1 (step 200): ..."
+    events = [_state_event(JobState.RUNNING), _state_event(JobState.SUCCEEDED, 1000, note)]
+    tty = io.StringIO()
+    display = ProgressDisplay("job-1", stream=tty, tty=True)
+    for event in events:
+        display.on_event(event)
+    display.finish(_job(JobState.SUCCEEDED))
+    assert tty.getvalue().splitlines()[-1] == f"note: {note}"
+    plain = io.StringIO()
+    display = ProgressDisplay("job-1", stream=plain, tty=False)
+    for event in events:
+        display.on_event(event)
+    display.finish(_job(JobState.SUCCEEDED))
+    assert f"job-1 succeeded at step 1000: {note}" in plain.getvalue().splitlines()
+    assert "note:" not in plain.getvalue()  # said once, in its state line
+    plain_finish = io.StringIO()
+    display = ProgressDisplay("job-1", stream=plain_finish, tty=True)
+    display.on_event(_state_event(JobState.SUCCEEDED, 1000, "finished"))
+    display.finish(_job(JobState.SUCCEEDED))
+    assert "note:" not in plain_finish.getvalue()
+
+
 def test_summary_names_time_metrics_and_failure_reason() -> None:
     done = render_summary(_job(JobState.SUCCEEDED))
     assert done == "job job-1 succeeded at step 1000/1000 in 1:23 — recon 12.5, LL -61.25"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from ssdrbm import BackoffEvent, Client, JobState, MetricsEvent
+from ssdrbm import BackoffEvent, Client, JobState, MetricsEvent, StateEvent
 
 from ssdcore.data import default_data_dir
 
@@ -138,3 +138,32 @@ def test_a_step_size_far_too_large_is_backed_off_then_failed_with_advice(service
     assert [b.new_lr for b in backoffs] == pytest.approx([1e5, 1e4, 1e3])
     assert "blew up" in done.error and "after 3 backoffs" in done.error
     assert "try optimizer.lr = 100" in done.error
+
+
+def test_a_run_that_drifts_without_blowing_up_ends_with_a_note_naming_its_best_step(
+    service,
+) -> None:
+    """docs/RESULTS.md §9's drift: MNIST, Gaussian diagonal, 200 hidden units at the default
+    step falls to its best near step 200, then rises (under the blow-up limit) to several times
+    that. The job ends SUCCEEDED, and its last state event says how far it drifted and from
+    where (ssdcore.blowup.Recovery.drift)."""
+    with Client(service.target) as client:
+        job = client.start_training(
+            dataset="mnist",
+            dataset_options={"limit": 2000},
+            model="gaussian",
+            n_hidden=200,
+            steps=1400,
+            eval_every=100,
+        )
+        states: list[StateEvent] = []
+        done = client.wait(
+            job.id,
+            timeout=WAIT_S,
+            on_event=lambda e: states.append(e) if isinstance(e, StateEvent) else None,
+        )
+    assert done.state is JobState.SUCCEEDED and done.backoffs == 0
+    note = states[-1].message
+    assert "drifted without blowing up" in note and "its best" in note, note
+    best_step = int(note.split("(step ")[1].split(")")[0])
+    assert f"train {best_step} steps" in note and 0 < best_step < 1400

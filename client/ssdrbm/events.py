@@ -91,6 +91,11 @@ class MetricsEvent:
     metrics: Metrics
 
 
+# The message of a SUCCEEDED job's last state event when its run ended as expected; any other
+# message there says what its end showed (e.g. a drift, ssdcore.blowup.Recovery.drift).
+FINISHED_MESSAGE = "finished"
+
+
 @dataclass(frozen=True)
 class StateEvent:
     """A metric stream event saying the job changed state (the last one is terminal)."""

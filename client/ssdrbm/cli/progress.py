@@ -17,6 +17,7 @@ from typing import TextIO
 
 from ssdrbm.cli.output import format_number, format_rate, print_json
 from ssdrbm.events import (
+    FINISHED_MESSAGE,
     BackoffEvent,
     Job,
     JobState,
@@ -183,10 +184,14 @@ class ProgressDisplay(_Follower):
         self._drawn = True
 
     def _show_end(self, job: Job) -> None:
-        # The one-line summary replaces the live line.
+        # The one-line summary replaces the live line; on a terminal, where the state events
+        # were not printed, a finished run's note (a drift) follows it.
         if self.tty and self._drawn:
             self.stream.write("\r\x1b[2K")
         print(render_summary(job), file=self.stream, flush=True)
+        note = self.progress.message
+        if self.tty and job.state is JobState.SUCCEEDED and note not in ("", FINISHED_MESSAGE):
+            print(f"note: {note}", file=self.stream, flush=True)
 
 
 def queue_changed(before: QueuePlace, after: QueuePlace) -> bool:

@@ -336,6 +336,7 @@ class Training:
         at_checkpoint = step % spec.training.checkpoint_every == 0 or step == job.total
         # A checkpoint is taken only of a model that passed the blow-up check, so every
         # checkpoint step is also an evaluation step.
+        values = None
         if step % spec.eval.every == 0 or at_checkpoint:
             trainer = self.runs.trainer(job.slot)
             values = self._evaluate(job, trainer, with_ais=at_checkpoint and spec.eval.ais)
@@ -352,7 +353,8 @@ class Training:
             if at_checkpoint:
                 self._checkpoint(job, trainer)
         if step >= job.total:
-            self._end(job, protocol.FINISHED, step=step)
+            note = job.recovery.drift(values) if values is not None else None
+            self._end(job, protocol.FINISHED, step=step, note=note)
 
     def _evaluate(self, job: Job, trainer: Trainer, *, with_ais: bool) -> dict[str, Any]:
         # An AIS estimate may run for minutes without a chance to beat: it starts with the

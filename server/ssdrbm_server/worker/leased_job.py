@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 import redis.exceptions
 from google.protobuf.message import DecodeError
+from ssdrbm.events import FINISHED_MESSAGE
 from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server import tracing
@@ -218,7 +219,8 @@ class LeasedJob:
             await self._checkpoint(message)
         elif kind == protocol.FINISHED:
             self.step = int(fields["step"])
-            return await self.finish(JobState.SUCCEEDED, message="finished")
+            note = fields.get("note") or FINISHED_MESSAGE  # or what the run's end showed
+            return await self.finish(JobState.SUCCEEDED, message=note)
         elif kind == protocol.STOPPED:
             self.step = int(fields["step"])
             if self.rungs.stop_reason:  # early stopping: the run ends, its checkpoint kept
