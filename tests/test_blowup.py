@@ -269,6 +269,22 @@ def test_a_run_that_ends_far_above_its_best_gets_a_drift_note_naming_best_step_a
     assert Recovery().drift(metrics(0, 5.0)) is None  # no evaluation yet
 
 
+@needs_shared_data
+def test_fit_warns_of_the_mnist_gaussian_drift_at_the_default_step(caplog):
+    """The library's side of the service's drift test (tests/test_default_training.py), on
+    docs/RESULTS.md §9's data: the same note, logged as a warning."""
+    from experiments.defaults import load_data
+
+    train, valid = load_data("mnist", "gaussian", 2000)
+    torch.manual_seed(0)
+    model = GaussianRBM(train.shape[1], 200)
+    with caplog.at_level("WARNING", logger="ssdcore.training"):
+        history = fit(model, train, steps=1400, eval_every=100, valid_data=valid, seed=0)
+    assert not any("event" in entry for entry in history)  # no blow-up on the way
+    notes = [r.getMessage() for r in caplog.records if "drifted" in r.getMessage()]
+    assert len(notes) == 1 and "(step 200)" in notes[0], notes
+
+
 def test_recovery_rolls_back_to_the_last_healthy_evaluation_until_its_budget_is_spent():
     data = synthetic_rbm_data(20, 5, n_samples=400, seed=0)
     torch.manual_seed(0)
