@@ -374,14 +374,15 @@ class Recovery:
         """
         best = self.detector.best_reconstruction_error
         error = metrics.get("reconstruction_error")
-        if best is None or not isinstance(error, float) or not math.isfinite(error):
+        if best is None or error is None or not math.isfinite(error):
             return None
-        if error < DRIFT_GROWTH * max(best, RECONSTRUCTION_FLOOR):
+        reference = max(best, RECONSTRUCTION_FLOOR)
+        if error < DRIFT_GROWTH * reference:
             return None
         # No step size is suggested: the drift measured in docs/RESULTS.md §9 came at 1e-4
         # and at 3e-5 but not at 3e-4, so a smaller step is not the sure fix a blow-up's is.
         return (
-            f"the reconstruction error ended at {error:.4g}, {error / max(best, 1e-300):.1f}× its "
+            f"the reconstruction error ended at {error:.4g}, {error / reference:.1f}× its "
             f"best {best:.4g} (step {self.detector.best_step}): the run drifted without blowing "
             f"up; train {self.detector.best_step} steps, or try another {self.lr_setting}"
         )

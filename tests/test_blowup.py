@@ -32,6 +32,7 @@ from ssdcore.blowup import (
 )
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.data import synthetic_rbm_data
+from ssdcore.pack import PackRun, TrainingPack, fit_pack
 from ssdcore.step_sizes import default_lr
 from tests.test_step_sizes import builtin_dataset, needs_shared_data
 
@@ -283,6 +284,15 @@ def test_fit_warns_of_the_mnist_gaussian_drift_at_the_default_step(caplog):
     assert not any("event" in entry for entry in history)  # no blow-up on the way
     notes = [r.getMessage() for r in caplog.records if "drifted" in r.getMessage()]
     assert len(notes) == 1 and "(step 200)" in notes[0], notes
+
+    # the same run as a pack of one (the solo run bit for bit) ends with the same note
+    caplog.clear()
+    torch.manual_seed(0)
+    pack = TrainingPack([PackRun(GaussianRBM(train.shape[1], 200), "ssd", 0)], train)
+    with caplog.at_level("WARNING", logger="ssdcore.pack.fit"):
+        fit_pack(pack, steps=1400, eval_every=100, valid_data=valid)
+    packed = [r.getMessage() for r in caplog.records if "drifted" in r.getMessage()]
+    assert packed == [f"pack run 0: {notes[0]}"]
 
 
 def test_recovery_rolls_back_to_the_last_healthy_evaluation_until_its_budget_is_spent():

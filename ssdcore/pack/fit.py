@@ -4,7 +4,7 @@ Each run has its own :class:`~ssdcore.blowup.Recovery`, acting on it through
 :class:`RunInPack`: a run that blows up is rolled back with smaller steps while the others go
 on; once its backoffs are spent it is held at its last healthy evaluation and its history ends
 with a ``{"event": "failed", ...}`` entry (where fit would raise). A run that reaches ``steps``
-is held while the others catch up.
+is held while the others catch up; one that ends drifted is logged as fit logs it.
 """
 
 from __future__ import annotations
@@ -131,6 +131,9 @@ def _evaluate(pack: TrainingPack, run: int, progress: _RunProgress, steps: int) 
     if pack.step_counts[run] >= steps:
         progress.finished = True
         pack.hold(run)
+        drift = progress.recovery.drift(metrics)
+        if drift is not None:  # as fit logs it for a run alone
+            logger.warning("pack run %d: %s", run, drift)
     else:
         pack.release(run)
 
