@@ -8,6 +8,7 @@ Real parts: a real redis-server, the real API on loopback, and one real worker p
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import time
@@ -18,6 +19,7 @@ import pytest
 from ssdrbm.v1 import rbm_pb2 as pb
 from ssdrbm.v1 import rbm_pb2_grpc
 
+from ssdrbm_server.keys import Keys
 from ssdrbm_server.store import FencedJob, JobQueue, JobStore, LeaseStore
 from tests.fixtures.jobs import tiny_request
 from tests.fixtures.server_process import start_python_m_worker
@@ -38,6 +40,15 @@ LONG_STEPS = 3000
 LONGEST_STEPS = 5000
 EVERY = 100  # the long jobs' evaluation and checkpoint interval
 PREEMPTED = "preempted"
+CLAIM_MS = 60_000  # a preemption's claim, as long as the test needs (a slice by default)
+SHORT_CLAIM_MS = 300  # one that lapses within the test
+
+
+async def take(queue: JobQueue) -> str:
+    """The job a slot takes next, acknowledged (a worker's read)."""
+    [(entry, job_id)] = await queue.read("w1", block_ms=0)
+    await queue.ack(entry)
+    return job_id
 
 
 def test_the_queue_says_when_a_preemption_serves_other_work(redis_url: str) -> None:
@@ -49,26 +60,98 @@ def test_the_queue_says_when_a_preemption_serves_other_work(redis_url: str) -> N
     async def scenario(redis) -> None:
         jobs, queue, leases = JobStore(redis), JobQueue(redis), LeaseStore(redis)
 
-        async def take() -> str:
-            [(entry, job_id)] = await queue.read("w1", block_ms=0)
-            await queue.ack(entry)
-            return job_id
-
         sweep_runs = [(await submit(jobs, tenant="a", sweep_id="s1"))[0].id for _ in range(2)]
         plain = (await submit(jobs, tenant="a"))[0].id
-        assert await take() == plain  # before the sweep runs queued ahead of it
+        assert await take(queue) == plain  # before the sweep runs queued ahead of it
         lease = await leases.claim(plain, "w1", lease_ms=10_000)
         assert lease is not None
         assert await queue.would_serve_other({"a": False}) == 0  # only her own work waits
         other = (await submit(jobs, tenant="b"))[0].id
         assert await queue.would_serve_other({"a": False}) == 1  # b was never served
         await FencedJob(redis, lease).release(step=0, message="preempted", front=True)
-        assert [await take() for _ in range(4)] == [other, plain, *sweep_runs]
+        assert [await take(queue) for _ in range(4)] == [other, plain, *sweep_runs]
         lease = await leases.claim(sweep_runs[0], "w1", lease_ms=10_000)
         assert await queue.would_serve_other({"a": True}) == 0
         await submit(jobs, tenant="a")
         assert await queue.would_serve_other({"a": True}) == 2  # a plain job of hers waits
         assert await queue.would_serve_other({"a": False}) == 0  # a plain job of hers runs
+
+    run(redis_url, scenario)
+
+
+def test_concurrent_slices_free_one_slot_per_waiting_job(redis_url: str) -> None:
+    """Slots whose slices end together (two slots of alice's, at once): one waiting job of
+    bob's preempts one of them, the other's slice starts over; two waiting tenants preempt
+    both; two plain jobs of alice's preempt both slots running her sweep runs. The check that
+    only asks (a queued job's place) counts the claims and claims nothing."""
+
+    async def scenario(redis) -> None:
+        jobs, queue = JobStore(redis), JobQueue(redis)
+
+        async def two_slices_end(running: dict[str, bool]) -> list[int]:
+            asks = [queue.would_serve_other(running, claim_ms=CLAIM_MS) for _ in range(2)]
+            return sorted(await asyncio.gather(*asks))
+
+        for _ in range(2):  # alice's two jobs run on two slots
+            await submit(jobs, tenant="a")
+            await take(queue)
+        bob = (await submit(jobs, tenant="b"))[0].id
+        assert await queue.would_serve_other({"a": False}) == 1  # asking claims nothing
+        assert await two_slices_end({"a": False}) == [0, 1]
+        assert await queue.would_serve_other({"a": False}) == 0  # a slot is freed for bob's
+        await submit(jobs, tenant="c")
+        assert await queue.would_serve_other({"a": False}, claim_ms=CLAIM_MS) == 1  # carol's
+        assert await take(queue) == bob  # the freed slots take bob's and carol's jobs
+        await take(queue)
+
+        await redis.flushdb()  # alice's two slots again, two tenants waiting this time
+        for _ in range(2):
+            await submit(jobs, tenant="a")
+            await take(queue)
+        for tenant in ("d", "e"):
+            await submit(jobs, tenant=tenant)
+        assert await two_slices_end({"a": False}) == [1, 1]  # one slot each for d and e
+        assert await queue.would_serve_other({"a": False}, claim_ms=CLAIM_MS) == 0
+
+        await redis.flushdb()  # alice's sweep runs on two slots, two plain jobs of hers waiting
+        for _ in range(2):
+            await submit(jobs, tenant="a", sweep_id="s1")
+            await take(queue)
+        for _ in range(2):
+            await submit(jobs, tenant="a")
+        assert await two_slices_end({"a": True}) == [2, 2]
+        assert await queue.would_serve_other({"a": True}, claim_ms=CLAIM_MS) == 0
+
+    run(redis_url, scenario)
+
+
+def test_a_preemptions_claim_ends_when_its_job_is_taken_or_its_bound_passes(
+    redis_url: str,
+) -> None:
+    """After the claimed turn is taken, the same tenant's next turn frees a slot again at once;
+    a claim whose worker died (its job never taken) lapses after its bound."""
+
+    async def scenario(redis) -> None:
+        jobs, queue = JobStore(redis), JobQueue(redis)
+
+        await submit(jobs, tenant="a")
+        await take(queue)  # alice's job runs
+        bobs = [(await submit(jobs, tenant="b"))[0].id for _ in range(2)]
+        assert await queue.would_serve_other({"a": False}, claim_ms=CLAIM_MS) == 1
+        assert await take(queue) == bobs[0]  # the freed slot takes it: the claim ends
+        alices = (await submit(jobs, tenant="a"))[0].id
+        assert await take(queue) == alices  # an idle slot serves alice: bob's turn comes again
+        assert await queue.would_serve_other({"a": False}, claim_ms=CLAIM_MS) == 1
+        await take(queue)
+
+        await submit(jobs, tenant="c")  # carol waits; the slot preempted for her dies
+        assert await queue.would_serve_other({"a": False}, claim_ms=SHORT_CLAIM_MS) == 1
+        assert await queue.would_serve_other({"a": False}, claim_ms=SHORT_CLAIM_MS) == 0
+        await asyncio.sleep(SHORT_CLAIM_MS / 1000 + 0.1)
+        assert await queue.would_serve_other({"a": False}, claim_ms=SHORT_CLAIM_MS) == 1
+        await asyncio.sleep(SHORT_CLAIM_MS / 1000 + 0.1)
+        keys = Keys()  # nothing is left behind once the claims lapse
+        assert not await redis.exists(keys.preempted_for_turns(), keys.preempted_for_jobs())
 
     run(redis_url, scenario)
 
@@ -85,10 +168,10 @@ def workers() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 def start_worker(
-    redis_url: str, worker_id: str, log: Path, *, pack_size: int = 1
+    redis_url: str, worker_id: str, log: Path, *, pack_size: int = 1, slots: int = 1
 ) -> subprocess.Popen[str]:
-    """`python -m ssdrbm_server.worker` with one job slot and short slices; its INFO logs go to
-    ``log`` (a test reads them to act at the moment of a preemption)."""
+    """`python -m ssdrbm_server.worker` with one job slot (or ``slots``) and short slices; its
+    INFO logs go to ``log`` (a test reads them to act at the moment of a preemption)."""
     with log.open("a") as out:
         return start_python_m_worker(
             redis_url,
@@ -98,6 +181,7 @@ def start_worker(
             heartbeat_seconds=0.2,
             slice_seconds=SLICE_S,
             max_pack_size=pack_size,
+            worker_slots=slots,
             torch_threads=1,
             allow_no_persistence=1,
             log_level="INFO",
@@ -283,3 +367,25 @@ def test_a_plain_job_passes_its_own_tenants_sweep_within_a_slice(
         if c.message.startswith(PREEMPTED)
     ]
     assert preempted and all("a job of its tenant waits" in m for m in preempted), preempted
+
+
+def test_two_slots_whose_slices_end_together_free_one_for_one_waiting_job(
+    service_factory: Callable[..., RunningService],
+    redis_url: str,
+    workers: list[subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    """One worker with two slots starts alice's two long jobs together, so their slices end
+    together; bob submits one job: one of alice's jobs is preempted for it, once, the other's
+    slice starts over; all end SUCCEEDED, each step once."""
+    alice, bob = two_tenants(service_factory)
+    long_ids = [alice.StartTraining(long_request(1)).job.id for _ in range(2)]
+    workers.append(start_worker(redis_url, "w1", tmp_path / "w.log", slots=2))
+    wait_for(lambda: all(stepped(alice, j) for j in long_ids), END_BOUND_S, "alice's steps")
+    short = bob.StartTraining(tiny_request(steps=10, seed=2)).job.id
+    wait_for(lambda: state(bob, short) == pb.JOB_STATE_SUCCEEDED, 2 * WAIT_BOUND_S, "bob's")
+    assert all(state(alice, j) != pb.JOB_STATE_SUCCEEDED for j in long_ids), "too short"
+    for job_id in long_ids:
+        wait_for(lambda j=job_id: state(alice, j) == pb.JOB_STATE_SUCCEEDED, END_BOUND_S, "end")
+        assert_each_step_once(history(alice, job_id), LONG_STEPS, EVERY)
+    assert sum(preemptions(history(alice, j)) for j in long_ids) == 1

@@ -15,6 +15,8 @@ keys with the same tag live together and one Lua script may use them all.
 | `{jobs}:served`                   | zset   | tenant -> its last turn (a counter, not a clock)  |
 | `{jobs}:taken`                    | zset   | `<id> <worker>` -> when taken (ms), not yet acked |
 | `{jobs}:ready`                    | list   | one token while jobs wait: wakes an idle worker   |
+| `{jobs}:preempted-for:turns`      | zset   | tenant -> until (ms): a slot is freed for its turn |
+| `{jobs}:preempted-for:jobs`       | zset   | job id -> until (ms): a slot is freed for that job |
 | `{jobs}:leases`                   | zset   | running job id -> lease deadline (an index)       |
 | `{jobs}:state:<STATE>`            | set    | job ids in that state (Prometheus counts)         |
 | `{jobs}:versions`                 | hash   | job id -> version of the state the indexes show   |
@@ -133,6 +135,13 @@ class Keys:
 
     def queue_ready(self) -> str:
         return f"{self.prefix}{{jobs}}:ready"
+
+    # Preemptions under way, each for the waiting work it frees a slot for (store/queue.py).
+    def preempted_for_turns(self) -> str:
+        return f"{self.prefix}{{jobs}}:preempted-for:turns"
+
+    def preempted_for_jobs(self) -> str:
+        return f"{self.prefix}{{jobs}}:preempted-for:jobs"
 
     def leases(self) -> str:
         return f"{self.prefix}{{jobs}}:leases"

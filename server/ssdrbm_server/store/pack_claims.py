@@ -32,6 +32,7 @@ if redis.call('LLEN', KEYS[5]) + redis.call('LLEN', KEYS[6]) == 0 then
   redis.call('ZREM', KEYS[1], ARGV[1])
 end
 if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[4]) end
+redis.call('ZREM', KEYS[8], ARGV[2])  -- a preemption's claim on it ends (its turn's does not)
 local entry = ARGV[2] .. ' ' .. ARGV[3]
 redis.call('ZADD', KEYS[3], now, entry)
 return entry

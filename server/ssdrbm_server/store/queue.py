@@ -10,7 +10,11 @@ Keys, all in the `{jobs}` slot (so each step below is one script):
   queues one job at a time re-enters at its old turn instead of jumping ahead (the newest
   `SERVED_KEPT` are kept; a dropped tenant counts as never served);
 - `{jobs}:taken`: `<job id> <worker>` -> when taken (ms), popped but not yet acknowledged;
-- `{jobs}:ready`: one token while work waits, so an idle worker blocks (BLPOP), not polls.
+- `{jobs}:ready`: one token while work waits, so an idle worker blocks (BLPOP), not polls;
+- `{jobs}:preempted-for:turns` and `{jobs}:preempted-for:jobs`: preemptions under way, each
+  for the waiting work it frees a slot for (a tenant's next turn, or a plain job that goes
+  before its tenant's sweep runs) -> until when (ms); a take of that turn or job ends it, and
+  each key expires with its last claim.
 
 Jobs are queued by the versioned index step that marks them QUEUED (indexes.py), so a repeated
 submit or release queues a job once. A take is one script (the tenant read is still first: pop
@@ -29,7 +33,12 @@ Time slices (worker/runner.py): a job or pack holds its worker for SSDRBM_SLICE_
 while `would_serve_other` says other work would be served once its jobs are back. They are then
 released to the FRONT of their lists without giving their tenant a new turn, so the job keeps
 its place and the waiting tenant is taken next. Work that would only take the preempted job
-back is not worth a preemption: its slice starts over.
+back is not worth a preemption: its slice starts over. Slots whose slices end together (one
+worker's, or several workers') free one slot per waiting turn or job: the answer that
+preempts also claims the work it frees a slot for, in the same script, and a later answer
+counts only work no claim covers. A claim lasts until its work is taken, at most the
+``claim_ms`` the worker gives (worker/runner.py), so a worker that dies mid-preemption holds
+back the others' preemptions for a bounded time only.
 
 A queued job's place (`places`, read-only): its position among the jobs queued now by the
 rotation's rule (`served_before`), and its start estimated from the slots busy now
@@ -66,8 +75,7 @@ PLACE_TENANTS_READ = 1000
 PLACE_LEASES_READ = 256
 _RUNNING_FIELDS = ("tenant", "worker", "sweep_id", "step", "total_steps", "latest_metrics")
 
-# KEYS: rotation, served, taken, ready, the tenant's list, its sweep runs' list. ARGV: tenant,
-# worker, turns kept.
+# KEYS: `take_keys`. ARGV: tenant, worker, turns kept.
 # Returns {'taken', entry} or {'moved', ''} (the tenant is no longer first: read again) or
 # {'empty', ''} (a rotation entry without jobs, removed: cannot happen unless data was lost).
 _TAKE = (
@@ -95,6 +103,8 @@ else
   redis.call('DEL', KEYS[4])
 end
 if not job then return {'empty', ''} end
+redis.call('ZREM', KEYS[7], ARGV[1])
+redis.call('ZREM', KEYS[8], job)
 local entry = job .. ' ' .. ARGV[2]
 redis.call('ZADD', KEYS[3], now, entry)
 return {'taken', entry}
@@ -120,16 +130,37 @@ return moved
 )
 
 
-# KEYS: rotation, served, then each running tenant's list of plain jobs. ARGV: the running
-# tenants, each followed by '1' when its running jobs here are all sweep runs, else '0'.
-# Were those jobs put back at the front of their lists, the rotation would serve first:
-# 1 another tenant; 2 a plain job of the first of their tenants, whose running jobs are sweep
-# runs; 0 those jobs again. Read-only: one call, however many tenants wait.
-_SERVES_OTHER = """
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-if not first[1] then return 0 end
+# KEYS: rotation, served, the claims on turns and on jobs, then each running tenant's list of
+# plain jobs. ARGV: claim ms (0: only ask), then the running tenants, each followed by '1' when
+# its running jobs here are all sweep runs, else '0'.
+# Were those jobs put back at the front of their lists, the rotation would serve first, work no
+# preemption under way frees a slot for yet being skipped:
+# 1 another tenant's turn; 2 a plain job of the first of their tenants, whose running jobs are
+# sweep runs; 0 those jobs again. With a claim ms, an answer 1 or 2 claims that turn or job for
+# that long. One call, however many tenants wait: the tenants ahead and plain jobs read are at
+# most one more than the claims.
+_SERVES_OTHER = (
+    NOW_MS
+    + """
+if redis.call('ZCARD', KEYS[1]) == 0 then return 0 end
+local claim_ms = tonumber(ARGV[1])
+if claim_ms > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+end
+local function claimed(key, member)
+  return tonumber(redis.call('ZSCORE', key, member) or '0') > now
+end
+local function serve(answer, key, member)
+  if claim_ms > 0 then
+    redis.call('ZADD', key, now + claim_ms, member)
+    local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    redis.call('PEXPIREAT', key, last[2])
+  end
+  return answer
+end
 local mine, mine_score, mine_at = nil, nil, 0
-for i = 1, #ARGV, 2 do
+for i = 2, #ARGV, 2 do
   local tenant = ARGV[i]
   -- a tenant out of the rotation re-enters it at its last turn (0: never served)
   local score = redis.call('ZSCORE', KEYS[1], tenant) or redis.call('ZSCORE', KEYS[2], tenant)
@@ -138,13 +169,22 @@ for i = 1, #ARGV, 2 do
     mine, mine_score, mine_at = tenant, score, i
   end
 end
-local score = tonumber(first[2])
-if score < mine_score or (score == mine_score and first[1] < mine) then return 1 end
-if ARGV[mine_at + 1] == '1' and redis.call('LLEN', KEYS[2 + (mine_at + 1) / 2]) > 0 then
-  return 2
+-- each tenant ahead of theirs has one turn before them
+local ahead = redis.call('ZRANGE', KEYS[1], 0, redis.call('ZCARD', KEYS[3]), 'WITHSCORES')
+for i = 1, #ahead, 2 do
+  local tenant, score = ahead[i], tonumber(ahead[i + 1])
+  if score > mine_score or (score == mine_score and tenant >= mine) then break end
+  if not claimed(KEYS[3], tenant) then return serve(1, KEYS[3], tenant) end
+end
+if ARGV[mine_at + 1] == '1' then
+  local plain = redis.call('LRANGE', KEYS[4 + mine_at / 2], 0, redis.call('ZCARD', KEYS[4]))
+  for _, job in ipairs(plain) do
+    if not claimed(KEYS[4], job) then return serve(2, KEYS[4], job) end
+  end
 end
 return 0
 """
+)
 
 
 # KEYS: any key of the {jobs} slot (the script runs there: on a cluster, TIME has no key to
@@ -165,9 +205,10 @@ def tenant_lists(keys: Keys, tenant: str) -> list[str]:
 
 def take_keys(keys: Keys, tenant: str) -> list[str]:
     """The KEYS of the scripts that take a job of ``tenant``: rotation, served, taken, ready,
-    then its two lists."""
+    its two lists, then the preemptions' claims on turns and on jobs (a take ends its own)."""
     shared = [keys.queue_rotation(), keys.queue_served(), keys.queue_taken(), keys.queue_ready()]
-    return [*shared, *tenant_lists(keys, tenant)]
+    claims = [keys.preempted_for_turns(), keys.preempted_for_jobs()]
+    return [*shared, *tenant_lists(keys, tenant), *claims]
 
 
 def served_before(index: int, rank: int, lengths: Sequence[int]) -> int:
@@ -292,17 +333,20 @@ class JobQueue(Store):
     async def _now_ms(self) -> int:
         return int(await self.run(_NOW, keys=[self.keys.queue_rotation()]))
 
-    async def would_serve_other(self, running: dict[str, bool]) -> int:
+    async def would_serve_other(self, running: dict[str, bool], *, claim_ms: int = 0) -> int:
         """What the rotation would serve were the running jobs put back at the front of their
         lists (``running``: each of their tenants, and whether its jobs there are all sweep
-        runs): 0 those jobs again (a preemption gains nothing), 1 another tenant's job, 2 a
-        plain job of theirs (it goes before sweep runs)."""
+        runs), besides work a preemption under way already frees a slot for: 0 those jobs
+        again (a preemption gains nothing), 1 another tenant's job, 2 a plain job of theirs
+        (it goes before sweep runs). With ``claim_ms`` the caller preempts on an answer other
+        than 0: that work is claimed for it until taken, for ``claim_ms`` at most."""
         if not running:
             return 0
         tenants = sorted(running)
         keys = [self.keys.queue_rotation(), self.keys.queue_served()]
+        keys += [self.keys.preempted_for_turns(), self.keys.preempted_for_jobs()]
         keys += [self.keys.tenant_queue(tenant) for tenant in tenants]
-        args = [part for t in tenants for part in (t, "1" if running[t] else "0")]
+        args = [claim_ms, *(part for t in tenants for part in (t, "1" if running[t] else "0"))]
         return int(await self.run(_SERVES_OTHER, keys=keys, args=args))
 
     async def pending(self, consumer: str, *, count: int = 10) -> list[tuple[str, str]]:

@@ -8,7 +8,9 @@ name the job's index, ``run``), so it is written the same way alone or packed.
   dropped from a pack whose other runs go on, or, the last run, with the process, killed.
 - *Time slice.* After SSDRBM_SLICE_SECONDS, one queue call per slice asks whether other work
   waits (``would_serve_other``); if so the jobs are stopped and released to the FRONT of their
-  tenants' lists ("preempted", a pack as a unit); if not, a new slice starts.
+  tenants' lists ("preempted", a pack as a unit); if not, a new slice starts. The answer that
+  preempts claims the waiting work it frees the slot for, so slots whose slices end together
+  free one slot per waiting job, not one each.
 - *Stop.* Graceful: every run checkpoints and each job is released. Immediate (or past
   SSDRBM_STOP_TIMEOUT_SECONDS): the process is killed and each job released to resume from
   its last checkpoint.
@@ -265,7 +267,13 @@ class Runner:
             record = self.jobs[i].record
             running[record.tenant] = running.get(record.tenant, True) and bool(record.sweep_id)
         try:
-            waiting = await self._queue.would_serve_other(running)
+            # The claim on the work a preemption frees this slot for lasts a slice at most: the
+            # slot usually takes that work long before (a checkpoint, a fraction of a second; a
+            # slower one only lets another slot preempt for it too, as without claims), and a
+            # slot told "no" for it asks again a slice later, when the claim of a worker that
+            # died mid-preemption has lapsed.
+            claim_ms = round(self.settings.slice_seconds * 1000)
+            waiting = await self._queue.would_serve_other(running, claim_ms=claim_ms)
         except REDIS_DOWN:
             return  # asked again at the next heartbeat; the training goes on meanwhile
         if not waiting:
