@@ -113,6 +113,7 @@ class Setup:
     eval_every: int
     models: tuple[Model, ...]
     grids: dict[str, dict[str, tuple[float, ...]]]
+    between: int  # a run length between the horizons, where the table's values are checked too
     extend: bool = True  # one more half-decade where a cell's best is at a grid end
 
 
@@ -125,6 +126,7 @@ FULL = Setup(
     n_examples=2_000,
     sizes=(25, 100),
     horizons=(400, 2_000),
+    between=1_000,
     eval_every=50,
     models=(
         Model("synthetic", "bernoulli"),
@@ -140,6 +142,7 @@ QUICK = Setup(
     n_examples=200,
     sizes=(4, 8),
     horizons=(10, 20),
+    between=15,
     eval_every=5,
     models=(Model("synthetic", "bernoulli"), Model("freyface", "gaussian", "diagonal")),
     grids={
@@ -210,7 +213,8 @@ def train_case(case: Case) -> dict[str, Any]:
         "backoffs": backoffs,
         "gave_up": gave_up,
         "seconds": seconds,
-        "table_default": current_default(case.model, case.optimizer),  # as it was at the run
+        # the table's value for this run's length, as it was when the run was made
+        "table_default": current_default(case.model, case.optimizer, case.steps),
     }
 
 
@@ -265,24 +269,57 @@ def at_horizon(run: dict[str, Any], horizon: int) -> dict[str, Any]:
 
 def cases(setup: Setup) -> list[Case]:
     """The first round: every model, size, optimizer and grid value (the table's current
-    default included), the small hidden layer first: a run cut short has whole cells."""
+    default at each horizon included), the small hidden layer first: a run cut short has whole
+    cells."""
     todo = []
     for model in setup.models:
         for size in setup.sizes:
             for label, grid in setup.grids[model.kind].items():
-                values = sorted({*grid, current_default(model, label)})
+                table = {current_default(model, label, horizon) for horizon in setup.horizons}
+                values = sorted({*grid, *table})
                 todo += [case_for(setup, model, size, label, lr) for lr in values]
     return sorted(todo, key=lambda c: c.n_hidden)
 
 
-def case_for(setup: Setup, model: Model, size: int, label: str, lr: float) -> Case:
-    return Case(model, size, label, lr, setup.horizons[-1], setup.eval_every, setup.n_examples)
+def earlier_defaults(
+    setup: Setup, runs: list[dict[str, Any]], journal: Path
+) -> list[dict[str, Any]]:
+    """The journal's full-length runs at values the table held when they were made and holds
+    no more (the old defaults the tables compare with), beside ``runs``."""
+    have = {key_of(run["case"]) for run in runs}
+    return [
+        run
+        for key, run in load_journal(journal).items()
+        if key not in have
+        and run["case"]["steps"] == setup.horizons[-1]
+        and run["case"]["n_examples"] == setup.n_examples
+        and run["case"]["lr"] == run["table_default"]
+    ]
 
 
-def current_default(model: Model, label: str) -> float:
-    """The step-size table's value for this model and optimizer (what ``lr=None`` gives)."""
+def between_cases(setup: Setup) -> list[Case]:
+    """Each model and size under the default optimizer at the table's value for a run of
+    ``setup.between`` steps, a length between the horizons where the table interpolates."""
+    label, length = default_label(), setup.between
+    return [
+        case_for(setup, model, size, label, current_default(model, label, length), length)
+        for model in setup.models
+        for size in setup.sizes
+    ]
+
+
+def case_for(
+    setup: Setup, model: Model, size: int, label: str, lr: float, steps: int | None = None
+) -> Case:
+    length = steps or setup.horizons[-1]
+    return Case(model, size, label, lr, length, setup.eval_every, setup.n_examples)
+
+
+def current_default(model: Model, label: str, steps: int | None = None) -> float:
+    """The step-size table's value for this model and optimizer and a run of ``steps`` steps
+    (what ``lr=None`` gives; None: a run of unknown length)."""
     name, rule = OPTIMIZERS[label]
-    return default_lr(model.kind, name, model.variance, rule)
+    return default_lr(model.kind, name, model.variance, rule, steps)
 
 
 def extension_cases(setup: Setup, runs: list[dict[str, Any]]) -> list[Case]:
@@ -401,33 +438,45 @@ def worst_ratio(cells: dict[Any, dict[float, float]], lr: float) -> tuple[float,
 
 
 def choose(setup: Setup, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per model kind and form, and optimizer: the grid value within 15% of that optimizer's
-    best in the most cells (values run in every cell only); of equals, the smaller step (the
-    paper rule's best step falls as n_hidden grows, docs/RESULTS.md §6, and the small step is
-    the one that does not blow up). Beside it its worst ratio, and the old default's."""
+    """Per model kind and form, optimizer and horizon: the grid value within 15% of that
+    optimizer's best in the most of the horizon's cells (values run in every cell only); of
+    equals, the smaller step (the paper rule's best step falls as n_hidden grows,
+    docs/RESULTS.md §6, and the small step is the one that does not blow up). Beside it its
+    worst ratio, and the old default's."""
     rows = []
-    for (key, label), cells in cell_scores(setup, runs).items():
-        common_lrs = set.intersection(*(set(scores) for scores in cells.values()))
-        ranked = sorted(common_lrs, key=lambda lr: (-cells_within(cells, lr), lr))
-        chosen = ranked[0]
-        worst, where = worst_ratio(cells, chosen)
-        old = table_default(runs, key, label)
-        old_ratio, old_where = worst_ratio(cells, old)
-        rows.append(
-            {
-                "model": key,
-                "optimizer": label,
-                "chosen_lr": chosen,
-                "cells_within_15pct": f"{cells_within(cells, chosen)}/{len(cells)}",
-                "worst_ratio": worst,
-                "worst_cell": describe(where),
-                "old_default": old,
-                "old_cells_within_15pct": f"{cells_within(cells, old)}/{len(cells)}",
-                "old_worst_ratio": old_ratio,
-                "old_worst_cell": describe(old_where),
-            }
-        )
+    for (key, label), all_cells in cell_scores(setup, runs).items():
+        for horizon in setup.horizons:
+            cells = {cell: s for cell, s in all_cells.items() if cell[2] == horizon}
+            rows.append(choice_row(runs, key, label, horizon, cells))
     return rows
+
+
+def choice_row(
+    runs: list[dict[str, Any]],
+    key: str,
+    label: str,
+    horizon: int,
+    cells: dict[tuple[str, int, int], dict[float, float]],
+) -> dict[str, Any]:
+    """The choice among one horizon's ``cells`` (see :func:`choose`)."""
+    common_lrs = set.intersection(*(set(scores) for scores in cells.values()))
+    chosen = min(common_lrs, key=lambda lr: (-cells_within(cells, lr), lr))
+    worst, where = worst_ratio(cells, chosen)
+    old = table_default(runs, key, label)
+    old_ratio, old_where = worst_ratio(cells, old)
+    return {
+        "model": key,
+        "optimizer": label,
+        "horizon": horizon,
+        "chosen_lr": chosen,
+        "cells_within_15pct": f"{cells_within(cells, chosen)}/{len(cells)}",
+        "worst_ratio": worst,
+        "worst_cell": describe(where),
+        "old_default": old,
+        "old_cells_within_15pct": f"{cells_within(cells, old)}/{len(cells)}",
+        "old_worst_ratio": old_ratio,
+        "old_worst_cell": describe(old_where),
+    }
 
 
 def cells_within(cells: dict[Any, dict[float, float]], lr: float) -> int:
@@ -464,10 +513,10 @@ def default_label() -> str:
 
 
 def target_rows(
-    setup: Setup, runs: list[dict[str, Any]], defaults: dict[tuple[str, str], float], label: str
+    setup: Setup, runs: list[dict[str, Any]], default: Callable[[Model, int], float], label: str
 ) -> list[dict[str, Any]]:
     """Per cell: optimizer ``label`` at its default step against the best of every optimizer
-    and step rule on the grid. ``defaults`` maps (model key, optimizer label) to a step size."""
+    and step rule on the grid. ``default(model, horizon)`` is the step size it is scored at."""
     table = cell_scores(setup, runs)
     rows = []
     for model in setup.models:
@@ -480,7 +529,7 @@ def target_rows(
                     if key == model.key and cell in scores
                     for lr in scores[cell]
                 )
-                lr = defaults[model.key, label]
+                lr = default(model, horizon)
                 value = table[model.key, label][cell][lr]
                 rows.append(
                     {
@@ -508,11 +557,14 @@ def run(out: Path, *, quick: bool = False) -> dict[str, Any]:
     directory = common.output_dir(out, NAME)
     journal = directory / "runs.jsonl"
     runs = execute(cases(setup), workers(), journal)
+    runs += earlier_defaults(setup, runs, journal)
     if setup.extend:
         more = extension_cases(setup, runs)
         logger.info("extending %d grids by one half-decade", len(more))
         runs += execute(more, workers(), journal)
     choice = write_tables(setup, runs, directory)
+    checks = execute(between_cases(setup), workers(), journal)
+    common.write_table(between_rows(setup, runs, checks), directory, "target_between")
     return {"setup": asdict(setup), "runs": len(runs), "workers": workers(), "choice": choice}
 
 
@@ -521,12 +573,47 @@ def write_tables(setup: Setup, runs: list[dict[str, Any]], directory: Path) -> l
     common.write_table(grid_rows(setup, runs), directory, "grid")
     choice = choose(setup, runs)
     common.write_table(choice, directory, "choice")
-    chosen = {(row["model"], row["optimizer"]): row["chosen_lr"] for row in choice}
-    old = {(row["model"], row["optimizer"]): row["old_default"] for row in choice}
-    # the target for each SSD step rule at its chosen value, and for the defaults as they were
+    # the target for each SSD step rule at the table's value for the horizon (as ssdcore.fit
+    # and the service take it), and for the defaults as they were when the runs were made
     for label in ("ssd", "ssd-normalized"):
-        common.write_table(target_rows(setup, runs, chosen, label), directory, f"target_{label}")
-    common.write_table(
-        target_rows(setup, runs, old, default_label()), directory, "target_old_defaults"
-    )
+        rows = target_rows(setup, runs, lambda m, h, x=label: current_default(m, x, h), label)
+        common.write_table(rows, directory, f"target_{label}")
+    label = default_label()
+    old = target_rows(setup, runs, lambda m, h: table_default(runs, m.key, label), label)
+    common.write_table(old, directory, "target_old_defaults")
     return choice
+
+
+def between_rows(
+    setup: Setup, runs: list[dict[str, Any]], checks: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per model and size, at ``setup.between`` steps: the default optimizer at the table's
+    interpolated value (a run of that length, from ``checks``) against the best of every grid
+    run scored at that length and of the checks themselves."""
+    label, length = default_label(), setup.between
+    rows = []
+    for (model, size, _), by_lr in sorted(grouped(checks).items(), key=str):
+        scored = [
+            (at_horizon(run, length)["recon"], f"{other} {lr:.3g}")
+            for (m, n, other), runs_by_lr in grouped(runs + checks).items()
+            if (m, n) == (model, size)
+            for lr, run in runs_by_lr.items()
+        ]
+        best = min(scored)
+        lr = current_default(model, label, length)
+        value = at_horizon(by_lr[lr], length)["recon"]
+        rows.append(
+            {
+                "dataset": model.dataset,
+                "model": model.key,
+                "n_hidden": size,
+                "steps": length,
+                "default": f"{label} {lr:.3g}",
+                "default_recon": value,
+                "best": best[1],
+                "best_recon": best[0],
+                "ratio": ratio(value, best[0]),
+                "met": ratio(value, best[0]) <= TOLERANCE,
+            }
+        )
+    return rows

@@ -526,7 +526,9 @@ def fit(
 
     Metrics are taken at step 0, every ``eval_every`` steps (default: ten points over the run)
     and at the end; each dict also carries ``total_steps``. ``callback`` receives each metric
-    dict; returning ``False`` stops training early. ``lr`` overrides the config's step size.
+    dict; returning ``False`` stops training early. ``lr`` overrides the config's step size;
+    with neither, the step-size table's value for a run of ``steps`` steps is taken
+    (:meth:`ssdcore.step_sizes.StepSize.lr_for`: a short run takes a longer step).
 
     Blow-ups follow :class:`~ssdcore.blowup.Recovery`'s rule: on a blow-up (or a
     :class:`~ssdcore.DivergenceError` from a step) the trainer goes back to its last healthy
@@ -544,6 +546,7 @@ def fit(
         config = OptimizerConfig(**{**config.to_dict(), "lr": lr})
     if config.schedule.needs_horizon:
         config = OptimizerConfig(**{**config.to_dict(), "schedule": config.schedule.for_run(steps)})
+    config = resolve_for(model, config, steps)  # an unset step size suits the run's length
     trainer = Trainer(
         model,
         data,

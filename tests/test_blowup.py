@@ -279,8 +279,9 @@ def test_fit_warns_of_the_mnist_gaussian_drift_at_the_default_step(caplog):
     train, valid = load_data("mnist", "gaussian", 2000)
     torch.manual_seed(0)
     model = GaussianRBM(train.shape[1], 200)
+    ssd = OptimizerConfig("ssd", lr=default_lr("gaussian", "ssd"))  # the long-run default
     with caplog.at_level("WARNING", logger="ssdcore.training"):
-        history = fit(model, train, steps=1400, eval_every=100, valid_data=valid, seed=0)
+        history = fit(model, train, steps=1400, optimizer=ssd, eval_every=100, valid_data=valid)
     assert not any("event" in entry for entry in history)  # no blow-up on the way
     notes = [r.getMessage() for r in caplog.records if "drifted" in r.getMessage()]
     assert len(notes) == 1 and "(step 200)" in notes[0], notes
@@ -288,7 +289,7 @@ def test_fit_warns_of_the_mnist_gaussian_drift_at_the_default_step(caplog):
     # the same run as a pack of one (the solo run bit for bit) ends with the same note
     caplog.clear()
     torch.manual_seed(0)
-    pack = TrainingPack([PackRun(GaussianRBM(train.shape[1], 200), "ssd", 0)], train)
+    pack = TrainingPack([PackRun(GaussianRBM(train.shape[1], 200), ssd, 0)], train)
     with caplog.at_level("WARNING", logger="ssdcore.pack.fit"):
         fit_pack(pack, steps=1400, eval_every=100, valid_data=valid)
     packed = [r.getMessage() for r in caplog.records if "drifted" in r.getMessage()]

@@ -428,18 +428,20 @@ def test_defaults_and_dry_run_show_what_the_server_fills_in(service, capsys) -> 
     code, out, _ = run_cli(capsys, *target, "defaults", "--json")
     table = json.loads(out)
     gaussian_ssd = [
-        e["lr"]
+        (e["short_run_lr"], e["lr"])
         for e in table["step_sizes"]
         if (e["model"], e["variance"], e["optimizer"]) == ("gaussian", "diagonal", "ssd")
     ]
     assert len(gaussian_ssd) == 2  # one per SSD step rule
-    assert "step rule" in run_cli(capsys, *target, "defaults")[1]
-    code, out, _ = run_cli(
-        capsys, *target, "train", "--hidden", "4", "--model", "gaussian", "--dry-run", "--json"
-    )
-    job = json.loads(out)
-    assert code == ExitCode.OK and job["id"] == ""  # nothing was created
-    assert job["spec"]["optimizer"]["lr"] == gaussian_ssd[0]
+    assert (table["short_run_steps"], table["long_run_steps"]) == (400, 2000)
+    shown = run_cli(capsys, *target, "defaults")[1]
+    assert "step rule" in shown and "<= 400 steps" in shown and ">= 2000" in shown
+    dry_run = [*target, "train", "--hidden", "4", "--model", "gaussian", "--dry-run", "--json"]
+    for steps, lr in (("400", gaussian_ssd[0][0]), ("2000", gaussian_ssd[0][1])):
+        code, out, _ = run_cli(capsys, *dry_run, "--steps", steps)
+        job = json.loads(out)
+        assert code == ExitCode.OK and job["id"] == ""  # nothing was created
+        assert job["spec"]["optimizer"]["lr"] == lr  # the value for the job's length
     code, out, _ = run_cli(capsys, *target, "jobs", "--json")
     assert json.loads(out) == []
 

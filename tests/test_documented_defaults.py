@@ -20,15 +20,16 @@ def rendered_table() -> str:
     """The step-size table as Markdown, one row per (model, variance) and a column per optimizer."""
     entries = step_size_table()
     optimizers = list(dict.fromkeys(entry.optimizer for entry in entries))
-    rows: dict[tuple[str, str], dict[str, float]] = {}
-    for entry in entries:
-        rows.setdefault((entry.model_kind, entry.variance or "-"), {})[entry.optimizer] = entry.lr
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    for entry in entries:  # "short run → long run" where the value depends on the run's length
+        value = f"{entry.lr:g}" if entry.short_lr is None else f"{entry.short_lr:g} → {entry.lr:g}"
+        rows.setdefault((entry.model_kind, entry.variance or "-"), {})[entry.optimizer] = value
     lines = [
         "| model | variance | " + " | ".join(f"`{name}`" for name in optimizers) + " |",
         "| --- | --- |" + " ---: |" * len(optimizers),
     ]
     for (model, variance), values in rows.items():
-        cells = " | ".join(f"{values[name]:g}" for name in optimizers)
+        cells = " | ".join(values[name] for name in optimizers)
         lines.append(f"| {model} | {variance} | {cells} |")
     return "\n".join(lines) + "\n"
 

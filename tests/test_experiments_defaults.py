@@ -85,6 +85,10 @@ def test_quick_runs_write_their_tables_and_the_schedules_are_scored_per_cell(tmp
     target = json.loads((directory / "target_ssd.json").read_text())
     assert len(target) == len(setup.models) * len(setup.sizes) * len(setup.horizons)
     assert all(row["ratio"] >= 1 for row in target)
+    # the table's interpolated step checked at a length between the horizons, per model and size
+    between = json.loads((directory / "target_between.json").read_text())
+    assert len(between) == len(setup.models) * len(setup.sizes)
+    assert all(row["steps"] == setup.between and row["ratio"] >= 1 for row in between)
 
     # the decaying and self-adjusting alternatives, scored against the grids just written:
     # cosine once per horizon (a run as long as the job), grow at every horizon of one run

@@ -14,7 +14,7 @@ from ssdrbm.v1 import rbm_pb2 as pb
 from ssdcore.blowup import BACKOFF_FACTOR, DEFAULT_MAX_BACKOFFS
 from ssdcore.data import synthetic_rbm_data
 from ssdcore.models.gaussian import DEFAULT_MIN_VARIANCE
-from ssdcore.step_sizes import default_lr
+from ssdcore.step_sizes import LONG_RUN_STEPS, SHORT_RUN_STEPS, default_lr, step_size
 from ssdcore.training import DEFAULT_BATCH_SIZE
 from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import (
@@ -76,7 +76,9 @@ def test_a_request_with_only_n_hidden_is_resolved_in_full() -> None:
     spec = job.spec
     assert spec.model.kind == pb.MODEL_KIND_BERNOULLI
     assert spec.optimizer.kind == pb.OPTIMIZER_KIND_SSD
-    assert spec.optimizer.lr == default_lr("bernoulli", "ssd", None)
+    # the table's value for a job of the default length (1,000 steps: between its two lengths)
+    assert spec.optimizer.lr == default_lr("bernoulli", "ssd", None, steps=job.total_steps)
+    assert default_lr("bernoulli", "ssd", None) < spec.optimizer.lr
     assert spec.optimizer.HasField("momentum") and spec.optimizer.momentum == 0
     # The one device-dependent choice stays explicit; the worker resolves it for its device.
     assert spec.optimizer.method == pb.POLAR_METHOD_AUTO
@@ -121,19 +123,20 @@ def test_step_size_defaults_follow_model_variance_and_optimizer() -> None:
     spec = validate(req).spec
     assert spec.model.variance == pb.VARIANCE_KIND_DIAGONAL
     assert spec.model.min_variance == DEFAULT_MIN_VARIANCE
-    assert spec.optimizer.lr == default_lr("gaussian", "nesterov", "diagonal")
+    assert spec.optimizer.lr == default_lr("gaussian", "nesterov", "diagonal", steps=100)
     assert spec.optimizer.momentum == pytest.approx(0.9)
     assert spec.optimizer.method == pb.POLAR_METHOD_UNSPECIFIED  # no SSD group: not needed
     req.optimizer.kind = pb.OPTIMIZER_KIND_SSD_PRECONDITIONED
     spec = validate(req).spec
     assert spec.optimizer.preconditioner == pb.PRECONDITIONER_RMSPROP
-    assert spec.optimizer.lr == default_lr("gaussian", "ssd-preconditioned", "diagonal")
+    assert spec.optimizer.lr == default_lr("gaussian", "ssd-preconditioned", "diagonal", steps=100)
     # A hybrid's override takes the step size of its own geometry.
     req.optimizer.kind = pb.OPTIMIZER_KIND_SGD
     req.optimizer.per_parameter["W"] = pb.OPTIMIZER_KIND_SSD
     spec = validate(req).spec
-    assert spec.optimizer.lr == default_lr("gaussian", "sgd", "diagonal")
-    assert spec.optimizer.per_parameter_lr["W"] == default_lr("gaussian", "ssd", "diagonal")
+    # a job of 100 steps: the short-run values
+    assert spec.optimizer.lr == default_lr("gaussian", "sgd", "diagonal", steps=100) == 0.01
+    assert spec.optimizer.per_parameter_lr["W"] == step_size("gaussian", "ssd").short_lr
     assert spec.optimizer.method == pb.POLAR_METHOD_AUTO
 
 
@@ -153,8 +156,20 @@ def test_training_defaults_table_covers_every_combination() -> None:
     assert len(combos) == len(table.step_sizes) == (4 + 4 * 4) + (2 + 2 * 4)
     for entry in table.step_sizes:
         assert entry.lr > 0
+    ssd = step_size("bernoulli", "ssd")
+    (entry,) = [
+        e
+        for e in table.step_sizes
+        if e.model == pb.MODEL_KIND_BERNOULLI
+        and e.optimizer == pb.OPTIMIZER_KIND_SSD
+        and e.step_rule == pb.STEP_RULE_PAPER
+    ]
+    assert (entry.lr, entry.short_run_lr) == (ssd.lr, ssd.short_lr)
+    assert (table.short_run_steps, table.long_run_steps) == (SHORT_RUN_STEPS, LONG_RUN_STEPS)
     example = table.example
-    assert example.optimizer.lr == default_lr("bernoulli", "ssd", None)
+    assert example.optimizer.lr == default_lr(
+        "bernoulli", "ssd", None, steps=SETTINGS.default_steps
+    )
     assert example.training.steps == SETTINGS.default_steps
     assert example.optimizer.method == pb.POLAR_METHOD_AUTO
 
@@ -556,3 +571,23 @@ def test_the_resolver_stamps_its_spec_version_and_fills_what_that_version_says()
         f"{sorted((recorded or set()) - filled)}: raise job_spec.SPEC_VERSION and record what "
         "the new version fills"
     )
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"), [(100, 0.03), (400, 0.03), (1_000, 0.016), (2_000, 0.01), (10**6, 0.01)]
+)
+def test_an_unset_step_size_suits_the_jobs_length(steps: int, expected: float) -> None:
+    """Short jobs take the table's short-run value, long ones its long-run value, and lengths
+    between the geometric interpolation to two digits (Bernoulli SSD: 0.03 → 0.01)."""
+    req = request(training=pb.TrainingSpec(steps=steps))
+    req.optimizer.ClearField("lr")
+    assert validate(req).spec.optimizer.lr == expected
+    req.optimizer.lr = 0.2  # a step size given is kept at any length
+    assert validate(req).spec.optimizer.lr == 0.2
+
+
+def test_a_job_given_in_epochs_takes_the_step_size_of_its_total_steps() -> None:
+    req = request(training=pb.TrainingSpec(epochs=1, batch_size=10))
+    req.optimizer.ClearField("lr")
+    job = validate(req)
+    assert job.spec.optimizer.lr == default_lr("bernoulli", "ssd", None, steps=job.total_steps)

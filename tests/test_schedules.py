@@ -283,8 +283,8 @@ def test_the_cli_sends_the_step_rule_and_the_schedule(service, capsys) -> None:
     assert main([*target, *args, *options]) == ExitCode.OK
     optimizer = json.loads(capsys.readouterr().out)["spec"]["optimizer"]
     assert optimizer["step_rule"] == "normalized"
-    # the normalized rule's own default for a Bernoulli RBM
-    assert optimizer["lr"] == default_lr("bernoulli", "ssd", None, "normalized")
+    # the normalized rule's own default for a Bernoulli RBM, for a job of 300 steps
+    assert optimizer["lr"] == default_lr("bernoulli", "ssd", None, "normalized", steps=300)
     schedule = optimizer["schedule"]
     assert schedule["kind"] == "cosine" and schedule["floor"] == 0.05
     assert int(schedule["warmup_steps"]) == 100 and int(schedule["horizon"]) == 200

@@ -227,3 +227,18 @@ def test_the_full_covariance_default_trains_small_synthetic_data(optimizer):
     assert all(detector.observe(m) is None for m in history)
     first, last = history[0]["reconstruction_error"], history[-1]["reconstruction_error"]
     assert last < (1 - REQUIRED_IMPROVEMENT) * first, (first, last)
+
+
+def test_the_default_step_follows_the_runs_length() -> None:
+    """Short runs take an entry's short-run value, long ones (and runs of unknown length) its
+    long-run value, lengths between the geometric interpolation to two digits."""
+    from ssdcore.step_sizes import LONG_RUN_STEPS, SHORT_RUN_STEPS, step_size
+
+    ssd = step_size("bernoulli", "ssd")
+    assert (ssd.short_lr, ssd.lr) == (0.03, 0.01)
+    assert ssd.lr_for(None) == ssd.lr_for(LONG_RUN_STEPS) == ssd.lr_for(10**7) == 0.01
+    assert ssd.lr_for(1) == ssd.lr_for(SHORT_RUN_STEPS) == 0.03
+    assert ssd.lr_for(1_000) == 0.016  # 0.03^0.43 · 0.01^0.57, to two digits
+    assert step_size("bernoulli", "sgd").lr_for(100) == 0.1  # one value at every length
+    config = OptimizerConfig("ssd").resolved("bernoulli", None, steps=SHORT_RUN_STEPS)
+    assert config.lr == 0.03

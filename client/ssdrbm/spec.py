@@ -173,9 +173,10 @@ class StepSizeDefault:
     model: str
     variance: str | None  # Gaussian models only
     optimizer: str
-    lr: float
+    lr: float  # for jobs of TrainingDefaults.long_run_steps or more
     source: str = ""  # the tuning the value comes from
     step_rule: str | None = None  # SSD entries: "paper" or "normalized"; None: either rule
+    short_run_lr: float | None = None  # for jobs of short_run_steps or fewer; None: lr always
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,10 @@ class TrainingDefaults:
 
     step_sizes: list[StepSizeDefault]
     example: dict[str, Any]  # a minimal request (n_hidden only) as the server resolves it
+    # The job lengths the step sizes were measured at; a job between them takes the geometric
+    # interpolation of short_run_lr and lr (a resolved request shows its value).
+    short_run_steps: int = 0
+    long_run_steps: int = 0
 
     @classmethod
     def from_proto(cls, message: rbm_pb2.TrainingDefaults) -> TrainingDefaults:
@@ -195,21 +200,35 @@ class TrainingDefaults:
                 lr=entry.lr,
                 source=entry.source,
                 step_rule=enum_name(rbm_pb2.StepRule, entry.step_rule),
+                short_run_lr=entry.short_run_lr if entry.HasField("short_run_lr") else None,
             )
             for entry in message.step_sizes
         ]
-        return cls(step_sizes=step_sizes, example=message_dict(message.example))
+        return cls(
+            step_sizes=step_sizes,
+            example=message_dict(message.example),
+            short_run_steps=message.short_run_steps,
+            long_run_steps=message.long_run_steps,
+        )
 
     def lr(
-        self, model: str, optimizer: str, variance: str | None = None, step_rule: str = "paper"
+        self,
+        model: str,
+        optimizer: str,
+        variance: str | None = None,
+        step_rule: str = "paper",
+        *,
+        short_run: bool = False,
     ) -> float:
-        """The default step size of one combination (KeyError when the table lacks it);
-        ``step_rule`` matters for the SSD optimizers only."""
+        """The default step size of one combination for long jobs, or for short ones
+        (``short_run``); KeyError when the table lacks it. ``step_rule`` matters for the SSD
+        optimizers only. A job's own value is in its resolved spec (``validate_only``)."""
         wanted = (model, optimizer, variance)
         for entry in self.step_sizes:
             same = (entry.model, entry.optimizer, entry.variance) == wanted
             if same and entry.step_rule in (None, step_rule):
-                return entry.lr
+                short = entry.short_run_lr if short_run else None
+                return entry.lr if short is None else short
         raise KeyError((model, optimizer, variance, step_rule))
 
 

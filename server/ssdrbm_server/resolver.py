@@ -3,12 +3,12 @@
 ``resolve`` is called once, in StartTraining (a sweep calls ``resolve_known`` per point). What
 it returns is stamped with ``job_spec.SPEC_VERSION``, stored with the job and used verbatim by
 the worker, which has no defaults of its own and runs only specs of its version. Fields left
-unset take the server's defaults from their owners: step sizes from ssdcore's table
-(ssdcore/step_sizes.py), blow-up recovery from ssdcore/blowup.py, the server-tunable counts
-from ``Settings``, dataset options from the catalog. The one choice that depends on the
-worker's device, the SSD polar method, is stored as AUTO; the worker resolves it once and
-records what ran in the job's runtime. Fields that do not apply to the job (a Bernoulli model's
-variance, a non-SSD job's polar method) stay unset.
+unset take the server's defaults from their owners: step sizes from ssdcore's table for the
+job's length (ssdcore/step_sizes.py), blow-up recovery from ssdcore/blowup.py, the
+server-tunable counts from ``Settings``, dataset options from the catalog. The one choice that
+depends on the worker's device, the SSD polar method, is stored as AUTO; the worker resolves it
+once and records what ran in the job's runtime. Fields that do not apply to the job (a
+Bernoulli model's variance, a non-SSD job's polar method) stay unset.
 
 Each problem is an INVALID_ARGUMENT naming the field (``optimizer.lr``, ``training.cd_k``, ...)
 and the fix. Sizes and costs are request_bounds.py's: counts against the API's limits before a
@@ -43,7 +43,9 @@ from ssdcore.optim.config import DEFAULT_NESTEROV_MOMENTUM
 from ssdcore.optim.step_rules import DEFAULT_STEP_RULE
 from ssdcore.schedules import DEFAULT_DECAY_RATE, DEFAULT_DECAY_STEPS, DEFAULT_FLOOR
 from ssdcore.step_sizes import (
+    LONG_RUN_STEPS,
     RULE_DEPENDENT_OPTIMIZERS,
+    SHORT_RUN_STEPS,
     default_lr,
     normalized_step_size_table,
     step_size_table,
@@ -173,6 +175,7 @@ def _with_upload(
     )
     _resolve_preprocess(spec.dataset, spec.model, upload)
     job = _with_dataset(spec, shape, settings)
+    _fill_step_sizes(job.spec, job.total_steps)
     # A cosine schedule without a horizon runs over the job's steps (ssdcore's one rule).
     schedule = job.spec.optimizer.schedule
     schedule.horizon = schedule_config(schedule).for_run(job.total_steps).horizon
@@ -181,7 +184,7 @@ def _with_upload(
 
 async def training_defaults(settings: Settings) -> pb.TrainingDefaults:
     """The table GetTrainingDefaults answers with: step sizes and a resolved minimal request."""
-    table = pb.TrainingDefaults()
+    table = pb.TrainingDefaults(short_run_steps=SHORT_RUN_STEPS, long_run_steps=LONG_RUN_STEPS)
     tables = (
         (pb.STEP_RULE_PAPER, step_size_table()),
         (pb.STEP_RULE_NORMALIZED, normalized_step_size_table()),
@@ -196,6 +199,7 @@ async def training_defaults(settings: Settings) -> pb.TrainingDefaults:
                 lr=entry.lr,
                 source=entry.source,
                 step_rule=rule if by_rule else pb.STEP_RULE_UNSPECIFIED,
+                short_run_lr=entry.short_lr,
             )
     minimal = pb.StartTrainingRequest(model=pb.ModelSpec(n_hidden=16))
     table.example.CopyFrom((await resolve(minimal, settings, _no_uploads)).spec)
@@ -298,16 +302,10 @@ def _resolve_optimizer(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> None
     if optimizer.kind == pb.OPTIMIZER_KIND_UNSPECIFIED:
         optimizer.kind = pb.OPTIMIZER_KIND_SSD
     _check_per_parameter(optimizer, model)
-    # The step rule decides the SSD default step sizes (unset: the paper's rule).
-    rule = STEP_RULE_NAMES.get(optimizer.step_rule, "paper")
-    if not optimizer.HasField("lr"):
-        optimizer.lr = _default_lr(model, optimizer.kind, rule)
-    # NaN fails every comparison, so `not lr > 0` also refuses it.
-    if not finite(optimizer.lr, "optimizer.lr") > 0:
+    # NaN fails every comparison, so `not lr > 0` also refuses it. Unset step sizes are filled
+    # in once the job's length is known (_fill_step_sizes).
+    if optimizer.HasField("lr") and not finite(optimizer.lr, "optimizer.lr") > 0:
         raise InvalidArgumentError("optimizer.lr", f"must be > 0, got {optimizer.lr}")
-    for name, kind in optimizer.per_parameter.items():
-        if name not in optimizer.per_parameter_lr:
-            optimizer.per_parameter_lr[name] = _default_lr(model, kind, rule)
     kinds = {optimizer.kind, *optimizer.per_parameter.values()}
     if not optimizer.HasField("momentum"):
         nesterov = pb.OPTIMIZER_KIND_NESTEROV in kinds
@@ -330,9 +328,23 @@ def _resolve_optimizer(optimizer: pb.OptimizerSpec, model: pb.ModelSpec) -> None
     _resolve_schedule(optimizer.schedule)
 
 
-def _default_lr(model: pb.ModelSpec, kind: int, step_rule: str) -> float:
+def _fill_step_sizes(spec: pb.StartTrainingRequest, total_steps: int) -> None:
+    """Unset step sizes from the step-size table, for a run of the job's length and the step
+    rule asked for (unset: the paper's rule)."""
+    optimizer, model = spec.optimizer, spec.model
+    rule = STEP_RULE_NAMES.get(optimizer.step_rule, "paper")
     variance = VARIANCE_NAMES.get(model.variance) if model.kind == pb.MODEL_KIND_GAUSSIAN else None
-    return default_lr(MODEL_NAMES[model.kind], OPTIMIZER_NAMES[kind], variance, step_rule)
+
+    def table(kind: int) -> float:
+        return default_lr(
+            MODEL_NAMES[model.kind], OPTIMIZER_NAMES[kind], variance, rule, total_steps
+        )
+
+    if not optimizer.HasField("lr"):
+        optimizer.lr = table(optimizer.kind)
+    for name, kind in optimizer.per_parameter.items():
+        if name not in optimizer.per_parameter_lr:
+            optimizer.per_parameter_lr[name] = table(kind)
 
 
 def _resolve_schedule(schedule: pb.StepSizeSchedule) -> None:

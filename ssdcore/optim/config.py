@@ -140,20 +140,26 @@ class OptimizerConfig:
             for parameter, name in self.per_parameter.items()
         )
 
-    def resolved(self, model_kind: str, variance: str | None = None) -> OptimizerConfig:
+    def resolved(
+        self, model_kind: str, variance: str | None = None, steps: int | None = None
+    ) -> OptimizerConfig:
         """A copy with every step size explicit, defaults taken from the step-size table.
 
         ``lr`` (when None) becomes the table's value for ``name``; each ``per_parameter``
         override with another optimizer and no ``per_parameter_lr`` gets the table's value for
-        its own optimizer. ``model_kind`` / ``variance`` are the arguments of
-        :func:`ssdcore.step_sizes.default_lr` (``ValueError`` names an unknown one).
+        its own optimizer. ``model_kind`` / ``variance`` / ``steps`` (the run's length, None
+        when unknown) are the arguments of :func:`ssdcore.step_sizes.default_lr`
+        (``ValueError`` names an unknown one).
         """
-        rule = self.step_rule
-        lr = self.lr if self.lr is not None else default_lr(model_kind, self.name, variance, rule)
+
+        def table(name: str) -> float:
+            return default_lr(model_kind, name, variance, self.step_rule, steps)
+
+        lr = self.lr if self.lr is not None else table(self.name)
         per_parameter_lr = dict(self.per_parameter_lr)
         for parameter, name in self.per_parameter.items():
             if name != self.name and parameter not in per_parameter_lr:
-                per_parameter_lr[parameter] = default_lr(model_kind, name, variance, rule)
+                per_parameter_lr[parameter] = table(name)
         return dataclasses.replace(self, lr=lr, per_parameter_lr=per_parameter_lr)
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,14 +176,17 @@ def _valid_lr(lr: object) -> bool:
     return isinstance(lr, int | float) and math.isfinite(lr) and lr > 0
 
 
-def resolve_for(model: nn.Module, config: OptimizerConfig) -> OptimizerConfig:
-    """``config`` with every step size explicit for ``model`` (unchanged when already so).
+def resolve_for(
+    model: nn.Module, config: OptimizerConfig, steps: int | None = None
+) -> OptimizerConfig:
+    """``config`` with every step size explicit for ``model`` and a run of ``steps`` steps
+    (None: of unknown length), unchanged when already so.
 
     ``ValueError`` when a default is needed but ``model`` is not an RBM the table covers.
     """
     if config.is_resolved:
         return config
-    return config.resolved(*model_key(model))
+    return config.resolved(*model_key(model), steps)
 
 
 def _auto_method(preconditioned: bool, device: torch.device) -> str:

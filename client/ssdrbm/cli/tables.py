@@ -112,12 +112,19 @@ def defaults_table(defaults: TrainingDefaults) -> str:
             entry.variance or "-",
             entry.optimizer,
             entry.step_rule or "-",
+            f"{entry.short_run_lr if entry.short_run_lr is not None else entry.lr:g}",
             f"{entry.lr:g}",
         )
         for entry in defaults.step_sizes
     ]
-    table = render_table(("model", "variance", "optimizer", "step rule", "lr"), rows)
-    lines = ["default step sizes (--lr):", *("  " + line for line in table.splitlines())]
+    short, long = defaults.short_run_steps, defaults.long_run_steps
+    headers = ("model", "variance", "optimizer", "step rule", f"<= {short} steps", f">= {long}")
+    table = render_table(headers, rows)
+    lines = [
+        f"default step sizes (--lr) by the job's length; between {short} and {long} steps the "
+        "geometric interpolation (train ... --dry-run shows a job's own):",
+        *("  " + line for line in table.splitlines()),
+    ]
     lines.append("other defaults (a request giving only --hidden 16, as the server resolves it):")
     pairs = [(key, value) for key, value in flatten_spec(defaults.example) if key != "request_id"]
     width = max(len(key) for key, _ in pairs)

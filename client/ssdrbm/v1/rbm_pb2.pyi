@@ -694,28 +694,34 @@ class GetTrainingDefaultsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StepSizeDefault(_message.Message):
-    __slots__ = ("model", "variance", "optimizer", "lr", "source", "step_rule")
+    __slots__ = ("model", "variance", "optimizer", "lr", "source", "step_rule", "short_run_lr")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VARIANCE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     STEP_RULE_FIELD_NUMBER: _ClassVar[int]
+    SHORT_RUN_LR_FIELD_NUMBER: _ClassVar[int]
     model: ModelKind
     variance: VarianceKind
     optimizer: OptimizerKind
     lr: float
     source: str
     step_rule: StepRule
-    def __init__(self, model: _Optional[_Union[ModelKind, str]] = ..., variance: _Optional[_Union[VarianceKind, str]] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., source: _Optional[str] = ..., step_rule: _Optional[_Union[StepRule, str]] = ...) -> None: ...
+    short_run_lr: float
+    def __init__(self, model: _Optional[_Union[ModelKind, str]] = ..., variance: _Optional[_Union[VarianceKind, str]] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., lr: _Optional[float] = ..., source: _Optional[str] = ..., step_rule: _Optional[_Union[StepRule, str]] = ..., short_run_lr: _Optional[float] = ...) -> None: ...
 
 class TrainingDefaults(_message.Message):
-    __slots__ = ("step_sizes", "example")
+    __slots__ = ("step_sizes", "short_run_steps", "long_run_steps", "example")
     STEP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    SHORT_RUN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LONG_RUN_STEPS_FIELD_NUMBER: _ClassVar[int]
     EXAMPLE_FIELD_NUMBER: _ClassVar[int]
     step_sizes: _containers.RepeatedCompositeFieldContainer[StepSizeDefault]
+    short_run_steps: int
+    long_run_steps: int
     example: StartTrainingRequest
-    def __init__(self, step_sizes: _Optional[_Iterable[_Union[StepSizeDefault, _Mapping]]] = ..., example: _Optional[_Union[StartTrainingRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_sizes: _Optional[_Iterable[_Union[StepSizeDefault, _Mapping]]] = ..., short_run_steps: _Optional[int] = ..., long_run_steps: _Optional[int] = ..., example: _Optional[_Union[StartTrainingRequest, _Mapping]] = ...) -> None: ...
 
 class DeleteJobRequest(_message.Message):
     __slots__ = ("job_id", "force")
