@@ -121,9 +121,10 @@ def defaults_table(defaults: TrainingDefaults) -> str:
     headers = ("model", "variance", "optimizer", "step rule", f"<= {short} steps", f">= {long}")
     table = render_table(headers, rows)
     lines = [
-        f"default step sizes (--lr) by the job's length; between {short} and {long} steps the "
-        "geometric interpolation (train ... --dry-run shows a job's own):",
+        "default step sizes (--lr), by the job's length:",
         *("  " + line for line in table.splitlines()),
+        f"  (between {short} and {long} steps: the geometric interpolation, to two digits;",
+        "  'ssdrbm train ... --dry-run' shows a job's own)",
     ]
     lines.append("other defaults (a request giving only --hidden 16, as the server resolves it):")
     pairs = [(key, value) for key, value in flatten_spec(defaults.example) if key != "request_id"]
