@@ -25,6 +25,7 @@ EXPERIMENTS = (
     "convergence",
     "defaults",
     "schedules",
+    "probe",
 )
 # The experiments that pack compatible runs (experiments/packed.py) and take --sequential.
 PACKED = ("tuning",)

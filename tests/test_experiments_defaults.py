@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import defaults, schedules
+from experiments import defaults, probe, schedules
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,6 +89,12 @@ def test_quick_runs_write_their_tables_and_the_schedules_are_scored_per_cell(tmp
     between = json.loads((directory / "target_between.json").read_text())
     assert len(between) == len(setup.models) * len(setup.sizes)
     assert all(row["steps"] == setup.between and row["ratio"] >= 1 for row in between)
+
+    # a probe of the step, read off the grid runs just written: every candidate set and length
+    probe_summary = probe.run(tmp_path, quick=True)
+    rows = json.loads((tmp_path / probe.NAME / "target.json").read_text())
+    assert len(rows) == probe_summary["rows"] == len(probe.FACTOR_SETS)
+    assert all(0 <= r["cells_met"] <= r["cells"] == len(target) for r in rows)
 
     # the decaying and self-adjusting alternatives, scored against the grids just written:
     # cosine once per horizon (a run as long as the job), grow at every horizon of one run
