@@ -71,19 +71,22 @@ def _find(directory: Path, stem: str) -> Path | None:
     return None
 
 
-def _read_bytes(path: Path) -> bytes:
+def _read_idx(path: Path, magic: int, kind: str, dimensions: int) -> tuple[bytes, list[int]]:
+    """An IDX file's bytes (gunzipped) and its header's ``dimensions`` sizes, magic checked."""
     if path.suffix == ".gz":
         with gzip.open(path, "rb") as handle:
-            return handle.read()
-    return path.read_bytes()
+            raw = handle.read()
+    else:
+        raw = path.read_bytes()
+    words = 1 + dimensions
+    header = np.frombuffer(raw, dtype=">i4", count=words) if len(raw) >= 4 * words else None
+    if header is None or header[0] != magic:
+        raise ValueError(f"{path} is not an IDX {kind} file (magic {magic} expected)")
+    return raw, [int(v) for v in header[1:]]
 
 
 def _read_images(path: Path) -> np.ndarray:
-    raw = _read_bytes(path)
-    header = np.frombuffer(raw, dtype=">i4", count=4) if len(raw) >= 16 else None
-    if header is None or header[0] != IMAGES_MAGIC:
-        raise ValueError(f"{path} is not an IDX image file (magic {IMAGES_MAGIC} expected)")
-    count, rows, cols = (int(v) for v in header[1:])
+    raw, (count, rows, cols) = _read_idx(path, IMAGES_MAGIC, "image", dimensions=3)
     if (rows, cols) != (28, 28) or len(raw) != 16 + count * rows * cols:
         raise ValueError(
             f"{path}: header says {count} images of {rows}x{cols} but the file has "
@@ -93,11 +96,7 @@ def _read_images(path: Path) -> np.ndarray:
 
 
 def _read_labels(path: Path, expected: int) -> np.ndarray:
-    raw = _read_bytes(path)
-    header = np.frombuffer(raw, dtype=">i4", count=2) if len(raw) >= 8 else None
-    if header is None or header[0] != LABELS_MAGIC:
-        raise ValueError(f"{path} is not an IDX label file (magic {LABELS_MAGIC} expected)")
-    count = int(header[1])
+    raw, (count,) = _read_idx(path, LABELS_MAGIC, "label", dimensions=1)
     if count != expected or len(raw) != 8 + count:
         raise ValueError(f"{path}: {count} labels for {expected} images, or a truncated file")
     return np.frombuffer(raw, dtype=np.uint8, offset=8)
