@@ -298,12 +298,12 @@ def event_json(event: rbm_pb2.MetricEvent) -> dict[str, Any]:
         return {
             "step": metrics.step,
             "total_steps": metrics.total_steps,
-            "reconstruction_error": _finite(metrics.reconstruction_error),
-            "log_likelihood": _optional(metrics, "log_likelihood"),
-            "log_likelihood_stderr": _optional(metrics, "log_likelihood_stderr"),
-            "log_likelihood_lower": _optional(metrics, "log_likelihood_lower"),
-            "log_likelihood_lower_stderr": _optional(metrics, "log_likelihood_lower_stderr"),
-            "lr": _optional(metrics, "lr"),
+            "reconstruction_error": metric_value(metrics, "reconstruction_error"),
+            "log_likelihood": metric_value(metrics, "log_likelihood"),
+            "log_likelihood_stderr": metric_value(metrics, "log_likelihood_stderr"),
+            "log_likelihood_lower": metric_value(metrics, "log_likelihood_lower"),
+            "log_likelihood_lower_stderr": metric_value(metrics, "log_likelihood_lower_stderr"),
+            "lr": metric_value(metrics, "lr"),
             **_eta_json(metrics),
         }
     if kind == "backoff":
@@ -356,10 +356,6 @@ def _eta_json(metrics: rbm_pb2.Metrics | None) -> dict[str, Any]:
     )
     eta_s = progress.eta_s()
     return {"eta_s": eta_s, "eta": None if eta_s is None else format_duration(eta_s)}
-
-
-def _optional(message: Any, field: str) -> float | None:
-    return _finite(getattr(message, field)) if message.HasField(field) else None
 
 
 def _finite(value: float) -> float | None:
