@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ssdcore.evaluation.annealing import annealing_path, data_base_rates
+from ssdcore.evaluation.annealing import annealing_path
 from ssdcore.models.base import RBM
-from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.sampling import RandomSource
 
 # AIS settings when the caller gives none: chains averaged, intermediate temperatures.
@@ -70,9 +69,7 @@ def ais_log_partition(
         raise ValueError(f"n_chains must be at least 2 to estimate an error, got {n_chains}")
     betas = annealing_schedule(int(n_betas)).tolist()
     source = RandomSource(model.W.device, seed)
-    if base_visible_bias is None and data is not None and isinstance(model, BernoulliRBM):
-        base_visible_bias = data_base_rates(data.to(model.W))
-    path = annealing_path(model, source, base_visible_bias)
+    path = annealing_path(model, source, base_visible_bias, data)
     v = path.sample_base(n_chains)
     log_w = torch.zeros(n_chains, dtype=torch.float64, device=model.W.device)
     for previous, beta in itertools.pairwise(betas):

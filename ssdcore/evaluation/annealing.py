@@ -54,12 +54,18 @@ class AnnealingPath(Protocol):
 
 
 def annealing_path(
-    model: RBM, source: RandomSource, base_visible_bias: torch.Tensor | None
+    model: RBM,
+    source: RandomSource,
+    base_visible_bias: torch.Tensor | None,
+    data: torch.Tensor | None = None,
 ) -> AnnealingPath:
-    """The path for `model`; a BRBM needs `base_visible_bias` (see `data_base_rates`)."""
+    """The path for `model`; a BRBM needs `base_visible_bias`, or the training `data` whose
+    `data_base_rates` it is."""
     if isinstance(model, GaussianRBM):
         return GaussianPath(model, source)
     if isinstance(model, BernoulliRBM):
+        if base_visible_bias is None and data is not None:
+            base_visible_bias = data_base_rates(data.to(model.W))
         if base_visible_bias is None:
             raise ValueError(
                 "annealing a Bernoulli RBM needs the data's base rates: pass data=<training data> "

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, DEFAULT_AIS_CHAINS, ais_log_partition
-from ssdcore.evaluation.annealing import data_base_rates
 from ssdcore.evaluation.likelihood import log_likelihood
 from ssdcore.evaluation.reverse_ais import (
     DEFAULT_RAISE_CHAINS,
@@ -21,7 +20,6 @@ from ssdcore.evaluation.reverse_ais import (
     reverse_ais_log_likelihood,
 )
 from ssdcore.models.base import RBM
-from ssdcore.models.bernoulli import BernoulliRBM
 
 
 @dataclass(frozen=True)
@@ -60,12 +58,11 @@ def certified_log_likelihood(
     seed: int = 0,
 ) -> LikelihoodBounds:
     """Both bounds of the mean log p(v) over `test`; `data` is the training data (base rates)."""
-    base = data_base_rates(data.to(model.W)) if isinstance(model, BernoulliRBM) else None
-    forward = ais_log_partition(model, ais_chains, n_betas, seed, base_visible_bias=base)
+    forward = ais_log_partition(model, ais_chains, n_betas, seed, data=data)
     reverse = reverse_ais_log_likelihood(
         model,
         test,
-        base_visible_bias=base,
+        data=data,
         n_chains=reverse_chains,
         n_betas=n_betas,
         max_examples=max_examples,

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from ssdcore.evaluation.ais import DEFAULT_AIS_BETAS, annealing_schedule
-from ssdcore.evaluation.annealing import annealing_path, data_base_rates
+from ssdcore.evaluation.annealing import annealing_path
 from ssdcore.models.base import RBM, check_visible
-from ssdcore.models.bernoulli import BernoulliRBM
 from ssdcore.sampling import RandomSource
 
 # Chains per test example: a few make each example's estimate less noisy (and so the bound
@@ -79,10 +78,8 @@ def reverse_ais_log_likelihood(
     if n_chains < 1:
         raise ValueError(f"n_chains must be at least 1, got {n_chains}")
     index = _choose_rows(test.shape[0], max_examples, seed)
-    if base_visible_bias is None and data is not None and isinstance(model, BernoulliRBM):
-        base_visible_bias = data_base_rates(data.to(model.W))
     source = RandomSource(model.W.device, seed)
-    path = annealing_path(model, source, base_visible_bias)
+    path = annealing_path(model, source, base_visible_bias, data)
     test = test.to(model.W)
     v = test[index.to(test.device)].repeat_interleave(n_chains, dim=0)
     log_w = torch.full((v.shape[0],), -path.log_z_base, dtype=torch.float64, device=v.device)
