@@ -135,7 +135,8 @@ class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstim
     def _start(self, n_features: int, dtype: np.dtype) -> int:
         """A fresh model for ``n_features`` inputs; returns the seed it was drawn with."""
         seed = self._new_seed()
-        self.model_ = self._new_model(n_features, seed)
+        generator = torch.Generator().manual_seed(seed)
+        self.model_ = self._new_model(n_features, generator).to(self.device)
         # What gibbs() draws from, as scikit-learn's estimator keeps it.
         self.random_state_ = check_random_state(seed)
         # The dtype of the fitted attributes and (with the input's) of the results.
@@ -237,7 +238,8 @@ class _RBMEstimator(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstim
             return int(self.random_state)
         return int(check_random_state(self.random_state).randint(_SEED_BOUND))
 
-    def _new_model(self, n_features: int, seed: int) -> RBM:
+    def _new_model(self, n_features: int, generator: torch.Generator) -> RBM:
+        """A fresh CPU model for ``n_features`` inputs, its weights drawn from ``generator``."""
         raise NotImplementedError
 
     # --- using the model --------------------------------------------------------------------
@@ -396,9 +398,8 @@ class BernoulliRBM(_RBMEstimator):
     ) -> None:
         self._keep_parameters(locals())
 
-    def _new_model(self, n_features: int, seed: int) -> RBM:
-        generator = torch.Generator().manual_seed(seed)
-        return BernoulliModel(n_features, self.n_components, generator=generator).to(self.device)
+    def _new_model(self, n_features: int, generator: torch.Generator) -> RBM:
+        return BernoulliModel(n_features, self.n_components, generator=generator)
 
     def _check_values(self, array: np.ndarray) -> None:
         if array.size == 0:
@@ -452,21 +453,19 @@ class GaussianRBM(_RBMEstimator):
     ) -> None:
         self._keep_parameters(locals())
 
-    def _new_model(self, n_features: int, seed: int) -> RBM:
+    def _new_model(self, n_features: int, generator: torch.Generator) -> RBM:
         if self.variance not in VARIANCE_KINDS:
             raise ValueError(
                 f"{type(self).__name__}: variance {self.variance!r} is unknown; choose one of "
                 f"{VARIANCE_KINDS}"
             )
-        generator = torch.Generator().manual_seed(seed)
-        model = GaussianModel(
+        return GaussianModel(
             n_features,
             self.n_components,
             self.variance,
             min_variance=self.min_variance,
             generator=generator,
         )
-        return model.to(self.device)
 
     def _score_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return -self.model_.free_energy(rows)
