@@ -391,12 +391,9 @@ class JobStore(Store):
                 for member, _ in ids:
                     pipe.hgetall(self.keys.job(member.decode()))
                 replies = await pipe.execute()
-            records = [
-                record_from_hash(member.decode(), raw) if raw else None
-                for (member, _), raw in zip(ids, replies, strict=True)
-            ]
-            for (_member, score), record in zip(ids, records, strict=True):
+            for (member, score), raw in zip(ids, replies, strict=True):
                 below = int(score)
+                record = record_from_hash(member.decode(), raw) if raw else None
                 if record is None or (state is not None and record.state != state):
                     continue
                 page.append(record)
