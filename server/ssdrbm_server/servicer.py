@@ -327,7 +327,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             k=request.k,
             mean_field=request.mean_field,
             seed=request.seed,
-            caller=_caller(context),
+            caller=caller_of(context),
         )
         return pb.ReconstructResponse(output=array_to_tensor(out), checkpoint_step=loaded.step)
 
@@ -344,7 +344,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
             v,
             sample=mode == pb.HIDDEN_MODE_SAMPLE,
             seed=request.seed,
-            caller=_caller(context),
+            caller=caller_of(context),
         )
         return pb.SampleHiddenResponse(output=array_to_tensor(out), checkpoint_step=loaded.step)
 
@@ -398,13 +398,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
                 await upload.write(part.chunk)
             if upload is None or content is None:
                 raise InvalidArgumentError("header", "the upload was empty; send a header first")
-            if upload.received != upload.size_bytes:
-                raise InvalidArgumentError(
-                    "chunk",
-                    f"received {upload.received} bytes, but header.shape and header.dtype need "
-                    f"{upload.size_bytes}",
-                )
-            await upload.finish()
+            await upload.finish()  # the last chunk too, before its values are in the range
             return await upload.commit(content.value_range())
         except BaseException:
             if upload is not None:
@@ -536,7 +530,7 @@ class RBMServicer(rbm_pb2_grpc.RBMServiceServicer):
         return await cancellable(self.stores.jobs.get(tenant, job_id))
 
 
-def _caller(context: Context) -> Caller:
+def caller_of(context: Context) -> Caller:
     """The tenant and the time left before the client stops waiting (None: no deadline)."""
     return Caller(tenant=current_tenant(), time_remaining=context.time_remaining())
 

@@ -27,8 +27,8 @@ from ssdrbm_server.inference.engine import (
 )
 from ssdrbm_server.inference.names import ModelNames
 from ssdrbm_server.recent_jobs import RecentJobs
-from ssdrbm_server.servicer import Stores
-from ssdrbm_server.serving import Caller, ModelServer
+from ssdrbm_server.servicer import Stores, caller_of
+from ssdrbm_server.serving import ModelServer
 from ssdrbm_server.tenancy import current_tenant
 
 
@@ -79,7 +79,7 @@ class InferenceServicer:
         v = codec.decode_input(request, max_elements=self.max_tensor_elements)
         bound_outputs(request.outputs)
         result = await self.engine.infer(
-            Caller(tenant=current_tenant(), time_remaining=context.time_remaining()),
+            caller_of(context),
             request.model_name,
             request.model_version,
             v,
