@@ -201,7 +201,7 @@ REDIS_FULL_MESSAGE = (
 )
 
 # redis-py raises these when the server is down, restarting or too slow to answer.
-_REDIS_UNAVAILABLE = (
+REDIS_UNAVAILABLE = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.BusyLoadingError,
@@ -212,7 +212,7 @@ def _as_service_error(exc: BaseException) -> ServiceError:
     """``exc`` itself, or the domain error that stands for it on the wire."""
     if isinstance(exc, ServiceError):
         return exc
-    if isinstance(exc, _REDIS_UNAVAILABLE):
+    if isinstance(exc, REDIS_UNAVAILABLE):
         return UnavailableError(REDIS_UNAVAILABLE_MESSAGE, reason="JOB_STORE_UNAVAILABLE")
     if isinstance(exc, redis.exceptions.OutOfMemoryError):
         return ResourceExhaustedError(REDIS_FULL_MESSAGE, retry_after_s=RETRY_STORE_FULL_S)
@@ -308,7 +308,7 @@ def _answer_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) 
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.error("unhandled error in %s", method, exc_info=exc)
-    elif isinstance(exc, _REDIS_UNAVAILABLE):
+    elif isinstance(exc, REDIS_UNAVAILABLE):
         REDIS_OUTAGE.noticed(exc, by=method)  # logged once an outage, not once a request
     elif code is grpc.StatusCode.UNAVAILABLE:
         logger.warning("%s: %s (%s)", method, message, exc)

@@ -23,7 +23,7 @@ from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server import tracing
 from ssdrbm_server.config import Settings
-from ssdrbm_server.errors import FailedPreconditionError
+from ssdrbm_server.errors import REDIS_UNAVAILABLE, FailedPreconditionError
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.outage import redis_answered, redis_outage_for
 from ssdrbm_server.store.checkpoints import CheckpointStore
@@ -40,12 +40,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-REDIS_DOWN = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-    redis.exceptions.OutOfMemoryError,  # Redis full: writes succeed again once space is freed
-)
+# Unreachable, or full: writes succeed again once space is freed.
+REDIS_DOWN = (*REDIS_UNAVAILABLE, redis.exceptions.OutOfMemoryError)
 RETRY_DELAY_S = 0.5
 # How a job left its runner other than by ending (the runner returns these or a JobState value).
 RELEASED = "released"  # back in the queue, to resume from its last checkpoint
