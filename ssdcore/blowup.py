@@ -131,8 +131,7 @@ class BlowUp:
             text = f"{where} reaches {self.reference_name} {self.reference:.3g}"
         return f"{text} ({self.detail})" if self.detail else text
 
-    def __str__(self) -> str:
-        return self.describe()
+    __str__ = describe
 
 
 def _growth(
