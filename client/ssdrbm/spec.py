@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.descriptor import EnumDescriptor, FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -40,26 +40,27 @@ def short_name(name: str, prefix: str) -> str:
     return name.removeprefix(prefix).lower().replace("_", "-")
 
 
-def _prefix(enum: Any) -> str:
+def _prefix(descriptor: EnumDescriptor) -> str:
     """A proto enum's prefix: the name of its value 0 (always ..._UNSPECIFIED) up to UNSPECIFIED."""
-    return enum.DESCRIPTOR.values_by_number[0].name.removesuffix("UNSPECIFIED")
+    return descriptor.values_by_number[0].name.removesuffix("UNSPECIFIED")
 
 
 def enum_choices(enum: Any) -> dict[str, int]:
     """The :func:`short_name` of each of a proto enum's values but UNSPECIFIED, and its number."""
-    return {short_name(name, _prefix(enum)): number for name, number in enum.items() if number}
+    prefix = _prefix(enum.DESCRIPTOR)
+    return {short_name(name, prefix): number for name, number in enum.items() if number}
 
 
 def enum_name(enum: Any, number: int) -> str | None:
     """The :func:`short_name` of a proto enum's value; None for UNSPECIFIED."""
-    return short_name(enum.Name(number), _prefix(enum)) if number else None
+    return short_name(enum.Name(number), _prefix(enum.DESCRIPTOR)) if number else None
 
 
 def enum_member(cls: type[E], enum: Any, number: int) -> E:
     """The member of ``cls`` named as proto enum value ``number`` without the enum's prefix; an
     unknown number is ``cls.UNSPECIFIED``."""
     name = enum.Name(number) if number in enum.values() else ""
-    return cls.__members__.get(name.removeprefix(_prefix(enum)), cls["UNSPECIFIED"])
+    return cls.__members__.get(name.removeprefix(_prefix(enum.DESCRIPTOR)), cls["UNSPECIFIED"])
 
 
 MODELS = enum_choices(rbm_pb2.ModelKind)
@@ -142,8 +143,7 @@ def _single_value(field: FieldDescriptor, value: Any) -> Any:
         known = field.enum_type.values_by_number.get(value)
         if known is None:  # a value newer than this client: its number
             return value
-        prefix = field.enum_type.values_by_number[0].name.removesuffix("UNSPECIFIED")
-        return short_name(known.name, prefix)
+        return short_name(known.name, _prefix(field.enum_type))
     if field.type == FieldDescriptor.TYPE_MESSAGE:
         if field.message_type.file.package == "google.protobuf":  # Timestamp, Struct, ...
             return json_format.MessageToDict(value)
@@ -193,22 +193,18 @@ class TrainingDefaults:
     @classmethod
     def from_proto(cls, message: rbm_pb2.TrainingDefaults) -> TrainingDefaults:
         step_sizes = [
-            StepSizeDefault(
+            from_message(
+                StepSizeDefault,
+                entry,
                 model=enum_name(rbm_pb2.ModelKind, entry.model) or "",
                 variance=enum_name(rbm_pb2.VarianceKind, entry.variance),
                 optimizer=enum_name(rbm_pb2.OptimizerKind, entry.optimizer) or "",
-                lr=entry.lr,
-                source=entry.source,
                 step_rule=enum_name(rbm_pb2.StepRule, entry.step_rule),
-                short_run_lr=entry.short_run_lr if entry.HasField("short_run_lr") else None,
             )
             for entry in message.step_sizes
         ]
-        return cls(
-            step_sizes=step_sizes,
-            example=message_dict(message.example),
-            short_run_steps=message.short_run_steps,
-            long_run_steps=message.long_run_steps,
+        return from_message(
+            cls, message, step_sizes=step_sizes, example=message_dict(message.example)
         )
 
     def lr(
