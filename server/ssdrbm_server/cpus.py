@@ -59,13 +59,8 @@ def split_cpus(cpus: Iterable[int], parts: int) -> list[frozenset[int]]:
     if len(ordered) < parts:
         return [frozenset(ordered)] * parts
     size, extra = divmod(len(ordered), parts)
-    shares: list[frozenset[int]] = []
-    start = 0
-    for part in range(parts):
-        end = start + size + (1 if part < extra else 0)
-        shares.append(frozenset(ordered[start:end]))
-        start = end
-    return shares
+    edges = [0, *itertools.accumulate(size + (part < extra) for part in range(parts))]
+    return [frozenset(ordered[start:end]) for start, end in itertools.pairwise(edges)]
 
 
 def process_cpus() -> frozenset[int]:
