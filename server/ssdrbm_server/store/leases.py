@@ -111,9 +111,7 @@ class LeaseStore(Store):
                     job_id, record.tenant, JobState.RUNNING, attempt, lease_deadline=int(deadline)
                 )
                 claimed = await self.load(job_id)
-                assert (
-                    claimed is not None
-                )  # claimed jobs are persistent; only their worker ends them
+                assert claimed is not None  # claimed jobs persist; only their worker ends them
                 logger.info("worker %s claimed job %s (attempt %d)", worker_id, job_id, attempt)
                 return Lease(job_id, worker_id, attempt, lease_ms, claimed)
             if outcome in ("missing", "finished"):
