@@ -17,7 +17,6 @@ from torch import Tensor
 
 from ssdcore.checkpoint import trainer_from_bytes, trainer_to_bytes
 from ssdcore.models.bernoulli import BernoulliRBM
-from ssdcore.models.factory import model_from_config
 from ssdcore.models.gaussian import GaussianRBM
 from ssdcore.optim.sgd import MOMENTUM_BUFFER
 from ssdcore.pack.models import parameter_names
@@ -53,12 +52,8 @@ def run_to_trainer(pack: TrainingPack, run: int, *, valid_data: Tensor | None = 
     way to the full :meth:`Trainer.evaluate` metrics of a run (``valid_data`` for the held-out
     ones)."""
     state = pack.run_state(run)
-    model = model_from_config(state.model_config, device=pack.device)
-    with torch.no_grad():
-        for name, tensor in state.parameters.items():
-            getattr(model, name).copy_(tensor)
     trainer = Trainer(
-        model,
+        pack.model(run),
         pack.train_data,
         optimizer=state.optimizer,
         seed=state.seed,
