@@ -193,7 +193,7 @@ def trainer_from_bytes(
     _, metadata = _read(data, TRAINER_FORMAT)
     model = model_from_config(json.loads(metadata["config"]), device=device)
     settings = json.loads(metadata["settings"])
-    centering = settings.get("centering")
+    tempering, centering = settings.get("tempering"), settings.get("centering")
     trainer = Trainer(
         model,
         train_data,
@@ -204,9 +204,7 @@ def trainer_from_bytes(
         seed=settings["seed"],
         valid_data=valid_data,
         check_every=settings["check_every"],
-        tempering=(
-            TemperingConfig.from_dict(settings["tempering"]) if "tempering" in settings else None
-        ),
+        tempering=None if tempering is None else TemperingConfig.from_dict(tempering),
         centering=None if centering is None else CenteringConfig.from_dict(centering),
     )
     load_trainer_state(trainer, data)
