@@ -25,7 +25,7 @@ MAIN_SETTINGS = (
     ("metrics_port", "Prometheus /metrics (0: off)"),
     ("auth_mode", "none (development) or token, with SSDRBM_AUTH_TOKENS_FILE"),
     ("worker_slots", entry_point.SLOTS_MEANING),
-    ("data_dir", "where the real data sets are (MNIST, Frey Face); empty: the repository's"),
+    ("data_dir", entry_point.DATA_DIR_MEANING),
 )
 
 

@@ -26,6 +26,7 @@ REDIS_URL_MEANING = (
     "(redis-server --appendonly yes --dir DIR)"
 )
 SLOTS_MEANING = "jobs (or packs) trained at once, one training process each (0: from the machine)"
+DATA_DIR_MEANING = "where the real data sets are (MNIST, Frey Face); empty: the repository's"
 
 
 def parser(
@@ -89,16 +90,12 @@ def run(
         tracing.configure(settings, service_name=tracing_name)
         if before_start is not None:
             before_start(settings)
-    except ConfigError as exc:
-        print(f"{program}: configuration error: {exc}", file=sys.stderr)
-        return 2
-    try:
         if args.wait_for_redis:
             wait_for_redis(settings, program)
         asyncio.run(main(settings))
     except KeyboardInterrupt:
         return 130  # 128 + SIGINT, as shells expect (given up while waiting for Redis)
-    except ConfigError as exc:  # found at start, e.g. a Redis that would lose jobs
+    except ConfigError as exc:  # in the settings, or found at start (a Redis that would lose jobs)
         print(f"{program}: configuration error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError:

@@ -73,7 +73,7 @@ MAIN_SETTINGS = (
     ("worker_slots", entry_point.SLOTS_MEANING),
     ("torch_threads", "CPU threads of each training process (0: its slot's share of the CPUs)"),
     ("worker_metrics_port", "the worker's Prometheus /metrics (0: off)"),
-    ("data_dir", "where the real data sets are (MNIST, Frey Face); empty: the repository's"),
+    ("data_dir", entry_point.DATA_DIR_MEANING),
 )
 
 
