@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 import torch
+from ssdrbm.spec import METHODS
 from ssdrbm.v1 import rbm_pb2
 
 from ssdcore import checkpoint as ssdcheckpoint
@@ -23,7 +24,6 @@ from ssdrbm_server.job_spec import (
     optimizer_config,
     tempering_config,
 )
-from ssdrbm_server.vocabulary import POLAR_METHODS_BY_NAME
 from ssdrbm_server.worker.datasets import SplitData
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def runtime(
     runtime = rbm_pb2.Runtime(device=device, cuda_graph=cuda_graph)
     parts = [f"device: {device}"]
     if weight_method is not None:
-        runtime.method = POLAR_METHODS_BY_NAME[weight_method]
+        runtime.method = METHODS[weight_method]
         automatic = spec.method == rbm_pb2.POLAR_METHOD_AUTO
         chosen = f" (auto on {device.split(':')[0]})" if automatic else ""
         parts.append(f"method: {weight_method}{chosen}")
