@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -245,11 +244,6 @@ async def create_server(
     return service, await service.start()
 
 
-def default_worker_id() -> str:
-    """``<host>-<pid>``: unique per process, readable in job records."""
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
 async def serve(
     settings: Settings,
     *,
@@ -318,7 +312,7 @@ def _start_worker(settings: Settings, service: Service) -> tuple[Worker, asyncio
 
     # One registry: the worker's metrics appear on the server's /metrics endpoint.
     worker = Worker(
-        settings.replace(worker_id=settings.worker_id or default_worker_id()),
+        settings,  # its id, when not set, is the worker's own default (worker/worker.py)
         metrics=WorkerMetrics(service.metrics.registry),
         redis_watch=service.redis_watch,  # checked once per process, gating both
     )
