@@ -24,6 +24,7 @@ from typing import Any
 
 from ssdrbm.errors import IntegrityError, InvalidArgument
 from ssdrbm.model_file import CONFIG_NAME, SAFETENSORS_NAME, ExportedModel
+from ssdrbm.spec import enum_name
 from ssdrbm.v1 import rbm_pb2
 
 # The ONNX graph's tensor names, as the service builds it (ssdcore/onnx_export.py; a test checks
@@ -42,10 +43,6 @@ FORMATS = {
     "safetensors": rbm_pb2.EXPORT_FORMAT_SAFETENSORS,
     "onnx": rbm_pb2.EXPORT_FORMAT_ONNX,
     "triton": rbm_pb2.EXPORT_FORMAT_ONNX,
-}
-WIRE_FORMAT_NAMES = {
-    rbm_pb2.EXPORT_FORMAT_SAFETENSORS: "safetensors",
-    rbm_pb2.EXPORT_FORMAT_ONNX: "onnx",
 }
 
 
@@ -170,4 +167,5 @@ def collect_export(
 
 
 def _format_name(value: int) -> str:
-    return WIRE_FORMAT_NAMES.get(value, f"format {value}")
+    known = value in rbm_pb2.ExportFormat.values()
+    return enum_name(rbm_pb2.ExportFormat, value) if known else f"format {value}"
