@@ -20,8 +20,8 @@ from ssdrbm.cli.funnel import ServerNotInstalled
 # The package run as ``python -m`` for each command.
 ENTRY_POINTS = {"serve": "ssdrbm_server", "worker": "ssdrbm_server.worker"}
 _SERVER_DEPENDENCIES = ("ssdrbm_server", "ssdcore", "torch", "redis")
-# Options the CLI adds for a person at a terminal (see the module's docstring).
-ADDED_OPTIONS = {"serve": ["--wait-for-redis"], "worker": ["--wait-for-redis"]}
+# Options the CLI adds, to both commands, for a person at a terminal (see the module's docstring).
+ADDED_OPTIONS = ["--wait-for-redis"]
 
 
 def register(commands: argparse._SubParsersAction, parents: list) -> None:
@@ -53,11 +53,7 @@ def run_server(args: argparse.Namespace) -> int:
     package = ENTRY_POINTS[args.server_command]
     import_server(package)
     saved_argv = sys.argv
-    sys.argv = [
-        f"ssdrbm {args.server_command}",
-        *ADDED_OPTIONS[args.server_command],
-        *args.server_args,
-    ]
+    sys.argv = [f"ssdrbm {args.server_command}", *ADDED_OPTIONS, *args.server_args]
     try:
         runpy.run_module(package, run_name="__main__", alter_sys=False)
     except SystemExit as exit_:
