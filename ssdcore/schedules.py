@@ -29,9 +29,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from typing import Any, Self
 
 SCHEDULE_KINDS = ("constant", "exponential", "inverse-time", "cosine")
 # Defaults of the decay parameters when a request names only the kind (the service's too):
@@ -42,19 +40,27 @@ DEFAULT_DECAY_STEPS = 1_000
 DEFAULT_FLOOR = 0.1
 
 
-def from_known_fields(cls: type[T], data: Mapping[str, Any]) -> T:
-    """``cls(**data)`` for a settings dataclass (a schedule, an optimizer configuration); a key
-    that is not a field is an error naming the class, the key and the known fields, so a
-    checkpoint or spec written by another version fails loudly instead of losing a setting."""
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown fields {unknown}; known are {sorted(known)}")
-    return cls(**data)
+class DictForm:
+    """The dict form of a settings dataclass (a schedule, an optimizer configuration)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable form (for checkpoints and job specs)."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """Inverse of :meth:`to_dict`. A key that is not a field is an error naming the class,
+        the key and the known fields, so a checkpoint or spec written by another version fails
+        loudly instead of losing a setting."""
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown fields {unknown}; known are {sorted(known)}")
+        return cls(**data)
 
 
 @dataclass(frozen=True)
-class Schedule:
+class Schedule(DictForm):
     """A step-size schedule (see the module docstring for the formulas)."""
 
     kind: str = "constant"  # constant | exponential | inverse-time | cosine
@@ -134,15 +140,6 @@ class Schedule:
             progress = min(since / self.horizon, 1.0)
             return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
         return 1.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serializable form (for checkpoints and job specs)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Schedule:
-        """Inverse of :meth:`to_dict`; unknown keys are an error that names them."""
-        return from_known_fields(cls, data)
 
 
 def step_size(base: float, factor: float, lr_scale: float) -> float:

@@ -15,7 +15,7 @@ from ssdcore.optim.preconditioned import PreconditionedSSD
 from ssdcore.optim.sgd import SGD
 from ssdcore.optim.ssd import METHODS, SSD
 from ssdcore.optim.step_rules import DEFAULT_STEP_RULE, STEP_RULES
-from ssdcore.schedules import Schedule, from_known_fields
+from ssdcore.schedules import DictForm, Schedule
 from ssdcore.step_sizes import default_lr, model_key
 
 OPTIMIZER_NAMES = ("sgd", "nesterov", "ssd", "ssd-preconditioned")
@@ -29,7 +29,7 @@ WEIGHT_NAME = "W"
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(DictForm):
     """How to optimize an RBM; ``per_parameter`` turns it into one of the paper's hybrids.
 
     ``OptimizerConfig("sgd", per_parameter={"W": "ssd"})`` is SSD_W/SGD and
@@ -161,15 +161,6 @@ class OptimizerConfig:
             if name != self.name and parameter not in per_parameter_lr:
                 per_parameter_lr[parameter] = table(name)
         return dataclasses.replace(self, lr=lr, per_parameter_lr=per_parameter_lr)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serializable form (for checkpoints and job specs)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> OptimizerConfig:
-        """Inverse of :meth:`to_dict`; unknown keys are an error that names them."""
-        return from_known_fields(cls, data)
 
 
 def _valid_lr(lr: object) -> bool:
