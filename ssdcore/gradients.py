@@ -53,8 +53,6 @@ class _Workspace:
         f32 = {"device": device, "dtype": torch.float32}
         n_rows = n_data + n_model
         V, H = model.n_visible, model.n_hidden
-        self.n_data = n_data
-        self.n_model = n_model
         self.visible = torch.empty(n_rows, V, **f32)  # unscaled v rows
         self.hidden_probs = torch.empty(n_rows, H, **f32)  # unscaled p rows
         self.right = torch.empty(n_rows, H, **f32)  # w_n · p_n
