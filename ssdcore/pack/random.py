@@ -42,7 +42,6 @@ class PackedRandom:
     ) -> None:
         self.sources = sources
         self.device = device
-        self.independent = independent
         self.shared = None if independent else RandomSource(device, shared_seed)
         self._offset = bits_offset(device)
         self._scratch: dict[torch.Size, tuple[Tensor, Tensor]] = {}
