@@ -30,6 +30,11 @@ MAX_CD_K = 10_000
 MAX_AIS_CHAINS = 100_000
 MAX_AIS_BETAS = 1_000_000
 MAX_BACKOFFS = 100
+# Every seed (training, serving). The trainer seeds its estimator with seed + an offset, and
+# torch takes seeds below 2^64, so seeds from 2^64 - 0x5EED fail in the training process
+# (measured: "Overflow when unpacking long long"). The contract is the signed 64-bit range:
+# every client language can hold it, and it stays valid if the offset changes.
+MAX_SEED = 2**63 - 1
 # Rung steps of a sweep's early stopping: each is a sorted set and a decision per run.
 MAX_RUNGS = 64
 # Axes of one sweep: one per field (sweeps/axes.py), and a model has a handful of parameters

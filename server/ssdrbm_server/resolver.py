@@ -64,6 +64,7 @@ from ssdrbm_server.request_bounds import (
     MAX_BATCH_SIZE,
     MAX_CD_K,
     MAX_HIDDEN,
+    MAX_SEED,
     QUOTED_CHARS,
     at_most,
     check_budgets,
@@ -81,11 +82,6 @@ from ssdrbm_server.vocabulary import (
 )
 
 MAX_REQUEST_ID_LENGTH = 128
-# The trainer seeds its estimator with seed + an offset, and torch takes seeds below 2^64, so
-# seeds from 2^64 - 0x5EED fail in the training process (measured: "Overflow when unpacking long
-# long"). The contract is the signed 64-bit range: every client language can hold it, and it
-# stays valid if the offset changes.
-MAX_SEED = 2**63 - 1
 DEFAULT_DATASET = "synthetic"  # the paper's generator: needs no files, so it is always there
 INTEGER_DTYPES = frozenset({"uint8"})  # uploads that hold pixel intensities, not probabilities
 

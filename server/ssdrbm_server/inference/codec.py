@@ -17,7 +17,7 @@ import numpy as np
 from ssdrbm.inference.v2 import open_inference_pb2 as oip
 
 from ssdrbm_server.errors import InvalidArgumentError
-from ssdrbm_server.request_bounds import QUOTED_CHARS, quoted
+from ssdrbm_server.request_bounds import MAX_SEED, QUOTED_CHARS, quoted
 from ssdrbm_server.tensors import check_batch_shape
 
 INPUT_NAME = "input"
@@ -30,7 +30,6 @@ SEED_PARAMETER = "seed"
 # Scheduling hints some clients send: meaningless for a stateless model, so accepted and unused
 # (the call's gRPC deadline bounds the time).
 IGNORED_PARAMETERS = frozenset({"priority", "timeout"})
-MAX_SEED = 2**63 - 1
 
 
 def check_input_header(
