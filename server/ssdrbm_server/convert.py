@@ -6,6 +6,7 @@ from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 from ssdrbm.v1 import rbm_pb2
 
+from ssdrbm_server.store.events import token_order
 from ssdrbm_server.store.queue import QueuePlace
 from ssdrbm_server.store.records import JobRecord, JobState, worker_label
 
@@ -79,7 +80,8 @@ def queue_place_to_proto(place: QueuePlace) -> rbm_pb2.QueuePlace:
 def event_to_proto(job_id: str, token: str, kind: str, data: bytes) -> rbm_pb2.MetricEvent:
     """The wire MetricEvent for one stream entry (kind "metrics", "state" or "backoff"), timed
     when the entry was written."""
-    time = _timestamp(token_time(token))
+    written_ms, _ = token_order(token)  # the entry id: "<ms>-<seq>"
+    time = _timestamp(written_ms / 1000)
     event = rbm_pb2.MetricEvent(resume_token=token, job_id=job_id, time=time)
     getattr(event, _EVENT_FIELDS[kind]).ParseFromString(data)
     return event
@@ -87,11 +89,6 @@ def event_to_proto(job_id: str, token: str, kind: str, data: bytes) -> rbm_pb2.M
 
 # stream entry kind -> the MetricEvent field that carries it
 _EVENT_FIELDS = {"metrics": "metrics", "state": "state", "backoff": "backoff"}
-
-
-def token_time(token: str) -> float:
-    """The wall time (seconds) a stream entry was written, from its id ("<ms>-<seq>")."""
-    return int(token.split("-", 1)[0]) / 1000.0
 
 
 def is_terminal_event(event: rbm_pb2.MetricEvent) -> bool:

@@ -58,6 +58,7 @@ from ssdrbm.v1 import rbm_pb2
 
 from ssdrbm_server.keys import Keys
 from ssdrbm_server.store.connection import Store, text
+from ssdrbm_server.store.events import token_order
 from ssdrbm_server.store.indexes import NOW_MS
 
 logger = logging.getLogger(__name__)
@@ -442,7 +443,7 @@ class JobQueue(Store):
         waited = {}
         for job, newest in zip(job_ids, replies, strict=True):
             if newest:
-                entry_ms = int(text(newest[0][0]).split("-", 1)[0])
+                entry_ms, _ = token_order(text(newest[0][0]))
                 waited[job] = max(now_ms - entry_ms, 0) / 1000
         return waited
 
