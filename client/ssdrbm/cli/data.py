@@ -25,12 +25,8 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     upload.add_argument("file", metavar="FILE", help=".npy of shape (N, features) or (N, H, W)")
     upload.add_argument("--name", default="", help="label stored with the dataset")
     upload.add_argument("--json", action="store_true", help="print id, shape and size as JSON")
-    add(
-        "datasets",
-        "list your uploaded datasets",
-        run_datasets,
-        json_flag("print them as a JSON list"),
-    )
+    as_json = json_flag("print them as a JSON list")
+    add("datasets", "list your uploaded datasets", run_datasets, as_json)
     delete_help = "delete an uploaded dataset (refused while a queued or running job uses it)"
     dataset = argument("dataset", metavar="ID", help="dataset id from 'ssdrbm upload'")
     add("delete-dataset", delete_help, run_delete_dataset, dataset)

@@ -55,8 +55,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     watch.add_argument("--json", action="store_true", help="print events as JSON lines")
     jobs = add("jobs", "list jobs, newest first", run_jobs)
     jobs.add_argument("--state", choices=[s.value for s in JobState if s.value != "unspecified"])
-    add_limit_option(jobs)
-    jobs.add_argument("--json", action="store_true", help="print a JSON list")
+    add_listing_options(jobs)
     add("get", "show one job", run_get, JOB, JSON_JOB)
     add("cancel", "stop a job", run_cancel, JOB, JSON_JOB)
     force = argument("--force", action="store_true", help="cancel a queued or running job first")
@@ -268,9 +267,10 @@ def run_watch(args: argparse.Namespace) -> ExitCode:
         return follow(client, args.job, as_json=args.json, after=args.after)
 
 
-def add_limit_option(parser: argparse.ArgumentParser) -> None:
-    """``--limit N`` of the listing commands (``jobs``, ``sweeps``)."""
+def add_listing_options(parser: argparse.ArgumentParser) -> None:
+    """``--limit N`` and ``--json`` of the listing commands (``jobs``, ``sweeps``)."""
     parser.add_argument("--limit", type=int, default=50, help="at most this many (0 = all)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list")
 
 
 def limited_page_size(limit: int) -> int:

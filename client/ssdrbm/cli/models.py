@@ -18,7 +18,6 @@ from ssdrbm.cli.jobs import JOB, JOB_HELP
 from ssdrbm.cli.names import job_id
 from ssdrbm.cli.output import print_json, print_result
 from ssdrbm.client import Client
-from ssdrbm.events import MetricsEvent
 from ssdrbm.export import FORMATS
 
 
@@ -140,11 +139,7 @@ def run_plot(args: argparse.Namespace) -> ExitCode:
             written = sweeps.plot_sweep(client, sweep, Path(args.output))
             return _print_written(args, {"sweep_id": sweep.id}, written)
         args.job = job_id(client, args.job)
-        history = [
-            event.metrics
-            for event in client.stream_metrics(args.job, follow=False)
-            if isinstance(event, MetricsEvent)
-        ]
+        history = plot.metric_history(client, args.job)
         model = client.fetch_model(args.job)
         reconstructions = None
         if inputs is not None:

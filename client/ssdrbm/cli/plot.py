@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from ssdrbm.cli.funnel import MissingExtra
-from ssdrbm.events import Metrics
+from ssdrbm.client import Client
+from ssdrbm.events import Metrics, MetricsEvent
 from ssdrbm.model_file import ExportedModel
 
 MAX_EXAMPLES = 8  # reconstructions shown beside their inputs
@@ -44,6 +45,12 @@ def tile_images(images: np.ndarray, shape: tuple[int, int], columns: int) -> np.
         top, left = row * (height + 1), column * (width + 1)
         canvas[top : top + height, left : left + width] = image.reshape(height, width)
     return canvas
+
+
+def metric_history(client: Client, job_id: str) -> list[Metrics]:
+    """The job's recorded metrics, oldest first: its metric stream's history."""
+    events = client.stream_metrics(job_id, follow=False)
+    return [event.metrics for event in events if isinstance(event, MetricsEvent)]
 
 
 def _metric_series(history: Sequence[Metrics], name: str) -> tuple[list[int], list[float]]:

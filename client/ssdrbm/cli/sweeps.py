@@ -24,15 +24,14 @@ from ssdrbm.cli.funnel import UsageError
 from ssdrbm.cli.jobs import (
     _add_training_options,
     _pairs,
-    add_limit_option,
+    add_listing_options,
     limited_page_size,
     training_kwargs,
 )
-from ssdrbm.cli.output import format_number, format_time, print_json, print_listing
+from ssdrbm.cli.output import format_number, format_time, print_json, print_listing, print_result
 from ssdrbm.cli.tables import render_table
 from ssdrbm.client import Client
 from ssdrbm.errors import NotFound
-from ssdrbm.events import MetricsEvent
 from ssdrbm.sweeps import Range, Sweep, SweepRun, SweepState
 
 # --option dest (the axis's short name) -> value type; each takes a comma list in `ssdrbm sweep`
@@ -93,8 +92,7 @@ def register(commands: argparse._SubParsersAction, parents: list) -> None:
     sweep.add_argument("--dry-run", action="store_true", help="check every point, create nothing")
     sweep.add_argument("--json", action="store_true", help="print the sweep as JSON")
     listing = add("sweeps", "list sweeps, newest first", run_sweeps)
-    add_limit_option(listing)
-    listing.add_argument("--json", action="store_true", help="print a JSON list")
+    add_listing_options(listing)
     watch = argument("--watch", action="store_true", help="follow it until it ends")
     show_help = "show a sweep's leaderboard"
     add("sweep-show", show_help, run_sweep_show, SWEEP, watch, json_flag("print it as JSON"))
@@ -237,7 +235,7 @@ def run_sweep_show(args: argparse.Namespace) -> ExitCode:
         if args.watch:
             return watch(client, args.sweep, as_json=args.json)
         sweep = client.get_sweep(args.sweep)
-    print_json(sweep) if args.json else print(leaderboard(sweep))
+    print_result(sweep, args.json, leaderboard)
     return ExitCode.OK
 
 
@@ -278,11 +276,7 @@ def plot_sweep(client: Client, sweep: Sweep, output: Path) -> list[Path]:
 
     curves = []
     for run in sweep.runs:
-        history = [
-            event.metrics
-            for event in client.stream_metrics(run.job_id, follow=False)
-            if isinstance(event, MetricsEvent)
-        ]
+        history = plot.metric_history(client, run.job_id)
         label = " ".join(f"{field}={value}" for field, value in run.point.items())
         curves.append(plot.SweepCurve(label, history, best=run.job_id == sweep.best_job_id))
     return [plot.write_sweep_figure(output, curves, sweep.rank_metric or "reconstruction_error")]
