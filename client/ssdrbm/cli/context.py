@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any
 
 import grpc
 
@@ -109,7 +109,7 @@ def wait_seconds(args: argparse.Namespace) -> float:
     return max(wait, 0.0)
 
 
-def wait_for_service(connection: Connection, seconds: float, stream: TextIO | None = None) -> None:
+def wait_for_service(connection: Connection, seconds: float) -> None:
     """Wait until the service accepts a connection, for at most ``seconds``.
 
     Said on stderr once the connection takes longer than a running service would, so a command
@@ -125,7 +125,7 @@ def wait_for_service(connection: Connection, seconds: float, stream: TextIO | No
             pass
         print(
             f"waiting for {connection.target}… (up to {seconds:g} s, --wait)",
-            file=stream or sys.stderr,
+            file=sys.stderr,
             flush=True,
         )
         with contextlib.suppress(grpc.FutureTimeoutError):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import TextIO
 
 from ssdrbm import errors
 from ssdrbm.cli.exit_codes import ExitCode
@@ -218,13 +217,10 @@ def _connection_problem(details: str) -> str:
     return details if len(details) <= 120 else details[:119] + "…"
 
 
-def report(
-    error: BaseException, context: Context, *, debug: bool = False, stream: TextIO | None = None
-) -> ExitCode:
-    """Print the error line (after the traceback with ``debug``) and return the exit code."""
-    stream = stream or sys.stderr
+def report(error: BaseException, context: Context, *, debug: bool = False) -> ExitCode:
+    """Print the error line on stderr (after the traceback with ``debug``); its exit code."""
     if debug and not isinstance(error, KeyboardInterrupt):
-        traceback.print_exception(error, file=stream)
+        traceback.print_exception(error, file=sys.stderr)
     failure = describe(error, context)
-    print(failure.line(), file=stream, flush=True)
+    print(failure.line(), file=sys.stderr, flush=True)
     return failure.code

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, TextIO, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -25,13 +24,12 @@ def _default(value: Any) -> Any:
 
 def dumps(value: Any, *, indent: int | None = 2) -> str:
     """JSON text for the SDK's dataclasses, enums, datetimes, paths and numpy values."""
-    return json.dumps(to_jsonable(value), indent=indent, default=_default, sort_keys=False)
+    return json.dumps(to_jsonable(value), indent=indent, default=_default)
 
 
-def print_json(value: Any, *, lines: bool = False, stream: TextIO | None = None) -> None:
+def print_json(value: Any, *, lines: bool = False) -> None:
     """Print ``value`` as JSON: indented, or one compact line each (``lines``) for streams."""
-    stream = stream or sys.stdout
-    print(dumps(value, indent=None if lines else 2), file=stream, flush=True)
+    print(dumps(value, indent=None if lines else 2), flush=True)
 
 
 def print_result(value: T, as_json: bool, render: Callable[[T], str]) -> None:
