@@ -98,12 +98,10 @@ class Connection:
     ) -> Connection:
         """Fill whatever is not given from the environment, then from the defaults."""
         env = os.environ
-        if tls is True:
-            tls = TLS()
+        if isinstance(tls, bool):
+            tls = TLS() if tls else None
         elif tls is None:
             tls = tls_from_env(env)
-        elif tls is False:
-            tls = None
         if timeout is None:
             timeout = float(env.get("SSDRBM_TIMEOUT") or DEFAULT_TIMEOUT_S)
         return cls(
