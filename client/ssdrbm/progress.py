@@ -3,6 +3,7 @@ service's dashboard, and how a duration is shown."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ssdrbm.events import BackoffEvent, JobState, MetricEvent, MetricsEvent, QueuePlace, StateEvent
@@ -61,7 +62,7 @@ class ProgressState:
 
 def format_duration(seconds: float | None) -> str:
     """``h:mm:ss`` or ``m:ss``; "-" when unknown."""
-    if seconds is None or seconds != seconds or seconds < 0 or seconds == float("inf"):
+    if seconds is None or not 0 <= seconds < math.inf:  # NaN fails the comparison too
         return "-"
     total = round(seconds)
     hours, rest = divmod(total, 3600)
