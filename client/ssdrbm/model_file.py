@@ -94,13 +94,12 @@ class ExportedModel:
         A training checkpoint also holds optimizer and sampler state; its model parameters are
         the entries prefixed ``model.``.
         """
-        if any(name.startswith(MODEL_PREFIX) for name in self.tensors):
-            return {
-                name.removeprefix(MODEL_PREFIX): array
-                for name, array in self.tensors.items()
-                if name.startswith(MODEL_PREFIX)
-            }
-        return self.tensors
+        model = {
+            name.removeprefix(MODEL_PREFIX): array
+            for name, array in self.tensors.items()
+            if name.startswith(MODEL_PREFIX)
+        }
+        return model or self.tensors
 
     @property
     def weights(self) -> np.ndarray:
