@@ -195,9 +195,8 @@ class Worker:
     async def _riders(
         self, slot: Slot, client: aioredis.Redis, lease: Lease, queue: JobQueue, leases: LeaseStore
     ) -> list[Lease]:
-        """The jobs that train beside ``lease``'s in one pack (none unless packing is on)."""
-        if self.settings.max_pack_size <= 1 or not lease.record.pack_key:
-            return []
+        """The jobs that train beside ``lease``'s in one pack (none unless packing is on:
+        pack_claim.pack_room)."""
         lease_ms = int(self.settings.lease_seconds * 1000)
         return await claim_riders(
             lease,
