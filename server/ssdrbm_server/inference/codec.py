@@ -145,10 +145,7 @@ def request_seed(parameters: Mapping[str, oip.InferParameter]) -> int:
         if name in IGNORED_PARAMETERS:
             continue
         if name != SEED_PARAMETER:
-            raise InvalidArgumentError(
-                f"parameters[{quoted(name)}]",
-                f"unknown parameter; the one parameter is {SEED_PARAMETER!r} (hidden_sample)",
-            )
+            raise unknown_parameter(name)
         kind = parameter.WhichOneof("parameter_choice")
         if kind not in ("int64_param", "uint64_param"):
             raise InvalidArgumentError(
@@ -156,6 +153,14 @@ def request_seed(parameters: Mapping[str, oip.InferParameter]) -> int:
             )
         seed = check_seed(getattr(parameter, kind), field=f"parameters[{SEED_PARAMETER!r}]")
     return seed
+
+
+def unknown_parameter(name: str) -> InvalidArgumentError:
+    """The refusal of a request parameter the model has not (gRPC and REST alike)."""
+    return InvalidArgumentError(
+        f"parameters[{quoted(name)}]",
+        f"unknown parameter; the one parameter is {SEED_PARAMETER!r} (hidden_sample)",
+    )
 
 
 def check_seed(value: object, *, field: str) -> int:

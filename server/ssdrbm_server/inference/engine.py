@@ -13,7 +13,6 @@ limits are those of ssdrbm.v1. Outputs:
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
@@ -65,14 +64,6 @@ class InferResult:
     model_name: str
     model_version: str
     outputs: list[tuple[str, np.ndarray]]
-
-
-def server_version() -> str:
-    """The installed service version (ServerMetadata)."""
-    try:
-        return importlib.metadata.version("ssdrbm-server")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def bound_outputs(outputs: Sized) -> None:

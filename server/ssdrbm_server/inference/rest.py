@@ -15,6 +15,7 @@ from http import HTTPStatus
 from typing import Any
 
 import numpy as np
+import ssdrbm
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -23,7 +24,7 @@ from ssdrbm_server.config import Settings
 from ssdrbm_server.errors import InvalidArgumentError
 from ssdrbm_server.http_front import READY_STATUS, RequestGate, parse_json_object
 from ssdrbm_server.inference import codec
-from ssdrbm_server.inference.engine import SERVER_NAME, InferenceEngine, InferResult, server_version
+from ssdrbm_server.inference.engine import SERVER_NAME, InferenceEngine, InferResult
 from ssdrbm_server.serving import Caller
 
 MODEL_PATHS = ("/v2/models/{name}", "/v2/models/{name}/versions/{version}")
@@ -59,10 +60,9 @@ class InferenceRest:
         self.max_elements = settings.max_tensor_elements
         self.engine = engine
         self.gate = gate
-        self.version = server_version()
 
     async def server_metadata(self, request: Request, tenant: str) -> Response:
-        return JSONResponse({"name": SERVER_NAME, "version": self.version, "extensions": []})
+        return JSONResponse({"name": SERVER_NAME, "version": ssdrbm.__version__, "extensions": []})
 
     async def metadata(self, request: Request, tenant: str) -> Response:
         name, version = _model(request)
@@ -154,9 +154,6 @@ def _json_seed(parameters: Any) -> int:
         raise InvalidArgumentError("parameters", "must be a JSON object")
     unknown = set(parameters) - {codec.SEED_PARAMETER} - codec.IGNORED_PARAMETERS
     if unknown:
-        raise InvalidArgumentError(
-            f"parameters[{sorted(unknown)[0]!r}]",
-            f"unknown parameter; the one parameter is {codec.SEED_PARAMETER!r} (hidden_sample)",
-        )
+        raise codec.unknown_parameter(sorted(unknown)[0])
     field = f"parameters[{codec.SEED_PARAMETER!r}]"
     return codec.check_seed(parameters.get(codec.SEED_PARAMETER, 0), field=field)

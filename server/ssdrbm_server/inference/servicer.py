@@ -14,17 +14,13 @@ from dataclasses import asdict
 
 import grpc
 import redis.asyncio as aioredis
+import ssdrbm
 from ssdrbm.inference.v2 import open_inference_pb2 as oip
 
 from ssdrbm_server.config import Settings
 from ssdrbm_server.handlers import INFERENCE_SERVICE_NAME
 from ssdrbm_server.inference import codec
-from ssdrbm_server.inference.engine import (
-    SERVER_NAME,
-    InferenceEngine,
-    bound_outputs,
-    server_version,
-)
+from ssdrbm_server.inference.engine import SERVER_NAME, InferenceEngine, bound_outputs
 from ssdrbm_server.inference.names import ModelNames
 from ssdrbm_server.recent_jobs import RecentJobs
 from ssdrbm_server.servicer import Stores, caller_of
@@ -38,7 +34,6 @@ class InferenceServicer:
     def __init__(self, engine: InferenceEngine, *, max_tensor_elements: int) -> None:
         self.engine = engine
         self.max_tensor_elements = max_tensor_elements
-        self.version = server_version()
 
     async def ServerLive(
         self, request: oip.ServerLiveRequest, context: grpc.aio.ServicerContext
@@ -59,7 +54,7 @@ class InferenceServicer:
     async def ServerMetadata(
         self, request: oip.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> oip.ServerMetadataResponse:
-        return oip.ServerMetadataResponse(name=SERVER_NAME, version=self.version)
+        return oip.ServerMetadataResponse(name=SERVER_NAME, version=ssdrbm.__version__)
 
     async def ModelMetadata(
         self, request: oip.ModelMetadataRequest, context: grpc.aio.ServicerContext
