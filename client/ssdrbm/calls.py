@@ -159,7 +159,7 @@ class ClientBase:
         """Run a call's steps, yielding the items they emit (``_walk``: blocking or async)."""
         return self._walk(Walk(steps))  # type: ignore[attr-defined]
 
-    def _call(self, method: str, request: Any, convert: Callable[[Any], Any] = lambda x: x) -> Any:
+    def _call(self, method: str, request: Any, convert: Callable[[Any], Any]) -> Any:
         """Run :func:`unary` on this client's transport (``_run``): its result, or for the asyncio
         client an awaitable, which every method therefore returns."""
         return self._run(unary(self, method, request, convert))  # type: ignore[attr-defined]

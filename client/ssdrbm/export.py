@@ -134,9 +134,7 @@ def triton_config(model_name: str, n_visible: int, n_hidden: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def collect_export(
-    messages: Any, expected_format: int = rbm_pb2.EXPORT_FORMAT_SAFETENSORS
-) -> ModelDownload:
+def collect_export(messages: Any, expected_format: int) -> ModelDownload:
     """Gather an ExportModel stream (header first, then chunks) and check the format, size and
     sha256 of the received bytes against the header."""
     header, chunks = None, []
