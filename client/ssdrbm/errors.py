@@ -4,11 +4,8 @@ Every failure the SDK raises is an :class:`SSDRBMError`; catch the subclass for 
 handle (``NotFound`` for an unknown job, ``Unavailable`` for an unreachable service, ...).
 
 The service attaches a ``google.rpc.Status`` to each refusal (trailing metadata
-``grpc-status-details-bin``); its details are exposed as attributes: ``reason`` (a stable
-UPPER_SNAKE code such as ``INVALID_FIELD`` or ``MAX_JOBS_PER_TENANT_EXCEEDED``),
-``field_violations``, ``quota_violations``, ``precondition_violations``, ``resource`` and
-``retry_delay``. They are empty (or None) when the status carried none, e.g. for a refusal by
-the gRPC transport itself.
+``grpc-status-details-bin``); its details are the error's attributes (see :class:`SSDRBMError`),
+empty (or None) when the status carried none, e.g. for a refusal by the gRPC transport itself.
 """
 
 from __future__ import annotations
@@ -59,7 +56,8 @@ class SSDRBMError(Exception):
 
     ``code`` is the gRPC status code (``None`` for errors detected on the client), ``details`` the
     server's message and ``target`` the address the client talked to. The service's structured
-    details: ``reason`` and ``error_info`` (ErrorInfo's reason and metadata), ``field_violations``,
+    details: ``reason`` (ErrorInfo's stable UPPER_SNAKE code such as ``INVALID_FIELD`` or
+    ``MAX_JOBS_PER_TENANT_EXCEEDED``) and ``error_info`` (its metadata), ``field_violations``,
     ``quota_violations``, ``precondition_violations``, ``resource`` (ResourceInfo or None) and
     ``retry_delay`` (seconds the service asks to wait before retrying, or None).
     """
