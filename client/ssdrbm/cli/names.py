@@ -4,6 +4,8 @@ only, so a name is looked up in the caller's listing (ListJobs)."""
 
 from __future__ import annotations
 
+import itertools
+
 from ssdrbm.cli.funnel import UsageError
 from ssdrbm.client import Client
 from ssdrbm.errors import NotFound
@@ -39,10 +41,5 @@ def job_id(client: Client, id_or_name: str) -> str:
 
 def jobs_named(client: Client, name: str, *, at_most: int) -> list[Job]:
     """Up to ``at_most`` of the caller's jobs called ``name``, newest first."""
-    found: list[Job] = []
-    for job in client.list_jobs(page_size=NAME_SCAN_PAGE):
-        if job.name == name:
-            found.append(job)
-            if len(found) >= at_most:
-                break
-    return found
+    named = (job for job in client.list_jobs(page_size=NAME_SCAN_PAGE) if job.name == name)
+    return list(itertools.islice(named, at_most))
