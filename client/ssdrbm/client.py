@@ -234,8 +234,7 @@ class Client(calls.ClientBase):
         ``x`` is (batch, n_visible), a single vector or a stack of images; the result has the
         same shape. Large batches are split into several requests. ``seed`` 0 means random.
         """
-        steps = calls.reconstruct(self, job_id, x, k, mean_field, seed, checkpoint_step)
-        return self._run(steps)
+        return self._run(calls.reconstruct(self, job_id, x, k, mean_field, seed, checkpoint_step))
 
     def sample_hidden(
         self,
@@ -250,8 +249,7 @@ class Client(calls.ClientBase):
 
         Returns (batch, n_hidden), or (n_hidden,) for a single vector.
         """
-        steps = calls.sample_hidden(self, job_id, x, mode, seed, checkpoint_step)
-        return self._run(steps)
+        return self._run(calls.sample_hidden(self, job_id, x, mode, seed, checkpoint_step))
 
     # -- datasets and models -------------------------------------------------------------------
 
