@@ -12,7 +12,7 @@ import sys
 import grpc
 
 from ssdrbm import __version__
-from ssdrbm.cli.context import client_for, connection_from_args
+from ssdrbm.cli.context import client_for, connection_from_args, option
 from ssdrbm.cli.exit_codes import ExitCode
 from ssdrbm.cli.funnel import Context, describe
 from ssdrbm.errors import SSDRBMError
@@ -26,7 +26,7 @@ def run_version(args: argparse.Namespace) -> ExitCode:
     """Print ``ssdrbm X (client)`` and ``server Y at TARGET (...)``; exit 0 either way."""
     print(f"ssdrbm {__version__} (client)", flush=True)
     connection = connection_from_args(args)
-    timeout = args.timeout if getattr(args, "timeout", None) else VERSION_TIMEOUT_S
+    timeout = option(args, "timeout") or VERSION_TIMEOUT_S
     try:
         with client_for(connection, timeout, NO_RETRY) as client:
             info = client.server_info()
