@@ -53,7 +53,7 @@ class BatchPlan:
         """Halve the chunk size; False when it is already a single row."""
         if self.chunk_rows == 1:
             return False
-        self.chunk_rows = max(1, self.chunk_rows // 2)
+        self.chunk_rows //= 2  # at least 2 here, so at least 1 after
         return True
 
     def next_slice(self, start: int) -> slice:
