@@ -71,7 +71,7 @@ class RetryPolicy:
         """Keep retrying for about ``seconds`` (0: a single attempt), e.g. for a starting server."""
         if seconds <= 0:
             return NO_RETRY
-        return cls(attempts=1_000_000, max_backoff_s=1.0, max_wait_s=seconds)
+        return cls(max_backoff_s=1.0, max_wait_s=seconds)
 
     def delays(self) -> Iterator[float]:
         """The sleeps between attempts (one fewer than ``attempts``), jitter included."""
