@@ -100,11 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_options(common)
     # Not required by argparse, so that --version works alone; main() asks for one otherwise.
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    servers.register(commands, [common])
-    jobs.register(commands, [common])
-    sweeps.register(commands, [common])
-    data.register(commands, [common])
-    models.register(commands, [common])
+    for module in (servers, jobs, sweeps, data, models):
+        module.register(commands, [common])
     completion.register(commands, [common], parser)
     return parser
 
