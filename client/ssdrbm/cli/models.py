@@ -18,6 +18,7 @@ from ssdrbm.cli.jobs import JOB, JOB_HELP
 from ssdrbm.cli.names import job_id
 from ssdrbm.cli.output import print_json, print_result
 from ssdrbm.client import Client
+from ssdrbm.datasets import load_array
 from ssdrbm.export import FORMATS
 
 
@@ -65,19 +66,11 @@ def _add_io(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
 
 
-def load_input(path: str) -> np.ndarray:
-    """A numeric ``.npy`` array (never unpickled)."""
-    try:
-        return np.load(path, allow_pickle=False)
-    except ValueError as error:
-        raise UsageError(f"{path}: not a plain numeric .npy array ({error})") from None
-
-
 def _serve(args: argparse.Namespace, call: Callable[..., np.ndarray], **options: Any) -> ExitCode:
     """Run a serving ``call`` of the client (``Client.reconstruct``, ``Client.sample_hidden``)
     on the ``--input`` array with the shared ``--seed`` and ``--checkpoint-step``, and save its
     result to ``--output``."""
-    x = load_input(args.input)
+    x = load_array(args.input)
     with client_from_args(args) as client:
         args.job = job_id(client, args.job)
         result = call(
@@ -132,7 +125,7 @@ def run_plot(args: argparse.Namespace) -> ExitCode:
 
     plot.require_matplotlib()  # before anything is fetched: say at once what to install
     image_shape = parse_image_shape(args.image_shape)
-    inputs = load_input(args.input) if args.input else None
+    inputs = load_array(args.input) if args.input else None
     with client_from_args(args) as client:  # a sweep's id: one curve per run
         sweep = sweeps.find_sweep(client, args.job)
         if sweep is not None:
