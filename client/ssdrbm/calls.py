@@ -18,7 +18,7 @@ errors to :mod:`ssdrbm.errors`, pagination, streams, splitting serving batches, 
 chunks, the export's checks (a call of one request and one answer is :func:`unary`, its request
 built by the client's method). :class:`ssdrbm.Client` (``client.py``)
 performs the effects on a blocking channel, :class:`ssdrbm.aio.AsyncClient` (``aio.py``) awaits
-them on a ``grpc.aio`` channel (each about twenty lines: ``_run``, ``_iterate``, ``_perform``,
+them on a ``grpc.aio`` channel (each about twenty lines: ``_run``, ``_walk``, ``_perform``,
 with :class:`Walk` feeding the answers back). Every public method of the blocking client only
 runs its call's steps, and the asyncio client's methods are those same methods, awaited.
 
