@@ -26,6 +26,7 @@ EXPERIMENTS = (
     "defaults",
     "schedules",
     "probe",
+    "defaults_large",
 )
 # The experiments that pack compatible runs (experiments/packed.py) and take --sequential.
 PACKED = ("tuning",)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import defaults, probe, schedules
+from experiments import defaults, defaults_large, probe, schedules
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,3 +108,14 @@ def test_quick_runs_write_their_tables_and_the_schedules_are_scored_per_cell(tmp
     assert alternatives["met"] == {
         rule: sum(r["met"] for r in rows if r["rule"] == rule) for rule in schedules.RULES
     }
+
+
+def test_the_large_layer_check_runs_a_grid_around_the_table_and_scores_the_default(tmp_path: Path):
+    summary = defaults_large.run(tmp_path, quick=True)
+    setup = defaults_large.QUICK
+    target = json.loads((tmp_path / defaults_large.NAME / "target_ssd.json").read_text())
+    assert summary["cells"] == len(target) == len(setup.models) * len(setup.horizons)
+    assert all(row["ratio"] >= 1 for row in target)
+    # the grid spans a half-decade beyond the table's short- and long-run values
+    model = setup.models[0]
+    assert defaults_large.grid(model, "ssd", (400, 2000)) == (3e-3, 1e-2, 3e-2, 1e-1)
