@@ -41,7 +41,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -563,8 +563,11 @@ def run(out: Path, *, quick: bool = False) -> dict[str, Any]:
         logger.info("extending %d grids by one half-decade", len(more))
         runs += execute(more, workers(), journal)
     choice = write_tables(setup, runs, directory)
+    # the table's interpolated value between the horizons, against every run scored there
     checks = execute(between_cases(setup), workers(), journal)
-    common.write_table(between_rows(setup, runs, checks), directory, "target_between")
+    label, between = default_label(), replace(setup, horizons=(setup.between,))
+    rows = target_rows(between, runs + checks, lambda m, h: current_default(m, label, h), label)
+    common.write_table(rows, directory, "target_between")
     return {"setup": asdict(setup), "runs": len(runs), "workers": workers(), "choice": choice}
 
 
@@ -582,38 +585,3 @@ def write_tables(setup: Setup, runs: list[dict[str, Any]], directory: Path) -> l
     old = target_rows(setup, runs, lambda m, h: table_default(runs, m.key, label), label)
     common.write_table(old, directory, "target_old_defaults")
     return choice
-
-
-def between_rows(
-    setup: Setup, runs: list[dict[str, Any]], checks: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """Per model and size, at ``setup.between`` steps: the default optimizer at the table's
-    interpolated value (a run of that length, from ``checks``) against the best of every grid
-    run scored at that length and of the checks themselves."""
-    label, length = default_label(), setup.between
-    rows = []
-    for (model, size, _), by_lr in sorted(grouped(checks).items(), key=str):
-        scored = [
-            (at_horizon(run, length)["recon"], f"{other} {lr:.3g}")
-            for (m, n, other), runs_by_lr in grouped(runs + checks).items()
-            if (m, n) == (model, size)
-            for lr, run in runs_by_lr.items()
-        ]
-        best = min(scored)
-        lr = current_default(model, label, length)
-        value = at_horizon(by_lr[lr], length)["recon"]
-        rows.append(
-            {
-                "dataset": model.dataset,
-                "model": model.key,
-                "n_hidden": size,
-                "steps": length,
-                "default": f"{label} {lr:.3g}",
-                "default_recon": value,
-                "best": best[1],
-                "best_recon": best[0],
-                "ratio": ratio(value, best[0]),
-                "met": ratio(value, best[0]) <= TOLERANCE,
-            }
-        )
-    return rows

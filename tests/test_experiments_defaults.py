@@ -88,7 +88,7 @@ def test_quick_runs_write_their_tables_and_the_schedules_are_scored_per_cell(tmp
     # the table's interpolated step checked at a length between the horizons, per model and size
     between = json.loads((directory / "target_between.json").read_text())
     assert len(between) == len(setup.models) * len(setup.sizes)
-    assert all(row["steps"] == setup.between and row["ratio"] >= 1 for row in between)
+    assert all(row["horizon"] == setup.between and row["ratio"] >= 1 for row in between)
 
     # a probe of the step, read off the grid runs just written: every candidate set and length
     probe_summary = probe.run(tmp_path, quick=True)
