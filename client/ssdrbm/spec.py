@@ -178,6 +178,10 @@ class StepSizeDefault:
     step_rule: str | None = None  # SSD entries: "paper" or "normalized"; None: either rule
     short_run_lr: float | None = None  # for jobs of short_run_steps or fewer; None: lr always
 
+    def lr_for(self, *, short_run: bool) -> float:
+        """The value for short jobs (``short_run``) or for long ones."""
+        return self.short_run_lr if short_run and self.short_run_lr is not None else self.lr
+
 
 @dataclass(frozen=True)
 class TrainingDefaults:
@@ -223,8 +227,7 @@ class TrainingDefaults:
         for entry in self.step_sizes:
             same = (entry.model, entry.optimizer, entry.variance) == wanted
             if same and entry.step_rule in (None, step_rule):
-                short = entry.short_run_lr if short_run else None
-                return entry.lr if short is None else short
+                return entry.lr_for(short_run=short_run)
         raise KeyError((model, optimizer, variance, step_rule))
 
 

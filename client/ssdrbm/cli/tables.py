@@ -112,8 +112,8 @@ def defaults_table(defaults: TrainingDefaults) -> str:
             entry.variance or "-",
             entry.optimizer,
             entry.step_rule or "-",
-            f"{entry.short_run_lr if entry.short_run_lr is not None else entry.lr:g}",
-            f"{entry.lr:g}",
+            f"{entry.lr_for(short_run=True):g}",
+            f"{entry.lr_for(short_run=False):g}",
         )
         for entry in defaults.step_sizes
     ]
